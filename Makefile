@@ -1,0 +1,36 @@
+# The two commands a fresh machine needs: `make test` and `make bench`.
+# Each sets up .venv when it is missing and does nothing extra when it exists.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+
+.PHONY: test bench bench-full lint venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# torch is pinned to 2.13.0 here because that release's CPU build lies on this
+	# machine's disk; an unpinned torch would pull a multi-GB CUDA build. The
+	# package itself asks only for a range.
+	$(VPY) -m pip install -q "torch==2.13.0"
+	$(VPY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(VPY) -m ruff check ray_rdt_pool tests microbenchmarks examples
+	$(VPY) -m pytest -q -rs tests
+
+bench: $(STAMP)
+	$(VPY) -m microbenchmarks.bench --quick --out bench-results
+
+bench-full: $(STAMP)
+	$(VPY) -m microbenchmarks.bench --out bench-results
+
+lint: $(STAMP)
+	$(VPY) -m ruff check ray_rdt_pool tests microbenchmarks examples
+
+clean:
+	rm -rf $(VENV) bench-results

@@ -1,0 +1,99 @@
+"""ray_rdt_pool: a pooled, one-sided NIXL tensor transport for Ray Direct Transport.
+
+Public entry points live here. Heavy imports (torch, Ray, NIXL) happen lazily inside
+the functions, so importing the package does nothing at import time.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ray_rdt_pool.errors import (
+    ConfigurationError,
+    InvalidInputError,
+    PoolExhaustedError,
+    RdtPoolError,
+    RegistrationError,
+    TransferError,
+    WireFormatError,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from ray_rdt_pool.config import PoolConfig
+    from ray_rdt_pool.snapshot import TransportStats
+
+__version__ = "0.1.0"
+
+#: The name Ray knows the transport by. Ray upper-cases transport names, so
+#: ``tensor_transport="nixl_pool"`` works as well.
+TRANSPORT = "NIXL_POOL"
+
+
+def register() -> str:
+    """Register the ``nixl_pool`` transport with Ray in this process.
+
+    Call it in the driver before creating actors, and again at the top of each actor's
+    ``__init__`` (Ray registers custom transports on actors asynchronously, so a put in
+    ``__init__`` could otherwise run first). Repeated calls are no-ops. Returns
+    :data:`TRANSPORT`.
+    """
+    from ray_rdt_pool.transport import register as _register
+
+    return _register()
+
+
+def configure(**options: Any) -> PoolConfig:
+    """Configure this process's transport before its first put or get.
+
+    Options are the fields of :class:`ray_rdt_pool.config.PoolConfig` (``pool_bytes``,
+    ``arena_bytes``, ``strict``, ...); unset ones come from the environment variables
+    in the README, then the defaults. Raises ConfigurationError when called after first
+    use, or again with different values.
+    """
+    from ray_rdt_pool.transport import configure as _configure
+
+    return _configure(**options)
+
+
+def stats() -> TransportStats:
+    """A frozen snapshot of this process's pool, arena and NIXL counters."""
+    from ray_rdt_pool.transport import stats as _stats
+
+    return _stats()
+
+
+def register_memory(tensor: torch.Tensor) -> None:
+    """Register a tensor's storage with NIXL once, so objects in it are sent zero-copy.
+
+    Such tensors are read by reference (no snapshot): leave them unmodified until the
+    objects that hold them are freed. They mix with pooled tensors in one object.
+    """
+    from ray_rdt_pool.transport import register_memory as _register_memory
+
+    _register_memory(tensor)
+
+
+def deregister_memory(tensor: torch.Tensor) -> None:
+    """Undo one :func:`register_memory` of the same storage."""
+    from ray_rdt_pool.transport import deregister_memory as _deregister_memory
+
+    _deregister_memory(tensor)
+
+
+__all__ = [
+    "TRANSPORT",
+    "ConfigurationError",
+    "InvalidInputError",
+    "PoolExhaustedError",
+    "RdtPoolError",
+    "RegistrationError",
+    "TransferError",
+    "WireFormatError",
+    "configure",
+    "deregister_memory",
+    "register",
+    "register_memory",
+    "stats",
+]

@@ -1,0 +1,166 @@
+"""Configuration of ray_rdt_pool: one frozen object and one table of environment variables.
+
+Pure module (no torch, Ray or NIXL). A process builds its :class:`PoolConfig` once, from
+``configure()`` keyword arguments layered over the environment variables in
+:data:`ENV_VARS` layered over the defaults. The transport reads only this object.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from ray_rdt_pool.errors import ConfigurationError
+from ray_rdt_pool.layout import BLOCK_ALIGN
+
+__all__ = ["DEFAULT_POOL_BYTES", "ENV_VARS", "PoolConfig", "from_env"]
+
+#: 1 GiB: holds a 7B-parameter bf16 shard in a few buckets, or two copies of the
+#: ~500 MiB weight sets the benchmark moves, while leaving a 24 GiB host room for
+#: several actors.
+DEFAULT_POOL_BYTES = 1 << 30
+
+_DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Settings of one process's transport. Immutable once the pool exists.
+
+    Attributes:
+        pool_bytes: Size of the sender pool, registered with NIXL once.
+        arena_bytes: Size of the receive arena, registered once on first receive.
+        device: Where the sender pool lives, ``"cpu"`` or ``"cuda"``.
+        strict: Raise ``PoolExhaustedError`` for an object that does not fit the
+            pool instead of registering its tensors directly (the fallback).
+        prefault: Touch every page of the pool and arena when they are created,
+            so the first transfers pay no page faults.
+        progress_interval_s: How often the background thread progresses the NIXL
+            agent so peers can connect; the thread sleeps in between instead of
+            spinning (NIXL's own progress thread busy-polls a whole core).
+        fetch_timeout_s: Upper bound for one READ on the receiver; Ray's own
+            ``RAY_rdt_fetch_fail_timeout_milliseconds`` applies on top.
+        metrics: Export gauges, counters and histograms through ``ray.util.metrics``.
+        debug_transfers: Log every put and fetch at DEBUG level with sizes and
+            descriptor counts.
+    """
+
+    pool_bytes: int = DEFAULT_POOL_BYTES
+    arena_bytes: int = DEFAULT_POOL_BYTES
+    device: str = "cpu"
+    strict: bool = False
+    prefault: bool = True
+    progress_interval_s: float = 0.005
+    fetch_timeout_s: float = 60.0
+    metrics: bool = True
+    debug_transfers: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("pool_bytes", "arena_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigurationError(
+                    f"{name} must be a positive number of bytes, got {value!r}; "
+                    f"pass e.g. {name}=1 << 30 (1 GiB)"
+                )
+        if self.device not in _DEVICES:
+            raise ConfigurationError(
+                f"device must be one of {_DEVICES}, got {self.device!r}"
+            )
+        if not (0 < self.progress_interval_s <= 1.0):
+            raise ConfigurationError(
+                f"progress_interval_s must be in (0, 1] seconds, got {self.progress_interval_s!r}"
+            )
+        if not self.fetch_timeout_s > 0:
+            raise ConfigurationError(
+                f"fetch_timeout_s must be positive, got {self.fetch_timeout_s!r}"
+            )
+
+    @property
+    def pool_capacity(self) -> int:
+        """The pool size rounded up to whole blocks, as the allocator sees it."""
+        return -(-self.pool_bytes // BLOCK_ALIGN) * BLOCK_ALIGN
+
+    @property
+    def arena_capacity(self) -> int:
+        """The arena size rounded up to whole blocks."""
+        return -(-self.arena_bytes // BLOCK_ALIGN) * BLOCK_ALIGN
+
+    def with_overrides(self, **overrides: Any) -> PoolConfig:
+        """Return a copy with ``overrides`` applied; unknown names raise ConfigurationError."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigurationError(
+                f"unknown configuration option(s) {unknown}; known options are {sorted(known)}"
+            )
+        return replace(self, **overrides)
+
+
+#: Environment variable -> (PoolConfig field, parser, meaning). The README's table is
+#: generated from the same facts; keep both in step.
+ENV_VARS: dict[str, tuple[str, str]] = {
+    "RAY_RDT_POOL_BYTES": ("pool_bytes", "sender pool size in bytes (suffixes K, M, G allowed)"),
+    "RAY_RDT_POOL_ARENA_BYTES": ("arena_bytes", "receive arena size in bytes (K, M, G allowed)"),
+    "RAY_RDT_POOL_DEVICE": ("device", "where the sender pool lives: cpu or cuda"),
+    "RAY_RDT_POOL_STRICT": ("strict", "1: raise instead of falling back for oversized objects"),
+    "RAY_RDT_POOL_PREFAULT": ("prefault", "0: do not touch pool pages up front"),
+    "RAY_RDT_POOL_PROGRESS_INTERVAL_S": (
+        "progress_interval_s", "seconds between background NIXL progress calls"),
+    "RAY_RDT_POOL_FETCH_TIMEOUT_S": ("fetch_timeout_s", "upper bound for one READ, seconds"),
+    "RAY_RDT_POOL_METRICS": ("metrics", "0: do not export Ray metrics"),
+    "RAY_RDT_POOL_DEBUG": ("debug_transfers", "1: DEBUG-log every put and fetch"),
+}
+
+_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _parse_size(var: str, text: str) -> int:
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = 1
+    if t and t[-1] in _SUFFIX:
+        mult, t = _SUFFIX[t[-1]], t[:-1]
+    try:
+        return int(float(t) * mult) if "." in t else int(t) * mult
+    except ValueError as e:
+        raise ConfigurationError(
+            f"{var}={text!r} is not a size; use bytes or a K/M/G suffix, e.g. {var}=512M"
+        ) from e
+
+
+def _parse_bool(var: str, text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigurationError(f"{var}={text!r} is not a boolean; use 1 or 0")
+
+
+def _parse_float(var: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError as e:
+        raise ConfigurationError(f"{var}={text!r} is not a number of seconds") from e
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> PoolConfig:
+    """Build the config from the defaults overlaid with the variables in :data:`ENV_VARS`."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for var, (field_name, _doc) in ENV_VARS.items():
+        if var not in env:
+            continue
+        text = env[var]
+        default = getattr(PoolConfig, field_name)
+        if isinstance(default, bool):
+            values[field_name] = _parse_bool(var, text)
+        elif isinstance(default, int):
+            values[field_name] = _parse_size(var, text)
+        elif isinstance(default, float):
+            values[field_name] = _parse_float(var, text)
+        else:
+            values[field_name] = text.strip().lower()
+    return PoolConfig(**values)

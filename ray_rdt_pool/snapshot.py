@@ -1,0 +1,64 @@
+"""The public introspection record of one process's transport (pure: plain ints).
+
+Tests, the benchmark and the metrics exporter read :class:`TransportStats`, never the
+transport's private fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["TransportStats"]
+
+
+@dataclass(frozen=True)
+class TransportStats:
+    """A snapshot of one process's sender pool, receive arena and NIXL activity.
+
+    Pool fields describe the sender side, arena fields the receive side; both are zero
+    until first use. Counters only grow over the life of the process.
+    """
+
+    pool_device: str
+    pool_capacity: int
+    pool_used: int
+    pool_free: int
+    pool_largest_free_block: int
+    pool_free_blocks: int
+    live_objects: int
+    arena_capacity: int
+    arena_used: int
+    arena_free: int
+    arena_largest_free_block: int
+    arena_free_blocks: int
+    arena_live_blocks: int
+    nixl_registrations: int
+    nixl_deregistrations: int
+    registered_regions: int
+    objects_put: int
+    objects_freed: int
+    bytes_packed: int
+    zero_copy_tensors: int
+    fallbacks: int
+    objects_received: int
+    bytes_received: int
+    receive_fallbacks: int
+    transfers_in_flight: int
+    transfer_errors: int
+    remote_agents: int
+    remote_metadata_loads: int
+    agent_name: str
+
+    @property
+    def pool_fragmentation(self) -> float:
+        """1 - largest free block / free bytes: 0 when the free space is one block."""
+        if self.pool_free == 0:
+            return 0.0
+        return 1.0 - self.pool_largest_free_block / self.pool_free
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (for JSON and tables)."""
+        d = asdict(self)
+        d["pool_fragmentation"] = self.pool_fragmentation
+        return d

@@ -1,0 +1,263 @@
+"""The torch layer: host memory regions, tensor validation, the pack copy and the view rebuild.
+
+Depends on torch and the pure modules, never on Ray or NIXL. The transport calls these
+functions on both sides, so the byte layout of an object is decided in one place
+(:mod:`ray_rdt_pool.layout`) and applied here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ray_rdt_pool.errors import InvalidInputError
+from ray_rdt_pool.layout import map_extent
+from ray_rdt_pool.wire import DTYPES, TensorRun
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+__all__ = [
+    "Described",
+    "HostRegion",
+    "describe",
+    "dtype_name",
+    "pack_into",
+    "rebuild",
+    "torch_dtype",
+]
+
+_memmove = ctypes.memmove
+
+_NAME_BY_DTYPE: dict[Any, str] = {}
+_DTYPE_BY_NAME: dict[str, Any] = {}
+
+
+def _dtype_tables() -> tuple[dict[Any, str], dict[str, Any]]:
+    if not _NAME_BY_DTYPE:
+        import torch
+
+        for name in DTYPES:
+            dt = getattr(torch, name, None)
+            if isinstance(dt, torch.dtype):
+                _NAME_BY_DTYPE[dt] = name
+                _DTYPE_BY_NAME[name] = dt
+    return _NAME_BY_DTYPE, _DTYPE_BY_NAME
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype; InvalidInputError for dtypes the wire cannot carry."""
+    try:
+        return _dtype_tables()[0][dtype]
+    except KeyError:
+        raise InvalidInputError(
+            f"dtype {dtype} cannot be sent with nixl_pool; supported dtypes are "
+            f"{sorted(_dtype_tables()[1])}. Convert the tensor first, e.g. t.to(torch.float32)"
+        ) from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a wire dtype name (the wire decoder already validated it)."""
+    try:
+        return _dtype_tables()[1][name]
+    except KeyError:
+        raise InvalidInputError(
+            f"dtype {name!r} is not available in this torch build; upgrade torch on the receiver"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Described:
+    """What the transport needs to know about the tensors of one object."""
+
+    shapes: list[tuple[int, ...]]
+    dtypes: list[str]
+    nbytes: list[int]
+    aligns: list[int]
+    device: str | None
+
+
+def describe(tensors: Sequence[Any], *, allow_cuda: bool = False) -> Described:
+    """Validate the tensors of one object and return their shapes, dtypes and sizes.
+
+    Raises InvalidInputError for a non-tensor item, mixed device types, sparse or meta
+    tensors, an unsupported dtype, or a CUDA tensor while the CUDA path is off.
+    """
+    import torch
+
+    names = _dtype_tables()[0]
+    shapes: list[tuple[int, ...]] = []
+    dtypes: list[str] = []
+    nbytes: list[int] = []
+    aligns: list[int] = []
+    device: str | None = None
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInputError(
+                f"item {i} of the object is a {type(t).__name__}, not a torch.Tensor; "
+                "nixl_pool moves tensors only, so pass other values through the object store"
+            )
+        dev = t.device.type
+        if device is None:
+            device = dev
+        elif dev != device:
+            raise InvalidInputError(
+                f"tensor {i} is on {dev} but tensor 0 is on {device}; one object must hold "
+                "tensors of one device type, so send them as separate objects"
+            )
+        if t.layout != torch.strided:
+            raise InvalidInputError(
+                f"tensor {i} has layout {t.layout}; only dense (strided) tensors can be sent, "
+                "convert with t.to_dense()"
+            )
+        if dev not in ("cpu", "cuda"):
+            raise InvalidInputError(
+                f"tensor {i} is on device {t.device}; nixl_pool supports cpu and cuda tensors"
+            )
+        if dev == "cuda" and not allow_cuda:
+            raise InvalidInputError(
+                f"tensor {i} is a CUDA tensor ({t.device}); the CUDA path of nixl_pool is not "
+                "enabled in this process. Move it to the CPU with t.cpu(), or use "
+                "tensor_transport='nixl' for now"
+            )
+        dt = t.dtype
+        name = names.get(dt)
+        if name is None:
+            name = dtype_name(dt)
+        size = t.element_size()
+        shapes.append(tuple(t.shape))
+        dtypes.append(name)
+        nbytes.append(t.numel() * size)
+        aligns.append(size)
+    return Described(shapes, dtypes, nbytes, aligns, device)
+
+
+class HostRegion:
+    """One page-aligned anonymous mapping of host memory, viewed as a uint8 tensor.
+
+    The pool and the receive arena are each one region, registered with NIXL once.
+    An anonymous mapping rather than ``torch.empty`` keeps the region out of glibc's
+    heap, so its pages, once faulted, are never handed back and re-faulted.
+    """
+
+    def __init__(self, nbytes: int, *, prefault: bool = False) -> None:
+        import numpy as np
+        import torch
+
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        if prefault and hasattr(mmap, "MAP_POPULATE"):
+            flags |= mmap.MAP_POPULATE
+        self.nbytes = nbytes
+        self._map = mmap.mmap(-1, nbytes, flags=flags)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
+        self.array: np.ndarray = np.frombuffer(self._map, dtype=np.uint8)
+        self.tensor: torch.Tensor = torch.from_numpy(self.array)
+        self.addr: int = self.tensor.data_ptr()
+
+    def block_tensor(self, offset: int, length: int,
+                     on_free: Callable[[], None] | None = None) -> torch.Tensor:
+        """A uint8 tensor over ``[offset, offset+length)`` whose storage is just that block.
+
+        When ``on_free`` is given it runs once the last tensor viewing the block is gone,
+        which is how the receive arena learns that a block can be reused.
+        """
+        import torch
+
+        piece = self.array[offset:offset + length]
+        if on_free is not None:
+            weakref.finalize(piece, on_free)
+        return torch.from_numpy(piece)
+
+
+_BIG_COPY = 1 << 20
+
+
+def pack_into(tensors: Sequence[torch.Tensor], offsets: Sequence[int],
+              blocks: Sequence[tuple[int, int]], region: HostRegion) -> None:
+    """Copy each tensor's own bytes to its packed offset in the object's pool blocks.
+
+    ``offsets`` are positions in the object's packed space, which is the concatenation
+    of ``blocks`` (physical (offset, length) pairs in ``region``). Runs of tensors that
+    are adjacent both in memory and in the packed space are copied as one span, and
+    every span is one memmove: a torch op per small tensor costs more than its copy.
+    """
+    base = region.addr
+    single = len(blocks) == 1
+    b0 = blocks[0][0] if blocks else 0
+    span_src = span_dst = span_len = 0
+    leftovers: list[int] = []
+
+    def flush() -> None:
+        if span_len:
+            if single:
+                _memmove(base + b0 + span_dst, span_src, span_len)
+            else:
+                pos = span_src
+                for phys, n in map_extent(span_dst, span_len, blocks):
+                    _memmove(base + phys, pos, n)
+                    pos += n
+
+    for i, t in enumerate(tensors):
+        n = t.numel() * t.element_size()
+        if n == 0:
+            continue
+        if not t.is_contiguous() or t.is_conj() or t.is_neg():
+            leftovers.append(i)
+            continue
+        src = t.data_ptr()
+        dst = offsets[i]
+        if span_len and src == span_src + span_len and dst == span_dst + span_len:
+            span_len += n
+            continue
+        flush()
+        span_src, span_dst, span_len = src, dst, n
+    flush()
+
+    for i in leftovers:
+        # Strided, conjugated or negated views: let torch materialise the logical
+        # values, then move the bytes like any other span.
+        t = tensors[i].resolve_conj().resolve_neg().contiguous()
+        n = t.numel() * t.element_size()
+        pos = t.data_ptr()
+        for phys, m in map_extent(offsets[i], n, blocks):
+            _memmove(base + phys, pos, m)
+            pos += m
+
+
+def rebuild(block: torch.Tensor, runs: Sequence[TensorRun],
+            starts: Sequence[int]) -> list[torch.Tensor]:
+    """Rebuild the tensors of an object as views of one contiguous uint8 block.
+
+    Each run of equal (shape, dtype) tensors becomes one reshape and one ``unbind``,
+    so thousands of row views cost a few torch calls, not one per tensor.
+    """
+    out: list[torch.Tensor] = []
+    for run, start in zip(runs, starts):
+        dt = torch_dtype(run.dtype)
+        each = run.nbytes_each
+        if run.count == 1:
+            out.append(block[start:start + each].view(dt).view(run.shape))
+            continue
+        flat = block[start:start + each * run.count].view(dt)
+        out.extend(flat.view((run.count, *run.shape)).unbind(0))
+    return out
+
+
+def empty_like_run_list(runs: Sequence[TensorRun], device: str = "cpu") -> list[torch.Tensor]:
+    """Fresh tensors matching the runs (used when an object has no bytes to read)."""
+    import torch
+
+    out: list[torch.Tensor] = []
+    for run in runs:
+        dt = torch_dtype(run.dtype)
+        out.extend(torch.empty(run.shape, dtype=dt, device=device) for _ in range(run.count))
+    return out
