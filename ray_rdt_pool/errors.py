@@ -47,12 +47,19 @@ class PoolExhaustedError(RdtPoolError, MemoryError):
         self.free = free
         self.largest_free = largest_free
         self.capacity = capacity
+        self.what = what
+        self.remedy = remedy
         super().__init__(
             f"the {what} cannot hold an object: it needs {fmt_bytes(needed)}, "
             f"the largest free block is {fmt_bytes(largest_free)} and "
             f"{fmt_bytes(free)} are free of {fmt_bytes(capacity)}; "
             f"{remedy}, or drop refs to free objects sooner"
         )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Ray pickles exceptions across processes; keep the structured fields.
+        return (type(self), (self.needed, self.free, self.largest_free, self.capacity,
+                             self.what, self.remedy))
 
 
 class WireFormatError(RdtPoolError, ValueError):

@@ -718,6 +718,8 @@ class Runtime:
             err: Exception | None = e
         else:
             err = None
+        if state != "DONE" and self.observer is not None:
+            self.observer.on_error(self, state.lower())
         if state == "TIMEOUT":
             with self.lock:
                 self.c["transfer_errors"] += 1

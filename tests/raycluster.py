@@ -1,0 +1,65 @@
+"""Shared helpers for tests that run a real Ray cluster with real NIXL.
+
+Each test module starts one cluster (Ray start-up costs seconds) through
+:func:`start_ray` in a module-scoped fixture and shuts it down at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+
+#: Small pools keep several actors light on a 24 GiB, 2-core machine.
+DEFAULT_ENV = {
+    "RAY_RDT_POOL_BYTES": "64M",
+    "RAY_RDT_POOL_ARENA_BYTES": "64M",
+    "RAY_RDT_POOL_METRICS": "0",
+    "RAY_DEDUP_LOGS": "0",
+}
+
+
+def start_ray(env: dict[str, str] | None = None, **init_kwargs: Any) -> dict[str, str]:
+    """Start a fresh local cluster whose workers see ``env`` (merged over DEFAULT_ENV)."""
+    env_vars = {**DEFAULT_ENV, **(env or {})}
+    for k, v in env_vars.items():
+        os.environ[k] = v  # the driver process reads the same settings
+    if ray.is_initialized():
+        ray.shutdown()
+    init_kwargs.setdefault("num_cpus", 8)
+    init_kwargs.setdefault("include_dashboard", False)
+    init_kwargs.setdefault("object_store_memory", 512 * 1024 * 1024)
+    ray.init(runtime_env={"env_vars": env_vars}, log_to_driver=False, **init_kwargs)
+    import ray_rdt_pool
+
+    ray_rdt_pool.register()
+    return env_vars
+
+
+def digest(tensors: Sequence[Any]) -> list[str]:
+    """A byte-exact fingerprint of each tensor: dtype, shape and every byte of its values."""
+    import torch
+
+    out = []
+    for t in tensors:
+        c = t.detach().resolve_conj().resolve_neg().contiguous().cpu()
+        raw = c.reshape(-1).view(torch.uint8)
+        h = hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:16]
+        out.append(f"{c.dtype}|{tuple(c.shape)}|{h}")
+    return out
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.1) -> Any:
+    """Poll until ``predicate()`` is truthy; return it, or raise with the last value."""
+    deadline = time.monotonic() + timeout
+    value = predicate()
+    while not value:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s (last value {value!r})")
+        time.sleep(interval)
+        value = predicate()
+    return value

@@ -1,0 +1,416 @@
+"""The nixl_pool transport on a real Ray cluster with real NIXL (UCX moving host memory).
+
+One cluster for the module. Values are compared byte for byte (sha256 of each tensor's
+bytes computed on both sides), never by float sums.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+import ray_rdt_pool
+from ray_rdt_pool.wire import DTYPES
+from tests.raycluster import digest, start_ray, wait_for
+
+pytestmark = pytest.mark.ray
+
+# @ray.method(tensor_transport=...) validates the name when the class is defined.
+ray_rdt_pool.register()
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    start_ray({"RAY_RDT_POOL_BYTES": "32M", "RAY_RDT_POOL_ARENA_BYTES": "32M"})
+    yield
+    ray.shutdown()
+
+
+def all_dtype_tensors(seed: int = 0) -> list[torch.Tensor]:
+    """One tensor of every dtype the wire carries, with random bit patterns."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, name in enumerate(DTYPES):
+        dt = getattr(torch, name, None)
+        if not isinstance(dt, torch.dtype):
+            continue
+        item = torch.empty(0, dtype=dt).element_size()
+        shape = (3, 5 + i)
+        raw = torch.randint(0, 256, (shape[0] * shape[1] * item,), dtype=torch.uint8, generator=g)
+        if dt == torch.bool:
+            raw = raw % 2
+        out.append(raw.view(dt).view(shape))
+    return out
+
+
+def odd_tensors() -> list[torch.Tensor]:
+    base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    c = torch.randn(4, 3, dtype=torch.complex64)
+    return [
+        base[:, ::3],  # strided
+        base.t(),  # transposed
+        torch.tensor(7.5),  # 0-d
+        torch.empty(0, 4, dtype=torch.int16),  # zero-size
+        c.conj(),  # conjugate bit set
+        -torch.ones(3, dtype=torch.float64),
+        torch.ones(2, 2, dtype=torch.bfloat16).neg(),
+        base[2],  # a view in the middle of a storage
+        torch.empty(0, dtype=torch.float32),
+    ]
+
+
+@ray.remote(enable_tensor_transport=True)
+class Sender:
+    def __init__(self, **config):
+        ray_rdt_pool.register()
+        if config:
+            ray_rdt_pool.configure(**config)
+        self.kept: dict[str, object] = {}
+
+    def put(self, tensors, keep: str | None = None):
+        ref = ray.put(tensors, _tensor_transport="nixl_pool")
+        if keep:
+            self.kept[keep] = tensors
+        return [ref], digest(tensors)
+
+    def put_dtypes(self, seed: int = 0):
+        ts = all_dtype_tensors(seed)
+        return [ray.put(ts, _tensor_transport="nixl_pool")], digest(ts)
+
+    def put_odd(self):
+        ts = odd_tensors()
+        return [ray.put(ts, _tensor_transport="nixl_pool")], digest(ts)
+
+    def mutate(self, key: str):
+        for t in self.kept[key]:
+            t.add_(1)
+
+    @ray.method(tensor_transport="nixl_pool")
+    def one(self, n: int):
+        return torch.arange(n, dtype=torch.int32)
+
+    @ray.method(tensor_transport="nixl_pool")
+    def many(self, n: int):
+        return [torch.full((n,), float(i)) for i in range(4)]
+
+    @ray.method(tensor_transport="nixl_pool")
+    def nested(self):
+        return {"w": torch.ones(4, 4), "meta": {"step": 3, "b": [torch.zeros(2), "x"]}}
+
+    def stats(self):
+        return ray_rdt_pool.stats()
+
+    def drop(self):
+        self.kept.clear()
+
+
+@ray.remote(enable_tensor_transport=True)
+class Receiver:
+    def __init__(self):
+        ray_rdt_pool.register()
+        self.held = None
+
+    def get(self, refs, hold: bool = False):
+        out = ray.get(refs[0])
+        if hold:
+            self.held = out
+        return digest(out)
+
+    def get_into(self, refs, shapes_dtypes):
+        bufs = [torch.full(s, 0, dtype=d) for s, d in shapes_dtypes]
+        ray.experimental.set_target_for_ref(refs[0], bufs)
+        out = ray.get(refs[0])
+        return digest(bufs), all(a is b for a, b in zip(out, bufs))
+
+    def take(self, x):
+        if isinstance(x, dict):
+            return {"w": digest([x["w"]]), "step": x["meta"]["step"],
+                    "b": digest([x["meta"]["b"][0]]), "s": x["meta"]["b"][1]}
+        return digest(x if isinstance(x, list) else [x])
+
+    def release(self):
+        self.held = None
+
+    def stats(self):
+        return ray_rdt_pool.stats()
+
+
+def test_all_dtypes_round_trip_between_actors():
+    s, r = Sender.remote(), Receiver.remote()
+    refs, expected = ray.get(s.put_dtypes.remote())
+    assert ray.get(r.get.remote(refs)) == expected
+    names = {e.split("|")[0] for e in expected}
+    assert {"torch.bool", "torch.bfloat16", "torch.complex64", "torch.complex128"} <= names
+
+
+def test_odd_tensors_round_trip_contiguous():
+    s, r = Sender.remote(), Receiver.remote()
+    refs, expected = ray.get(s.put_odd.remote())
+    assert ray.get(r.get.remote(refs)) == expected
+
+
+def test_empty_list_round_trips():
+    s, r = Sender.remote(), Receiver.remote()
+    refs, expected = ray.get(s.put.remote([]))
+    assert expected == []
+    assert ray.get(r.get.remote(refs)) == []
+
+
+def test_method_returns_and_task_arguments():
+    s, r = Sender.remote(), Receiver.remote()
+    assert ray.get(r.take.remote(s.one.remote(10))) == digest([torch.arange(10, dtype=torch.int32)])
+    assert ray.get(r.take.remote(s.many.remote(5))) == digest(
+        [torch.full((5,), float(i)) for i in range(4)])
+    nested = ray.get(r.take.remote(s.nested.remote()))
+    assert nested == {"w": digest([torch.ones(4, 4)]), "step": 3,
+                      "b": digest([torch.zeros(2)]), "s": "x"}
+
+
+def test_driver_gets_from_actor_and_actor_gets_from_driver():
+    s, r = Sender.remote(), Receiver.remote()
+    out = ray.get(s.many.remote(3))
+    assert digest(out) == digest([torch.full((3,), float(i)) for i in range(4)])
+    ts = [torch.randn(100, 7), torch.arange(5)]
+    ref = ray.put(ts, _tensor_transport="nixl_pool")
+    assert ray.get(r.get.remote([ref])) == digest(ts)
+    assert digest(ray.get(ref)) == digest(ts)
+
+
+def test_several_receivers_concurrently_and_one_after_another():
+    s = Sender.remote()
+    rs = [Receiver.remote() for _ in range(3)]
+    ts = [torch.randn(256, 256), torch.randn(1000).to(torch.bfloat16)]
+    refs, expected = ray.get(s.put.remote(ts))
+    assert ray.get([r.get.remote(refs) for r in rs]) == [expected] * 3
+    for r in rs:
+        assert ray.get(r.get.remote(refs)) == expected
+
+
+def test_snapshot_semantics_mutation_after_put_is_not_seen():
+    s, r = Sender.remote(), Receiver.remote()
+    ts = [torch.zeros(1000), torch.arange(10)]
+    refs, expected = ray.get(s.put.remote(ts, keep="k"))
+    ray.get(s.mutate.remote("k"))
+    assert ray.get(r.get.remote(refs)) == expected
+    ray.get(s.drop.remote())
+
+
+def test_garbage_collection_returns_blocks_to_the_pool():
+    s, r = Sender.remote(), Receiver.remote()
+    base = ray.get(s.stats.remote())
+    refs, expected = ray.get(s.put.remote([torch.randn(1 << 16), torch.randn(33)]))
+    during = ray.get(s.stats.remote())
+    assert during.live_objects == base.live_objects + 1
+    assert during.pool_used > base.pool_used
+    assert ray.get(r.get.remote(refs, True)) == expected
+    del refs
+    after = wait_for(lambda: (st := ray.get(s.stats.remote())).live_objects == 0 and st)
+    assert after.pool_used == 0
+    assert after.objects_freed >= 1
+    # The receiver's arena block comes back once its views are gone.
+    assert ray.get(r.stats.remote()).arena_used > 0
+    ray.get(r.release.remote())
+    assert wait_for(lambda: ray.get(r.stats.remote()).arena_used == 0)
+
+
+def test_target_buffers_land_in_user_tensors():
+    s, r = Sender.remote(), Receiver.remote()
+    ts = [torch.randn(64, 32), torch.arange(100, dtype=torch.int64), torch.ones(7).bool()]
+    refs, expected = ray.get(s.put.remote(ts))
+    got, same_objects = ray.get(r.get_into.remote(refs, [(t.shape, t.dtype) for t in ts]))
+    assert got == expected
+    assert same_objects
+
+
+def test_target_buffers_that_do_not_match_raise():
+    s, r = Sender.remote(), Receiver.remote()
+    ts = [torch.randn(8, 8), torch.arange(4)]
+    refs, _ = ray.get(s.put.remote(ts))
+    with pytest.raises(ray.exceptions.RayTaskError) as ei:
+        ray.get(r.get_into.remote(refs, [(torch.Size([8, 9]), torch.float32),
+                                         (torch.Size([4]), torch.int64)]))
+    assert "Shape" in str(ei.value) or "shape" in str(ei.value)
+    with pytest.raises(ray.exceptions.RayTaskError) as ei:
+        ray.get(r.get_into.remote(refs, [(torch.Size([8, 8]), torch.float32)]))
+    assert "Length" in str(ei.value) or "buffers" in str(ei.value)
+
+
+def test_object_larger_than_pool_falls_back_with_registration():
+    s, r = Sender.remote(pool_bytes=1 << 20), Receiver.remote()
+    big = [torch.randn(1 << 19)]  # 2 MiB > 1 MiB pool
+    refs, expected = ray.get(s.put.remote(big))
+    st = ray.get(s.stats.remote())
+    assert st.fallbacks == 1
+    assert st.nixl_registrations >= 2  # the pool, then the tensor's storage
+    assert ray.get(r.get.remote(refs)) == expected
+    # A pooled object still works next to it.
+    refs2, expected2 = ray.get(s.put.remote([torch.arange(10)]))
+    assert ray.get(r.get.remote(refs2)) == expected2
+    assert ray.get(s.stats.remote()).fallbacks == 1
+
+
+def test_strict_mode_raises_pool_exhausted_with_sizes():
+    s = Sender.remote(pool_bytes=1 << 20, strict=True)
+    with pytest.raises(ray.exceptions.RayTaskError) as ei:
+        ray.get(s.put.remote([torch.randn(1 << 19)]))
+    msg = str(ei.value)
+    assert "PoolExhaustedError" in msg
+    assert "2,097,152 bytes" in msg and "1,048,576" in msg
+    assert "raise pool_bytes" in msg
+    st = ray.get(s.stats.remote())
+    assert st.pool_used == 0 and st.live_objects == 0 and st.fallbacks == 0
+
+
+def test_bad_input_gives_typed_errors_and_leaves_pool_unchanged():
+    s = Sender.remote()
+    live_refs, _ = ray.get(s.put.remote([torch.ones(3)]))  # create the pool
+    before = ray.get(s.stats.remote())
+    with pytest.raises(ray.exceptions.RayTaskError) as ei:
+        ray.get(s.put.remote([torch.ones(3), torch.empty(3, device="meta")]))
+    assert "InvalidInputError" in str(ei.value) and "device" in str(ei.value)
+    with pytest.raises(ray.exceptions.RayTaskError) as ei:
+        ray.get(s.put.remote([torch.ones(2).to_sparse()]))
+    assert "InvalidInputError" in str(ei.value) or "sparse" in str(ei.value).lower()
+    after = ray.get(s.stats.remote())
+    assert (after.pool_used, after.live_objects) == (before.pool_used, before.live_objects)
+    assert before.live_objects == 1
+    del live_refs
+
+
+def test_unregistered_transport_name_is_rejected():
+    with pytest.raises(ValueError, match="NIXL_POOOL"):
+        ray.put([torch.ones(2)], _tensor_transport="nixl_poool")
+
+
+@ray.remote(enable_tensor_transport=True)
+class NoNixlReceiver:
+    def __init__(self):
+        ray_rdt_pool.register()
+        sys.modules["nixl._api"] = None  # type: ignore[assignment]
+        sys.modules["nixl"] = None  # type: ignore[assignment]
+
+    def get(self, refs):
+        try:
+            ray.get(refs[0])
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+
+def test_receiver_without_nixl_gets_a_registration_error():
+    s, r = Sender.remote(), NoNixlReceiver.remote()
+    refs, _ = ray.get(s.put.remote([torch.ones(4)]))
+    msg = ray.get(r.get.remote(refs))
+    assert "NIXL is not usable" in msg and "pip install nixl" in msg
+
+
+def test_configure_errors_are_typed():
+    @ray.remote(enable_tensor_transport=True)
+    class C:
+        def run(self):
+            out = []
+            ray_rdt_pool.configure(pool_bytes=1 << 20)
+            for kwargs in ({"pool_bytes": 2 << 20}, {"pool_bytes": 0}, {"bogus": 1}):
+                try:
+                    ray_rdt_pool.configure(**kwargs)
+                    out.append("ok")
+                except ray_rdt_pool.ConfigurationError as e:
+                    out.append(str(e))
+            ray_rdt_pool.register()
+            ray.put([torch.ones(2)], _tensor_transport="nixl_pool")
+            try:
+                ray_rdt_pool.configure(pool_bytes=4 << 20)
+            except ray_rdt_pool.ConfigurationError as e:
+                out.append(str(e))
+            return out
+
+    out = ray.get(C.remote().run.remote())
+    assert "already called" in out[0]
+    assert "positive number of bytes" in out[1]
+    assert "unknown configuration option" in out[2]
+    assert "after nixl_pool was first used" in out[3]
+
+
+def test_concurrent_puts_from_threads_in_one_actor():
+    @ray.remote(enable_tensor_transport=True, max_concurrency=4)
+    class ThreadedSender:
+        def __init__(self):
+            ray_rdt_pool.register()
+
+        def burst(self, seed: int, n: int):
+            g = torch.Generator().manual_seed(seed)
+            out = []
+            for _ in range(n):
+                ts = [torch.randn(int(torch.randint(1, 500, (1,), generator=g)), generator=g)
+                      for _ in range(3)]
+                out.append(([ray.put(ts, _tensor_transport="nixl_pool")], digest(ts)))
+            return out
+
+        def stats(self):
+            return ray_rdt_pool.stats()
+
+    s, r = ThreadedSender.remote(), Receiver.remote()
+    batches = ray.get([s.burst.remote(seed, 25) for seed in range(4)])
+    items = [item for b in batches for item in b]
+    assert len(items) == 100
+    got = ray.get([r.get.remote(refs) for refs, _ in items])
+    assert got == [d for _, d in items]
+    del items, batches
+    assert wait_for(lambda: ray.get(s.stats.remote()).live_objects == 0)
+    assert ray.get(s.stats.remote()).pool_used == 0
+
+
+def test_metadata_is_compact_and_agent_metadata_is_not_inside():
+    @ray.remote(enable_tensor_transport=True)
+    class Probe:
+        def __init__(self):
+            ray_rdt_pool.register()
+
+        def sizes(self):
+            import pickle
+
+            w = torch.randn(10_000, 256)
+            views = [w[i] for i in range(10_000)]
+            ref = ray.put(views, _tensor_transport="nixl_pool")
+            mgr = ray._private.worker.global_worker.rdt_manager
+            meta = mgr.get_rdt_metadata(ref.hex()).tensor_transport_meta
+            return len(pickle.dumps(meta)), len(meta.wire)
+
+    pickled, wire = ray.get(Probe.remote().sizes.remote())
+    assert wire < 1000, wire  # one run of 10,000 equal views
+    assert pickled < 2000, pickled
+
+
+def test_repeated_fetches_reuse_registrations():
+    s, r = Sender.remote(), Receiver.remote()
+    refs, expected = ray.get(s.put.remote([torch.randn(1000)]))
+    ray.get(r.get.remote(refs))
+    warm = ray.get(r.stats.remote()).nixl_registrations
+    for _ in range(5):
+        refs, expected = ray.get(s.put.remote([torch.randn(1000)]))
+        assert ray.get(r.get.remote(refs)) == expected
+    assert ray.get(r.stats.remote()).nixl_registrations == warm
+    assert ray.get(s.stats.remote()).nixl_registrations == 1
+
+
+def test_example_put_get_runs():
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "put_get.py")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "received" in proc.stdout
+
+
+def test_receiver_loads_each_senders_metadata_once():
+    s, r = Sender.remote(), Receiver.remote()
+    for _ in range(3):
+        refs, expected = ray.get(s.put.remote([torch.ones(8)]))
+        assert ray.get(r.get.remote(refs)) == expected
+    st = ray.get(r.stats.remote())
+    assert st.remote_agents == 1 and st.remote_metadata_loads == 1
