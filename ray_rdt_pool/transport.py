@@ -49,10 +49,17 @@ from ray_rdt_pool.errors import (
     RdtPoolError,
     TransferError,
 )
-from ray_rdt_pool.layout import BlockMap, packed_offsets
+from ray_rdt_pool.layout import BlockMap, packed_offsets, run_layout
 from ray_rdt_pool.merge import merge_descriptors, merge_segments
 from ray_rdt_pool.snapshot import TransportStats
-from ray_rdt_pool.tensors import HostRegion, describe, empty_like_run_list, pack_into, rebuild
+from ray_rdt_pool.tensors import (
+    Described,
+    HostRegion,
+    describe,
+    empty_like_run_list,
+    pack_into,
+    rebuild,
+)
 from ray_rdt_pool.wire import WireMeta, decode, encode, runs_from
 
 if TYPE_CHECKING:
@@ -266,6 +273,9 @@ class RegistrationCache:
             (e.key[0], e.key[0] + e.key[1]) for e in self._entries.values() if e.pins
         )
 
+    def has_pins(self) -> bool:
+        return bool(self._pinned_sorted)
+
     def pinned_covers(self, addr: int, nbytes: int) -> bool:
         """True if ``[addr, addr+nbytes)`` lies inside an extent held by register_memory()."""
         spans = self._pinned_sorted
@@ -415,15 +425,14 @@ class Runtime:
             return PoolTransportMetadata(tensor_meta=[], tensor_device=None, wire=None)
         d = describe(tensors)
         runs = runs_from(d.shapes, d.dtypes)
-        offsets, total = packed_offsets(d.nbytes, d.aligns)
+        offsets, total = run_offsets(runs)
         with self.lock:
             self._drain()
             pool = self._ensure_pool()
             zero_copy = [
-                n > 0 and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-                and self.regs.pinned_covers(t.data_ptr(), n)
-                for t, n in zip(tensors, d.nbytes)
-            ] if self.regs._pinned_sorted else None
+                n > 0 and ok and self.regs.pinned_covers(p, n)
+                for n, ok, p in zip(d.nbytes, d.plain, d.ptrs)
+            ] if self.regs.has_pins() else None
             if zero_copy is None:
                 copy_idx = None
                 local_offsets, local_total = offsets, total
@@ -453,14 +462,12 @@ class Runtime:
                 segments = self._register_fallback(tensors, offsets, d.nbytes, keepalive)
             else:
                 t_copy = time.perf_counter()
+                pack_into(tensors, d, local_offsets, blocks, pool.mem, copy_idx)
                 if copy_idx is None:
-                    pack_into(tensors, local_offsets, blocks, pool.mem)
                     segments = _block_segments(blocks, pool.mem.addr, total)
                 else:
-                    pack_into([tensors[i] for i in copy_idx],
-                              [local_offsets[i] for i in copy_idx], blocks, pool.mem)
-                    segments = self._mixed_segments(tensors, offsets, local_offsets, d.nbytes,
-                                                    zero_copy or [], blocks, pool.mem.addr)
+                    segments = self._mixed_segments(d, offsets, local_offsets, zero_copy or [],
+                                                    blocks, pool.mem.addr)
                 pack_s = time.perf_counter() - t_copy
             with self.lock:
                 self._publish()
@@ -517,17 +524,17 @@ class Runtime:
                 segs.append((off, t.data_ptr(), n))
         return merge_segments(segs)
 
-    def _mixed_segments(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int],
-                        local_offsets: Sequence[int], nbytes: Sequence[int],
-                        zero_copy: Sequence[bool], blocks: Sequence[tuple[int, int]],
-                        base: int) -> list[tuple[int, int, int]]:
+    def _mixed_segments(self, d: Described, offsets: Sequence[int],
+                        local_offsets: Sequence[int], zero_copy: Sequence[bool],
+                        blocks: Sequence[tuple[int, int]], base: int
+                        ) -> list[tuple[int, int, int]]:
         bmap = BlockMap(blocks)
         segs: list[tuple[int, int, int]] = []
-        for t, off, loff, n, z in zip(tensors, offsets, local_offsets, nbytes, zero_copy):
+        for p, off, loff, n, z in zip(d.ptrs, offsets, local_offsets, d.nbytes, zero_copy):
             if n == 0:
                 continue
             if z:
-                segs.append((off, t.data_ptr(), n))
+                segs.append((off, p, n))
                 continue
             v = off
             for phys, m in bmap.map(loff, n):
@@ -790,6 +797,20 @@ class Runtime:
             if self._backend is not None:
                 self.directory.remove(self.agent_name)
                 self._backend.close()
+
+
+def run_offsets(runs: Sequence[Any]) -> tuple[list[int], int]:
+    """Packed offset of every tensor and the packed total, from the runs alone.
+
+    The same :func:`ray_rdt_pool.layout.run_layout` the receiver uses; tensors inside a
+    run follow each other with no padding, so their offsets are a ``range``.
+    """
+    starts, total = run_layout([(r.nbytes_each, r.itemsize, r.count) for r in runs])
+    offsets: list[int] = []
+    for run, start in zip(runs, starts):
+        n = run.nbytes_each
+        offsets.extend(range(start, start + n * run.count, n) if n else [start] * run.count)
+    return offsets, total
 
 
 def _block_segments(blocks: Sequence[tuple[int, int]], base: int, total: int
