@@ -79,20 +79,21 @@ _MEM = {"cpu": "DRAM", "cuda": "VRAM"}
 
 
 class LazyTensorMeta(Sequence):  # type: ignore[type-arg]
-    """Ray's ``tensor_meta`` list, materialised from the wire bytes only when indexed.
+    """Ray's ``tensor_meta`` list, materialised from the wire bytes only when used.
 
     Ray calls ``len()`` on it for every receive and indexes it only to validate target
-    buffers, so ten thousand ``(torch.Size, dtype)`` pairs are never pickled.
+    buffers, so ten thousand ``(torch.Size, dtype)`` pairs are never pickled, and a
+    corrupted message surfaces as WireFormatError where the receiver first reads it.
     """
 
-    __slots__ = ("_items", "_meta")
+    __slots__ = ("_items", "_owner")
 
-    def __init__(self, meta: WireMeta) -> None:
-        self._meta = meta
+    def __init__(self, owner: PoolTransportMetadata) -> None:
+        self._owner = owner
         self._items: list[tuple[Any, Any]] | None = None
 
     def __len__(self) -> int:
-        return self._meta.num_tensors
+        return self._owner.decoded().num_tensors
 
     def _materialise(self) -> list[tuple[Any, Any]]:
         if self._items is None:
@@ -100,7 +101,8 @@ class LazyTensorMeta(Sequence):  # type: ignore[type-arg]
 
             from ray_rdt_pool.tensors import torch_dtype
 
-            self._items = [(torch.Size(s), torch_dtype(d)) for s, d in self._meta.shapes_dtypes()]
+            meta = self._owner.decoded()
+            self._items = [(torch.Size(s), torch_dtype(d)) for s, d in meta.shapes_dtypes()]
         return self._items
 
     def __getitem__(self, i: Any) -> Any:
@@ -123,7 +125,7 @@ class PoolTransportMetadata(TensorTransportMetadata):
 
     def __post_init__(self) -> None:
         if self.wire is not None and not self.tensor_meta:
-            self.tensor_meta = LazyTensorMeta(self.decoded())  # type: ignore[assignment]
+            self.tensor_meta = LazyTensorMeta(self)  # type: ignore[assignment]
 
     def decoded(self) -> WireMeta:
         """The validated wire metadata (decoded once per process)."""
@@ -494,7 +496,6 @@ class Runtime:
                                  None if fallback else pack_s, fallback)
         out = PoolTransportMetadata(tensor_meta=[], tensor_device="cpu", wire=wire)
         out._decoded = meta
-        out.tensor_meta = LazyTensorMeta(meta)  # type: ignore[assignment]
         return out
 
     def _register_fallback(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int],
@@ -752,6 +753,11 @@ class Runtime:
         if self.observer is not None:
             self.observer.on_fetch(self, req.meta.total, time.perf_counter() - req.t_start)
         return tensors
+
+    def abort(self, obj_id: str) -> None:
+        """Make a READ of ``obj_id`` in progress (or about to start) give up."""
+        with self.lock:
+            self.aborted.add(obj_id)
 
     def stats(self) -> TransportStats:
         with self.lock:
@@ -1076,9 +1082,7 @@ class NixlPoolTransport(TensorTransportManager):
 
     def abort_transport(self, obj_id: str, communicator_metadata: CommunicatorMetadata
                         ) -> None:
-        rt = runtime()
-        with rt.lock:
-            rt.aborted.add(obj_id)
+        runtime().abort(obj_id)
 
 
 def _as_pool_meta(meta: Any) -> PoolTransportMetadata:
