@@ -51,7 +51,7 @@ class PoolConfig:
     arena_bytes: int = DEFAULT_POOL_BYTES
     device: str = "cpu"
     strict: bool = False
-    prefault: bool = True
+    prefault: bool = False
     progress_interval_s: float = 0.005
     fetch_timeout_s: float = 60.0
     metrics: bool = True
