@@ -57,6 +57,17 @@ def configure(**options: Any) -> PoolConfig:
     return _configure(**options)
 
 
+def set_cuda_stream(stream: Any) -> None:
+    """Name the CUDA stream that produces the tensors this process sends.
+
+    Before packing, the transport waits for that stream (by default the current stream
+    of the tensors' device), and it finishes the pack copy before any metadata exists.
+    """
+    from ray_rdt_pool.transport import set_cuda_stream as _set
+
+    _set(stream)
+
+
 def stats() -> TransportStats:
     """A frozen snapshot of this process's pool, arena and NIXL counters."""
     from ray_rdt_pool.transport import stats as _stats
@@ -95,5 +106,6 @@ __all__ = [
     "deregister_memory",
     "register",
     "register_memory",
+    "set_cuda_stream",
     "stats",
 ]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,11 +22,14 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "CudaRegion",
     "Described",
     "HostRegion",
     "describe",
+    "device_block",
     "dtype_name",
     "pack_into",
+    "pack_torch",
     "rebuild",
     "torch_dtype",
 ]
@@ -184,20 +186,43 @@ class HostRegion:
         self.array: np.ndarray = np.frombuffer(self._map, dtype=np.uint8)
         self.tensor: torch.Tensor = torch.from_numpy(self.array)
         self.addr: int = self.tensor.data_ptr()
+        self.device = "cpu"
+        self.device_id = 0
+        self.torch_device = "cpu"
 
-    def block_tensor(self, offset: int, length: int,
-                     on_free: Callable[[], None] | None = None) -> torch.Tensor:
-        """A uint8 tensor over ``[offset, offset+length)`` whose storage is just that block.
 
-        When ``on_free`` is given it runs once the last tensor viewing the block is gone,
-        which is how the receive arena learns that a block can be reused.
-        """
+class CudaRegion:
+    """One allocation of CUDA memory for a pool or arena, viewed as a uint8 tensor.
+
+    Memory from ``expandable_segments`` cannot be registered for RDMA, so that allocator
+    setting is refused up front with the fix, instead of failing inside NIXL.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        import os
+
         import torch
 
-        piece = self.array[offset:offset + length]
-        if on_free is not None:
-            weakref.finalize(piece, on_free)
-        return torch.from_numpy(piece)
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+        if "expandable_segments:true" in conf:
+            from ray_rdt_pool.errors import RegistrationError
+
+            raise RegistrationError(
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is set: CUDA memory from "
+                "expandable segments cannot be registered with NIXL for RDMA. Unset it (or set "
+                "expandable_segments:False) in processes that use a CUDA nixl_pool")
+        if not torch.cuda.is_available():
+            from ray_rdt_pool.errors import ConfigurationError
+
+            raise ConfigurationError(
+                "device='cuda' was configured but this process sees no CUDA device; "
+                "configure device='cpu' or give the actor a GPU (num_gpus=1)")
+        self.nbytes = nbytes
+        self.device_id = torch.cuda.current_device()
+        self.torch_device = f"cuda:{self.device_id}"
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
+        self.addr = self.tensor.data_ptr()
+        self.device = "cuda"
 
 
 _BIG_COPY = 1 << 20
@@ -282,3 +307,102 @@ def empty_like_run_list(runs: Sequence[TensorRun], device: str = "cpu") -> list[
         dt = torch_dtype(run.dtype)
         out.extend(torch.empty(run.shape, dtype=dt, device=device) for _ in range(run.count))
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# Blocks of device memory as tensors with their own lifetime (DLPack)
+# ---------------------------------------------------------------------------------------
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [
+    ("dl_tensor", _DLTensor),
+    ("manager_ctx", ctypes.c_void_p),
+    ("deleter", _DELETER),
+]
+_DL_DEVICE = {"cpu": 1, "cuda": 2}
+_live_blocks: dict[int, tuple[Any, Any, Callable[[], None] | None]] = {}
+
+
+@_DELETER
+def _dl_deleter(managed: Any) -> None:
+    entry = _live_blocks.pop(ctypes.addressof(managed.contents), None)
+    if entry is not None and entry[2] is not None:
+        entry[2]()
+
+
+def device_block(addr: int, nbytes: int, device: str, device_id: int,
+                 on_free: Callable[[], None] | None) -> torch.Tensor:
+    """A uint8 tensor over raw memory ``[addr, addr+nbytes)`` whose storage is just that.
+
+    Built through a DLPack capsule whose deleter runs ``on_free`` once torch frees the
+    storage, i.e. when the last view of the block dies. This works for CUDA memory,
+    where a numpy view of the region would not.
+    """
+    import torch.utils.dlpack
+
+    managed = _DLManagedTensor()
+    shape = (ctypes.c_int64 * 1)(nbytes)
+    t = managed.dl_tensor
+    t.data = addr
+    t.device = _DLDevice(_DL_DEVICE[device], device_id)
+    t.ndim = 1
+    t.dtype = _DLDataType(1, 8, 1)  # kDLUInt, 8 bits, 1 lane
+    t.shape = shape
+    t.strides = None
+    t.byte_offset = 0
+    managed.deleter = _dl_deleter
+    _live_blocks[ctypes.addressof(managed)] = (managed, shape, on_free)
+    capsule_new = ctypes.pythonapi.PyCapsule_New
+    capsule_new.restype = ctypes.py_object
+    capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    capsule = capsule_new(ctypes.addressof(managed), b"dltensor", None)
+    return torch.utils.dlpack.from_dlpack(capsule)
+
+
+def pack_torch(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[int],
+               block: torch.Tensor, which: Sequence[int] | None = None) -> None:
+    """Copy tensors into one device block with a single batched torch op.
+
+    Used where memmove cannot reach (CUDA memory): ``torch._foreach_copy_`` issues the
+    copies of all tensors as one operation instead of one ``copy_`` per tensor. Strided
+    sources are fine: torch copies their logical values.
+    """
+    import torch
+
+    idx = range(len(tensors)) if which is None else which
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    for i in idx:
+        n = d.nbytes[i]
+        if n == 0:
+            continue
+        t = tensors[i]
+        dsts.append(block[offsets[i]:offsets[i] + n].view(t.dtype).view(t.shape))
+        srcs.append(t.resolve_conj().resolve_neg())
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)

@@ -53,11 +53,14 @@ from ray_rdt_pool.layout import BlockMap, packed_offsets, run_layout
 from ray_rdt_pool.merge import merge_descriptors, merge_segments
 from ray_rdt_pool.snapshot import TransportStats
 from ray_rdt_pool.tensors import (
+    CudaRegion,
     Described,
     HostRegion,
     describe,
+    device_block,
     empty_like_run_list,
     pack_into,
+    pack_torch,
     rebuild,
 )
 from ray_rdt_pool.wire import WireMeta, decode, encode, runs_from
@@ -319,12 +322,21 @@ class _Remote:
 
 
 class _Region:
-    """A host region registered once with NIXL, carved by a BlockAllocator."""
+    """One region registered once with NIXL (host mmap or CUDA), carved by a BlockAllocator."""
 
-    def __init__(self, capacity: int, prefault: bool, name: str) -> None:
-        self.mem = HostRegion(capacity, prefault=prefault)
+    def __init__(self, capacity: int, prefault: bool, name: str, device: str) -> None:
+        self.mem: HostRegion | CudaRegion = (
+            CudaRegion(capacity) if device == "cuda" else HostRegion(capacity, prefault=prefault))
         self.alloc = BlockAllocator(capacity, name=name)
         self.handle: Any = None
+
+    @property
+    def device(self) -> str:
+        return self.mem.device
+
+    @property
+    def mem_type(self) -> str:
+        return _MEM[self.mem.device]
 
 
 class Runtime:
@@ -360,6 +372,7 @@ class Runtime:
              "receive_fallbacks", "transfer_errors", "metadata_loads", "in_flight"), 0)
         self._warned_fallback = False
         self.observer: Any = None  # metrics hook, see ray_rdt_pool.metrics
+        self.cuda_stream: Any = None  # set_cuda_stream(): the stream producing sent tensors
 
     # -- NIXL plumbing ------------------------------------------------------------------
 
@@ -390,24 +403,23 @@ class Runtime:
                                    self.backend().metadata())
             self._published = self.version
 
+    def _new_region(self, capacity: int, name: str) -> _Region:
+        backend = self.backend()
+        region = _Region(capacity, self.config.prefault, name, self.config.device)
+        region.handle = backend.register(region.mem.addr, region.mem.nbytes, region.mem_type,
+                                         region.mem.device_id)
+        self.c["registrations"] += 1
+        self.version += 1
+        return region
+
     def _ensure_pool(self) -> _Region:
         if self.pool is None:
-            backend = self.backend()
-            region = _Region(self.config.pool_capacity, self.config.prefault, "pool")
-            region.handle = backend.register(region.mem.addr, region.mem.nbytes, "DRAM", 0)
-            self.c["registrations"] += 1
-            self.version += 1
-            self.pool = region
+            self.pool = self._new_region(self.config.pool_capacity, "pool")
         return self.pool
 
     def _ensure_arena(self) -> _Region:
         if self.arena is None:
-            backend = self.backend()
-            region = _Region(self.config.arena_capacity, self.config.prefault, "receive arena")
-            region.handle = backend.register(region.mem.addr, region.mem.nbytes, "DRAM", 0)
-            self.c["registrations"] += 1
-            self.version += 1
-            self.arena = region
+            self.arena = self._new_region(self.config.arena_capacity, "receive arena")
         return self.arena
 
     def _drain(self) -> None:
@@ -425,7 +437,7 @@ class Runtime:
         t_start = time.perf_counter()
         if not tensors:
             return PoolTransportMetadata(tensor_meta=[], tensor_device=None, wire=None)
-        d = describe(tensors)
+        d = describe(tensors, allow_cuda=True)
         runs = runs_from(d.shapes, d.dtypes)
         offsets, total = run_offsets(runs)
         with self.lock:
@@ -446,8 +458,12 @@ class Runtime:
                 for i, off in zip(copy_idx, local_offsets_sub):
                     local_offsets[i] = off
             fallback = False
+            # memmove reaches host memory only; a CUDA side packs with one torch op into
+            # one contiguous block.
+            torch_path = d.device == "cuda" or pool.device == "cuda"
             try:
-                blocks = tuple(pool.alloc.allocate(obj_id, local_total))
+                blocks = tuple(pool.alloc.allocate(obj_id, local_total,
+                                                   max_blocks=1 if torch_path else None))
             except PoolExhaustedError as e:
                 if self.config.strict:
                     raise PoolExhaustedError(
@@ -464,7 +480,10 @@ class Runtime:
                 segments = self._register_fallback(tensors, offsets, d.nbytes, keepalive)
             else:
                 t_copy = time.perf_counter()
-                pack_into(tensors, d, local_offsets, blocks, pool.mem, copy_idx)
+                if torch_path:
+                    self._pack_cuda(tensors, d, local_offsets, blocks, pool, copy_idx)
+                else:
+                    pack_into(tensors, d, local_offsets, blocks, pool.mem, copy_idx)
                 if copy_idx is None:
                     segments = _block_segments(blocks, pool.mem.addr, total)
                 else:
@@ -473,7 +492,11 @@ class Runtime:
                 pack_s = time.perf_counter() - t_copy
             with self.lock:
                 self._publish()
-                meta = WireMeta(self.agent_name, self.version, "cpu", 0, total, runs,
+                if fallback:
+                    where, where_id = d.device or "cpu", _device_index(tensors)
+                else:
+                    where, where_id = pool.device, pool.mem.device_id
+                meta = WireMeta(self.agent_name, self.version, where, where_id, total, runs,
                                 tuple(segments))
                 wire = encode(meta)
                 self.sent[obj_id] = _Sent(blocks, keepalive, local_total, fallback)
@@ -494,9 +517,26 @@ class Runtime:
         if self.observer is not None:
             self.observer.on_put(self, total, time.perf_counter() - t_start,
                                  None if fallback else pack_s, fallback)
-        out = PoolTransportMetadata(tensor_meta=[], tensor_device="cpu", wire=wire)
+        out = PoolTransportMetadata(tensor_meta=[], tensor_device=d.device, wire=wire)
         out._decoded = meta
         return out
+
+    def _pack_cuda(self, tensors: Sequence[torch.Tensor], d: Described,
+                   offsets: Sequence[int], blocks: Sequence[tuple[int, int]], pool: _Region,
+                   which: Sequence[int] | None) -> None:
+        """Pack where CUDA is involved, ordered after the producer and finished before
+        the metadata exists, so a one-sided READ never sees bytes still being written."""
+        import torch
+
+        (off, length), = blocks
+        block = pool.mem.tensor[off:off + length]
+        cuda_dev = next((t.device for t in tensors if t.is_cuda), None) or block.device
+        producer = self.cuda_stream or torch.cuda.current_stream(cuda_dev)
+        side = torch.cuda.Stream(device=cuda_dev)
+        side.wait_stream(producer)  # the tensors' producer has finished writing them
+        with torch.cuda.stream(side):
+            pack_torch(tensors, d, offsets, block, which)
+        side.synchronize()  # the pool bytes are in place before anyone can read them
 
     def _register_fallback(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int],
                            nbytes: Sequence[int], keepalive: list[Any]
@@ -627,10 +667,6 @@ class Runtime:
             req.tensors = list(targets) if targets else empty_like_run_list(meta.runs)
             req.done = True
             return req
-        if meta.device != "cpu":
-            raise InvalidInputError(
-                f"object {obj_id} lives in {meta.device} memory on the sender; this receiver "
-                "only receives CPU objects. Enable the CUDA path on both sides")
         if targets:
             _check_targets(targets, meta)
         with self.lock:
@@ -643,13 +679,14 @@ class Runtime:
             if targets:
                 local, remote = self._target_descs(targets, meta)
                 req.tensors = list(targets)
+                local_mem = _MEM[targets[0].device.type]
             else:
-                base = self._reserve_receive(req, meta.total)
-                local = [(base + v, n, 0) for v, _a, n in meta.segments]
+                base, local_mem, dev = self._reserve_receive(req, meta.total)
+                local = [(base + v, n, dev) for v, _a, n in meta.segments]
                 remote = [(a, n, meta.device_id) for _v, a, n in meta.segments]
             local, remote = merge_descriptors(local, remote)
             req.ndescs = len(local)
-            req.xfer = self.backend().start_read(local, remote, meta.agent, "DRAM",
+            req.xfer = self.backend().start_read(local, remote, meta.agent, local_mem,
                                                  _MEM[meta.device])
         except BaseException as e:
             req.release(failed=True)
@@ -660,8 +697,11 @@ class Runtime:
                 f"{meta.agent} failed: {e}; the sender may have exited") from e
         return req
 
-    def _reserve_receive(self, req: PoolFetch, total: int) -> int:
-        """A block of the arena for one object, or a one-off registered buffer."""
+    def _reserve_receive(self, req: PoolFetch, total: int) -> tuple[int, str, int]:
+        """A block of the arena for one object, or a one-off registered buffer.
+
+        Returns (address, NIXL memory type, device index) of where the bytes land.
+        """
         with self.lock:
             self._drain()
             arena = self._ensure_arena()
@@ -673,18 +713,19 @@ class Runtime:
             if block is not None:
                 req.arena_key = key
                 req.arena_offset = block[0]
-                return arena.mem.addr + block[0]
+                return arena.mem.addr + block[0], arena.mem_type, arena.mem.device_id
             self.c["receive_fallbacks"] += 1
         import torch
 
-        buf = torch.empty(total, dtype=torch.uint8)
+        buf = torch.empty(total, dtype=torch.uint8, device=arena.mem.torch_device)
         req.temp = buf
-        req.temp_handle = self._register_counted(buf.data_ptr(), total)
-        return buf.data_ptr()
+        req.temp_handle = self._register_counted(buf.data_ptr(), total, arena.mem_type,
+                                                 arena.mem.device_id)
+        return buf.data_ptr(), arena.mem_type, arena.mem.device_id
 
-    def _register_counted(self, addr: int, nbytes: int) -> Any:
+    def _register_counted(self, addr: int, nbytes: int, mem: str, dev: int) -> Any:
         with self.lock:
-            handle = self.backend().register(addr, nbytes, "DRAM", 0)
+            handle = self.backend().register(addr, nbytes, mem, dev)
             self.c["registrations"] += 1
             return handle
 
@@ -819,6 +860,11 @@ def run_offsets(runs: Sequence[Any]) -> tuple[list[int], int]:
     return offsets, total
 
 
+def _device_index(tensors: Sequence[torch.Tensor]) -> int:
+    t = tensors[0]
+    return (t.device.index or 0) if t.is_cuda else 0
+
+
 def _block_segments(blocks: Sequence[tuple[int, int]], base: int, total: int
                     ) -> list[tuple[int, int, int]]:
     segs: list[tuple[int, int, int]] = []
@@ -860,10 +906,11 @@ def _check_targets(targets: Sequence[torch.Tensor], meta: WireMeta) -> None:
             raise InvalidInputError(
                 f"target buffer {i} is {tuple(t.shape)} {t.dtype} but the object holds "
                 f"{shape} {dt}; allocate it with that shape and dtype")
-        if not t.is_contiguous() or t.device.type != "cpu":
+        if not t.is_contiguous() or t.device.type != targets[0].device.type:
             raise InvalidInputError(
-                f"target buffer {i} must be a contiguous CPU tensor (is_contiguous="
-                f"{t.is_contiguous()}, device={t.device}); use torch.empty(...) or .contiguous()")
+                f"target buffer {i} must be contiguous and on the same device type as buffer "
+                f"0 (is_contiguous={t.is_contiguous()}, device={t.device}); use "
+                "torch.empty(...) or .contiguous()")
 
 
 @dataclass
@@ -924,8 +971,9 @@ class PoolFetch(FetchRequest):
                 key = self.arena_key
                 self.arena_key = None
                 dead = rt._arena_dead
-                block = rt.arena.mem.block_tensor(  # type: ignore[union-attr]
-                    self.arena_offset, meta.total, lambda: dead.append(key))
+                mem = rt.arena.mem  # type: ignore[union-attr]
+                block = device_block(mem.addr + self.arena_offset, meta.total, mem.device,
+                                     mem.device_id, lambda: dead.append(key))
             else:
                 block = self.temp
                 self.temp = None
@@ -1124,8 +1172,8 @@ def register_memory(tensor: torch.Tensor) -> None:
     """
     import torch
 
-    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
-        raise InvalidInputError("register_memory() takes a CPU torch.Tensor")
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type not in ("cpu", "cuda"):
+        raise InvalidInputError("register_memory() takes a CPU or CUDA torch.Tensor")
     rt = runtime()
     with rt.lock:
         rt.regs.pin(tensor)
@@ -1137,6 +1185,15 @@ def deregister_memory(tensor: torch.Tensor) -> None:
     rt = runtime()
     with rt.lock:
         rt.regs.unpin(tensor)
+
+
+def set_cuda_stream(stream: Any) -> None:
+    """Name the CUDA stream that produces the tensors this process sends.
+
+    The pack copy waits for that stream instead of the current one. ``None`` restores
+    the default (the current stream of the tensors' device).
+    """
+    runtime().cuda_stream = stream
 
 
 def stats() -> TransportStats:
@@ -1154,6 +1211,7 @@ __all__ = [
     "register",
     "register_memory",
     "runtime",
+    "set_cuda_stream",
     "stats",
 ]
 
