@@ -33,6 +33,7 @@ def start_ray(env: dict[str, str] | None = None, **init_kwargs: Any) -> dict[str
     init_kwargs.setdefault("num_cpus", 8)
     init_kwargs.setdefault("include_dashboard", False)
     init_kwargs.setdefault("object_store_memory", 512 * 1024 * 1024)
+    init_kwargs.setdefault("address", "local")  # never join a cluster another process runs
     ray.init(runtime_env={"env_vars": env_vars}, log_to_driver=False, **init_kwargs)
     import ray_rdt_pool
 
