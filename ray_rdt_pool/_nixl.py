@@ -78,6 +78,9 @@ class NixlBackend:
                 "it with `pip install nixl` on every node that sends or receives nixl_pool "
                 "objects"
             ) from e
+        from ray_rdt_pool.logs import quiet_nixl_stdout
+
+        quiet_nixl_stdout()  # NIXL's logger prints INFO lines to stdout per agent
         try:
             self._agent = nixl_agent(
                 name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))

@@ -373,6 +373,10 @@ class Runtime:
         self._warned_fallback = False
         self.observer: Any = None  # metrics hook, see ray_rdt_pool.metrics
         self.cuda_stream: Any = None  # set_cuda_stream(): the stream producing sent tensors
+        if config.debug_transfers:
+            from ray_rdt_pool.logs import enable_debug_logging
+
+            enable_debug_logging()
 
     # -- NIXL plumbing ------------------------------------------------------------------
 
@@ -844,6 +848,8 @@ class Runtime:
             if self._backend is not None:
                 self.directory.remove(self.agent_name)
                 self._backend.close()
+            if self.observer is not None and hasattr(self.observer, "close"):
+                self.observer.close()
 
 
 def run_offsets(runs: Sequence[Any]) -> tuple[list[int], int]:
