@@ -12,6 +12,10 @@ PURE_MODULES = [
     "ray_rdt_pool.allocator",
     "ray_rdt_pool.merge",
     "ray_rdt_pool.wire",
+    "ray_rdt_pool.config",
+    "ray_rdt_pool.snapshot",
+    # The package itself imports nothing heavy: its functions load the transport lazily.
+    "ray_rdt_pool",
 ]
 HEAVY = ["torch", "ray", "nixl"]
 
