@@ -1,0 +1,520 @@
+"""Tests of ray_rdt_pool.weights: layout planning, validation, and real syncs on Ray.
+
+The first group needs no Ray. The Ray group shares one small cluster and three actors
+(a trainer and two receivers) for the whole module; each test sets the actors' state
+through ``__ray_call__`` and leaves the trainer's pool drained. The example runs last, as
+a second driver attached to the same cluster (one cluster start per module).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ray import cloudpickle
+
+import ray_rdt_pool
+from ray_rdt_pool.errors import PoolExhaustedError, RdtPoolError
+from ray_rdt_pool.weights import (
+    DtypeMismatchError,
+    DuplicateTargetError,
+    ManifestMismatchError,
+    ManifestReleasedError,
+    MissingWeightsError,
+    ShapeMismatchError,
+    UnexpectedWeightsError,
+    WeightReceiver,
+    WeightSender,
+    can_cast,
+    plan_layout,
+    sync,
+)
+
+# The helpers below run inside the actors; ship them by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+ROOT = Path(__file__).resolve().parent.parent
+POOL = 8 << 20
+ENV = {"RAY_RDT_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "64M"}
+
+Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def make_state(spec: Spec, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (shape, dtype) in spec.items():
+        t = torch.randn(shape, generator=g, dtype=torch.float64)
+        out[name] = (t > 0) if dtype == torch.bool else (t * 100).to(dtype)
+    return out
+
+
+SMALL: Spec = {
+    "embed.weight": ((64, 32), torch.float32),
+    "layers.0.w": ((32, 32), torch.float32),
+    "layers.0.b": ((32,), torch.float32),
+    "layers.1.w": ((32, 32), torch.bfloat16),
+    "layers.1.b": ((32,), torch.float32),
+    "step": ((), torch.int64),
+}
+
+
+# ---------------------------------------------------------------------------------------
+# No Ray
+# ---------------------------------------------------------------------------------------
+
+
+def test_plan_layout_buckets_respect_bucket_bytes() -> None:
+    state = {f"t{i}": torch.zeros(1000, dtype=torch.float32) for i in range(10)}  # 4000 B
+    layout, groups = plan_layout(state, bucket_bytes=10_000)
+    assert [len(b.names) for b in layout.buckets] == [2, 2, 2, 2, 2]
+    assert all(b.nbytes <= 10_000 for b in layout.buckets)
+    assert [e.name for e in layout.entries] == list(state)
+    assert [len(g) for g in groups] == [2] * 5
+    assert layout.total_bytes == 40_000
+    big = {"a": torch.zeros(10), "huge": torch.zeros(10_000), "b": torch.zeros(10)}
+    layout, _ = plan_layout(big, bucket_bytes=1024)
+    assert [b.names for b in layout.buckets] == [("a",), ("huge",), ("b",)]
+
+
+def test_plan_layout_sends_tied_tensors_once() -> None:
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, 8)
+            self.head = torch.nn.Linear(8, 16, bias=False)
+            self.head.weight = self.embed.weight
+
+    layout, groups = plan_layout(Tied())
+    assert [e.name for e in layout.entries] == ["embed.weight"]
+    assert layout.aliases == (("head.weight", "embed.weight"),)
+    assert sum(len(g) for g in groups) == 1
+
+
+@pytest.mark.parametrize(("src", "dst", "ok"), [
+    (torch.float32, torch.bfloat16, True),
+    (torch.bfloat16, torch.float32, True),
+    (torch.int64, torch.int32, True),
+    (torch.int32, torch.float32, True),
+    (torch.bool, torch.float16, True),
+    (torch.float32, torch.int64, False),
+    (torch.float32, torch.bool, False),
+    (torch.complex64, torch.float32, False),
+])
+def test_same_kind_casting_rule(src: torch.dtype, dst: torch.dtype, ok: bool) -> None:
+    assert can_cast(src, dst) is ok
+    assert can_cast(src, dst, "unsafe") is True
+    assert can_cast(src, dst, "no") is (src == dst)
+
+
+def _mismatch(kind: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A destination (and receiver options) that mismatches SMALL in one way."""
+    dest = make_state(SMALL, seed=5)
+    opts: dict[str, Any] = {}
+    if kind == "missing":
+        dest["extra.dest.only"] = torch.zeros(3)
+    elif kind == "unexpected":
+        del dest["layers.1.b"]
+    elif kind == "shape":
+        dest["layers.0.w"] = torch.zeros(32, 31)
+    elif kind == "dtype":
+        dest["layers.0.b"] = torch.zeros(32, dtype=torch.bool)  # float -> bool refused
+    elif kind == "duplicate":
+        opts["name_map"] = {"layers.0.b": "layers.1.b"}
+    return dest, opts
+
+
+KINDS = {"missing": MissingWeightsError, "unexpected": UnexpectedWeightsError,
+         "shape": ShapeMismatchError, "dtype": DtypeMismatchError,
+         "duplicate": DuplicateTargetError}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_check_raises_typed_error_and_writes_nothing(kind: str) -> None:
+    layout, _ = plan_layout(make_state(SMALL, seed=1), bucket_bytes=4096)
+    dest, opts = _mismatch(kind)
+    before = {k: v.clone() for k, v in dest.items()}
+    with pytest.raises(KINDS[kind]) as info:
+        WeightReceiver(dest, **opts).check(layout)
+    err = info.value
+    assert isinstance(err, ManifestMismatchError) and isinstance(err, ValueError)
+    assert isinstance(err, RdtPoolError)
+    assert err.problems and err.problems[0][0] == kind
+    assert "nothing was written" in str(err)
+    assert all(torch.equal(before[k], dest[k]) for k in dest)
+
+
+def test_complex_to_real_is_refused_and_unsafe_allows_it() -> None:
+    layout, _ = plan_layout({"z": torch.zeros(4, dtype=torch.complex64)})
+    with pytest.raises(DtypeMismatchError):
+        WeightReceiver({"z": torch.zeros(4)}).check(layout)
+    WeightReceiver({"z": torch.zeros(4)}, casting="unsafe").check(layout)
+
+
+def test_name_map_skips_and_non_strict() -> None:
+    layout, _ = plan_layout(make_state(SMALL, seed=1))
+    dest = {k.replace("layers.", "blocks."): v for k, v in make_state(SMALL, seed=2).items()}
+    del dest["step"]
+    def rename(n: str) -> str | None:
+        return None if n == "step" else n.replace("layers.", "blocks.")
+
+    plan = WeightReceiver(dest, name_map=rename).check(layout)
+    assert plan.skipped == 1
+    with pytest.raises(UnexpectedWeightsError):
+        WeightReceiver(dest, name_map=lambda n: n.replace("layers.", "blocks.")).check(layout)
+    WeightReceiver(dest, name_map=lambda n: n.replace("layers.", "blocks."),
+                   strict=False).check(layout)
+    # a dict maps the listed names only
+    dest2 = make_state(SMALL, seed=2)
+    dest2["first.w"] = dest2.pop("layers.0.w")
+    WeightReceiver(dest2, name_map={"layers.0.w": "first.w"}).check(layout)
+
+
+# ---------------------------------------------------------------------------------------
+# Ray: one cluster, four actors
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def actors() -> Iterator[dict[str, Any]]:
+    import ray
+
+    @ray.remote(enable_tensor_transport=True)
+    class Node:
+        def __init__(self) -> None:
+            ray_rdt_pool.register()
+            torch.set_num_threads(1)
+
+    ray_rdt_pool.register()
+    if ray.is_initialized():
+        ray.shutdown()
+    # address="local": a fresh cluster, never one that RAY_ADDRESS points to.
+    ray.init(address="local", num_cpus=4, include_dashboard=False,
+             runtime_env={"env_vars": ENV}, logging_level="warning")
+    try:
+        nodes = {name: Node.remote() for name in ("trainer", "r1", "r2")}
+        ray.get([n.__ray_call__.remote(_noop) for n in nodes.values()])
+        yield nodes
+        for n in nodes.values():
+            ray.kill(n)
+    finally:
+        ray.shutdown()
+
+
+def _noop(node: Any) -> None:
+    return None
+
+
+def _set(node: Any, attr: str, value: Any) -> None:
+    setattr(node, attr, value)
+
+
+def _setup_sender(node: Any, spec: Spec, seed: int, bucket_bytes: int) -> None:
+    node.state = make_state(spec, seed)
+    node.weight_sender = WeightSender(node.state, bucket_bytes=bucket_bytes)
+
+
+def _setup_receiver(node: Any, state: dict[str, torch.Tensor], **opts: Any) -> None:
+    node.state = state
+    node.weight_receiver = WeightReceiver(state, **opts)
+
+
+def _state(node: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in node.state.items()}
+
+
+def _perturb(node: Any) -> None:
+    with torch.no_grad():
+        for t in node.state.values():
+            if t.is_floating_point():
+                t.mul_(1.5).add_(0.25)
+
+
+def _stats(node: Any) -> Any:
+    return ray_rdt_pool.stats()
+
+
+def _publish(node: Any) -> Any:
+    return node.weight_sender.publish()
+
+
+def _load(node: Any, manifest: Any, release: bool = True, keep: bool = False) -> Any:
+    rep = node.weight_receiver.load(manifest, release=release)
+    if keep:
+        node.kept = manifest
+    return rep
+
+
+def call(actor: Any, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(fn, *args, **kw), timeout=120)
+
+
+def wait_drained(trainer: Any, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    st = call(trainer, _stats)
+    while (st.pool_used or st.live_objects) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        st = call(trainer, _stats)
+    assert st.pool_used == 0 and st.live_objects == 0, st
+    return st
+
+
+def assert_state_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                       dtype: torch.dtype | None = None) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        w = want[k] if dtype is None or not want[k].is_floating_point() else want[k].to(dtype)
+        assert got[k].dtype == w.dtype and torch.equal(got[k], w), k
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("mode", ["stream", "publish"])
+def test_sync_exact_and_direct_without_new_registrations(actors: dict[str, Any],
+                                                         mode: str) -> None:
+    tr, r1, r2 = actors["trainer"], actors["r1"], actors["r2"]
+    call(tr, _setup_sender, SMALL, 1, 4096)
+    call(r1, _setup_receiver, make_state(SMALL, 2))
+    call(r2, _setup_receiver, make_state(SMALL, 2), direct=False)
+    rep = sync(tr, [r1, r2], mode=mode)
+    want = call(tr, _state)
+    assert_state_equal(call(r1, _state), want)
+    assert_state_equal(call(r2, _state), want)
+    d, c = rep.loads
+    assert d.direct_buckets == d.buckets == rep.buckets > 1 and d.copied_buckets == 0
+    assert c.direct_buckets == 0 and c.copied_buckets == rep.buckets
+    # Warm: the receivers' parameters stay registered; no new NIXL registrations.
+    regs = call(r1, _stats).nixl_registrations
+    call(tr, _perturb)
+    sync(tr, [r1, r2], mode=mode)
+    assert_state_equal(call(r1, _state), call(tr, _state))
+    assert call(r1, _stats).nixl_registrations == regs
+    wait_drained(tr)
+
+
+@pytest.mark.ray
+def test_name_map_and_bf16_conversion(actors: dict[str, Any]) -> None:
+    tr, r1 = actors["trainer"], actors["r1"]
+    spec = {f"model.{k}": v for k, v in SMALL.items()}
+    spec["model.extra"] = ((3,), torch.float32)  # not in the destination: skipped
+    call(tr, _setup_sender, spec, 3, 4096)
+    dest = {k.removeprefix("model."): v.to(torch.bfloat16) if v.is_floating_point() else v
+            for k, v in make_state(spec, 4).items() if k != "model.extra"}
+    call(r1, _setup_receiver, dest,
+         name_map=lambda n: None if n == "model.extra" else n.removeprefix("model."))
+    for mode in ("stream", "publish"):
+        call(tr, _perturb)
+        rep = sync(tr, [r1], mode=mode)
+        assert rep.loads[0].copied_buckets == rep.buckets  # conversion: through the arena
+        assert rep.loads[0].skipped == 1
+        want = {k.removeprefix("model."): v for k, v in call(tr, _state).items()
+                if k != "model.extra"}
+        assert_state_equal(call(r1, _state), want, dtype=torch.bfloat16)
+    wait_drained(tr)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_mismatch_raises_before_anything_is_written(actors: dict[str, Any], kind: str) -> None:
+    tr, r1, r2 = actors["trainer"], actors["r1"], actors["r2"]
+    call(tr, _setup_sender, SMALL, 6, 4096)
+    good = make_state(SMALL, 7)
+    bad, opts = _mismatch(kind)
+    call(r1, _setup_receiver, good)
+    call(r2, _setup_receiver, bad, **opts)
+    put0 = call(tr, _stats).objects_put
+    with pytest.raises(KINDS[kind]):  # stream: every receiver validates before any put
+        sync(tr, [r1, r2], mode="stream")
+    assert call(tr, _stats).objects_put == put0
+    assert_state_equal(call(r1, _state), good)
+    assert_state_equal(call(r2, _state), {k: v.clone() for k, v in bad.items()})
+    # publish: the receiver validates the whole manifest before the first bucket
+    manifest = call(tr, _publish)
+    with pytest.raises(KINDS[kind]):
+        call(r2, _load, manifest)
+    assert_state_equal(call(r2, _state), bad)
+    del manifest
+    wait_drained(tr)
+
+
+@pytest.mark.ray
+def test_broadcast_frees_sender_blocks_after_last_holder(actors: dict[str, Any]) -> None:
+    import ray
+
+    tr, r1, r2 = actors["trainer"], actors["r1"], actors["r2"]
+    call(tr, _setup_sender, SMALL, 8, 4096)
+    call(r1, _setup_receiver, make_state(SMALL, 9))
+    call(r2, _setup_receiver, make_state(SMALL, 9))
+    manifest = call(tr, _publish)
+    nb = len(manifest.layout.buckets)
+    assert nb > 1 and call(tr, _stats).live_objects == nb
+    # Both load concurrently; r2 keeps its copy of the manifest (refs unreleased).
+    ray.get([r1.__ray_call__.remote(_load, manifest),
+             r2.__ray_call__.remote(_load, manifest, release=False, keep=True)])
+    want = call(tr, _state)
+    assert_state_equal(call(r1, _state), want)
+    assert_state_equal(call(r2, _state), want)
+    del manifest  # the driver's copy
+    time.sleep(1.0)
+    st = call(tr, _stats)
+    assert st.live_objects == nb and st.pool_used > 0  # r2 still holds the refs
+    call(r2, _set, "kept", None)  # the last holder lets go
+    st = wait_drained(tr)
+    assert st.fallbacks == 0
+
+
+@pytest.mark.ray
+def test_released_manifest_cannot_be_loaded_twice(actors: dict[str, Any]) -> None:
+    tr, r1 = actors["trainer"], actors["r1"]
+    call(tr, _setup_sender, SMALL, 10, 4096)
+    call(r1, _setup_receiver, make_state(SMALL, 11))
+    manifest = call(tr, _publish)
+    call(r1, _load, manifest, release=False, keep=True)  # keeps its copy with refs
+    with pytest.raises(ManifestReleasedError):
+        call(r1, _load_kept_twice)
+    del manifest
+    call(r1, _set, "kept", None)
+    wait_drained(tr)
+
+
+def _load_kept_twice(node: Any) -> None:
+    node.weight_receiver.load(node.kept)  # release=True consumes the refs
+    node.weight_receiver.load(node.kept)
+
+
+class FailingReceiver(WeightReceiver):
+    """Fails on one bucket, as a READ error would."""
+
+    fail_at = 2
+
+    def _load_bucket(self, plan: Any, ref: Any) -> Any:
+        if plan.index == self.fail_at:
+            raise RuntimeError(f"injected failure on bucket {plan.index}")
+        return super()._load_bucket(plan, ref)
+
+
+def _setup_failing(node: Any, state: dict[str, torch.Tensor]) -> None:
+    node.state = state
+    node.weight_receiver = FailingReceiver(state)
+
+
+@pytest.mark.ray
+def test_stream_failure_leaves_a_prefix_and_drains_the_pool(actors: dict[str, Any]) -> None:
+    tr, r1, r2 = actors["trainer"], actors["r1"], actors["r2"]
+    spec: Spec = {f"w{i}": ((32, 32), torch.float32) for i in range(8)}  # 8 buckets of 4 KiB
+    call(tr, _setup_sender, spec, 20, 4096)
+    call(r1, _setup_receiver, make_state(spec, 21))
+    before = make_state(spec, 21)
+    call(r2, _setup_failing, make_state(spec, 21))
+    with pytest.raises(RuntimeError, match="injected failure on bucket 2"):
+        sync(tr, [r1, r2], max_inflight=2)
+    want, got = call(tr, _state), call(r2, _state)
+    for i in range(8):  # bucket i holds w{i}: 0-1 loaded, 2 (failed) and later untouched
+        assert torch.equal(got[f"w{i}"], want[f"w{i}"] if i < 2 else before[f"w{i}"]), i
+    assert call(r2, _version) == 0
+    wait_drained(tr)
+
+
+def _version(node: Any) -> int:
+    return int(node.weight_receiver.version)
+
+
+BIG: Spec = {f"layer{i}.w": ((256, 256), torch.float32) for i in range(48)}  # 12 MiB
+BIG.update({f"layer{i}.b": ((256,), torch.float32) for i in range(48)})
+
+
+@pytest.mark.ray
+def test_stream_bounded_memory_and_pipelining_on_off(actors: dict[str, Any]) -> None:
+    tr, r1, r2 = actors["trainer"], actors["r1"], actors["r2"]
+    bucket = 1 << 20
+    call(tr, _setup_sender, BIG, 12, bucket)
+    results = {}
+    for inflight in (1, 2):
+        call(r1, _setup_receiver, make_state(BIG, 13))
+        call(r2, _setup_receiver, make_state(BIG, 13), direct=False)
+        rep = sync(tr, [r1, r2], mode="stream", max_inflight=inflight)
+        s = rep.stream
+        assert s is not None
+        model_bytes = sum(math.prod(shape) * 4 for shape, _dt in BIG.values())
+        assert s.nbytes == model_bytes > s.pool_capacity == POOL  # model larger than the pool
+        assert s.fallbacks == 0
+        assert len(s.pool_used_samples) == s.buckets >= 12
+        assert s.peak_pool_used <= min(s.pool_capacity, inflight * bucket)
+        results[inflight] = (call(r1, _state), call(r2, _state))
+        wait_drained(tr)
+    want = call(tr, _state)
+    for a, b in results.values():
+        assert_state_equal(a, want)
+        assert_state_equal(b, want)
+    assert call(tr, _stats).fallbacks == 0
+
+
+@pytest.mark.ray
+def test_stream_refuses_bucket_larger_than_pool(actors: dict[str, Any]) -> None:
+    tr, r1 = actors["trainer"], actors["r1"]
+    spec: Spec = {"huge": ((3 << 20,), torch.float32)}  # 12 MiB in one tensor > 8 MiB pool
+    call(tr, _setup_sender, spec, 14, 1 << 20)
+    call(r1, _setup_receiver, make_state(spec, 15))
+    put0 = call(tr, _stats).objects_put
+    with pytest.raises(PoolExhaustedError):
+        sync(tr, [r1])
+    assert call(tr, _stats).objects_put == put0
+
+
+def _setup_tied(node: Any, seed: int, tied: bool, sender: bool) -> None:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32, bias=False))
+    if tied:
+        m[1].weight = m[0].weight
+    node.model = m
+    node.state = dict(m.state_dict(keep_vars=True))
+    if sender:
+        node.weight_sender = WeightSender(m, bucket_bytes=4096)
+    else:
+        node.weight_receiver = WeightReceiver(m)
+
+
+def _is_tied(node: Any) -> bool:
+    return node.model[1].weight is node.model[0].weight
+
+
+@pytest.mark.ray
+def test_tied_weights_module(actors: dict[str, Any]) -> None:
+    tr, r1, r2 = actors["trainer"], actors["r1"], actors["r2"]
+    call(tr, _setup_tied, 16, True, True)
+    call(r1, _setup_tied, 17, True, False)
+    call(r2, _setup_tied, 17, False, False)  # untied receiver: both names written
+    sync(tr, [r1, r2])
+    want = call(tr, _state)
+    assert_state_equal(call(r1, _state), want)
+    assert_state_equal(call(r2, _state), want)
+    assert call(r1, _is_tied) and not call(r2, _is_tied)
+    wait_drained(tr)
+
+
+# ---------------------------------------------------------------------------------------
+# The example, as a subprocess driver attached to this module's cluster
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.ray
+def test_example_weight_sync_runs(actors: dict[str, Any]) -> None:
+    import ray
+
+    env = {**os.environ, "RAY_RDT_POOL_BYTES": "256K", "RAY_RDT_POOL_ARENA_BYTES": "4M",
+           "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "weight_sync.py"),
+                          "--steps", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=400, check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "OK: all checks passed" in out.stdout
+    assert out.stdout.count("fp32 bit-exact [True, True]  bf16 bit-exact True") == 2
