@@ -597,6 +597,7 @@ class Runtime:
             self.c["objects_freed"] += 1
             rec.keepalive.clear()
             self._drain()
+            self.changed.notify_all()
         if self.observer is not None:
             self.observer.on_free(self)
 
@@ -798,6 +799,25 @@ class Runtime:
         if self.observer is not None:
             self.observer.on_fetch(self, req.meta.total, time.perf_counter() - req.t_start)
         return tensors
+
+    def wait_for(self, predicate: Callable[[TransportStats], bool], timeout_s: float
+                 ) -> TransportStats | None:
+        """Block until ``predicate(stats())`` holds; None after ``timeout_s``.
+
+        Woken by every free, so a sender that streams buckets waits for pool space
+        without polling.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            while True:
+                st = self.stats()
+                if predicate(st):
+                    return st
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                # Bounded: arena blocks return through finalizers, which do not notify.
+                self.changed.wait(min(remaining, 0.05))
 
     def abort(self, obj_id: str) -> None:
         """Make a READ of ``obj_id`` in progress (or about to start) give up."""

@@ -635,22 +635,23 @@ def _wait_for_pool(nbytes: int, limit: int, capacity: int, timeout_s: float) -> 
 
     Returns the seconds waited.
     """
-    t0 = time.monotonic()
-    delay = 0.0002
-    while True:
-        s = _stats()
+    from ray_rdt_pool.transport import runtime
+
+    def fits(s: Any) -> bool:
         used = s.pool_used if s.pool_capacity else 0
         free = s.pool_free if s.pool_capacity else capacity
-        if free >= nbytes and used + nbytes <= limit:
-            return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout_s:
-            raise WeightSyncTimeoutError(
-                f"for {timeout_s}s the sender pool had {fmt_bytes(int(used))} in use of "
-                f"{fmt_bytes(capacity)} (this stream may use up to {fmt_bytes(limit)}), but "
-                f"the next bucket needs {fmt_bytes(nbytes)}; other objects hold the pool "
-                "(drop their refs) or a receiver is stuck")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.001)
+        return bool(free >= nbytes and used + nbytes <= limit)
+
+    t0 = time.monotonic()
+    if runtime().wait_for(fits, timeout_s) is None:
+        s = _stats()
+        used = s.pool_used if s.pool_capacity else 0
+        raise WeightSyncTimeoutError(
+            f"for {timeout_s}s the sender pool had {fmt_bytes(int(used))} in use of "
+            f"{fmt_bytes(capacity)} (this stream may use up to {fmt_bytes(limit)}), but "
+            f"the next bucket needs {fmt_bytes(nbytes)}; other objects hold the pool "
+            "(drop their refs) or a receiver is stuck")
+    return time.monotonic() - t0
 
 
 def _summarise(version: int, reports: Sequence[BucketReport], skipped: int = 0) -> LoadReport:
