@@ -32,9 +32,11 @@ __all__ = [
     "pack_torch",
     "rebuild",
     "torch_dtype",
+    "unpack_into",
 ]
 
 _memmove = ctypes.memmove
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 _NAME_BY_DTYPE: dict[Any, str] = {}
 _DTYPE_BY_NAME: dict[str, Any] = {}
@@ -178,17 +180,34 @@ class HostRegion:
             flags |= mmap.MAP_POPULATE
         self.nbytes = nbytes
         self._map = mmap.mmap(-1, nbytes, flags=flags)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                self._map.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:
-                pass
+        # No MADV_HUGEPAGE: on this kind of host, first touches of huge pages stalled for
+        # compaction (440 ms for 66 MiB once, against 50 ms with 4 KiB pages).
+        self._populated = nbytes if prefault else 0
         self.array: np.ndarray = np.frombuffer(self._map, dtype=np.uint8)
         self.tensor: torch.Tensor = torch.from_numpy(self.array)
         self.addr: int = self.tensor.data_ptr()
         self.device = "cpu"
         self.device_id = 0
         self.torch_device = "cpu"
+
+    def populate(self, end: int) -> None:
+        """Fault in pages up to ``end`` in one kernel call, ahead of a copy or READ.
+
+        Blocks are handed out lowest offset first and pages are never returned, so a
+        high-water mark is enough. ``MADV_POPULATE_WRITE`` (Linux 5.14) faults about
+        twice as fast as first touches one page at a time; where it is missing, pages
+        simply fault on first use.
+        """
+        if end <= self._populated:
+            return
+        page = mmap.PAGESIZE
+        start = self._populated // page * page
+        stop = min(self.nbytes, -(-end // page) * page)
+        try:
+            self._map.madvise(_MADV_POPULATE_WRITE, start, stop - start)
+        except (OSError, ValueError):
+            pass
+        self._populated = stop
 
 
 class CudaRegion:
@@ -296,6 +315,30 @@ def rebuild(block: torch.Tensor, runs: Sequence[TensorRun],
         flat = block[start:start + each * run.count].view(dt)
         out.extend(flat.view((run.count, *run.shape)).unbind(0))
     return out
+
+
+def unpack_into(targets: Sequence[torch.Tensor], offsets: Sequence[int], base: int,
+                total: int, device: str, device_id: int) -> None:
+    """Copy each tensor of a received object from its block at ``base`` into ``targets``.
+
+    Host to host is one memmove per tensor; anything involving CUDA goes through torch
+    views of the block and is finished before returning.
+    """
+    if device == "cpu" and all(t.is_cpu for t in targets):
+        for t, off in zip(targets, offsets):
+            n = t.numel() * t.element_size()
+            if n:
+                _memmove(t.data_ptr(), base + off, n)
+        return
+    import torch
+
+    block = device_block(base, total, device, device_id, None)
+    for t, off in zip(targets, offsets):
+        n = t.numel() * t.element_size()
+        if n:
+            t.copy_(block[off:off + n].view(t.dtype).view(t.shape))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def empty_like_run_list(runs: Sequence[TensorRun], device: str = "cpu") -> list[torch.Tensor]:

@@ -62,6 +62,7 @@ from ray_rdt_pool.tensors import (
     pack_into,
     pack_torch,
     rebuild,
+    unpack_into,
 )
 from ray_rdt_pool.wire import WireMeta, decode, encode, runs_from
 
@@ -180,6 +181,9 @@ class KVDirectory:
 # ---------------------------------------------------------------------------------------
 
 
+_SEEN_TAG = -1  # marks a dead first-sighting in the release queue (ids are never negative)
+
+
 class _RegEntry:
     __slots__ = ("handle", "key", "pins", "users")
 
@@ -208,6 +212,7 @@ class RegistrationCache:
         self._entries: dict[tuple[int, int, str, int], _RegEntry] = {}
         self._tracked: dict[int, tuple[int, int, str, int]] = {}
         self._dead: deque[tuple[int, tuple[int, int, str, int]]] = deque()
+        self._seen: set[tuple[int, int, str, int]] = set()
         self._pinned_sorted: list[tuple[int, int]] = []  # (start, end) of pinned extents
 
     @staticmethod
@@ -219,7 +224,10 @@ class RegistrationCache:
         """Apply queued releases; True if any registration was dropped."""
         changed = False
         while self._dead:
-            _tid, key = self._dead.popleft()
+            tid, key = self._dead.popleft()
+            if tid == _SEEN_TAG:
+                self._seen.discard(key)
+                continue
             entry = self._entries.get(key)
             if entry is None:
                 continue
@@ -252,6 +260,20 @@ class RegistrationCache:
             entry.users += 1
             weakref.finalize(t, self._on_dead, tid, key)
         return entry, new
+
+    def acquire_if_seen(self, t: torch.Tensor) -> bool:
+        """Register ``t``'s storage if it is registered already or was seen before.
+
+        The first sighting is only noted (until the tensor dies), so one-off buffers
+        never pay a registration; a buffer that comes back is registered and cached.
+        """
+        key = self.key_of(t)
+        if key in self._entries or key in self._seen:
+            self.acquire(t)
+            return True
+        self._seen.add(key)
+        weakref.finalize(t, self._dead.append, (_SEEN_TAG, key))
+        return False
 
     def pin(self, t: torch.Tensor) -> bool:
         entry, new = self.acquire(t)
@@ -484,6 +506,8 @@ class Runtime:
                 segments = self._register_fallback(tensors, offsets, d.nbytes, keepalive)
             else:
                 t_copy = time.perf_counter()
+                if blocks and isinstance(pool.mem, HostRegion):
+                    pool.mem.populate(max(o + n for o, n in blocks))
                 if torch_path:
                     self._pack_cuda(tensors, d, local_offsets, blocks, pool, copy_idx)
                 else:
@@ -681,11 +705,16 @@ class Runtime:
         self._acquire_remote(meta)
         req.remote = meta.agent
         try:
-            if targets:
+            if targets and self._targets_registered(targets):
                 local, remote = self._target_descs(targets, meta)
                 req.tensors = list(targets)
                 local_mem = _MEM[targets[0].device.type]
             else:
+                if targets:
+                    # Buffers seen for the first time: registering each storage would cost
+                    # more than one copy, so read into the arena and copy out. Buffers that
+                    # come back (a weight-sync loop) are registered and read in place.
+                    req.copy_into = list(targets)
                 base, local_mem, dev = self._reserve_receive(req, meta.total)
                 local = [(base + v, n, dev) for v, _a, n in meta.segments]
                 remote = [(a, n, meta.device_id) for _v, a, n in meta.segments]
@@ -716,6 +745,8 @@ class Runtime:
             except PoolExhaustedError:
                 block = None
             if block is not None:
+                if isinstance(arena.mem, HostRegion):
+                    arena.mem.populate(block[0] + block[1])
                 req.arena_key = key
                 req.arena_offset = block[0]
                 return arena.mem.addr + block[0], arena.mem_type, arena.mem.device_id
@@ -734,12 +765,15 @@ class Runtime:
             self.c["registrations"] += 1
             return handle
 
-    def _target_descs(self, targets: Sequence[torch.Tensor], meta: WireMeta
-                      ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    def _targets_registered(self, targets: Sequence[torch.Tensor]) -> bool:
+        """True when every target's storage is (now) registered: on its second sighting."""
         with self.lock:
             self._drain()
-            for t in targets:
-                self.regs.acquire(t)
+            seen = [self.regs.acquire_if_seen(t) for t in targets]
+        return all(seen)
+
+    def _target_descs(self, targets: Sequence[torch.Tensor], meta: WireMeta
+                      ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
         seg_starts = [s[0] for s in meta.segments]
         local: list[tuple[int, int, int]] = []
         remote: list[tuple[int, int, int]] = []
@@ -953,6 +987,7 @@ class PoolFetch(FetchRequest):
     temp: Any = None
     temp_handle: Any = None
     ndescs: int = 0
+    copy_into: Any = None
     t_start: float = 0.0
     done: bool = False
     released: bool = False
@@ -992,7 +1027,9 @@ class PoolFetch(FetchRequest):
         with rt.lock:
             rt.c["objects_received"] += 1
             rt.c["bytes_received"] += meta.total
-        if not self.tensors:
+        if self.copy_into is not None:
+            self._copy_out(rt, meta)
+        elif not self.tensors:
             if self.arena_key is not None:
                 key = self.arena_key
                 self.arena_key = None
@@ -1009,6 +1046,21 @@ class PoolFetch(FetchRequest):
             logger.debug("fetched %s: %d tensors, %d bytes, %d descriptors", self.obj_id,
                          meta.num_tensors, meta.total, self.ndescs)
         return self.tensors
+
+    def _copy_out(self, rt: Runtime, meta: WireMeta) -> None:
+        """Copy a received object from its arena block into the caller's buffers."""
+        if self.arena_key is not None:
+            mem = rt.arena.mem  # type: ignore[union-attr]
+            base, device, dev_id = mem.addr + self.arena_offset, mem.device, mem.device_id
+        else:
+            base, device, dev_id = self.temp.data_ptr(), self.temp.device.type, 0
+        unpack_into(self.copy_into, meta.tensor_offsets(), base, meta.total, device, dev_id)
+        self.tensors = self.copy_into
+        self.copy_into = None
+        self.temp = None
+        if self.arena_key is not None:
+            rt._arena_dead.append(self.arena_key)
+            self.arena_key = None
 
     def __del__(self) -> None:
         if not self.released:

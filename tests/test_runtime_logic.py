@@ -154,15 +154,26 @@ def test_full_arena_falls_back_to_a_registered_buffer_and_releases_it(world):
     assert st.nixl_registrations == st.nixl_deregistrations + 1  # only the arena stays
 
 
-def test_target_buffers_receive_in_place(world):
+def test_target_buffers_copy_first_then_register_once_and_read_in_place(world):
     s, r = make(world), make(world)
     ts = [torch.randn(33, 3), torch.arange(12, dtype=torch.int16)]
     bufs = [torch.zeros(33, 3), torch.zeros(12, dtype=torch.int16)]
-    out = roundtrip(s, r, "a", ts, bufs)
+    out = roundtrip(s, r, "a", ts, bufs)  # first sighting: arena + copy, no registration
     assert all(a is b for a, b in zip(out, bufs)) and same(bufs, ts)
+    first = r.stats()
+    assert first.nixl_registrations == 1 and first.arena_used == 0  # just the arena
+    ts2 = [t + 1 for t in ts]
+    roundtrip(s, r, "b", ts2, bufs)  # they came back: registered, read in place
+    assert same(bufs, ts2)
     regs = r.stats().nixl_registrations
-    roundtrip(s, r, "b", ts, bufs)
-    assert r.stats().nixl_registrations == regs  # cached while the buffers live
+    assert regs == 3
+    last = r.backend().xfers[max(r.backend().xfers)]
+    assert {a for a, _, _ in last.local} <= {b.data_ptr() for b in bufs}
+    roundtrip(s, r, "c", ts, bufs)
+    assert same(bufs, ts) and r.stats().nixl_registrations == regs  # cached
+    fresh = [torch.zeros(33, 3), torch.zeros(12, dtype=torch.int16)]
+    roundtrip(s, r, "d", ts, fresh)  # one-off buffers never pay a registration
+    assert same(fresh, ts) and r.stats().nixl_registrations == regs
 
 
 def test_target_buffer_mismatch_is_rejected_before_any_read(world):
