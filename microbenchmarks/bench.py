@@ -1,0 +1,766 @@
+"""Side-by-side benchmark CLI: Ray's object store, Ray's NIXL variants and our NIXL_POOL.
+
+``make bench`` runs ``python -m microbenchmarks.bench --quick --out bench-results``; the
+full run drops ``--quick``. See docs/benchmarks.md for the figures and what they mean.
+
+Each transfer is one repetition of this chain (``--fetch get``, the default)::
+
+    driver  t0 = monotonic(); receiver.consume.remote(sender.produce.remote())
+    sender  produce(): ray.put(tensors[, _tensor_transport=...]) -> returns [ref]
+    receiver consume([ref]): [set_target_for_ref]; ray.get(ref) -> t_got; checksum
+    driver  sender.wait_released(): when the sender's RDT store (and our pool) freed it
+
+Phases (all from ``time.monotonic()``, one clock for every process on this machine):
+
+* ``put``: the sender's ``ray.put`` call alone (serialize, RDT metadata, pool copy).
+* ``fetch``: the receiver's ``set_target_for_ref`` (target variants) + ``ray.get``.
+* ``e2e``: from the driver submitting ``produce`` to ``ray.get`` returning in the
+  receiver with every tensor in its memory (``t_got - t0``). The checksums (both sides)
+  and the sender's in-place update happen outside this interval for every variant.
+* ``release``: from the end of the receiver's method (its tensors and ref dropped) to
+  the moment the sender's RDT store has run the transport's ``garbage_collect`` and
+  dropped the object; for our transport also until ``ray_rdt_pool.stats()`` shows an
+  empty pool. n/a for the object-store variants.
+* ``GB/s``: payload bytes / median e2e. ``meta B``: ``len(pickle.dumps(metadata))`` of
+  the object's tensor-transport metadata, taken in the sender (n/a without RDT).
+
+With ``--fetch arg`` the sender returns the tensors from an RDT method and the receiver
+takes them as a task argument: ``e2e`` ends when the receiver's method starts (Ray
+fetched the tensors before calling it); ``put`` and ``fetch`` are not observable.
+
+Every transfer is verified: the sender changes every word in place before each
+repetition and checksums its tensors; the receiver checksums what it got; a mismatch
+fails the run (exit status 2) naming the variant, workload and repetition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from microbenchmarks import _bench_env as E
+from microbenchmarks import _bench_report as R
+from microbenchmarks import _bench_workloads as W
+from microbenchmarks._bench_actors import (
+    OUR_VARIANTS,
+    RAY_VARIANTS,
+    VARIANT_NAMES,
+    ZERO_COPY_ENV,
+    Receiver,
+    Sender,
+    Variant,
+    our_transport_unavailable_reason,
+    register_ours,
+    variant_by_name,
+)
+
+_MIB = 1 << 20
+
+
+class BenchError(RuntimeError):
+    """A variant could not be set up or measured as configured."""
+
+
+@dataclasses.dataclass
+class Config:
+    quick: bool
+    sizes: W.Sizes
+    variants: list[str]
+    workloads: list[str]
+    reps: int
+    warmup: int
+    nodes: int
+    schedule: str
+    fetch: str
+    idle_s: float
+    timeout_s: float
+    release_timeout_s: float
+    pool_bytes: int
+    object_store_bytes: int
+    seed: int
+    actor_logs: bool
+    ucx_probe: bool
+    json_path: str | None
+    plot_path: str | None
+    out_dir: str | None
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _csv(text: str, allowed: Sequence[str], what: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if items == ["all"]:
+        return list(allowed)
+    bad = [x for x in items if x not in allowed]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown {what}: {', '.join(bad)} (choose from {', '.join(allowed)} or 'all')")
+    return items
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m microbenchmarks.bench",
+        description="Side-by-side RDT benchmark: object store, Ray NIXL variants, NIXL_POOL.",
+        epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes and few repetitions (about a minute here)")
+    p.add_argument("--variants", default="all",
+                   help=f"comma list of {', '.join(VARIANT_NAMES)} (default all)")
+    p.add_argument("--workloads", default="all",
+                   help=f"comma list of {', '.join(W.WORKLOADS)} (default all)")
+    p.add_argument("--reps", type=int, help="measured repetitions (default 5; quick 3)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="unmeasured first repetitions per workload (default 1)")
+    p.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                   help="2: a 2-node Ray cluster on this machine, sender and receiver apart")
+    p.add_argument("--schedule", choices=("sequential", "interleaved"), default="sequential",
+                   help="sequential: each variant's actors alone; interleaved: all alive, "
+                        "repetitions alternate between variants")
+    p.add_argument("--fetch", choices=("get", "arg"), default="get",
+                   help="get: ray.get of a nested ref in the receiver; arg: task argument")
+    sizes = p.add_argument_group("sizes (defaults: full run; --quick shrinks them)")
+    for field in dataclasses.fields(W.Sizes):
+        flag = "--" + field.name.replace("_", "-")
+        sizes.add_argument(flag, type=int, dest=field.name,
+                           help=f"default {getattr(W.FULL_SIZES, field.name)}, "
+                                f"quick {getattr(W.QUICK_SIZES, field.name)}")
+    p.add_argument("--idle-s", type=float, help="idle CPU window (default 1.0; quick 0.5)")
+    p.add_argument("--timeout-s", type=float, default=180.0, help="per-transfer timeout")
+    p.add_argument("--pool-mib", type=int,
+                   help="pool size for nixl_pool_ray and ours (default: fits the largest "
+                        "workload with 25%% slack)")
+    p.add_argument("--object-store-mib", type=int, default=2560,
+                   help="object store per node (default 2560)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--actor-logs", action="store_true", help="forward actor logs")
+    p.add_argument("--no-ucx-probe", action="store_true",
+                   help="skip the UCX protocol probe (a tiny NIXL READ in a subprocess)")
+    p.add_argument("--json", metavar="PATH", help="write every sample and the summary")
+    p.add_argument("--plot", metavar="PATH.png", help="write the chart")
+    p.add_argument("--out", metavar="DIR",
+                   help="write DIR/bench-<timestamp>.json/.png and latest.json/.png")
+    return p
+
+
+def parse_config(argv: Sequence[str] | None) -> Config:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        variants = _csv(a.variants, VARIANT_NAMES, "variant")
+        workloads = _csv(a.workloads, W.WORKLOADS, "workload")
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+    base = W.QUICK_SIZES if a.quick else W.FULL_SIZES
+    overrides = {f.name: getattr(a, f.name) for f in dataclasses.fields(W.Sizes)
+                 if getattr(a, f.name) is not None}
+    sizes = dataclasses.replace(base, **overrides)
+    largest = max(W.payload_bytes(W.make_spec(w, sizes)) for w in workloads)
+    pool = a.pool_mib * _MIB if a.pool_mib else _round_up(int(largest * 1.25) + 8 * _MIB, _MIB)
+    reps = a.reps if a.reps is not None else (3 if a.quick else 5)
+    if reps < 1 or a.warmup < 0:
+        parser.error("--reps must be >= 1 and --warmup >= 0")
+    return Config(
+        quick=a.quick, sizes=sizes, variants=variants, workloads=workloads, reps=reps,
+        warmup=a.warmup, nodes=a.nodes, schedule=a.schedule, fetch=a.fetch,
+        idle_s=a.idle_s if a.idle_s is not None else (0.5 if a.quick else 1.0),
+        timeout_s=a.timeout_s, release_timeout_s=min(30.0, a.timeout_s), pool_bytes=pool,
+        object_store_bytes=a.object_store_mib * _MIB, seed=a.seed, actor_logs=a.actor_logs,
+        ucx_probe=not a.no_ucx_probe, json_path=a.json, plot_path=a.plot, out_dir=a.out)
+
+
+def _round_up(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """A one-line progress bar on stderr (a plain line per step when not a terminal)."""
+
+    def __init__(self, total: int, stream: Any = None) -> None:
+        self.total = max(1, total)
+        self.done = 0
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.start = time.monotonic()
+        self._label = ""
+        self._last_group = ""
+
+    def _render(self) -> None:
+        frac = self.done / self.total
+        bar = "#" * int(frac * 30)
+        text = (f"[{bar:<30}] {self.done}/{self.total} {self._label} "
+                f"{time.monotonic() - self.start:5.1f}s")
+        if self.tty:
+            self.stream.write("\r" + text[:120].ljust(120))
+            self.stream.flush()
+        else:
+            group = self._label.split(" ")[0]
+            if group != self._last_group:
+                self._last_group = group
+                self.stream.write(text + "\n")
+                self.stream.flush()
+
+    def label(self, text: str) -> None:
+        self._label = text
+        self._render()
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        self._render()
+
+    def note(self, text: str) -> None:
+        """Print a line without breaking the bar."""
+        if self.tty:
+            self.stream.write("\r" + " " * 120 + "\r")
+        self.stream.write(text + "\n")
+        self.stream.flush()
+        if self.tty:
+            self._render()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def proc_cpu(pid: int) -> tuple[float, int] | None:
+    """(user+system CPU seconds, thread count) of a process, from /proc/<pid>/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks, int(fields[17])
+
+
+def measure_idle(pids: dict[str, dict[str, int]], window_s: float) -> dict[str, Any]:
+    """CPU cores each process used while nothing was sent, over ``window_s``."""
+    before = {(v, role): proc_cpu(pid) for v, roles in pids.items() for role, pid in roles.items()}
+    t0 = time.monotonic()
+    time.sleep(window_s)
+    wall = time.monotonic() - t0
+    out: dict[str, Any] = {}
+    for (v, role), b in before.items():
+        a = proc_cpu(pids[v][role])
+        out.setdefault(v, {})[role] = None if a is None or b is None else {
+            "cores": round((a[0] - b[0]) / wall, 3), "threads": a[1], "window_s": round(wall, 3)}
+    return out
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+@dataclasses.dataclass
+class Pair:
+    variant: Variant
+    sender: Any
+    receiver: Any
+    infos: dict[str, Any]
+    broken: bool = False
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {role: info["pid"] for role, info in self.infos.items()}
+
+
+_CLASSES: dict[tuple[str, bool], Any] = {}
+
+
+def _actor_class(role: str, rdt: bool) -> Any:
+    """``ray.remote`` class for a role, with or without ``enable_tensor_transport``."""
+    import ray
+
+    key = (role, rdt)
+    if key not in _CLASSES:
+        base = Sender if role == "sender" else Receiver
+        cls = type(f"{base.__name__}{'RDT' if rdt else 'Plain'}", (base,), {})
+        _CLASSES[key] = ray.remote(num_cpus=0, enable_tensor_transport=rdt)(cls)
+    return _CLASSES[key]
+
+
+def make_pair(variant: Variant, cfg: Config) -> Pair:
+    """Start the variant's sender and receiver, wait until both are ready, check them."""
+    import ray
+
+    env = {ZERO_COPY_ENV: "1"} if variant.zero_copy else {}
+    handles = {}
+    for role in ("sender", "receiver"):
+        opts: dict[str, Any] = {"resources": {role: 1}, "max_restarts": 0}
+        if env:
+            opts["runtime_env"] = {"env_vars": env}
+        handles[role] = _actor_class(role, variant.rdt).options(**opts).remote(
+            variant, cfg.pool_bytes)
+    infos = dict(zip(handles, ray.get([h.info.remote() for h in handles.values()],
+                                      timeout=cfg.timeout_s)))
+    pair = Pair(variant, handles["sender"], handles["receiver"], infos)
+    zc = infos["sender"]["zero_copy_active"]
+    if zc != variant.zero_copy:
+        kill_pair(pair)
+        raise BenchError(
+            f"{variant.name}: {ZERO_COPY_ENV} is {'on' if zc else 'off'} in the sender's "
+            f"serializer, expected {'on' if variant.zero_copy else 'off'}")
+    if cfg.nodes == 2 and infos["sender"]["node_id"] == infos["receiver"]["node_id"]:
+        kill_pair(pair)
+        raise BenchError(f"{variant.name}: sender and receiver landed on the same node")
+    return pair
+
+
+def kill_pair(pair: Pair, wait_s: float = 20.0) -> None:
+    """Kill both actors and wait until their processes are gone."""
+    import ray
+
+    for h in (pair.sender, pair.receiver):
+        try:
+            ray.kill(h, no_restart=True)
+        except Exception:
+            pass
+    deadline = time.monotonic() + wait_s
+    pids = list(pair.pids.values())
+    while time.monotonic() < deadline and not all(_pid_gone(p) for p in pids):
+        time.sleep(0.05)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+class Runner:
+    """Runs the configured variants and workloads and collects samples."""
+
+    def __init__(self, cfg: Config, progress: Progress) -> None:
+        self.cfg = cfg
+        self.progress = progress
+        self.samples: list[dict[str, Any]] = []
+        self.failures: list[str] = []
+        self.mismatches: list[str] = []
+        self.variant_info: dict[str, dict[str, Any]] = {}
+        self.skipped: dict[str, dict[str, str]] = {}
+        self.idle: dict[str, Any] = {}
+        self._ours_registered = False
+        order = [w for w in W.WORKLOADS if w in cfg.workloads]
+        # sync first, on fresh actors, so its first iteration is really cold.
+        self.workload_order = (["sync"] if "sync" in order else []) + [
+            w for w in order if w != "sync"]
+        self.specs = {w: W.make_spec(w, cfg.sizes) for w in self.workload_order}
+        self.payloads = {w: W.payload_bytes(s) for w, s in self.specs.items()}
+
+    def skip_reason(self, variant: Variant, workload: str) -> str | None:
+        """Why a variant/workload pair is not measured (None: it is).
+
+        Plain pickling of a row view (no zero-copy) writes the view's whole base storage,
+        so ``objstore`` would serialize rows x weight bytes for ``views``; past half the
+        object store that cannot finish in a sane time (or at all).
+        """
+        if variant.transport is None and not variant.zero_copy and workload == "views":
+            s = self.cfg.sizes
+            serialized = s.views_rows * s.views_rows * s.views_cols * 4
+            if serialized > self.cfg.object_store_bytes // 2:
+                return (f"pickle writes each view's whole {self.payloads[workload] / _MIB:.1f}"
+                        f" MiB base storage: {s.views_rows:,} views would serialize "
+                        f"{serialized / (1 << 30):.1f} GiB (> half the object store)")
+        return None
+
+    def n_transfers(self, workload: str) -> int:
+        spec = self.specs[workload]
+        return spec.iterations if spec.is_sync else self.cfg.warmup + self.cfg.reps
+
+    def _fail(self, text: str) -> None:
+        self.failures.append(text)
+        self.progress.note("FAIL: " + text)
+
+    # -- availability ---------------------------------------------------------------
+
+    def availability(self) -> dict[str, str]:
+        """Reasons for variants that cannot run here (empty when all can)."""
+        out = {}
+        ours_reason = (our_transport_unavailable_reason()
+                       if any(v in OUR_VARIANTS for v in self.cfg.variants) else None)
+        for name in self.cfg.variants:
+            v = variant_by_name(name)
+            if v.ours and ours_reason:
+                out[name] = ours_reason
+            elif v.target and self.cfg.fetch == "arg":
+                out[name] = "set_target_for_ref needs the ray.get path (--fetch get)"
+        return out
+
+    def _register_ours_in_driver(self) -> None:
+        if not self._ours_registered:
+            register_ours(None)
+            self._ours_registered = True
+
+    # -- one transfer ---------------------------------------------------------------
+
+    def transfer(self, pair: Pair, workload: str, rep: int, kind: str) -> dict[str, Any]:
+        import ray
+
+        cfg, v = self.cfg, pair.variant
+        sample: dict[str, Any] = {"variant": v.name, "workload": workload, "rep": rep,
+                                  "kind": kind, "payload_bytes": self.payloads[workload],
+                                  "fetch_path": cfg.fetch}
+        try:
+            upd = ray.get(pair.sender.refresh.remote(rep), timeout=cfg.timeout_s)
+            sample.update(sender_update_s=upd["update_s"], sender_checksum_s=upd["checksum_s"],
+                          checksum_sender=upd["checksum"])
+            if cfg.fetch == "get":
+                t0 = time.monotonic()
+                res = ray.get(pair.receiver.consume.remote(pair.sender.produce.remote()),
+                              timeout=cfg.timeout_s)
+            else:
+                method = pair.sender.produce_ret
+                if v.transport is not None:
+                    method = method.options(tensor_transport=v.transport)
+                t0 = time.monotonic()
+                res = ray.get(pair.receiver.consume_arg.remote(method.remote()),
+                              timeout=cfg.timeout_s)
+            rel = ray.get(pair.sender.wait_released.remote(cfg.release_timeout_s),
+                          timeout=cfg.timeout_s + cfg.release_timeout_s)
+        except Exception as exc:
+            sample["error"] = f"{type(exc).__name__}: {exc}"
+            sample["traceback"] = traceback.format_exc(limit=8)
+            self._fail(f"variant={v.name} workload={workload} rep={rep}: "
+                       f"{sample['error'].splitlines()[0][:300]}")
+            return sample
+        got = res["r_got"]
+        sample.update(
+            e2e_s=got - t0,
+            put_s=res["s_put_end"] - res["s_start"] if "s_start" in res else None,
+            fetch_s=got - res["r_start"] if cfg.fetch == "get" else None,
+            dispatch_s=res["s_start"] - t0 if "s_start" in res else None,
+            handoff_s=res["r_start"] - res["s_put_end"] if "s_put_end" in res else None,
+            receiver_checksum_s=res["checksum_s"],
+            checksum_receiver=res["checksum"],
+            n_tensors_received=res["n_tensors"],
+            into_targets=res["into_targets"],
+            meta_bytes=rel["meta_bytes"],
+            release_s=(rel["freed_at"] - res["r_end"]) if rel["freed_at"] else None,
+            release_timed_out=bool(v.rdt and rel["freed_at"] is None),
+            gbps=self.payloads[workload] / (got - t0) / 1e9,
+        )
+        if rel.get("stats") is not None:
+            sample["sender_stats"] = rel["stats"]
+        sample["checksum_ok"] = res["checksum"] == upd["checksum"]
+        if not sample["checksum_ok"]:
+            msg = (f"CHECKSUM MISMATCH variant={v.name} workload={workload} rep={rep}: "
+                   f"sender {upd['checksum']:#x}, receiver {res['checksum']:#x} "
+                   f"({res['n_tensors']} tensors received)")
+            self.mismatches.append(msg)
+            self.progress.note(msg)
+        if v.rdt and rel["freed_at"] is None:
+            self.progress.note(f"warning: {v.name}/{workload} rep {rep}: object not freed "
+                               f"within {cfg.release_timeout_s:.0f} s (release n/a)")
+        if res["into_targets"] is False:
+            self.progress.note(f"warning: {v.name}/{workload} rep {rep}: tensors were not "
+                               "fetched into the target buffers")
+        return sample
+
+    # -- one workload on one pair ----------------------------------------------------
+
+    def _setup_workload(self, pair: Pair, workload: str) -> None:
+        import ray
+
+        spec = self.specs[workload]
+        ray.get([pair.sender.build.remote(spec, self.cfg.seed),
+                 pair.receiver.prepare.remote(spec)], timeout=self.cfg.timeout_s)
+
+    def _teardown_workload(self, pair: Pair, workload: str) -> None:
+        import ray
+
+        try:
+            ray.get([pair.sender.drop.remote(), pair.receiver.drop.remote()],
+                    timeout=self.cfg.timeout_s)
+            if pair.variant.ours:
+                stats = ray.get(pair.sender.stats.remote(), timeout=self.cfg.timeout_s)
+                self.variant_info[pair.variant.name].setdefault(
+                    "sender_stats_after", {})[workload] = stats
+        except Exception as exc:
+            pair.broken = True
+            self._fail(f"variant={pair.variant.name} workload={workload}: teardown failed: "
+                       f"{type(exc).__name__}: {exc}")
+
+    def _kind(self, workload: str, i: int) -> str:
+        if self.specs[workload].is_sync:
+            return "cold" if i == 0 else "warm"
+        return "warmup" if i < self.cfg.warmup else "measured"
+
+    def _run_one(self, pair: Pair, workload: str, i: int) -> None:
+        self.progress.label(f"{pair.variant.name}/{workload} {i + 1}/{self.n_transfers(workload)}")
+        sample = self.transfer(pair, workload, i, self._kind(workload, i))
+        self.samples.append(sample)
+        if sample.get("error"):
+            pair.broken = True
+        self.progress.advance()
+
+    def _new_pair(self, name: str) -> Pair | None:
+        v = variant_by_name(name)
+        try:
+            if v.ours:
+                self._register_ours_in_driver()
+            pair = make_pair(v, self.cfg)
+        except Exception as exc:
+            self._fail(f"variant={name}: setup failed: {type(exc).__name__}: {exc}")
+            self.variant_info[name]["setup_error"] = f"{type(exc).__name__}: {exc}"
+            return None
+        self.variant_info[name]["actors"] = pair.infos
+        return pair
+
+    def run(self, unavailable: dict[str, str]) -> None:
+        names = [n for n in self.cfg.variants if n not in unavailable]
+        for n in self.cfg.variants:
+            v = variant_by_name(n)
+            self.variant_info[n] = {"available": n not in unavailable,
+                                    "reason": unavailable.get(n), "summary": v.summary,
+                                    "transport": v.transport}
+        if self.cfg.schedule == "sequential":
+            for name in names:
+                self._run_sequential(name)
+        else:
+            self._run_interleaved(names)
+
+    def _run_sequential(self, name: str) -> None:
+        t_variant = time.monotonic()
+        pair = self._new_pair(name)
+        self.variant_info[name]["actor_start_s"] = round(time.monotonic() - t_variant, 3)
+        for workload in self.workload_order:
+            skip = self.skip_reason(variant_by_name(name), workload)
+            if skip:
+                self.skipped.setdefault(workload, {})[name] = skip
+            if pair is None or skip:
+                self.progress.advance(self.n_transfers(workload))
+                continue
+            try:
+                self._setup_workload(pair, workload)
+            except Exception as exc:
+                self._fail(f"variant={name} workload={workload}: setup failed: "
+                           f"{type(exc).__name__}: {exc}")
+                pair.broken = True
+            done = 0
+            while done < self.n_transfers(workload) and not pair.broken:
+                self._run_one(pair, workload, done)
+                done += 1
+            self.progress.advance(self.n_transfers(workload) - done)
+            if not pair.broken:
+                self._teardown_workload(pair, workload)
+            if pair.broken:  # start over with fresh actors for the next workload
+                kill_pair(pair)
+                pair = self._new_pair(name)
+        if pair is not None:
+            self.progress.label(f"{name} idle CPU")
+            self.idle.update(measure_idle({name: pair.pids}, self.cfg.idle_s))
+            kill_pair(pair)
+        self.variant_info[name]["wall_s"] = round(time.monotonic() - t_variant, 3)
+
+    def _run_interleaved(self, names: list[str]) -> None:
+        pairs = {n: p for n in names if (p := self._new_pair(n)) is not None}
+        for workload in self.workload_order:
+            active = {}
+            for n, pair in pairs.items():
+                skip = self.skip_reason(pair.variant, workload)
+                if skip:
+                    self.skipped.setdefault(workload, {})[n] = skip
+                    self.progress.advance(self.n_transfers(workload))
+                else:
+                    active[n] = pair
+            for n, pair in list(active.items()):
+                try:
+                    self._setup_workload(pair, workload)
+                except Exception as exc:
+                    self._fail(f"variant={n} workload={workload}: setup failed: {exc}")
+                    pair.broken = True
+            for i in range(self.n_transfers(workload)):
+                for pair in active.values():
+                    if pair.broken:
+                        self.progress.advance()
+                        continue
+                    self._run_one(pair, workload, i)
+            for n, pair in list(active.items()):
+                if not pair.broken:
+                    self._teardown_workload(pair, workload)
+                if pair.broken:
+                    kill_pair(pair)
+                    fresh = self._new_pair(n)
+                    if fresh is None:
+                        del pairs[n]
+                    else:
+                        pairs[n] = fresh
+        self.progress.label("idle CPU")
+        self.idle.update(measure_idle({n: p.pids for n, p in pairs.items()}, self.cfg.idle_s))
+        for pair in pairs.values():
+            kill_pair(pair)
+
+
+# ----------------------------------------------------------------------------- cluster
+
+
+def start_ray(cfg: Config) -> Any:
+    """Start Ray (1 node, or a 2-node ``Cluster`` on this machine); return a stop function."""
+    import logging
+
+    import ray
+
+    ncpu = os.cpu_count() or 1
+    common = {"log_to_driver": cfg.actor_logs, "logging_level": logging.WARNING}
+    if cfg.nodes == 1:
+        ray.init(address="local", num_cpus=ncpu, resources={"sender": 1000, "receiver": 1000},
+                 object_store_memory=cfg.object_store_bytes, include_dashboard=False, **common)
+        return ray.shutdown
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": ncpu, "resources": {"sender": 1000},
+        "object_store_memory": cfg.object_store_bytes, "include_dashboard": False})
+    cluster.add_node(num_cpus=ncpu, resources={"receiver": 1000},
+                     object_store_memory=cfg.object_store_bytes)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, **common)
+
+    def stop() -> None:
+        ray.shutdown()
+        cluster.shutdown()
+
+    return stop
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _config_json(cfg: Config) -> dict[str, Any]:
+    d = dataclasses.asdict(cfg)
+    d["sizes"] = dataclasses.asdict(cfg.sizes)
+    return d
+
+
+def _title(cfg: Config, env: dict[str, Any], stamp: str) -> str:
+    mode = "QUICK run" if cfg.quick else "full run"
+    return (f"ray_rdt_pool side-by-side, {mode}, {stamp}: {env['cores']}-core "
+            f"{env['cpu_model']}, {cfg.nodes} node(s), {cfg.schedule}, fetch={cfg.fetch}, "
+            f"ray {env['versions'].get('ray')}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = parse_config(argv)
+    wall0 = time.monotonic()
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    env = E.collect_env()
+    if env["loadavg_start"] and env["loadavg_start"][0] > 1.0:
+        print(f"note: load average {env['loadavg_start']} on {env['cores']} cores: other "
+              "processes are competing; timings will be noisy", file=sys.stderr)
+    probe = E.start_ucx_probe() if cfg.ucx_probe else None
+    progress = Progress(0)
+    runner = Runner(cfg, progress)
+    progress.total = max(1, len([v for v in cfg.variants]) * sum(
+        runner.n_transfers(w) for w in runner.workload_order))
+    unavailable = runner.availability()
+    for name, why in unavailable.items():
+        print(f"{name}: not available: {why}", file=sys.stderr)
+    stop = None
+    try:
+        progress.label("starting Ray")
+        t = time.monotonic()
+        stop = start_ray(cfg)
+        env["ray_start_s"] = round(time.monotonic() - t, 2)
+        t = time.monotonic()
+        env["ucx"] = E.finish_ucx_probe(probe)  # done before any measurement starts
+        env["ucx_probe_wait_s"] = round(time.monotonic() - t, 2)
+        runner.run(unavailable)
+    except KeyboardInterrupt:
+        progress.close()
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if stop is not None:
+            stop()
+    progress.close()
+    env["loadavg_end"] = E.loadavg()
+    wall = time.monotonic() - wall0
+
+    display = [w for w in W.WORKLOADS if w in runner.specs]
+    summary = R.summarize(runner.samples, runner.payloads, RAY_VARIANTS, OUR_VARIANTS, display)
+    print(_title(cfg, env, stamp))
+    print(R.format_env(env))
+    for w in display:
+        if w in summary:
+            print()
+            print(R.format_workload(w, W.describe(runner.specs[w]), summary[w], unavailable,
+                                    runner.skipped.get(w, {}), cfg.variants,
+                                    runner.specs[w].is_sync, cfg.fetch))
+    if runner.idle:
+        print()
+        print(R.format_idle(runner.idle, cfg.idle_s))
+    print(f"\nwall time {wall:.1f} s (including Ray start-up)")
+
+    result = {
+        "schema": 1, "started": stamp, "wall_s": wall, "ok": not (runner.failures or
+                                                                 runner.mismatches),
+        "config": _config_json(cfg), "env": env,
+        "workloads": {w: {"description": W.describe(s), "payload_bytes": runner.payloads[w],
+                          "n_tensors": len(W.tensor_layout(s)), "iterations": s.iterations,
+                          "skipped": runner.skipped.get(w, {})}
+                      for w, s in runner.specs.items()},
+        "variants": {n: {**info, "idle_cpu": runner.idle.get(n)}
+                     for n, info in runner.variant_info.items()},
+        "summary": summary, "samples": runner.samples,
+        "failures": runner.failures, "checksum_mismatches": runner.mismatches,
+    }
+    written = _write_outputs(cfg, result, summary, unavailable, _title(cfg, env, stamp), stamp)
+    for path in written:
+        print(f"wrote {path}")
+    if runner.mismatches:
+        print("\nFAILED: checksum mismatch:\n  " + "\n  ".join(runner.mismatches),
+              file=sys.stderr)
+        return 2
+    if runner.failures:
+        print("\nFAILED:\n  " + "\n  ".join(runner.failures), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _write_outputs(cfg: Config, result: dict[str, Any], summary: dict[str, Any],
+                   unavailable: dict[str, str], title: str, stamp: str) -> list[str]:
+    written = []
+    json_paths = [cfg.json_path] if cfg.json_path else []
+    plot_paths = [cfg.plot_path] if cfg.plot_path else []
+    if cfg.out_dir:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        json_paths.append(os.path.join(cfg.out_dir, f"bench-{stamp}.json"))
+        plot_paths.append(os.path.join(cfg.out_dir, f"bench-{stamp}.png"))
+    for path in json_paths:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        written.append(path)
+    for path in plot_paths:
+        try:
+            R.write_plot(path, summary, cfg.variants, unavailable, title)
+            written.append(path)
+        except Exception as exc:  # a chart must not hide the measurements
+            print(f"warning: plot {path} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    if cfg.out_dir:
+        for src, name in ((json_paths[-1], "latest.json"), (plot_paths[-1], "latest.png")):
+            if os.path.exists(src):
+                shutil.copyfile(src, os.path.join(cfg.out_dir, name))
+                written.append(os.path.join(cfg.out_dir, name))
+    return written
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,469 @@
+"""Physical floor of this machine: what any tensor transport here can at best achieve.
+
+Measures, each on its own:
+
+* ``memcpy``: one thread, ``torch`` ``copy_`` of 256 MiB into a pre-faulted buffer (the
+  copy a pool pays on the sender), and into a fresh ``torch.empty`` (what a receiver
+  pays when it allocates a new buffer per transfer: 4 KiB page faults included).
+* ``nixl_read``: raw NIXL READ between two processes with buffers registered once and
+  descriptors built once; only ``initialize_xfer`` + ``transfer`` + ``check_xfer_state``
+  polling + ``release_xfer_handle`` is timed. With NIXL's progress thread off (the
+  initiator drives progress) and on (what Ray's agent uses). Also a 4 KiB READ latency.
+* ``serializer``: Ray's own per-tensor serialization cost for 10,000 small tensors, in a
+  Ray actor: ``ray.put`` without RDT, the RDT placeholder path alone
+  (``serialize_rdt_objects``), ``ray.put(_tensor_transport="nixl")`` in full, and the
+  plain serializer again after RDT has been used in the process.
+* ``ucx``: which UCX protocols and transports a NIXL READ uses here (``UCX_PROTO_INFO``).
+
+Usage: ``python -m microbenchmarks.floor [--json PATH] [--mib 256] [--reps 7]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+_MIB = 1 << 20
+
+
+def _median_best(values: list[float], higher_is_better: bool = False) -> dict[str, float]:
+    """Median and best of samples (best = max for throughputs, min for times)."""
+    best = max(values) if higher_is_better else min(values)
+    return {"median": statistics.median(values), "best": best, "n": len(values)}
+
+
+# --------------------------------------------------------------------------- memcpy
+
+
+def measure_memcpy(nbytes: int, reps: int) -> dict[str, Any]:
+    """Single-thread copy_ GB/s into a pre-faulted buffer and into a fresh one."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.randn(nbytes // 4)
+        dst = torch.empty_like(src)
+        dst.zero_()
+        dst.copy_(src)  # warm
+        warm: list[float] = []
+        fresh: list[float] = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            dst.copy_(src)
+            warm.append(nbytes / (time.perf_counter() - t) / 1e9)
+        for _ in range(reps):
+            t = time.perf_counter()
+            new = torch.empty_like(src)
+            new.copy_(src)
+            fresh.append(nbytes / (time.perf_counter() - t) / 1e9)
+            del new
+        assert torch.equal(dst, src)
+    finally:
+        torch.set_num_threads(threads)
+    return {"bytes": nbytes, "prefaulted_gbps": _median_best(warm, True),
+            "fresh_empty_gbps": _median_best(fresh, True)}
+
+
+# --------------------------------------------------------------------------- NIXL READ
+
+
+def _make_agent(name: str, prog_thread: bool) -> Any:
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=prog_thread, backends=["UCX"]))
+
+
+def _read_target(conn: Connection, nbytes: int, prog_thread: bool) -> None:
+    """Target process: register one buffer, publish it, then keep the agent alive."""
+    import torch
+
+    from microbenchmarks._bench_workloads import checksum
+
+    agent = _make_agent(f"floor-target-{os.getpid()}", prog_thread)
+    buf = torch.randint(-(2**31), 2**31 - 1, (nbytes // 4,), dtype=torch.int32)
+    agent.register_memory(buf)
+    conn.send((agent.get_agent_metadata(), buf.data_ptr(), nbytes, checksum([buf])))
+    # With the progress thread off this loop is what makes progress on the target side.
+    while not conn.poll(0.001):
+        agent.get_new_notifs()
+    conn.recv()
+
+
+def _timed_reads(agent: Any, local: Any, remote: Any, peer: str, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        handle = agent.initialize_xfer("READ", local, remote, peer)
+        state = agent.transfer(handle)
+        while state != "DONE":
+            if state == "ERR":
+                raise RuntimeError("NIXL READ failed")
+            state = agent.check_xfer_state(handle)
+        agent.release_xfer_handle(handle)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def measure_nixl_read(nbytes: int, reps: int, prog_thread: bool,
+                      small_bytes: int = 4096, small_reps: int = 200) -> dict[str, Any]:
+    """GB/s of a NIXL READ of ``nbytes`` between two processes, plus small-READ latency."""
+    import torch
+
+    from microbenchmarks._bench_workloads import checksum
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_read_target, args=(child, nbytes, prog_thread), daemon=True)
+    proc.start()
+    try:
+        agent = _make_agent(f"floor-initiator-{os.getpid()}", prog_thread)
+        dst = torch.zeros(nbytes // 4, dtype=torch.int32)  # zero_ pre-faults
+        agent.register_memory(dst)
+        if not parent.poll(60):
+            raise TimeoutError("NIXL target process did not start within 60 s")
+        meta, addr, n, expected = parent.recv()
+        peer = agent.add_remote_agent(meta)
+        local = agent.get_xfer_descs([(dst.data_ptr(), n, 0)], "DRAM")
+        remote = agent.get_xfer_descs([(addr, n, 0)], "DRAM")
+        first = _timed_reads(agent, local, remote, peer, 1)[0]
+        times = _timed_reads(agent, local, remote, peer, reps)
+        ok = checksum([dst]) == expected
+        small_l = agent.get_xfer_descs([(dst.data_ptr(), small_bytes, 0)], "DRAM")
+        small_r = agent.get_xfer_descs([(addr, small_bytes, 0)], "DRAM")
+        small = _timed_reads(agent, small_l, small_r, peer, small_reps)
+        parent.send("stop")
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    return {
+        "bytes": nbytes,
+        "prog_thread": prog_thread,
+        "first_read_s": first,
+        "gbps": _median_best([nbytes / t / 1e9 for t in times], True),
+        "small_bytes": small_bytes,
+        "small_read_us": _median_best([t * 1e6 for t in small]),
+        "checksum_ok": ok,
+    }
+
+
+# --------------------------------------------------------------------------- UCX probe
+
+_PROTO_ROW = re.compile(r"\|\s*([0-9.]+\.\.(?:inf|[0-9]+))\s*\|\s*([^|]+?)\s*\|\s*([^|]+?)\s*\|")
+
+
+_PROBE_TAG = "UCX_PROBE_JSON "
+
+
+def _probe_target(conn: Connection) -> None:
+    import numpy as np
+
+    agent = _make_agent(f"ucx-probe-target-{os.getpid()}", False)
+    buf = np.ones(1 << 20, dtype=np.uint8)
+    agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    conn.send((agent.get_agent_metadata(), buf.ctypes.data, buf.nbytes))
+    while not conn.poll(0.001):
+        agent.get_new_notifs()
+    conn.recv()
+
+
+def _ucx_probe_child() -> None:
+    """Child of :func:`probe_ucx`: one small READ with UCX_PROTO_INFO set by the parent.
+
+    Forks its peer (cheaper than a second interpreter; nothing UCX exists before the
+    fork) and uses numpy buffers.
+    """
+    import numpy as np
+
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_probe_target, args=(child,), daemon=True)
+    proc.start()
+    try:
+        agent = _make_agent(f"ucx-probe-initiator-{os.getpid()}", False)
+        dst = np.zeros(1 << 20, dtype=np.uint8)
+        agent.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+        meta, addr, n = parent.recv()
+        peer = agent.add_remote_agent(meta)
+        local = agent.get_xfer_descs([(dst.ctypes.data, n, 0)], "DRAM")
+        remote = agent.get_xfer_descs([(addr, n, 0)], "DRAM")
+        _timed_reads(agent, local, remote, peer, 1)
+        assert int(dst.sum()) == n, "probe READ returned wrong bytes"
+        parent.send("stop")
+    finally:
+        proc.join(10)
+    info = {"ucx_version": ucx_version(), "uct_modules": ucx_modules()}
+    print(_PROBE_TAG + json.dumps(info), flush=True)
+
+
+def parse_proto_info(text: str) -> dict[str, list[str]]:
+    """Protocol table rows per operation from UCX_PROTO_INFO output (deduplicated)."""
+    out: dict[str, list[str]] = {}
+    current = None
+    for raw in text.splitlines():
+        line = re.sub(r"^\[[^]]*\]\s*\[[^]]*\]\s*", "", raw).strip()
+        m = re.match(r"\|\s*((?:remote memory|active message)[^|]*?)\s*\|$", line)
+        if m:
+            current = m.group(1)
+            continue
+        row = _PROTO_ROW.match(line)
+        if row and current:
+            entry = f"{row.group(1)}: {row.group(2)} via {row.group(3)}"
+            rows = out.setdefault(current, [])
+            if entry not in rows:
+                rows.append(entry)
+    return out
+
+
+def ucx_version() -> str | None:
+    """Version of the libucp bundled with the NIXL wheel in use (best effort)."""
+    import ctypes
+    import glob
+
+    try:
+        import nixl._api as api
+
+        libdir = os.path.dirname(os.path.realpath(api.__file__)) + ".libs"
+        for path in sorted(glob.glob(os.path.join(libdir, "libucp*.so*"))):
+            lib = ctypes.CDLL(path)
+            lib.ucp_get_version_string.restype = ctypes.c_char_p
+            return lib.ucp_get_version_string().decode()
+    except Exception:
+        return None
+    return None
+
+
+def ucx_modules() -> list[str]:
+    """UCT transport modules shipped with the NIXL wheel (e.g. cma, ib, cuda)."""
+    try:
+        import nixl._api as api
+
+        libdir = os.path.join(os.path.dirname(os.path.realpath(api.__file__)) + ".libs", "ucx")
+        names = {m.group(1) for f in os.listdir(libdir)
+                 if (m := re.match(r"libuct_([a-z0-9_]+)\.so", f))}
+        return sorted(names)
+    except Exception:
+        return []
+
+
+def probe_ucx(timeout_s: float = 60) -> dict[str, Any]:
+    """Run a tiny NIXL READ with ``UCX_PROTO_INFO=y`` and report the protocols selected."""
+    env = dict(os.environ, UCX_PROTO_INFO="y")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "microbenchmarks.floor", "--_ucx-probe-child"],
+            env=env, capture_output=True, text=True, timeout=timeout_s,
+            preexec_fn=lambda: os.nice(10),  # stay out of the way of what it overlaps
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+        text = proc.stdout + proc.stderr
+        protocols = parse_proto_info(text)
+        error = None if proc.returncode == 0 else f"probe exited {proc.returncode}"
+    except Exception as exc:
+        text, protocols, error = "", {}, f"{type(exc).__name__}: {exc}"
+    info: dict[str, Any] = {"ucx_version": None, "uct_modules": []}
+    for line in text.splitlines():
+        if line.startswith(_PROBE_TAG):
+            info = json.loads(line[len(_PROBE_TAG):])
+    reads = [r for k, v in protocols.items() if k.startswith("remote memory read") for r in v]
+    ams = [r for k, v in protocols.items() if k.startswith("active message") for r in v]
+    return {
+        "ucx_version": info["ucx_version"],
+        "UCX_TLS": os.environ.get("UCX_TLS"),
+        "uct_modules": info["uct_modules"],
+        "read_protocols": reads,
+        "am_transports": sorted({r.split(" via ")[-1] for r in ams}),
+        "protocols": protocols,
+        "error": error,
+    }
+
+
+# --------------------------------------------------------------------------- serializer
+
+
+def _serializer_actor_body(count: int, floats: int, reps: int) -> dict[str, Any]:
+    """Runs inside a Ray actor (enable_tensor_transport=True): per-tensor serializer costs."""
+    import gc
+
+    import ray
+    import torch
+
+    ctx = ray._private.worker.global_worker.get_serialization_context()
+    separate = [torch.randn(floats) for _ in range(count)]
+    weight = torch.randn(count, floats)
+    views = [weight[i] for i in range(count)]
+
+    def timed(fn: Callable[[], Any], n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            gc.collect()
+            t = time.perf_counter()
+            keep = fn()
+            out.append(time.perf_counter() - t)
+            del keep
+        return out
+
+    def rdt_put(tensors: list[Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            ref = ray.put(tensors, _tensor_transport="nixl")
+            return ref
+        return run
+
+    res: dict[str, Any] = {"count": count, "floats_per_tensor": floats}
+    # Order matters: the RDT path registers a custom torch.Tensor serializer in this
+    # process, which changes the plain path afterwards. Plain first.
+    res["serialize_plain"] = timed(lambda: ctx.serialize(separate), reps)
+    res["put_plain"] = timed(lambda: ray.put(separate), reps)
+    res["serialize_rdt_placeholders"] = timed(
+        lambda: ctx.serialize_rdt_objects(separate, "NIXL"), reps)
+    res["put_nixl_separate"] = timed(rdt_put(separate), max(1, reps // 2))
+    res["put_nixl_views"] = timed(rdt_put(views), max(1, reps // 2))
+    res["serialize_plain_after_rdt"] = timed(lambda: ctx.serialize(separate), reps)
+    res["put_plain_after_rdt"] = timed(lambda: ray.put(separate), reps)
+    return res
+
+
+def measure_serializer(count: int, floats: int, reps: int) -> dict[str, Any]:
+    """Per-tensor cost of Ray's serializer paths (starts a local Ray instance)."""
+    import logging
+
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
+                 log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        @ray.remote(num_cpus=0, enable_tensor_transport=True)
+        class SerializerProbe:
+            def run(self, count: int, floats: int, reps: int) -> dict[str, Any]:
+                return _serializer_actor_body(count, floats, reps)
+
+        actor = SerializerProbe.remote()
+        raw = ray.get(actor.run.remote(count, floats, reps), timeout=600)
+        ray.kill(actor)
+    finally:
+        if started:
+            ray.shutdown()
+    out: dict[str, Any] = {"count": raw.pop("count"),
+                           "floats_per_tensor": raw.pop("floats_per_tensor")}
+    for key, times in raw.items():
+        out[key] = {"total_ms": _median_best([t * 1e3 for t in times]),
+                    "per_tensor_us": statistics.median(times) / count * 1e6}
+    return out
+
+
+# --------------------------------------------------------------------------- CLI
+
+_SER_LABELS = {
+    "serialize_plain": "Ray serializer, no RDT (ctx.serialize)",
+    "put_plain": "ray.put, no RDT (serialize + object store)",
+    "serialize_rdt_placeholders": "RDT placeholder path only (serialize_rdt_objects)",
+    "put_nixl_separate": 'ray.put(_tensor_transport="nixl"), separate tensors',
+    "put_nixl_views": 'ray.put(_tensor_transport="nixl"), row views of one weight',
+    "serialize_plain_after_rdt": "Ray serializer, no RDT, after RDT used in process",
+    "put_plain_after_rdt": "ray.put, no RDT, after RDT used in process",
+}
+
+
+def format_report(res: dict[str, Any]) -> str:
+    """The floor as a small two-column table."""
+    env = res["env"]
+    rows: list[tuple[str, str]] = []
+    if "memcpy" in res:
+        m = res["memcpy"]
+        mib = m["bytes"] // _MIB
+        for key, what in (("prefaulted_gbps", "into a pre-faulted buffer"),
+                          ("fresh_empty_gbps", "into a fresh torch.empty")):
+            rows.append((f"memcpy {mib} MiB, 1 thread, {what}",
+                         f"{m[key]['median']:6.2f} GB/s  (best {m[key]['best']:.2f})"))
+    for key in ("nixl_read_prog_off", "nixl_read_prog_on"):
+        if key in res:
+            r = res[key]
+            mode = "progress thread on (Ray)" if r["prog_thread"] else "progress thread off"
+            ok = "" if r["checksum_ok"] else "  CHECKSUM MISMATCH"
+            rows.append((f"NIXL READ {r['bytes'] // _MIB} MiB, 2 processes, {mode}",
+                         f"{r['gbps']['median']:6.2f} GB/s  (best {r['gbps']['best']:.2f}){ok}"))
+            rows.append((f"NIXL READ {r['small_bytes'] // 1024} KiB latency, {mode}",
+                         f"{r['small_read_us']['median']:6.1f} us"))
+    if "serializer" in res:
+        s = res["serializer"]
+        rows.append((f"Ray serializer, {s['count']:,} x {s['floats_per_tensor'] * 4} B "
+                     "tensors (median)", "total ms, per tensor"))
+        for key, label in _SER_LABELS.items():
+            if key in s:
+                rows.append(("  " + label, f"{s[key]['total_ms']['median']:8.1f} ms, "
+                                           f"{s[key]['per_tensor_us']:6.1f} us"))
+    if "ucx" in res:
+        u = res["ucx"]
+        rows.append((f"UCX {u['ucx_version']} (UCX_TLS={u['UCX_TLS'] or 'unset'}), NIXL READ",
+                     "; ".join(u["read_protocols"]) or "n/a"))
+        rows.append(("UCX control messages", ", ".join(u["am_transports"]) or "n/a"))
+    width = max(len(r[0]) for r in rows) + 2 if rows else 0
+    head = (f"Physical floor: {env['cpu_model']}, {env['cores']} cores; load average "
+            f"{env['loadavg_start']} at start, {env.get('loadavg_end')} at end")
+    return "\n".join([head] + [f"  {a:<{width}}{b}" for a, b in rows])
+
+
+def _env() -> dict[str, Any]:
+    from microbenchmarks._bench_env import cpu_model, loadavg
+
+    return {"cores": os.cpu_count(), "cpu_model": cpu_model(), "loadavg_start": loadavg()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m microbenchmarks.floor", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mib", type=int, default=256, help="bytes for memcpy and READ (MiB)")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--small-count", type=int, default=10_000, help="tensors for serializer")
+    p.add_argument("--small-floats", type=int, default=256, help="float32 per small tensor")
+    p.add_argument("--skip", default="", help="comma list of: memcpy,nixl,serializer,ucx")
+    p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
+    p.add_argument("--_ucx-probe-child", dest="ucx_child", action="store_true",
+                   help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.ucx_child:
+        _ucx_probe_child()
+        return 0
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    nbytes = args.mib * _MIB
+    res: dict[str, Any] = {"env": _env(), "config": vars(args)}
+    if "memcpy" not in skip:
+        res["memcpy"] = measure_memcpy(nbytes, args.reps)
+    if "nixl" not in skip:
+        res["nixl_read_prog_off"] = measure_nixl_read(nbytes, args.reps, prog_thread=False)
+        res["nixl_read_prog_on"] = measure_nixl_read(nbytes, args.reps, prog_thread=True)
+    if "serializer" not in skip:
+        res["serializer"] = measure_serializer(args.small_count, args.small_floats,
+                                               max(3, args.reps // 2))
+    if "ucx" not in skip:
+        res["ucx"] = probe_ucx()
+    from microbenchmarks._bench_env import loadavg
+
+    res["env"]["loadavg_end"] = loadavg()
+    print(format_report(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        print(f"wrote {args.json}")
+    failed = [k for k, v in res.items() if isinstance(v, dict) and v.get("checksum_ok") is False]
+    if failed:
+        print(f"FAIL: checksum mismatch in {', '.join(failed)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
