@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Side-by-side RDT benchmark: object store, Ray NIXL variants, NIXL_POOL.",
         epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="small sizes and few repetitions (about a minute here)")
+                   help="small sizes and few repetitions (80 to 120 s here with Ray start-up)")
     p.add_argument("--variants", default="all",
                    help=f"comma list of {', '.join(VARIANT_NAMES)} (default all)")
     p.add_argument("--workloads", default="all",
@@ -668,9 +668,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     probe = E.start_ucx_probe() if cfg.ucx_probe else None
     progress = Progress(0)
     runner = Runner(cfg, progress)
-    progress.total = max(1, len([v for v in cfg.variants]) * sum(
-        runner.n_transfers(w) for w in runner.workload_order))
     unavailable = runner.availability()
+    progress.total = max(1, len([v for v in cfg.variants if v not in unavailable]) * sum(
+        runner.n_transfers(w) for w in runner.workload_order))
     for name, why in unavailable.items():
         print(f"{name}: not available: {why}", file=sys.stderr)
     stop = None

@@ -653,9 +653,8 @@ class Runtime:
                             raise TransferError(
                                 f"timed out waiting for transfers from {name!r} to drain "
                                 "before refreshing its metadata")
-                    self.backend().remove_remote(name)
-                backend = self.backend()
-                backend.load_remote(md)
+                    self._call_peer(name, self.backend().remove_remote, name)
+                self._call_peer(name, self.backend().load_remote, md)
                 self.c["metadata_loads"] += 1
                 rem = self.remotes.get(name) or _Remote()
                 rem.version = version
@@ -664,6 +663,18 @@ class Runtime:
             rem.in_flight += 1
             self.c["in_flight"] += 1
             self.remotes.move_to_end(name)
+
+    def _call_peer(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a NIXL call about peer ``name``; its failure is a TransferError."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            self.c["transfer_errors"] += 1
+            if self.observer is not None:
+                self.observer.on_error(self, "err")
+            raise TransferError(
+                f"loading the NIXL metadata of sender agent {name!r} failed ({e}); the sender "
+                "may have exited. Fetch objects from a live sender") from e
 
     def _evict_remotes(self) -> None:
         while len(self.remotes) > _MAX_REMOTE_AGENTS:
@@ -724,6 +735,11 @@ class Runtime:
                                                  _MEM[meta.device])
         except BaseException as e:
             req.release(failed=True)
+            if not isinstance(e, InvalidInputError):
+                with self.lock:
+                    self.c["transfer_errors"] += 1
+                if self.observer is not None:
+                    self.observer.on_error(self, "err")
             if isinstance(e, RdtPoolError):
                 raise
             raise TransferError(
@@ -792,6 +808,7 @@ class Runtime:
     def wait(self, req: PoolFetch, timeout: float) -> list[torch.Tensor]:
         if req.done:
             return req.tensors
+        remote = req.remote  # release() clears it; the messages below name the sender
         backend = self.backend()
         limit = self.config.fetch_timeout_s if timeout is None or timeout < 0 else min(
             timeout, self.config.fetch_timeout_s)
@@ -816,7 +833,7 @@ class Runtime:
                 raise TimeoutError(
                     f"READ of object {req.obj_id} not done after {limit:.3f}s")
             raise TransferError(
-                f"READ of object {req.obj_id} ({req.meta.total:,} bytes) from {req.remote} did "
+                f"READ of object {req.obj_id} ({req.meta.total:,} bytes) from {remote} did "
                 f"not finish within fetch_timeout_s={limit}s; the sender may be dead or stalled. "
                 "Raise RAY_RDT_POOL_FETCH_TIMEOUT_S if the transfer is just slow")
         if state != "DONE":
@@ -826,7 +843,7 @@ class Runtime:
             req.release(failed=True)
             what = "was aborted" if state == "ABORTED" else f"failed ({state}: {err})"
             raise TransferError(
-                f"READ of object {req.obj_id} ({req.meta.total:,} bytes) from {req.remote} "
+                f"READ of object {req.obj_id} ({req.meta.total:,} bytes) from {remote} "
                 f"{what}; the sender actor may have died. Fetch again while the ref is "
                 "in scope") from err
         tensors = req.finish()
@@ -961,7 +978,13 @@ def _check_targets(targets: Sequence[torch.Tensor], meta: WireMeta) -> None:
         raise InvalidInputError(
             f"{len(targets)} target buffers for an object of {meta.num_tensors} tensors; "
             "pass one buffer per tensor, in the order they were sent")
+    import torch
+
     for i, (t, (shape, dt)) in enumerate(zip(targets, meta.shapes_dtypes())):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInputError(
+                f"target buffer {i} is a {type(t).__name__}, not a torch.Tensor; pass "
+                "preallocated tensors, one per tensor of the object")
         if tuple(t.shape) != shape or dtype_name(t.dtype) != dt:
             raise InvalidInputError(
                 f"target buffer {i} is {tuple(t.shape)} {t.dtype} but the object holds "

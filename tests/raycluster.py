@@ -47,7 +47,9 @@ def digest(tensors: Sequence[Any]) -> list[str]:
 
     out = []
     for t in tensors:
-        c = t.detach().resolve_conj().resolve_neg().contiguous().cpu()
+        t = t.detach().resolve_conj().resolve_neg().cpu()
+        # A fresh tensor has standard strides (.contiguous() may keep odd ones for size-1 dims).
+        c = torch.empty(t.shape, dtype=t.dtype).copy_(t)
         raw = c.reshape(-1).view(torch.uint8)
         h = hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:16]
         out.append(f"{c.dtype}|{tuple(c.shape)}|{h}")

@@ -1,0 +1,181 @@
+"""nixl_pool between two Ray nodes: a head and a worker node started with ray.cluster_utils.Cluster.
+
+Both nodes run on this machine: separate raylets, separate object stores, one GCS; NIXL moves
+the bytes over UCX between the two processes (TCP loopback for the handshake, cma for the
+data), not through either object store. No network namespaces: the point is that sender and
+receiver are scheduled on different Ray nodes and nothing in the transport assumes one node
+(the agent metadata travels through the GCS key-value store, the object metadata through the
+owner). Custom resources pin the sender to the head ({"sender": 1}) and the receiver to the
+worker node ({"receiver": 1}).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+import ray_rdt_pool
+from ray_rdt_pool.wire import DTYPES
+from tests.raycluster import DEFAULT_ENV, digest, wait_for
+
+pytestmark = [pytest.mark.ray,
+              pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")]
+
+# @ray.method(tensor_transport=...) validates the name when the class is defined.
+ray_rdt_pool.register()
+
+BIG_BYTES = 32 << 20
+N_VIEWS = 1000
+#: Where ray.cluster_utils.Cluster records its address; a plain ray.init() anywhere on the
+#: machine joins the cluster named there.
+CURRENT_CLUSTER = Path("/tmp/ray/ray_current_cluster")
+
+
+def _restore(previous: bytes | None) -> None:
+    """Put /tmp/ray/ray_current_cluster back as it was before the Cluster touched it."""
+    try:
+        if previous is None:
+            CURRENT_CLUSTER.unlink(missing_ok=True)
+        else:
+            CURRENT_CLUSTER.write_bytes(previous)
+    except OSError:
+        pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster() -> Iterator[Any]:
+    from ray.cluster_utils import Cluster
+
+    env = {**DEFAULT_ENV, "RAY_RDT_POOL_BYTES": "96M", "RAY_RDT_POOL_ARENA_BYTES": "96M"}
+    saved = dict(os.environ)
+    for k, v in env.items():
+        os.environ[k] = v
+    if ray.is_initialized():
+        ray.shutdown()
+    previous = CURRENT_CLUSTER.read_bytes() if CURRENT_CLUSTER.exists() else None
+    node_args = {"num_cpus": 4, "object_store_memory": 200 << 20}
+    c = Cluster(initialize_head=True, head_node_args={
+        **node_args, "resources": {"sender": 1}, "include_dashboard": False})
+    # Cluster wrote its address there; undo it at once, so that other test runs sharing this
+    # machine keep starting clusters of their own instead of joining this one.
+    _restore(previous)
+    try:
+        c.add_node(**node_args, resources={"receiver": 1})
+        c.wait_for_nodes()
+        ray.init(address=c.address, runtime_env={"env_vars": env}, log_to_driver=False)
+        ray_rdt_pool.register()
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        _restore(previous)
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def object_set(seed: int) -> list[torch.Tensor]:
+    """Every dtype the wire carries, one 32 MiB tensor and 1,000 small views of one weight."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, name in enumerate(DTYPES):
+        dt = getattr(torch, name, None)
+        if not isinstance(dt, torch.dtype):
+            continue
+        item = torch.empty(0, dtype=dt).element_size()
+        raw = torch.randint(0, 256, (4 * (3 + i) * item,), dtype=torch.uint8, generator=g)
+        if dt == torch.bool:
+            raw = raw % 2
+        out.append(raw.view(dt).view(4, 3 + i))
+    out.append(torch.randn(BIG_BYTES // 4, generator=g))
+    w = torch.randn(N_VIEWS, 64, generator=g)
+    out.extend(w[i] for i in range(N_VIEWS))
+    return out
+
+
+@ray.remote(enable_tensor_transport=True, resources={"sender": 1})
+class Sender:
+    def __init__(self):
+        ray_rdt_pool.register()
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def put(self, seed: int):
+        ts = object_set(seed)
+        return [ray.put(ts, _tensor_transport="nixl_pool")], digest(ts)
+
+    @ray.method(tensor_transport="nixl_pool")
+    def make(self, seed: int):
+        return object_set(seed)
+
+    def stats(self):
+        return ray_rdt_pool.stats()
+
+
+@ray.remote(enable_tensor_transport=True, resources={"receiver": 1})
+class Receiver:
+    def __init__(self):
+        ray_rdt_pool.register()
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def get(self, refs):
+        return digest(ray.get(refs[0]))
+
+    def take(self, tensors):
+        return digest(tensors)
+
+    def stats(self):
+        return ray_rdt_pool.stats()
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[Any, Any]]:
+    s, r = Sender.remote(), Receiver.remote()
+    yield s, r
+    ray.kill(s)
+    ray.kill(r)
+
+
+def test_sender_and_receiver_are_on_different_nodes(cluster, pair):
+    s, r = pair
+    nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert len(nodes) == 2
+    s_node, r_node = ray.get([s.node.remote(), r.node.remote()])
+    assert s_node != r_node and {s_node, r_node} == nodes
+
+
+def test_object_set_round_trips_across_nodes_by_ray_get(pair):
+    s, r = pair
+    refs, expected = ray.get(s.put.remote(1))
+    assert len(expected) == len(DTYPES) - sum(
+        not isinstance(getattr(torch, n, None), torch.dtype) for n in DTYPES) + 1 + N_VIEWS
+    assert ray.get(r.get.remote(refs)) == expected
+    st = ray.get(r.stats.remote())
+    assert st.remote_agents >= 1 and st.receive_fallbacks == 0 and st.transfer_errors == 0
+    assert st.bytes_received >= BIG_BYTES
+
+
+def test_object_set_round_trips_across_nodes_as_a_task_argument(pair):
+    s, r = pair
+    assert ray.get(r.take.remote(s.make.remote(2))) == digest(object_set(2))
+
+
+def test_memory_comes_back_on_both_nodes(pair):
+    s, r = pair
+    for seed in (3, 4):
+        refs, expected = ray.get(s.put.remote(seed))
+        assert ray.get(r.get.remote(refs)) == expected
+        del refs
+    st = wait_for(lambda: (x := ray.get(s.stats.remote())).live_objects == 0 and x, timeout=60)
+    assert st.pool_used == 0 and st.fallbacks == 0 and st.nixl_registrations == 1
+    rst = wait_for(lambda: (x := ray.get(r.stats.remote())).arena_used == 0 and x, timeout=60)
+    assert rst.arena_live_blocks == 0 and rst.transfers_in_flight == 0
+    assert rst.nixl_registrations == 1  # the arena, registered once for every object
