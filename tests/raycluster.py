@@ -66,3 +66,24 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: floa
         time.sleep(interval)
         value = predicate()
     return value
+
+
+def all_dtype_tensors(seed: int = 0, rows: int = 3, first_cols: int = 5) -> list[Any]:
+    """One tensor of every dtype the wire carries (rows x first_cols+i), random bits."""
+    import torch
+
+    from ray_rdt_pool.wire import DTYPES
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, name in enumerate(DTYPES):
+        dt = getattr(torch, name, None)
+        if not isinstance(dt, torch.dtype):
+            continue
+        item = torch.empty(0, dtype=dt).element_size()
+        shape = (rows, first_cols + i)
+        raw = torch.randint(0, 256, (shape[0] * shape[1] * item,), dtype=torch.uint8, generator=g)
+        if dt == torch.bool:
+            raw = raw % 2
+        out.append(raw.view(dt).view(shape))
+    return out

@@ -22,7 +22,7 @@ import torch
 
 import ray_rdt_pool
 from ray_rdt_pool.wire import DTYPES
-from tests.raycluster import DEFAULT_ENV, digest, wait_for
+from tests.raycluster import DEFAULT_ENV, all_dtype_tensors, digest, wait_for
 
 pytestmark = [pytest.mark.ray,
               pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")]
@@ -81,17 +81,8 @@ def cluster() -> Iterator[Any]:
 
 def object_set(seed: int) -> list[torch.Tensor]:
     """Every dtype the wire carries, one 32 MiB tensor and 1,000 small views of one weight."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i, name in enumerate(DTYPES):
-        dt = getattr(torch, name, None)
-        if not isinstance(dt, torch.dtype):
-            continue
-        item = torch.empty(0, dtype=dt).element_size()
-        raw = torch.randint(0, 256, (4 * (3 + i) * item,), dtype=torch.uint8, generator=g)
-        if dt == torch.bool:
-            raw = raw % 2
-        out.append(raw.view(dt).view(4, 3 + i))
+    g = torch.Generator().manual_seed(seed + 1)
+    out = all_dtype_tensors(seed, rows=4, first_cols=3)
     out.append(torch.randn(BIG_BYTES // 4, generator=g))
     w = torch.randn(N_VIEWS, 64, generator=g)
     out.extend(w[i] for i in range(N_VIEWS))

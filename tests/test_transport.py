@@ -15,8 +15,7 @@ import ray
 import torch
 
 import ray_rdt_pool
-from ray_rdt_pool.wire import DTYPES
-from tests.raycluster import digest, start_ray, wait_for
+from tests.raycluster import all_dtype_tensors, digest, start_ray, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -31,23 +30,6 @@ def cluster():
     start_ray({"RAY_RDT_POOL_BYTES": "32M", "RAY_RDT_POOL_ARENA_BYTES": "32M"})
     yield
     ray.shutdown()
-
-
-def all_dtype_tensors(seed: int = 0) -> list[torch.Tensor]:
-    """One tensor of every dtype the wire carries, with random bit patterns."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i, name in enumerate(DTYPES):
-        dt = getattr(torch, name, None)
-        if not isinstance(dt, torch.dtype):
-            continue
-        item = torch.empty(0, dtype=dt).element_size()
-        shape = (3, 5 + i)
-        raw = torch.randint(0, 256, (shape[0] * shape[1] * item,), dtype=torch.uint8, generator=g)
-        if dt == torch.bool:
-            raw = raw % 2
-        out.append(raw.view(dt).view(shape))
-    return out
 
 
 def odd_tensors() -> list[torch.Tensor]:
