@@ -314,15 +314,6 @@ class RegistrationCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def clear(self) -> None:
-        for entry in list(self._entries.values()):
-            try:
-                self._deregister(entry.handle)
-            except Exception:
-                pass
-        self._entries.clear()
-        self._pinned_sorted = []
-
 
 # ---------------------------------------------------------------------------------------
 # The per-process runtime
@@ -449,8 +440,7 @@ class Runtime:
         return self.arena
 
     def _drain(self) -> None:
-        if self.regs.drain():
-            pass  # version already bumped by _deregister
+        self.regs.drain()  # a dropped registration bumps the version in _deregister
         arena = self.arena
         while self._arena_dead:
             key = self._arena_dead.popleft()
