@@ -257,8 +257,8 @@ def test_strict_mode_raises_pool_exhausted_with_sizes():
     assert st.pool_used == 0 and st.live_objects == 0 and st.fallbacks == 0
 
 
-def test_bad_input_gives_typed_errors_and_leaves_pool_unchanged(pair):
-    s, _ = pair
+def test_bad_input_gives_typed_errors_and_leaves_pool_unchanged():
+    s = Sender.remote()  # its own: the shared sender may still hold objects awaiting GC
     live_refs, _ = ray.get(s.put.remote([torch.ones(3)]))  # create the pool
     before = ray.get(s.stats.remote())
     with pytest.raises(ray.exceptions.RayTaskError) as ei:
