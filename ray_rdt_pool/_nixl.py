@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
-import time
 import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -43,6 +43,7 @@ class Backend(Protocol):
                    local_mem: str, remote_mem: str) -> Any: ...
     def state(self, xfer: Any) -> str: ...
     def release(self, xfer: Any) -> None: ...
+    def add_tick(self, fn: Any) -> None: ...
     def close(self) -> None: ...
 
 
@@ -91,13 +92,20 @@ class NixlBackend:
         self.name = name
         self.lock = threading.RLock()
         self._interval = interval_s
+        self._ticks: list[Any] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._progress_loop, name="ray_rdt_pool-progress", daemon=True)
         self._thread.start()
 
+    def add_tick(self, fn: Any) -> None:
+        """Call ``fn()`` on the progress thread after every progress call."""
+        self._ticks.append(fn)
+
     def _progress_loop(self) -> None:
         while not self._stop.wait(self._interval):
+            if sys.is_finalizing():
+                return  # a binding call now could re-take the GIL during finalization
             # Skip a beat rather than queue behind a long transfer.
             if self.lock.acquire(blocking=False):
                 try:
@@ -106,6 +114,11 @@ class NixlBackend:
                     logger.debug("NIXL progress call failed", exc_info=True)
                 finally:
                     self.lock.release()
+            for tick in self._ticks:
+                try:
+                    tick()
+                except Exception:
+                    logger.debug("progress tick failed", exc_info=True)
 
     def register(self, addr: int, nbytes: int, mem: str, dev: int) -> Any:
         try:
@@ -164,25 +177,16 @@ class NixlBackend:
             self._agent.release_xfer_handle(xfer)
 
     def close(self) -> None:
+        """Stop the progress thread and destroy the agent; safe to call twice.
+
+        Runs from ``ray_rdt_pool.shutdown()`` (also registered with ``atexit``), before
+        the interpreter finalizes: a thread still inside a NIXL binding at finalization
+        re-takes the GIL and aborts the process.
+        """
         self._stop.set()
-
-
-def wait_until(predicate_state: Any, timeout_s: float, aborted: Any) -> str:
-    """Poll ``predicate_state()`` until it is not "PROC", with a short backoff.
-
-    Most READs here are complete when first checked (UCX's cma copy runs inside the
-    post), so the first check is immediate and the sleeps only start afterwards.
-    Returns the final state, "TIMEOUT" or "ABORTED".
-    """
-    deadline = time.monotonic() + timeout_s
-    delay = 20e-6
-    while True:
-        state = predicate_state()
-        if state != "PROC":
-            return str(state)
-        if aborted():
-            return "ABORTED"
-        if time.monotonic() >= deadline:
-            return "TIMEOUT"
-        time.sleep(delay)
-        delay = min(delay * 2, 1e-3)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(1.0, 20 * self._interval))
+        self._ticks = []
+        with self.lock:
+            agent, self._agent = getattr(self, "_agent", None), None
+        del agent  # the agent's destructor closes its UCX workers here, not at exit

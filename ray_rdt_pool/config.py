@@ -15,12 +15,18 @@ from typing import Any
 from ray_rdt_pool.errors import ConfigurationError
 from ray_rdt_pool.layout import BLOCK_ALIGN
 
-__all__ = ["DEFAULT_POOL_BYTES", "ENV_VARS", "PoolConfig", "from_env"]
+__all__ = [
+    "DEFAULT_POOL_BYTES", "DEFAULT_REGISTRATION_CACHE_BYTES", "ENV_VARS", "PoolConfig",
+    "from_env",
+]
 
 #: 1 GiB: holds a 7B-parameter bf16 shard in a few buckets, or two copies of the
 #: ~500 MiB weight sets the benchmark moves, while leaving a 24 GiB host room for
 #: several actors.
 DEFAULT_POOL_BYTES = 1 << 30
+
+#: 8 GiB: the receive buffers of a 4B-parameter bf16 model stay registered across syncs.
+DEFAULT_REGISTRATION_CACHE_BYTES = 8 << 30
 
 _DEVICES = ("cpu", "cuda")
 
@@ -34,7 +40,7 @@ class PoolConfig:
         arena_bytes: Size of the receive arena, registered once on first receive.
         device: Where the sender pool lives, ``"cpu"`` or ``"cuda"``.
         strict: Raise ``PoolExhaustedError`` for an object that does not fit the
-            pool instead of registering its tensors directly (the fallback).
+            pool, instead of copying it into overflow memory (still a snapshot).
         prefault: Touch every page of the pool and arena when they are created,
             so the first transfers pay no page faults.
         progress_interval_s: How often the background thread progresses the NIXL
@@ -45,6 +51,10 @@ class PoolConfig:
         metrics: Export gauges, counters and histograms through ``ray.util.metrics``.
         debug_transfers: Log every put and fetch at DEBUG level with sizes and
             descriptor counts.
+        registration_cache_bytes: Most bytes of user storages (receive target buffers
+            seen more than once) kept registered with NIXL, and held alive, while no
+            transfer uses them; least recently used ones are deregistered first.
+            Storages pinned by ``register_memory()`` do not count and are never evicted.
     """
 
     pool_bytes: int = DEFAULT_POOL_BYTES
@@ -56,9 +66,10 @@ class PoolConfig:
     fetch_timeout_s: float = 60.0
     metrics: bool = True
     debug_transfers: bool = False
+    registration_cache_bytes: int = DEFAULT_REGISTRATION_CACHE_BYTES
 
     def __post_init__(self) -> None:
-        for name in ("pool_bytes", "arena_bytes"):
+        for name in ("pool_bytes", "arena_bytes", "registration_cache_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigurationError(
@@ -105,13 +116,16 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "RAY_RDT_POOL_BYTES": ("pool_bytes", "sender pool size in bytes (suffixes K, M, G allowed)"),
     "RAY_RDT_POOL_ARENA_BYTES": ("arena_bytes", "receive arena size in bytes (K, M, G allowed)"),
     "RAY_RDT_POOL_DEVICE": ("device", "where the sender pool lives: cpu or cuda"),
-    "RAY_RDT_POOL_STRICT": ("strict", "1: raise instead of falling back for oversized objects"),
-    "RAY_RDT_POOL_PREFAULT": ("prefault", "0: do not touch pool pages up front"),
+    "RAY_RDT_POOL_STRICT": ("strict", "1: raise instead of using overflow memory for oversized "
+                            "objects"),
+    "RAY_RDT_POOL_PREFAULT": ("prefault", "1: touch every pool and arena page up front"),
     "RAY_RDT_POOL_PROGRESS_INTERVAL_S": (
         "progress_interval_s", "seconds between background NIXL progress calls"),
     "RAY_RDT_POOL_FETCH_TIMEOUT_S": ("fetch_timeout_s", "upper bound for one READ, seconds"),
     "RAY_RDT_POOL_METRICS": ("metrics", "0: do not export Ray metrics"),
     "RAY_RDT_POOL_DEBUG": ("debug_transfers", "1: DEBUG-log every put and fetch"),
+    "RAY_RDT_POOL_REG_CACHE_BYTES": (
+        "registration_cache_bytes", "bytes of user storages kept registered (K, M, G allowed)"),
 }
 
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

@@ -16,8 +16,10 @@ __all__ = ["TransportStats"]
 class TransportStats:
     """A snapshot of one process's sender pool, receive arena and NIXL activity.
 
-    Pool fields describe the sender side, arena fields the receive side; both are zero
-    until first use. Counters only grow over the life of the process.
+    Pool fields describe the sender side, arena fields the receive side (all arenas,
+    one per device type); both are zero until first use. Counters only grow over the
+    life of the process. Defaults exist only so that older readers of this record keep
+    working; the transport always fills every field.
     """
 
     pool_device: str
@@ -49,6 +51,27 @@ class TransportStats:
     remote_agents: int
     remote_metadata_loads: int
     agent_name: str
+    #: objects living in overflow memory now (they did not fit the pool; snapshots all the same)
+    overflow_objects: int = 0
+    #: bytes of those objects
+    overflow_bytes: int = 0
+    #: bytes of overflow memory registered now (freed with the last object in it)
+    overflow_capacity: int = 0
+    #: READs given up on (timeout, abort, dropped) whose landing is held until NIXL ends them
+    abandoned_transfers: int = 0
+    #: READs that ended after being given up on (their landing came back then)
+    late_completions: int = 0
+    #: READs ended by removing their peer's agent after fetch_timeout_s
+    transfers_cut: int = 0
+    #: remote agents removed (failed, idle, or to cut off a READ)
+    remote_agents_removed: int = 0
+    #: aborts remembered for fetches that have not started (bounded)
+    pending_aborts: int = 0
+    #: user storages registered in the registration cache, and their bytes
+    registration_cache_entries: int = 0
+    registration_cache_bytes: int = 0
+    #: cache entries deregistered by its LRU bound
+    registration_evictions: int = 0
 
     @property
     def pool_fragmentation(self) -> float:

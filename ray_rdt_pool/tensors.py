@@ -209,6 +209,15 @@ class HostRegion:
             pass
         self._populated = stop
 
+    def close(self) -> None:
+        """Unmap the region (its registration is already gone, and no view is left)."""
+        self.tensor = None  # type: ignore[assignment]
+        self.array = None  # type: ignore[assignment]
+        try:
+            self._map.close()
+        except BufferError:  # a view is still alive somewhere: unmapped when it dies
+            pass
+
 
 class CudaRegion:
     """One allocation of CUDA memory for a pool or arena, viewed as a uint8 tensor.
@@ -242,6 +251,10 @@ class CudaRegion:
         self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
         self.addr = self.tensor.data_ptr()
         self.device = "cuda"
+
+    def close(self) -> None:
+        """Give the memory back to torch's caching allocator."""
+        self.tensor = None  # type: ignore[assignment]
 
 
 _BIG_COPY = 1 << 20

@@ -2,8 +2,21 @@
 
 Integration tests use real NIXL; this fake exists to make failure paths deterministic
 (stalled, failed and aborted READs, stale metadata) and to *check* the transport's
-discipline: every READ must touch only memory registered on both sides as the reader
-last loaded it, and no remote agent may be removed while a READ from it is in flight.
+discipline. It models what real NIXL may do, not what is convenient:
+
+* A READ posted in mode ``"PROC"`` stays in flight until the test calls
+  :meth:`FakeBackend.complete` (the bytes land then: a *late write*) or :meth:`fail`.
+* Releasing a handle whose READ is still in flight is a cancel. With
+  ``World.cancel = "fail"`` (the default, as NIXL documents for a transfer that cannot be
+  cancelled) it raises and the handle stays valid, so the READ may still complete and
+  write into its landing later. With ``"ok"`` the cancel succeeds and nothing is written.
+* ``release_errors`` makes releasing even an ended handle raise (errors on release).
+* Loading an agent's metadata again *merges* its sections, as NIXL does; only
+  ``remove_remote`` drops them, and it ends every READ from that agent with ERR.
+
+Violations the transport must never commit are collected in ``World.violations``: a
+READ touching memory not registered (locally) or not loaded (remotely), and a late write
+into memory that is no longer that READ's (checked by the tests through the bytes).
 """
 
 from __future__ import annotations
@@ -32,7 +45,13 @@ class World:
     kv: dict[str, tuple[int, int, bytes]] = field(default_factory=dict)
     #: what new READs do: "DONE" (copy at once), "PROC" (stall), "ERR" (fail)
     mode: str = "DONE"
+    #: releasing a READ still in flight: "fail" (cannot cancel; it may write later) or "ok"
+    cancel: str = "fail"
+    #: release() of any handle raises (models errors on release)
+    release_errors: bool = False
     violations: list[str] = field(default_factory=list)
+    #: remote agents removed while READs from them were in flight (a deliberate cut-off)
+    cuts: list[str] = field(default_factory=list)
 
     def factory(self, name: str, interval: float) -> FakeBackend:
         b = FakeBackend(self, name)
@@ -63,6 +82,7 @@ class FakeBackend:
         self.xfers: dict[int, _Xfer] = {}
         self.removed: list[str] = []
         self.registrations = 0
+        self.ticks: list[Any] = []
 
     def register(self, addr: int, nbytes: int, mem: str, dev: int) -> Any:
         h = next(self._ids)
@@ -72,6 +92,14 @@ class FakeBackend:
 
     def deregister(self, handle: Any) -> None:
         del self.regions[handle]
+
+    def add_tick(self, fn: Any) -> None:
+        self.ticks.append(fn)
+
+    def tick(self) -> None:
+        """What the progress thread does every interval (tests call it by hand)."""
+        for fn in self.ticks:
+            fn()
 
     def metadata(self) -> bytes:
         return repr((self.name, sorted(self.regions.values()))).encode()
@@ -85,9 +113,12 @@ class FakeBackend:
         return name
 
     def remove_remote(self, name: str) -> None:
-        busy = [x for x in self.xfers.values() if x.remote_name == name and not x.released]
+        busy = [x for x in self.xfers.values()
+                if x.remote_name == name and not x.released and x.state == "PROC"]
         if busy:
-            self.world.violations.append(f"removed {name} with {len(busy)} READs in flight")
+            self.world.cuts.append(name)
+            for x in busy:
+                x.state = "ERR"  # removing the agent ends its READs
         self.loaded.pop(name, None)
         self.removed.append(name)
 
@@ -114,17 +145,37 @@ class FakeBackend:
         return h
 
     def complete(self, h: int) -> None:
+        """The READ finishes now: its bytes land (late, if it was given up on)."""
         x = self.xfers[h]
+        if x.state != "PROC":
+            return
+        if x.released:
+            self.world.violations.append(f"READ {h} completed after its handle was released")
         for (la, n, _), (ra, m, _) in zip(x.local, x.remote):
             assert n == m
             ctypes.memmove(la, ra, n)
         x.state = "DONE"
 
+    def fail(self, h: int) -> None:
+        self.xfers[h].state = "ERR"
+
     def state(self, xfer: Any) -> str:
-        return self.xfers[xfer].state
+        x = self.xfers[xfer]
+        if x.released:
+            raise RuntimeError("NIXL_ERR_INVALID_PARAM: released handle")
+        return x.state
 
     def release(self, xfer: Any) -> None:
-        self.xfers[xfer].released = True
+        x = self.xfers[xfer]
+        if x.released:
+            raise RuntimeError("NIXL_ERR_INVALID_PARAM: handle released twice")
+        if x.state == "PROC" and self.world.cancel == "fail":
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE: transfer in progress, cannot cancel")
+        if self.world.release_errors:  # the handle stays valid, as NIXL documents
+            raise RuntimeError("NIXL_ERR_BACKEND: release failed")
+        if x.state == "PROC":
+            x.state = "CANCELLED"
+        x.released = True
 
     def in_flight(self) -> list[int]:
         return [h for h, x in self.xfers.items() if not x.released]

@@ -1,0 +1,100 @@
+"""Counters, the observer interface, and the one place failures are mapped and counted.
+
+Pure (stdlib only). The registry, the sender and the receiver share one
+:class:`Events` per process: they add to its counters, report to its observer (the
+metrics exporter, or nothing), and run every step that can fail inside
+:meth:`Events.failures`, which turns a foreign exception into a typed one, counts it
+once and reports it once. ``stats()`` reads the counters from here.
+
+Threads: any; the counters take their own small lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+from ray_rdt_pool.errors import InvalidInputError, RdtPoolError, TransferError
+
+__all__ = ["COUNTER_NAMES", "Events", "Observer"]
+
+#: Every counter; all start at 0 and only grow, except ``in_flight``.
+COUNTER_NAMES = (
+    "registrations", "deregistrations", "registration_evictions", "objects_put",
+    "objects_freed", "bytes_packed", "zero_copy_tensors", "fallbacks", "objects_received",
+    "bytes_received", "receive_fallbacks", "transfer_errors", "metadata_loads", "in_flight",
+    "peers_removed", "transfers_cut", "late_completions",
+)
+
+
+class Observer(Protocol):
+    """What the transport tells the metrics exporter (see :mod:`ray_rdt_pool.metrics`).
+
+    ``source`` is the object whose ``stats()`` and ``config`` the observer may read.
+    """
+
+    def on_put(self, source: Any, nbytes: int, seconds: float, pack_seconds: float | None,
+               fallback: bool) -> None: ...
+    def on_free(self, source: Any) -> None: ...
+    def on_fetch(self, source: Any, nbytes: int, seconds: float) -> None: ...
+    def on_error(self, source: Any, kind: str) -> None: ...
+
+
+class Events:
+    """Counters plus the observer hook of one process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.c: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
+        self.observer: Observer | None = None  # set once by the runtime after creation
+        self.source: Any = None  # what the observer's stats() calls read
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.c[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.c)
+
+    def error(self, kind: str) -> None:
+        """One failed transfer: counted and reported (``kind``: err, timeout, aborted)."""
+        self.add("transfer_errors")
+        obs = self.observer
+        if obs is not None:
+            obs.on_error(self.source, kind)
+
+    @contextmanager
+    def failures(self, what: str, hint: str) -> Iterator[None]:
+        """Run a step of a transfer: every failure leaves as a typed, counted error.
+
+        * ``InvalidInputError`` passes through uncounted: the caller's input was wrong.
+        * Other ``RdtPoolError`` pass through and are counted once, here, unless the
+          raise site counted it already (``counted`` attribute set).
+        * ``TimeoutError`` passes through (Ray expects it) and is counted.
+        * Anything else becomes a ``TransferError`` naming ``what`` and ``hint``,
+          chained with ``from``.
+        """
+        try:
+            yield
+        except InvalidInputError:
+            raise
+        except (RdtPoolError, TimeoutError) as e:
+            if not getattr(e, "counted", False):
+                self.error("timeout" if isinstance(e, TimeoutError) else "err")
+                _mark(e)
+            raise
+        except Exception as e:
+            self.error("err")
+            err = TransferError(f"{what} failed: {type(e).__name__}: {e}; {hint}")
+            _mark(err)
+            raise err from e
+
+
+def _mark(e: BaseException) -> None:
+    try:
+        e.counted = True  # type: ignore[attr-defined]
+    except AttributeError:
+        pass

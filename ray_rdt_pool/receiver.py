@@ -1,0 +1,716 @@
+"""The receiver: arenas, peers, READs in flight, and aborts.
+
+Role: ``fetch`` starts the one-sided READ of one object and returns a :class:`Fetch`;
+``wait`` waits for it and rebuilds the tensors. A fetch is made of three parts, each
+released exactly once:
+
+* a **transfer** (:class:`Transfer`): the NIXL handle. It is released when NIXL reports
+  the READ ``DONE`` or ``ERR``, when a cancel succeeds, or when the peer's agent is
+  removed (which ends every READ from it);
+* a **landing** (:class:`Landing`): where the bytes go, a block of the arena of the
+  landing device, a one-off registered buffer when that arena is full, or the caller's
+  target buffers. A landing goes back (block reused, buffer deregistered, target
+  registrations released) **only after its transfer has ended**. A fetch that fails,
+  times out, is aborted or is dropped by Ray before its READ ended is *abandoned*: its
+  landing stays reserved while NIXL may still write into it, and the progress thread
+  polls the transfer until it ends. A READ that has not ended ``fetch_timeout_s`` after
+  it started is cut off by removing the peer's agent; only then does its landing return.
+* a **peer lease**: one count on the sender's :class:`Peer` while the transfer has not
+  ended. A peer's agent is removed only with no lease held, except to cut off a READ
+  that never ends.
+
+Landing device: the target buffers' device; else the device of the sender's tensors
+(Ray's ``set_target_device_for_ref`` arrives as target buffers on that device). A
+receiver without that device raises ``TransferError`` before anything is reserved.
+
+Peers: a sender's metadata is loaded when an object names a newer registration epoch
+than the loaded view (see :mod:`ray_rdt_pool.registry`). NIXL merges a reload into the
+known view, so a reload never removes an agent that has READs in flight; a view that may
+hold deregistered memory is replaced (remove, then add) at the next fetch that finds the
+peer idle. ``fetch`` never waits for other fetches. Peers that failed a READ, or stayed
+idle for :data:`PEER_IDLE_S`, are removed by the progress thread once idle.
+
+Threads: ``fetch``/``wait`` on the thread calling ``ray.get`` or on ``_ray_system``
+(task arguments); ``abort`` on ``_ray_system_error``; ``reap`` on the agent's progress
+thread; arena blocks come back from whatever thread drops the last view. Lock order:
+a transfer's lock, then the receiver lock. NIXL and GCS calls never run under the
+receiver lock. Imports no Ray.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ray_rdt_pool.errors import InvalidInputError, PoolExhaustedError, TransferError
+from ray_rdt_pool.merge import merge_descriptors
+from ray_rdt_pool.registry import MEM_TYPE, Directory, RegEntry, Region, Registry
+
+if TYPE_CHECKING:
+    import torch
+
+    from ray_rdt_pool.config import PoolConfig
+    from ray_rdt_pool.events import Events
+    from ray_rdt_pool.wire import WireMeta
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PEER_IDLE_S", "Fetch", "Landing", "Peer", "Receiver", "Transfer"]
+
+#: A peer unused this long, with nothing in flight, is removed (its process may be gone).
+PEER_IDLE_S = 120.0
+#: Most peers kept loaded; the least recently used idle ones go first.
+MAX_PEERS = 256
+#: Aborts remembered for fetches that have not started (bounded; see Receiver.abort).
+MAX_PENDING_ABORTS = 1024
+_FINISHED_IDS = 4096
+_HOUSEKEEPING_S = 1.0
+
+
+@dataclass(eq=False)
+class Peer:
+    """A sender agent loaded into ours. Fields change under the receiver lock;
+    ``load_lock`` serialises NIXL add/remove calls about this peer."""
+
+    name: str
+    loaded: int = -1  # epoch of the view NIXL holds; -1: not loaded
+    view_since: int = -1  # epoch of the last clean load (remove + add, or first add)
+    stale: bool = False  # the view may hold deregistered memory: replace it when idle
+    in_flight: int = 0  # transfers from this peer that have not ended
+    busy: bool = False  # an add/remove is running: take no new lease
+    suspect: bool = False  # a READ from it failed: remove it once idle
+    last_used: float = 0.0
+    load_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(eq=False)
+class Landing:
+    """Where one READ's bytes land. ``release`` runs once, after the transfer ended."""
+
+    kind: str  # "arena", "temp" or "targets"
+    addr: int = 0
+    device: str = "cpu"
+    device_id: int = 0
+    region: Region | None = None
+    key: int = -1
+    offset: int = 0
+    temp: Any = None  # the one-off buffer (a tensor)
+    temp_handle: Any = None
+    entries: list[RegEntry] = field(default_factory=list)
+    released: bool = False
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One posted READ. ``final`` is set once, under ``lock``, when it has ended."""
+
+    obj_id: str
+    handle: Any
+    peer: Peer
+    landing: Landing
+    started: float
+    final: str | None = None
+    abandoned: bool = False  # nobody will consume it: its end returns the landing
+    aborted: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Fetch:
+    """The receiver's side of one ``fetch``/``wait`` pair (see transport.PoolFetch)."""
+
+    def __init__(self, obj_id: str, meta: WireMeta) -> None:
+        self.obj_id = obj_id
+        self.meta = meta
+        self.transfer: Transfer | None = None
+        self.copy_into: list[torch.Tensor] | None = None
+        self.targets: list[torch.Tensor] | None = None
+        self.tensors: list[torch.Tensor] = []
+        self.t_start = time.perf_counter()
+        self.ndescs = 0
+        self.settled = False  # wait() returned or raised: the transfer is accounted for
+
+
+class Receiver:
+    """The receiving half of one process's transport."""
+
+    def __init__(self, config: PoolConfig, registry: Registry, events: Events,
+                 backend: Callable[[], Any], directory: Directory) -> None:
+        self.config = config
+        self.registry = registry
+        self.events = events
+        self._backend = backend
+        self.directory = directory
+        self.lock = threading.RLock()
+        self.arenas: dict[str, Region] = {}  # device type -> arena; created on first use
+        self._keys = itertools.count()
+        # (device, key) of arena blocks whose views died; appended from any thread
+        # (deleters may fire inside our own critical sections), drained under the lock.
+        self._arena_dead: deque[tuple[str, int]] = deque()
+        self.peers: OrderedDict[str, Peer] = OrderedDict()
+        self.outstanding: dict[int, Transfer] = {}  # id -> transfer not yet ended
+        self._dropped: deque[Transfer] = deque()  # from Fetch objects Ray never waited on
+        self.pending_aborts: OrderedDict[str, float] = OrderedDict()
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._next_housekeeping = 0.0
+
+    # -- arenas ---------------------------------------------------------------------------
+
+    def _drain_locked(self) -> None:
+        while self._arena_dead:
+            device, key = self._arena_dead.popleft()
+            arena = self.arenas.get(device)
+            if arena is not None:
+                arena.alloc.free(key)
+
+    def _arena(self, device: str) -> Region:
+        with self.lock:
+            arena = self.arenas.get(device)
+        if arena is None:
+            arena = self.registry.new_region(self.config.arena_capacity, device,
+                                             f"{device} receive arena", self.config.prefault)
+            with self.lock:
+                if device in self.arenas:  # another thread won the race
+                    extra, arena = arena, self.arenas[device]
+                else:
+                    self.arenas[device] = arena
+                    extra = None
+            if extra is not None:
+                self.registry.drop_region(extra)
+        return arena
+
+    def _land(self, f: Fetch, device: str, targets: Sequence[torch.Tensor] | None
+              ) -> tuple[Landing, list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        """Reserve the landing of ``f``; returns it with the READ's (local, remote)."""
+        meta = f.meta
+        if targets:
+            entries: list[RegEntry] = []
+            for t in targets:
+                e = self.registry.acquire_if_seen(t)
+                if e is not None:
+                    entries.append(e)
+            if len(entries) == len(targets):
+                landing = Landing("targets", device=device, entries=entries)
+                f.targets = list(targets)
+                return (landing, *_target_descs(targets, meta))
+            for e in entries:
+                self.registry.release(e)
+            # Buffers seen for the first time: registering each storage costs more than
+            # one copy, so read into the arena and copy out.
+            f.copy_into = list(targets)
+        arena = self._arena(device)
+        key = next(self._keys)
+        with self.lock:
+            self._drain_locked()
+            try:
+                (block,) = arena.alloc.allocate(key, meta.total, max_blocks=1)
+            except PoolExhaustedError:
+                block = None
+        dev_id = int(arena.mem.device_id)
+        if block is not None:
+            arena.populate(block[0] + block[1])
+            landing = Landing("arena", arena.addr + block[0], device, dev_id, arena, key,
+                              block[0])
+        else:
+            import torch
+
+            self.events.add("receive_fallbacks")
+            buf = torch.empty(meta.total, dtype=torch.uint8, device=arena.mem.torch_device)
+            handle = self.registry.register_buffer(buf.data_ptr(), meta.total, device, dev_id)
+            landing = Landing("temp", buf.data_ptr(), device, dev_id, temp=buf,
+                              temp_handle=handle)
+        local = [(landing.addr + v, n, dev_id) for v, _a, n in meta.segments]
+        remote = [(a, n, meta.device_id) for _v, a, n in meta.segments]
+        return landing, local, remote
+
+    def release_landing(self, landing: Landing) -> None:
+        """Return a landing. Only ever called once its transfer has ended (or none ran)."""
+        if landing.released:
+            return
+        landing.released = True
+        if landing.kind == "arena":
+            self._arena_dead.append((landing.device, landing.key))
+            with self.lock:
+                self._drain_locked()
+        elif landing.kind == "temp":
+            if landing.temp_handle is not None:
+                self.registry.deregister_buffer(landing.temp_handle)
+                landing.temp_handle = None
+            landing.temp = None
+        else:
+            entries, landing.entries = landing.entries, []
+            for e in entries:
+                self.registry.release(e)
+
+    # -- peers ----------------------------------------------------------------------------
+
+    def _lease_peer(self, meta: WireMeta) -> Peer:
+        """One lease on the sender's peer, loading its metadata first if needed."""
+        name, need = meta.agent, meta.agent_version
+        while True:
+            with self.lock:
+                peer = self.peers.get(name)
+                if peer is None:
+                    peer = self.peers[name] = Peer(name)
+                if not peer.busy and peer.loaded >= need and not (
+                        peer.stale and peer.in_flight == 0):
+                    peer.in_flight += 1
+                    peer.last_used = time.monotonic()
+                    self.peers.move_to_end(name)
+                    self.events.add("in_flight")
+                    return peer
+            self._load_peer(peer, need)
+
+    def _lookup(self, name: str, need: int) -> tuple[int, int, bytes]:
+        deadline = time.monotonic() + self.config.fetch_timeout_s
+        delay = 0.002
+        while True:
+            found = self.directory.lookup(name)
+            if found is not None and found[0] >= need:
+                return found
+            if time.monotonic() > deadline:
+                raise TransferError(
+                    f"no NIXL metadata of version >= {need} for sender agent {name!r} in "
+                    f"Ray's GCS after {self.config.fetch_timeout_s}s; the sender process may "
+                    "have exited. Fetch objects from a live sender")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _load_peer(self, peer: Peer, need: int) -> None:
+        """Bring NIXL's view of ``peer`` to epoch >= ``need`` without waiting for READs."""
+        backend = self._backend()
+        with peer.load_lock:
+            with self.lock:
+                if self.peers.get(peer.name) is not peer:
+                    return  # removed meanwhile: the caller retries with the current one
+                if peer.loaded >= need and not (peer.stale and peer.in_flight == 0):
+                    return
+            version, reset, md = self._lookup(peer.name, max(need, peer.loaded, 0))
+            with self.lock:
+                replace = peer.loaded >= 0 and peer.view_since < reset
+                idle = peer.in_flight == 0
+                clean = replace and idle
+                peer.busy = True
+            removed = False
+            try:
+                if clean:
+                    backend.remove_remote(peer.name)
+                    removed = True
+                backend.load_remote(md)
+            except Exception as e:
+                with self.lock:
+                    peer.busy = False
+                    self._suspect(peer)
+                    if removed:
+                        peer.loaded = peer.view_since = -1
+                raise TransferError(
+                    f"loading the NIXL metadata of sender agent {peer.name!r} failed ({e}); "
+                    "the sender may have exited. Fetch objects from a live sender") from e
+            self.events.add("metadata_loads")
+            with self.lock:
+                if clean or peer.loaded < 0:
+                    peer.view_since = version
+                peer.loaded = version
+                peer.stale = replace and not idle
+                peer.busy = False
+
+    def _suspect(self, peer: Peer) -> None:
+        """A READ from ``peer`` failed: remove it at the next housekeeping once idle."""
+        peer.suspect = True
+        self._next_housekeeping = 0.0
+
+    def _remove_peer(self, peer: Peer, cut: bool) -> None:
+        """Remove ``peer``'s agent: when idle, or (``cut``) to end READs that never end."""
+        backend = self._backend()
+        with peer.load_lock:
+            with self.lock:
+                if self.peers.get(peer.name) is not peer or (peer.in_flight and not cut):
+                    return
+                peer.busy = True
+                victims = [t for t in self.outstanding.values() if t.peer is peer]
+            try:
+                backend.remove_remote(peer.name)
+            except Exception:
+                logger.debug("removing remote agent %s failed", peer.name, exc_info=True)
+            self.events.add("peers_removed")
+            if cut:
+                self.events.add("transfers_cut", len(victims))
+                logger.warning(
+                    "cut off %d READ(s) from %s that did not end within fetch_timeout_s=%ss "
+                    "by removing its agent", len(victims), peer.name,
+                    self.config.fetch_timeout_s)
+            for t in victims:
+                with t.lock:
+                    if t.final is None:
+                        self._end_locked(t, "CUT")
+            with self.lock:
+                peer.loaded = peer.view_since = -1
+                peer.stale = peer.busy = False
+                if peer.in_flight == 0 and self.peers.get(peer.name) is peer:
+                    del self.peers[peer.name]
+
+    # -- transfers ------------------------------------------------------------------------
+
+    def _end_locked(self, t: Transfer, state: str, release_handle: bool = True) -> None:
+        """Mark ``t`` ended (caller holds ``t.lock``): handle, lease, maybe landing."""
+        if release_handle and t.handle is not None:
+            try:
+                self._backend().release(t.handle)
+            except Exception:
+                # The READ is over (DONE, ERR, or its peer removed): nothing writes into
+                # the landing any more, so a failing release leaks at most a handle.
+                logger.debug("releasing an ended transfer handle failed", exc_info=True)
+        t.handle = None
+        t.final = state
+        with self.lock:
+            self.outstanding.pop(id(t), None)
+            t.peer.in_flight -= 1
+            if state != "DONE":
+                self._suspect(t.peer)
+            self.events.add("in_flight", -1)
+        if t.abandoned:
+            if state == "DONE":
+                self.events.add("late_completions")
+            self.release_landing(t.landing)
+
+    def poll(self, t: Transfer) -> str:
+        """The transfer's state; ends it (exactly once) when NIXL says it is over.
+
+        ``"FAULT"``: NIXL could not say. The READ is not known to have ended, so it is
+        treated as still running (its landing stays reserved) until it ends or is cut.
+        """
+        with t.lock:
+            if t.final is not None:
+                return t.final
+            try:
+                state = str(self._backend().state(t.handle))
+            except Exception:
+                logger.debug("checking a transfer failed", exc_info=True)
+                return "FAULT"
+            if state not in ("PROC", "FAULT"):
+                self._end_locked(t, state)
+            return state
+
+    def abandon(self, t: Transfer) -> None:
+        """Nobody will consume ``t``: its landing returns once the READ has ended."""
+        with t.lock:
+            if t.final is not None:
+                self.release_landing(t.landing)
+                return
+            t.abandoned = True
+            try:
+                self._backend().release(t.handle)
+            except Exception:
+                # NIXL could not cancel it: the handle stays valid and the READ may still
+                # write into the landing. reap() polls it until it ends or is cut off.
+                logger.debug("cancelling an in-flight READ failed; polling it", exc_info=True)
+                return
+            self._end_locked(t, "CANCELLED", release_handle=False)
+
+    def reap(self) -> None:
+        """Progress-thread housekeeping: end abandoned READs, cut overdue ones, drop
+        dead peers. Cheap when there is nothing to do."""
+        while self._dropped:
+            self.abandon(self._dropped.popleft())
+        now = time.monotonic()
+        with self.lock:
+            waiting = [t for t in self.outstanding.values() if t.abandoned]
+            housekeeping = now >= self._next_housekeeping and bool(self.peers)
+        for t in waiting:
+            if self.poll(t) in ("PROC", "FAULT") and \
+                    now > t.started + self.config.fetch_timeout_s:
+                self._remove_peer(t.peer, cut=True)
+        if housekeeping:
+            self._next_housekeeping = now + _HOUSEKEEPING_S
+            with self.lock:
+                idle = [p for p in self.peers.values() if p.in_flight == 0 and not p.busy]
+                victims = [p for p in idle if p.suspect or now - p.last_used > PEER_IDLE_S]
+                extra = len(self.peers) - MAX_PEERS
+                victims += [p for p in idle if p not in victims][:max(0, extra)]
+            for p in victims:
+                self._remove_peer(p, cut=False)
+
+    def dropped(self, t: Transfer) -> None:
+        """A Fetch died unconsumed (any thread, maybe inside GC): abandon it later."""
+        self._dropped.append(t)
+
+    # -- fetch / wait ---------------------------------------------------------------------
+
+    def fetch(self, obj_id: str, meta: WireMeta, device_hint: str | None,
+              targets: Sequence[torch.Tensor] | None) -> Fetch:
+        """Start reading ``obj_id``; never waits for other fetches."""
+        from ray_rdt_pool.tensors import empty_like_run_list
+
+        f = Fetch(obj_id, meta)
+        if targets:
+            _check_targets(targets, meta)
+            device = targets[0].device.type
+        else:
+            device = device_hint if device_hint in MEM_TYPE else meta.device
+        if meta.num_tensors == 0 or not meta.segments:
+            f.tensors = list(targets) if targets else empty_like_run_list(meta.runs, device)
+            f.settled = True
+            return f
+        if device == "cuda" and not targets and not _cuda_available():
+            self.events.error("err")
+            raise TransferError(
+                f"object {obj_id} holds CUDA tensors but this process has no CUDA device; "
+                "give the actor a GPU (num_gpus=1), or land it in host memory with "
+                "ray.experimental.set_target_device_for_ref(ref, 'cpu') before ray.get")
+        self.reap()
+        with self.lock:
+            self._forget_finished(obj_id)
+            if self._pending_abort(obj_id):
+                self.events.error("aborted")
+                raise TransferError(f"the transfer of object {obj_id} was aborted")
+        what = f"starting the READ of object {obj_id} ({meta.total:,} bytes) from {meta.agent}"
+        with self.events.failures(what, "the sender may have exited; fetch again while the "
+                                        "ref is in scope"):
+            peer = self._lease_peer(meta)
+            landing: Landing | None = None
+            try:
+                landing, local, remote = self._land(f, device, targets)
+                local, remote = merge_descriptors(local, remote)
+                f.ndescs = len(local)
+                handle = self._backend().start_read(local, remote, meta.agent,
+                                                    MEM_TYPE[landing.device],
+                                                    MEM_TYPE[meta.device])
+            except BaseException:
+                # Nothing was posted: the landing and the lease can go back at once.
+                if landing is not None:
+                    self.release_landing(landing)
+                with self.lock:
+                    peer.in_flight -= 1
+                    self._suspect(peer)
+                    self.events.add("in_flight", -1)
+                raise
+        t = Transfer(obj_id, handle, peer, landing, time.monotonic())
+        with self.lock:
+            self.outstanding[id(t)] = t
+            if self._pending_abort(obj_id):  # arrived while the READ was being posted
+                t.aborted = True
+        f.transfer = t
+        return f
+
+    def wait(self, f: Fetch, timeout: float | None) -> list[torch.Tensor]:
+        """Wait for ``f``'s READ and return the tensors; see the module doc for failures."""
+        if f.settled:
+            return f.tensors
+        t = f.transfer
+        assert t is not None
+        user_limit = timeout is not None and 0 <= timeout < self.config.fetch_timeout_s
+        deadline = min(t.started + self.config.fetch_timeout_s,
+                       time.monotonic() + (timeout if user_limit else float("inf")))
+        delay = 20e-6
+        while True:
+            state = self.poll(t)
+            if state != "PROC":
+                break
+            if t.aborted:
+                state = "ABORTED"
+                break
+            if time.monotonic() >= deadline:
+                state = "TIMEOUT"
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+        f.settled = True
+        self._finish_id(f.obj_id)
+        if state == "DONE":
+            return self._finish(f, t)
+        meta = f.meta
+        if state in ("TIMEOUT", "ABORTED", "FAULT"):
+            self.abandon(t)
+        else:
+            self.release_landing(t.landing)
+        self.events.error({"TIMEOUT": "timeout", "ABORTED": "aborted"}.get(state, "err"))
+        if state == "TIMEOUT" and user_limit and time.monotonic() < (
+                t.started + self.config.fetch_timeout_s):
+            raise TimeoutError(f"READ of object {f.obj_id} from {t.peer.name} not done "
+                               f"within the caller's timeout of {timeout:.3f}s")
+        if state == "TIMEOUT":
+            raise TransferError(
+                f"READ of object {f.obj_id} ({meta.total:,} bytes) from {t.peer.name} did "
+                f"not finish within fetch_timeout_s={self.config.fetch_timeout_s}s; the "
+                "sender may be dead or stalled. Raise RAY_RDT_POOL_FETCH_TIMEOUT_S if the "
+                "transfer is just slow")
+        what = "was aborted" if state == "ABORTED" else f"failed ({state})"
+        raise TransferError(
+            f"READ of object {f.obj_id} ({meta.total:,} bytes) from {t.peer.name} {what}; "
+            "the sender actor may have died. Fetch again while the ref is in scope")
+
+    def _finish(self, f: Fetch, t: Transfer) -> list[torch.Tensor]:
+        from ray_rdt_pool.tensors import device_block, rebuild
+
+        meta = f.meta
+        landing = t.landing
+        self.events.add("objects_received")
+        self.events.add("bytes_received", meta.total)
+        if f.copy_into is not None:
+            f.tensors = self._copy_out(f, landing)
+        elif landing.kind == "targets":
+            assert f.targets is not None
+            f.tensors = f.targets
+            self.release_landing(landing)
+        elif landing.kind == "arena":
+            landing.released = True  # ownership passes to the views
+            dead, key = self._arena_dead, (landing.device, landing.key)
+            block = device_block(landing.addr, meta.total, landing.device, landing.device_id,
+                                 lambda: dead.append(key))
+            f.tensors = rebuild(block, meta.runs, meta.run_starts())
+        else:
+            buf = landing.temp
+            self.release_landing(landing)  # deregisters; the buffer itself lives on
+            f.tensors = rebuild(buf, meta.runs, meta.run_starts())
+        if self.config.debug_transfers:
+            logger.debug("fetched %s: %d tensors, %d bytes, %d descriptors", f.obj_id,
+                         meta.num_tensors, meta.total, f.ndescs)
+        obs = self.events.observer
+        if obs is not None:
+            obs.on_fetch(self.events.source, meta.total, time.perf_counter() - f.t_start)
+        return f.tensors
+
+    def _copy_out(self, f: Fetch, landing: Landing) -> list[torch.Tensor]:
+        """Copy a received object from its landing into the caller's buffers."""
+        import torch
+
+        from ray_rdt_pool.tensors import unpack_into
+
+        targets = f.copy_into
+        assert targets is not None
+        try:
+            with torch.no_grad():  # a requires_grad Parameter is a fine target
+                unpack_into(targets, f.meta.tensor_offsets(), landing.addr, f.meta.total,
+                            landing.device, landing.device_id)
+        except Exception as e:
+            self.events.error("err")
+            raise TransferError(
+                f"copying object {f.obj_id} into its {len(targets)} target buffers failed: "
+                f"{type(e).__name__}: {e}; pass contiguous tensors of the object's shapes "
+                "and dtypes on one device") from e
+        finally:
+            self.release_landing(landing)
+        return targets
+
+    # -- aborts ---------------------------------------------------------------------------
+
+    def abort(self, obj_id: str) -> None:
+        """Ray gave up on ``obj_id``: a READ of it in flight stops being waited for.
+
+        An abort for a fetch that already finished is ignored; one for a fetch that has
+        not started is remembered (at most :data:`MAX_PENDING_ABORTS`, each for at most
+        ``fetch_timeout_s``). Senders receive aborts too; those are bounded the same way.
+        """
+        with self.lock:
+            hit = [t for t in self.outstanding.values() if t.obj_id == obj_id]
+            for t in hit:
+                t.aborted = True
+            if hit or obj_id in self._finished:
+                return
+            self.pending_aborts[obj_id] = time.monotonic()
+            self.pending_aborts.move_to_end(obj_id)
+            self._expire_aborts()
+
+    def _expire_aborts(self) -> None:
+        cutoff = time.monotonic() - self.config.fetch_timeout_s
+        pa = self.pending_aborts
+        while pa and (len(pa) > MAX_PENDING_ABORTS or next(iter(pa.values())) < cutoff):
+            pa.popitem(last=False)
+
+    def _pending_abort(self, obj_id: str) -> bool:
+        self._expire_aborts()
+        return self.pending_aborts.pop(obj_id, None) is not None
+
+    def _forget_finished(self, obj_id: str) -> None:
+        self._finished.pop(obj_id, None)
+
+    def _finish_id(self, obj_id: str) -> None:
+        with self.lock:
+            self.pending_aborts.pop(obj_id, None)
+            self._finished[obj_id] = None
+            while len(self._finished) > _FINISHED_IDS:
+                self._finished.popitem(last=False)
+
+    # -- introspection and exit -----------------------------------------------------------
+
+    def counts(self) -> dict[str, int]:
+        with self.lock:
+            self._drain_locked()
+            return {
+                "abandoned": sum(t.abandoned for t in self.outstanding.values()),
+                "pending_aborts": len(self.pending_aborts),
+                "peers": len(self.peers),
+            }
+
+    def shutdown(self) -> None:
+        """Abandon what is in flight and remove every peer (process exit)."""
+        with self.lock:
+            live = list(self.outstanding.values())
+            peers = list(self.peers.values())
+        for t in live:
+            self.abandon(t)
+        for p in peers:
+            self._remove_peer(p, cut=True)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _target_descs(targets: Sequence[torch.Tensor], meta: WireMeta
+                  ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """(local, remote) descriptors landing each packed tensor in its target buffer."""
+    segments = meta.segments
+    starts = [v for v, _a, _n in segments]
+    local: list[tuple[int, int, int]] = []
+    remote: list[tuple[int, int, int]] = []
+    ldev = targets[0].device.index or 0
+    rdev = meta.device_id
+    for t, off in zip(targets, meta.tensor_offsets()):
+        n = t.numel() * t.element_size()
+        if n == 0:
+            continue
+        addr = t.data_ptr()
+        i = bisect.bisect_right(starts, off) - 1
+        pos, end = off, off + n
+        while pos < end:  # wire-validated: the segments cover every tensor's bytes
+            v, a, m = segments[i]
+            take = min(v + m, end) - pos
+            local.append((addr + (pos - off), take, ldev))
+            remote.append((a + (pos - v), take, rdev))
+            pos += take
+            i += 1
+    return local, remote
+
+
+def _check_targets(targets: Sequence[torch.Tensor], meta: WireMeta) -> None:
+    import torch
+
+    from ray_rdt_pool.tensors import dtype_name
+
+    if len(targets) != meta.num_tensors:
+        raise InvalidInputError(
+            f"{len(targets)} target buffers for an object of {meta.num_tensors} tensors; "
+            "pass one buffer per tensor, in the order they were sent")
+    for i, (t, (shape, dt)) in enumerate(zip(targets, meta.shapes_dtypes())):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInputError(
+                f"target buffer {i} is a {type(t).__name__}, not a torch.Tensor; pass "
+                "preallocated tensors, one per tensor of the object")
+        if tuple(t.shape) != shape or dtype_name(t.dtype) != dt:
+            raise InvalidInputError(
+                f"target buffer {i} is {tuple(t.shape)} {t.dtype} but the object holds "
+                f"{shape} {dt}; allocate it with that shape and dtype")
+        if not t.is_contiguous() or t.device.type != targets[0].device.type:
+            raise InvalidInputError(
+                f"target buffer {i} must be contiguous and on the same device type as buffer "
+                f"0 (is_contiguous={t.is_contiguous()}, device={t.device}); use "
+                "torch.empty(...) or .contiguous()")

@@ -1,0 +1,366 @@
+"""Every NIXL registration of this process, the registration epoch, and its publication.
+
+Role: the only module that calls the backend's ``register`` and ``deregister``. It owns
+
+* **regions**: the sender pool, the overflow regions and the receive arenas. They are
+  created by :meth:`Registry.new_region` (which registers them) and dropped by
+  :meth:`Registry.drop_region` (which deregisters them). The sender and the receiver own
+  the *contents* of their regions; this module owns their registration.
+* **the storage cache**: registrations of user storages, made by ``register_memory()``
+  (pins) and for receive target buffers seen more than once. An entry is keyed by the
+  storage's extent and *holds the storage*, so its memory cannot be freed and reused
+  under a live registration. Unpinned entries nobody uses are evicted least recently
+  used first once their bytes exceed ``registration_cache_bytes``. An entry in use by a
+  transfer (``users > 0``) or pinned by ``register_memory()`` is never evicted.
+* **the epoch** (``version``, ``reset_version``) and publishing the agent metadata.
+
+The epoch rule, the one contract a receiver relies on:
+
+* ``version`` grows by one at every registration and every deregistration.
+* ``reset_version`` is the ``version`` of the latest deregistration.
+* An object put at version ``V`` names only memory that was registered at or before ``V``
+  and stays registered while the object lives. A receiver whose view of this agent was
+  loaded at ``L >= V`` can read it; with ``L < V`` it loads the metadata again.
+* NIXL *merges* metadata loaded again for a known agent, so a view loaded before
+  ``reset_version`` may still hold sections of deregistered memory. Such a view is stale:
+  the receiver replaces it (remove, then add) the next time no READ from that agent is in
+  flight, and never while one is.
+
+Threads: any of Ray's threads (task thread, ``_ray_system``, ``_ray_system_error``), the
+thread of ``ray.get`` and the progress thread may call in. One lock guards the maps and
+the epoch; publishing to the directory (a GCS round trip) runs outside it, serialised by
+its own lock so that an older version never overwrites a newer one.
+
+Imports no Ray and no NIXL: the backend and the directory are protocols.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ray_rdt_pool.allocator import BlockAllocator
+
+if TYPE_CHECKING:
+    import torch
+
+    from ray_rdt_pool.tensors import CudaRegion, HostRegion
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MEM_TYPE", "Directory", "RegEntry", "Region", "Registry"]
+
+#: NIXL memory type of each device type.
+MEM_TYPE = {"cpu": "DRAM", "cuda": "VRAM"}
+
+#: First sightings of receive target buffers remembered (keys only, nothing held).
+_SEEN_LIMIT = 4096
+
+
+class Directory(Protocol):
+    """Where agents publish their NIXL metadata and find each other's (Ray's GCS)."""
+
+    def publish(self, name: str, version: int, reset_version: int, md: bytes) -> None: ...
+    def lookup(self, name: str) -> tuple[int, int, bytes] | None: ...
+    def remove(self, name: str) -> None: ...
+
+
+def _default_region(capacity: int, device: str, prefault: bool) -> HostRegion | CudaRegion:
+    from ray_rdt_pool.tensors import CudaRegion, HostRegion
+
+    return CudaRegion(capacity) if device == "cuda" else HostRegion(capacity, prefault=prefault)
+
+
+class Region:
+    """One region registered once with NIXL, carved into blocks by a :class:`BlockAllocator`.
+
+    ``alloc`` is changed only by the region's owner (sender or receiver) under that
+    owner's lock; ``handle`` only by the registry.
+    """
+
+    def __init__(self, mem: Any, name: str) -> None:
+        self.mem = mem  # HostRegion or CudaRegion (or a test double with the same fields)
+        self.alloc = BlockAllocator(mem.nbytes, name=name)
+        self.handle: Any = None
+
+    @property
+    def device(self) -> str:
+        return str(self.mem.device)
+
+    @property
+    def addr(self) -> int:
+        return int(self.mem.addr)
+
+    @property
+    def capacity(self) -> int:
+        return self.alloc.capacity
+
+    @property
+    def mem_type(self) -> str:
+        return MEM_TYPE[self.device]
+
+    def populate(self, end: int) -> None:
+        """Fault host pages in ahead of a copy or READ (no-op for device memory)."""
+        populate = getattr(self.mem, "populate", None)
+        if populate is not None:
+            populate(end)
+
+
+Key = tuple[int, int, str, int]
+
+
+class RegEntry:
+    """A registration of one user storage.
+
+    ``users`` counts transfers and sent objects using it now; ``pins`` counts
+    ``register_memory()`` calls not yet undone. Both change under the registry lock.
+    """
+
+    __slots__ = ("handle", "key", "pins", "storage", "users")
+
+    def __init__(self, key: Key, handle: Any, storage: Any) -> None:
+        self.key = key
+        self.handle = handle
+        self.storage = storage  # held: the memory cannot be freed under the registration
+        self.users = 0
+        self.pins = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.key[1]
+
+
+def storage_key(t: torch.Tensor) -> Key:
+    """The extent of ``t``'s storage: (address, bytes, device type, device index)."""
+    s = t.untyped_storage()
+    return (s.data_ptr(), s.nbytes(), t.device.type, t.device.index or 0)
+
+
+class Registry:
+    """NIXL registrations, the storage cache and the epoch of one process's agent."""
+
+    def __init__(self, backend: Callable[[], Any], directory: Directory, cache_bytes: int,
+                 counters: Any, region_factory: Callable[[int, str, bool], Any] | None = None
+                 ) -> None:
+        self._backend = backend  # returns the process's agent, created on first use
+        self.directory = directory
+        self.cache_bytes = cache_bytes
+        self._c = counters
+        self._region_factory = region_factory or _default_region
+        self._lock = threading.RLock()
+        self._publish_lock = threading.Lock()
+        # Epoch: changed only by _changed(), under _lock.
+        self.version = 0
+        self.reset_version = 0
+        self._published = -1  # the version last written to the directory (_publish_lock)
+        # Storage cache, in LRU order (least recent first); changed under _lock.
+        self._entries: OrderedDict[Key, RegEntry] = OrderedDict()
+        self._cached_bytes = 0  # bytes of unpinned entries
+        self._pinned: list[tuple[int, int]] = []  # sorted (start, end) of pinned extents
+        self._seen: OrderedDict[Key, None] = OrderedDict()
+        self.regions = 0  # live regions, for stats
+
+    # -- the epoch ------------------------------------------------------------------------
+
+    def _changed(self, deregistered: bool) -> None:
+        self.version += 1
+        if deregistered:
+            self.reset_version = self.version
+
+    def _register(self, addr: int, nbytes: int, mem: str, dev: int) -> Any:
+        handle = self._backend().register(addr, nbytes, mem, dev)
+        self._c.add("registrations")
+        self._changed(False)
+        return handle
+
+    def _deregister(self, handle: Any, what: str) -> None:
+        try:
+            self._backend().deregister(handle)
+        except Exception:
+            # The memory is not handed to anyone else by us after this point only if NIXL
+            # forgot it; a failing deregister leaves the registration behind, which is a
+            # leak of a registration, never a stale one: its storage is released below
+            # only by the caller that owns it.
+            logger.warning("deregistering %s failed", what, exc_info=True)
+        self._c.add("deregistrations")
+        self._changed(True)
+
+    def publish(self, agent_name: str) -> int:
+        """Make the current metadata visible to receivers; returns the version published.
+
+        Cheap when nothing changed. The GCS write runs outside the state lock.
+        """
+        if self._published == self.version:
+            return self._published
+        with self._publish_lock:
+            with self._lock:
+                version, reset = self.version, self.reset_version
+                if self._published == version:
+                    return version
+                md = self._backend().metadata()
+            self.directory.publish(agent_name, version, reset, md)
+            self._published = version
+            return version
+
+    # -- regions --------------------------------------------------------------------------
+
+    def new_region(self, capacity: int, device: str, name: str, prefault: bool) -> Region:
+        """Create and register a region; the caller owns it until :meth:`drop_region`."""
+        mem = self._region_factory(capacity, device, prefault)
+        region = Region(mem, name)
+        with self._lock:
+            region.handle = self._register(region.addr, mem.nbytes, region.mem_type,
+                                           int(mem.device_id))
+            self.regions += 1
+        return region
+
+    def drop_region(self, region: Region) -> None:
+        """Deregister a region whose every block is free, then let its memory go."""
+        with self._lock:
+            if region.handle is not None:
+                self._deregister(region.handle, f"region {region.alloc.name}")
+                region.handle = None
+                self.regions -= 1
+        close = getattr(region.mem, "close", None)
+        if close is not None:
+            close()
+
+    def register_buffer(self, addr: int, nbytes: int, device: str, dev: int) -> Any:
+        """Register a one-off buffer (a receive buffer when the arena is full)."""
+        with self._lock:
+            return self._register(addr, nbytes, MEM_TYPE[device], dev)
+
+    def deregister_buffer(self, handle: Any) -> None:
+        """Undo :meth:`register_buffer`; only once nothing can write into the buffer."""
+        with self._lock:
+            self._deregister(handle, "receive buffer")
+
+    # -- the storage cache ----------------------------------------------------------------
+
+    def acquire(self, t: torch.Tensor) -> RegEntry:
+        """The registration covering ``t``'s storage, made on a miss; one more user."""
+        key = storage_key(t)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                handle = self._register(key[0], key[1], MEM_TYPE[key[2]], key[3])
+                entry = RegEntry(key, handle, t.untyped_storage())
+                self._entries[key] = entry
+                self._cached_bytes += entry.nbytes
+            else:
+                self._entries.move_to_end(key)
+            entry.users += 1
+            self._evict()
+            return entry
+
+    def acquire_if_seen(self, t: torch.Tensor) -> RegEntry | None:
+        """Like :meth:`acquire`, but only from the second sighting of the storage on.
+
+        One-off receive buffers never pay a registration; a buffer that comes back (a
+        weight-sync loop) is registered and read in place from then on.
+        """
+        key = storage_key(t)
+        with self._lock:
+            if key in self._entries or key in self._seen:
+                self._seen.pop(key, None)
+                return self.acquire(t)
+            self._seen[key] = None
+            while len(self._seen) > _SEEN_LIMIT:
+                self._seen.popitem(last=False)
+            return None
+
+    def release(self, entry: RegEntry) -> None:
+        """Drop one user taken by :meth:`acquire`."""
+        with self._lock:
+            entry.users -= 1
+            self._evict()
+
+    def pin(self, t: torch.Tensor) -> None:
+        """``register_memory()``: register ``t``'s storage and keep it until unpinned."""
+        with self._lock:
+            entry = self.acquire(t)
+            entry.users -= 1
+            if entry.pins == 0:
+                self._cached_bytes -= entry.nbytes
+            entry.pins += 1
+            self._reindex()
+
+    def unpin(self, t: torch.Tensor) -> bool:
+        """Undo one :meth:`pin`; deregisters at once when nothing uses the storage.
+
+        Returns True if the registration went away.
+        """
+        key = storage_key(t)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.pins == 0:
+                return False
+            entry.pins -= 1
+            if entry.pins:
+                return False
+            self._cached_bytes += entry.nbytes
+            self._reindex()
+            if entry.users == 0:
+                self._drop(entry)
+                return True
+            return False
+
+    def _drop(self, entry: RegEntry) -> None:
+        del self._entries[entry.key]
+        if not entry.pins:
+            self._cached_bytes -= entry.nbytes
+        self._deregister(entry.handle, f"storage at {entry.key[0]:#x}")
+        entry.storage = None
+
+    def _evict(self) -> None:
+        if self._cached_bytes <= self.cache_bytes:
+            return
+        for entry in list(self._entries.values()):
+            if self._cached_bytes <= self.cache_bytes:
+                break
+            if entry.users == 0 and entry.pins == 0:
+                self._drop(entry)
+                self._c.add("registration_evictions")
+
+    def _reindex(self) -> None:
+        self._pinned = sorted((e.key[0], e.key[0] + e.key[1])
+                              for e in self._entries.values() if e.pins)
+
+    def has_pins(self) -> bool:
+        return bool(self._pinned)
+
+    def pinned_entry(self, addr: int, nbytes: int) -> RegEntry | None:
+        """The pinned entry holding ``[addr, addr+nbytes)``, if one does."""
+        spans = self._pinned
+        if not spans:
+            return None
+        i = bisect.bisect_right(spans, (addr, 1 << 64)) - 1
+        if i < 0 or not (spans[i][0] <= addr and addr + nbytes <= spans[i][1]):
+            return None
+        with self._lock:
+            start = spans[i][0]
+            for e in self._entries.values():
+                if e.pins and e.key[0] == start:
+                    return e
+        return None
+
+    def use(self, entry: RegEntry) -> None:
+        """One more user of an entry found by :meth:`pinned_entry`."""
+        with self._lock:
+            entry.users += 1
+
+    def clear(self) -> None:
+        """Deregister every cached storage (process exit)."""
+        with self._lock:
+            for entry in list(self._entries.values()):
+                self._drop(entry)
+            self._pinned = []
+
+    def cached(self) -> tuple[int, int]:
+        """(entries, bytes held) of the storage cache."""
+        with self._lock:
+            return len(self._entries), sum(e.nbytes for e in self._entries.values())

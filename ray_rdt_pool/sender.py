@@ -1,0 +1,357 @@
+"""The sender: the pool, the overflow regions and every object this process has sent.
+
+Role: ``put`` turns one object's tensors into a :class:`Placement` (where its packed bytes
+live) plus wire metadata; ``free`` returns the placement when Ray garbage-collects the
+object. A put is always a snapshot: the tensors' bytes are copied before the metadata
+exists, except for tensors inside storages the user registered with
+``register_memory()``, which are read by reference because the user opted in.
+
+Where an object goes (one placement each, decided under the sender lock):
+
+* **pool**: blocks of the pool region (one contiguous block when a CUDA copy is
+  involved, otherwise as few blocks as the allocator can find);
+* **overflow**: when the pool cannot hold it and ``strict`` is off, blocks of an
+  overflow region: host (or device) memory registered for the purpose and freed with the
+  last object in it. Still a snapshot. ``strict=True`` raises ``PoolExhaustedError``
+  instead;
+* either of those **mixed** with by-reference tensors of ``register_memory()`` storages.
+
+Ownership: this module creates the pool and the overflow regions (through the registry,
+which registers them) and is the only place that frees their blocks. A block may be
+reused as soon as ``free(obj_id)`` returns: Ray calls ``garbage_collect`` only once no
+process holds the object's ref, so no receiver will start a READ of it again. (A READ
+already posted by a receiver that has since died can still be running; its bytes go to
+that receiver's memory, never to ours, so reuse on our side is safe.)
+
+Threads: ``put`` runs on Ray's task thread (or the driver's thread), ``free`` on
+``_ray_system``. The lock guards ``pool``/``overflow`` allocators and ``sent``; copies run
+outside it. Imports no Ray and no NIXL.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ray_rdt_pool.errors import PoolExhaustedError
+from ray_rdt_pool.layout import BlockMap, align_up, packed_offsets, run_layout
+from ray_rdt_pool.merge import merge_segments
+from ray_rdt_pool.registry import RegEntry, Region, Registry
+from ray_rdt_pool.wire import TensorRun, WireMeta, encode, runs_from
+
+if TYPE_CHECKING:
+    import torch
+
+    from ray_rdt_pool.config import PoolConfig
+    from ray_rdt_pool.events import Events
+    from ray_rdt_pool.tensors import Described
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Placement", "Sender", "run_offsets"]
+
+#: Smallest overflow region: oversized objects of a few MiB share one registration.
+MIN_OVERFLOW_BYTES = 64 << 20
+_OVERFLOW_ALIGN = 1 << 20
+
+
+@dataclass
+class Placement:
+    """Where one object's packed bytes live; released exactly once by :meth:`Sender.free`.
+
+    ``region``/``blocks``: the copied part (None/() when nothing is copied).
+    ``pinned``: ``register_memory()`` storages read by reference, one use held on each.
+    """
+
+    obj_id: str
+    region: Region | None
+    blocks: tuple[tuple[int, int], ...]
+    nbytes: int
+    overflow: bool
+    pinned: list[RegEntry] = field(default_factory=list)
+
+
+def run_offsets(runs: Sequence[TensorRun]) -> tuple[list[int], int]:
+    """Packed offset of every tensor and the packed total, from the runs alone.
+
+    The same :func:`ray_rdt_pool.layout.run_layout` the receiver uses; tensors inside a
+    run follow each other with no padding, so their offsets are a ``range``.
+    """
+    starts, total = run_layout([(r.nbytes_each, r.itemsize, r.count) for r in runs])
+    offsets: list[int] = []
+    for run, start in zip(runs, starts):
+        n = run.nbytes_each
+        offsets.extend(range(start, start + n * run.count, n) if n else [start] * run.count)
+    return offsets, total
+
+
+class Sender:
+    """The sending half of one process's transport."""
+
+    def __init__(self, config: PoolConfig, registry: Registry, events: Events,
+                 agent_name: Callable[[], str]) -> None:
+        self.config = config
+        self.registry = registry
+        self.events = events
+        self._agent_name = agent_name
+        # Guards pool/overflow allocators and `sent`; RLock because wait_for() holds it
+        # while reading stats.
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)  # notified by every free
+        self.pool: Region | None = None  # created on first put, lives until shutdown
+        self.overflow: list[Region] = []  # each dropped when its last object is freed
+        self.sent: dict[str, Placement] = {}  # obj_id -> placement, until free()
+        self.cuda_stream: Any = None  # set_cuda_stream(): the producer of sent tensors
+        self._warned_overflow = False
+
+    # -- placement ------------------------------------------------------------------------
+
+    def ensure_pool(self) -> Region:
+        with self.lock:
+            if self.pool is None:
+                self.pool = self.registry.new_region(
+                    self.config.pool_capacity, self.config.device, "sender pool",
+                    self.config.prefault)
+            return self.pool
+
+    def _place(self, obj_id: str, nbytes: int, one_block: bool) -> Placement:
+        """Blocks for ``nbytes`` in the pool, else in an overflow region (made if needed)."""
+        max_blocks = 1 if one_block else None
+        pool = self.ensure_pool()
+        with self.lock:
+            old = self.sent.pop(obj_id, None)  # a retried put replaces its first try
+            if old is not None:
+                self._release_locked(old)
+            try:
+                blocks = pool.alloc.allocate(obj_id, nbytes, max_blocks=max_blocks)
+                return Placement(obj_id, pool, tuple(blocks), nbytes, False)
+            except PoolExhaustedError as e:
+                if self.config.strict:
+                    raise PoolExhaustedError(
+                        e.needed, e.free, e.largest_free, e.capacity, what="sender pool",
+                        remedy="raise pool_bytes (RAY_RDT_POOL_BYTES), or turn strict mode "
+                               "off to copy oversized objects into overflow memory") from None
+                self._warn_overflow(nbytes, e)
+        while True:
+            with self.lock:
+                for region in self.overflow:
+                    try:
+                        blocks = region.alloc.allocate(obj_id, nbytes, max_blocks=max_blocks)
+                    except PoolExhaustedError:
+                        continue
+                    return Placement(obj_id, region, tuple(blocks), nbytes, True)
+            # Registering a region takes milliseconds: not under the lock.
+            size = max(align_up(max(nbytes, 1), _OVERFLOW_ALIGN), MIN_OVERFLOW_BYTES,
+                       self.config.pool_capacity // 4)
+            region = self.registry.new_region(size, self.config.device, "overflow region",
+                                              False)
+            with self.lock:
+                self.overflow.append(region)
+
+    def _warn_overflow(self, nbytes: int, e: PoolExhaustedError) -> None:
+        if self._warned_overflow:
+            return
+        self._warned_overflow = True
+        logger.warning(
+            "an object of %s bytes does not fit the nixl_pool sender pool (%s bytes free, "
+            "largest block %s of %s); it is copied into overflow memory registered for it, "
+            "which costs a NIXL registration and makes receivers reload this sender's "
+            "metadata. Raise pool_bytes (RAY_RDT_POOL_BYTES) to keep objects in the pool, "
+            "or set strict=True to raise instead. This warning is shown once per process.",
+            f"{nbytes:,}", f"{e.free:,}", f"{e.largest_free:,}", f"{e.capacity:,}")
+
+    def _release_locked(self, p: Placement) -> list[RegEntry]:
+        if p.region is not None:
+            p.region.alloc.free(p.obj_id)
+        pinned, p.pinned = p.pinned, []
+        return pinned
+
+    def _empty_overflow_locked(self) -> list[Region]:
+        empty = [r for r in self.overflow if len(r.alloc) == 0]
+        if empty:
+            self.overflow = [r for r in self.overflow if len(r.alloc) != 0]
+        return empty
+
+    def _release(self, p: Placement) -> None:
+        with self.lock:
+            pinned = self._release_locked(p)
+            empty = self._empty_overflow_locked()
+            self.changed.notify_all()
+        for entry in pinned:
+            self.registry.release(entry)
+        for region in empty:
+            self.registry.drop_region(region)
+
+    # -- put / free -----------------------------------------------------------------------
+
+    def put(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> tuple[WireMeta, bytes]:
+        """Snapshot ``tensors`` for ``obj_id``; returns the wire metadata and its bytes."""
+        from ray_rdt_pool.tensors import describe, pack_into
+
+        t_start = time.perf_counter()
+        d = describe(tensors, allow_cuda=True)
+        runs = runs_from(d.shapes, d.dtypes)
+        offsets, total = run_offsets(runs)
+        pool_device = self.config.device
+        pinned = self._pinned_entries(d, pool_device)
+        if pinned is None:
+            copy_idx = None
+            local_offsets, local_total = offsets, total
+        else:
+            copy_idx = [i for i, e in enumerate(pinned) if e is None]
+            sub, local_total = packed_offsets([d.nbytes[i] for i in copy_idx],
+                                              [d.aligns[i] for i in copy_idx])
+            local_offsets = [0] * len(tensors)
+            for i, off in zip(copy_idx, sub):
+                local_offsets[i] = off
+        # memmove reaches host memory only; CUDA on either side packs with one torch op
+        # into one contiguous block.
+        torch_path = d.device == "cuda" or pool_device == "cuda"
+        p = self._place(obj_id, local_total, torch_path)
+        try:
+            for e in pinned or ():
+                if e is not None:
+                    self.registry.use(e)
+                    p.pinned.append(e)
+            t_copy = time.perf_counter()
+            region = p.region
+            if p.blocks and region is not None:
+                region.populate(max(o + n for o, n in p.blocks))
+                if torch_path:
+                    self._pack_cuda(tensors, d, local_offsets, p.blocks, region, copy_idx)
+                else:
+                    pack_into(tensors, d, local_offsets, p.blocks, region.mem, copy_idx)
+            pack_s = time.perf_counter() - t_copy
+            base = region.addr if region is not None else 0
+            if pinned is None:
+                segments = _block_segments(p.blocks, base, total)
+            else:
+                segments = _mixed_segments(d, offsets, local_offsets, pinned, p.blocks, base)
+            version = self.registry.publish(self._agent_name())
+            if p.blocks and region is not None:
+                where, where_id = region.device, int(region.mem.device_id)
+            else:
+                where, where_id = d.device or "cpu", _device_index(tensors)
+            meta = WireMeta(self._agent_name(), version, where, where_id, total, runs,
+                            tuple(segments))
+            wire = encode(meta)
+            with self.lock:
+                self.sent[obj_id] = p
+        except BaseException:
+            self._release(p)
+            raise
+        ev = self.events
+        ev.add("objects_put")
+        ev.add("bytes_packed", local_total)
+        if p.overflow:
+            ev.add("fallbacks")
+        if p.pinned:
+            ev.add("zero_copy_tensors", sum(e is not None for e in pinned or ()))
+        if self.config.debug_transfers:
+            logger.debug("put %s: %d tensors, %d bytes, %d segments, overflow=%s, wire %d B",
+                         obj_id, len(tensors), total, len(segments), p.overflow, len(wire))
+        if ev.observer is not None:
+            ev.observer.on_put(ev.source, total, time.perf_counter() - t_start, pack_s,
+                               p.overflow)
+        return meta, wire
+
+    def _pinned_entries(self, d: Described, pool_device: str) -> list[RegEntry | None] | None:
+        """Per tensor, the register_memory() storage it is read from, or None (copied)."""
+        if not self.registry.has_pins():
+            return None
+        found = [self.registry.pinned_entry(p, n) if n > 0 and ok else None
+                 for n, ok, p in zip(d.nbytes, d.plain, d.ptrs)]
+        if not any(e is not None for e in found):
+            return None
+        copied = any(e is None and n > 0 for e, n in zip(found, d.nbytes))
+        if copied and d.device != pool_device:
+            # One object names one device on the wire: copy everything to the pool's.
+            return None
+        return found
+
+    def _pack_cuda(self, tensors: Sequence[torch.Tensor], d: Described,
+                   offsets: Sequence[int], blocks: Sequence[tuple[int, int]], region: Region,
+                   which: Sequence[int] | None) -> None:
+        """Pack where CUDA is involved, ordered after the producer and finished before
+        the metadata exists, so a one-sided READ never sees bytes still being written."""
+        import torch
+
+        from ray_rdt_pool.tensors import pack_torch
+
+        (off, length), = blocks
+        block = region.mem.tensor[off:off + length]
+        cuda_dev = next((t.device for t in tensors if t.is_cuda), None) or block.device
+        producer = self.cuda_stream or torch.cuda.current_stream(cuda_dev)
+        side = torch.cuda.Stream(device=cuda_dev)
+        side.wait_stream(producer)  # the tensors' producer has finished writing them
+        with torch.cuda.stream(side):
+            pack_torch(tensors, d, offsets, block, which)
+        side.synchronize()  # the pool bytes are in place before anyone can read them
+
+    def free(self, obj_id: str) -> bool:
+        """Ray garbage-collected ``obj_id``: return its placement. False if unknown."""
+        with self.lock:
+            p = self.sent.pop(obj_id, None)
+        if p is None:
+            return False
+        self._release(p)
+        self.events.add("objects_freed")
+        obs = self.events.observer
+        if obs is not None:
+            obs.on_free(self.events.source)
+        return True
+
+    def shutdown(self) -> None:
+        """Free every object and drop the overflow regions (process exit)."""
+        with self.lock:
+            ids = list(self.sent)
+        for obj_id in ids:
+            self.free(obj_id)
+
+    def overflow_stats(self) -> tuple[int, int, int]:
+        """(objects, bytes, registered capacity) in overflow regions now."""
+        with self.lock:
+            objs = sum(len(r.alloc) for r in self.overflow)
+            used = sum(r.alloc.stats().used for r in self.overflow)
+            cap = sum(r.capacity for r in self.overflow)
+        return objs, used, cap
+
+
+def _device_index(tensors: Sequence[torch.Tensor]) -> int:
+    t = tensors[0]
+    return (t.device.index or 0) if t.is_cuda else 0
+
+
+def _block_segments(blocks: Sequence[tuple[int, int]], base: int, total: int
+                    ) -> list[tuple[int, int, int]]:
+    segs: list[tuple[int, int, int]] = []
+    v = 0
+    for off, length in blocks:
+        n = min(length, total - v)
+        if n <= 0:
+            break
+        segs.append((v, base + off, n))
+        v += n
+    return merge_segments(segs)
+
+
+def _mixed_segments(d: Described, offsets: Sequence[int], local_offsets: Sequence[int],
+                    pinned: Sequence[RegEntry | None], blocks: Sequence[tuple[int, int]],
+                    base: int) -> list[tuple[int, int, int]]:
+    bmap = BlockMap(blocks)
+    segs: list[tuple[int, int, int]] = []
+    for p, off, loff, n, e in zip(d.ptrs, offsets, local_offsets, d.nbytes, pinned):
+        if n == 0:
+            continue
+        if e is not None:
+            segs.append((off, p, n))
+            continue
+        v = off
+        for phys, m in bmap.map(loff, n):
+            segs.append((v, base + phys, m))
+            v += m
+    return merge_segments(segs)
