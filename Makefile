@@ -21,6 +21,7 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m ruff check ray_rdt_pool tests microbenchmarks examples
+	$(VPY) -m mypy
 	$(VPY) -m pytest -q -rs tests
 
 bench: $(STAMP)
@@ -31,6 +32,7 @@ bench-full: $(STAMP)
 
 lint: $(STAMP)
 	$(VPY) -m ruff check ray_rdt_pool tests microbenchmarks examples
+	$(VPY) -m mypy
 
 clean:
 	rm -rf $(VENV) bench-results

@@ -79,11 +79,24 @@ def register_memory(tensor: torch.Tensor) -> None:
     """Register a tensor's storage with NIXL once, so objects in it are sent zero-copy.
 
     Such tensors are read by reference (no snapshot): leave them unmodified until the
-    objects that hold them are freed. They mix with pooled tensors in one object.
+    objects that hold them are freed. They mix with pooled tensors in one object. The
+    storage stays registered (and alive) until :func:`deregister_memory` and the last
+    object naming it is freed.
     """
     from ray_rdt_pool.transport import register_memory as _register_memory
 
     _register_memory(tensor)
+
+
+def shutdown() -> None:
+    """Stop this process's transport: the progress thread, the NIXL agent, its GCS key.
+
+    Runs by itself at interpreter exit (``atexit``); call it earlier to tear down
+    before Ray does. The transport cannot be used again in the process afterwards.
+    """
+    from ray_rdt_pool.transport import shutdown as _shutdown
+
+    _shutdown()
 
 
 def deregister_memory(tensor: torch.Tensor) -> None:
@@ -107,5 +120,6 @@ __all__ = [
     "register",
     "register_memory",
     "set_cuda_stream",
+    "shutdown",
     "stats",
 ]

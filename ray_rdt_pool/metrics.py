@@ -1,7 +1,9 @@
 """Ray metrics of the nixl_pool transport: gauges, counters and histograms per process.
 
-Role: :func:`observer_for` gives the transport's :class:`~ray_rdt_pool.transport.Runtime`
-an :class:`Observer` (its ``observer`` hook). The runtime calls the observer once per put,
+Role: :func:`observer_for` gives the transport's runtime an :class:`Observer`, which
+implements :class:`ray_rdt_pool.events.Observer`; the runtime is seen only through
+:class:`ray_rdt_pool.snapshot.StatsSource` (``config`` and ``stats()``), so this module
+never imports the transport. The runtime calls the observer once per put,
 free, completed fetch and failed fetch, never per tensor. The observer exports through
 ``ray.util.metrics``, which Ray serves on its Prometheus endpoint under a ``ray_`` prefix
 (``ray_rdt_pool_sender_used_bytes``, ...). docs/observability.md lists every metric.
@@ -35,8 +37,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ray_rdt_pool.snapshot import StatsSource as Runtime
     from ray_rdt_pool.snapshot import TransportStats
-    from ray_rdt_pool.transport import Runtime
 
 __all__ = [
     "COUNTERS",

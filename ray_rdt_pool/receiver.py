@@ -339,7 +339,7 @@ class Receiver:
             except Exception:
                 logger.debug("removing remote agent %s failed", peer.name, exc_info=True)
             self.events.add("peers_removed")
-            if cut:
+            if cut and victims:
                 self.events.add("transfers_cut", len(victims))
                 logger.warning(
                     "cut off %d READ(s) from %s that did not end within fetch_timeout_s=%ss "
@@ -505,8 +505,8 @@ class Receiver:
         t = f.transfer
         assert t is not None
         user_limit = timeout is not None and 0 <= timeout < self.config.fetch_timeout_s
-        deadline = min(t.started + self.config.fetch_timeout_s,
-                       time.monotonic() + (timeout if user_limit else float("inf")))
+        own = timeout if timeout is not None and user_limit else float("inf")
+        deadline = min(t.started + self.config.fetch_timeout_s, time.monotonic() + own)
         delay = 20e-6
         while True:
             state = self.poll(t)

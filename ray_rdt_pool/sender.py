@@ -286,7 +286,7 @@ class Sender:
         block = region.mem.tensor[off:off + length]
         cuda_dev = next((t.device for t in tensors if t.is_cuda), None) or block.device
         producer = self.cuda_stream or torch.cuda.current_stream(cuda_dev)
-        side = torch.cuda.Stream(device=cuda_dev)
+        side = torch.cuda.Stream(device=cuda_dev)  # type: ignore[no-untyped-call]
         side.wait_stream(producer)  # the tensors' producer has finished writing them
         with torch.cuda.stream(side):
             pack_torch(tensors, d, offsets, block, which)

@@ -7,9 +7,18 @@ transport's private fields.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["TransportStats"]
+__all__ = ["StatsSource", "TransportStats"]
+
+
+class StatsSource(Protocol):
+    """What an observer may read of the transport: its config and its stats."""
+
+    @property
+    def config(self) -> Any: ...
+
+    def stats(self) -> TransportStats: ...
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ _KV_NAMESPACE = "ray_rdt_pool"
 # ---------------------------------------------------------------------------------------
 
 
-class LazyTensorMeta(Sequence):  # type: ignore[type-arg]
+class LazyTensorMeta(Sequence[Any]):
     """Ray's ``tensor_meta`` list, materialised from the wire bytes only when used.
 
     Ray calls ``len()`` on it for every receive and indexes it only to validate target
@@ -243,6 +243,7 @@ class Runtime:
                          receiver=self.receiver)
 
     def wait(self, req: PoolFetch, timeout: float | None) -> list[torch.Tensor]:
+        assert req.inner is not None
         tensors = self.receiver.wait(req.inner, timeout)
         req.tensors = tensors
         return tensors
@@ -386,6 +387,7 @@ _runtime: Runtime | None = None
 _runtime_lock = threading.Lock()
 _config: PoolConfig | None = None
 _atexit_registered = False
+_configured = False  # configure() was called: later calls must agree with it
 
 
 def configure(**options: Any) -> PoolConfig:
@@ -394,20 +396,28 @@ def configure(**options: Any) -> PoolConfig:
     Accepted until the NIXL agent exists (``stats()`` does not create it); raises
     ``ConfigurationError`` after that if the values differ.
     """
-    global _config, _runtime
+    global _config, _runtime, _configured
     with _runtime_lock:
         base = _config if _config is not None else from_env()
         new = base.with_overrides(**options)
+        if _runtime is not None and _runtime.started() and new != _runtime.config:
+            raise ConfigurationError(
+                "configure() was called after nixl_pool was first used in this process "
+                f"(pool of {_runtime.config.pool_bytes:,} bytes already exists); call it "
+                "before the first ray.put or ray.get, e.g. at the top of the actor's "
+                "__init__")
+        if _configured and new != _config:
+            assert _config is not None
+            changed = {k: (getattr(_config, k), v) for k, v in options.items()
+                       if getattr(_config, k) != v}
+            raise ConfigurationError(
+                f"configure() was already called in this process with other values {changed} "
+                "(old, new); configure once per process")
         if _runtime is not None and new != _runtime.config:
-            if _runtime.started():
-                raise ConfigurationError(
-                    "configure() was called after nixl_pool was first used in this process "
-                    f"(pool of {_runtime.config.pool_bytes:,} bytes already exists); call it "
-                    "before the first ray.put or ray.get, e.g. at the top of the actor's "
-                    "__init__")
             old, _runtime = _runtime, None  # nothing was created yet: start afresh
             old.shutdown()
         _config = new
+        _configured = True
         return new
 
 

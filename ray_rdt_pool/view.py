@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -299,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import ray
 
         ray.init(address=args.address, namespace=args.namespace, log_to_driver=False,
-                 logging_level="WARNING")
+                 logging_level=logging.WARNING)
         try:
             alive = _alive_actors()
             handles, missed = _reachable_handles(alive, args.namespace)

@@ -259,16 +259,17 @@ class Manifest:
     the ref when the manifest is a task argument) or ``None`` once released. Picklable;
     pass it to any number of receivers. The sender's pool blocks of bucket ``k`` are
     freed when every process holding ``refs[k]`` (the driver, each receiver's copy) has
-    dropped it. ``by_reference`` lists buckets that did not fit the sender pool and were
-    registered by reference instead (not snapshots: the sender must not modify those
-    tensors until the manifest is released). ``sender_pool_used`` is the sender's
-    ``stats().pool_used`` right after publishing.
+    dropped it. ``overflow`` lists buckets that did not fit the sender pool and were
+    copied into overflow memory instead: still snapshots, so the trainer may keep
+    training at once, but each costs a NIXL registration (raise ``pool_bytes`` to avoid
+    it). ``sender_pool_used`` is the sender's ``stats().pool_used`` right after
+    publishing.
     """
 
     layout: WeightLayout
     refs: list[list[ObjectRef] | None]
     version: int
-    by_reference: tuple[int, ...] = ()
+    overflow: tuple[int, ...] = ()
     sender_pool_used: int = 0
 
     @property
@@ -483,7 +484,7 @@ class WeightSender:
             raise InvalidInputError("WeightSender has no source; pass state= or source=")
         if callable(src) and not isinstance(src, torch.nn.Module):
             return src()
-        return src  # type: ignore[return-value]
+        return src
 
     def layout(self, state: StateLike | None = None) -> WeightLayout:
         """The layout the next publish would have (no data is moved)."""
@@ -492,26 +493,28 @@ class WeightSender:
     def publish(self, state: StateLike | None = None) -> Manifest:
         """Put every bucket now and return the manifest (version = previous + 1).
 
-        The pool must hold the whole state, or the buckets that do not fit are
-        registered by reference (listed in ``Manifest.by_reference``; with
-        ``strict=True`` in the pool config they raise ``PoolExhaustedError`` instead).
-        Use :meth:`stream` for states larger than the pool.
+        Every bucket is a snapshot: the trainer may modify its weights as soon as this
+        returns. Buckets that do not fit the pool are copied into overflow memory
+        (listed in ``Manifest.overflow``; with ``strict=True`` in the pool config they
+        raise ``PoolExhaustedError`` instead). Nothing is ever sent by reference unless
+        the trainer registered its memory with ``register_memory()``. Use :meth:`stream`
+        for states larger than the pool.
         """
         import ray
 
         layout, groups = plan_layout(self._state(state), self.bucket_bytes)
         transport = _transport()
         refs: list[list[ObjectRef] | None] = []
-        by_ref: list[int] = []
+        overflow: list[int] = []
         fallbacks = _stats().fallbacks
         for k, tensors in enumerate(groups):
             refs.append([ray.put(tensors, _tensor_transport=transport)])
             now = _stats().fallbacks
             if now != fallbacks:
-                by_ref.append(k)
+                overflow.append(k)
                 fallbacks = now
         self.version += 1
-        return Manifest(layout, refs, self.version, tuple(by_ref), int(_stats().pool_used))
+        return Manifest(layout, refs, self.version, tuple(overflow), int(_stats().pool_used))
 
     def stream(self, receivers: Sequence[ActorHandle], state: StateLike | None = None, *,
                receiver_attr: str = RECEIVER_ATTR, max_inflight: int = 2,
@@ -639,7 +642,12 @@ def _wait_for_pool(nbytes: int, limit: int, capacity: int, timeout_s: float) -> 
 
     def fits(s: Any) -> bool:
         used = s.pool_used if s.pool_capacity else 0
-        free = s.pool_free if s.pool_capacity else capacity
+        if not s.pool_capacity:
+            free = capacity
+        elif s.pool_device == "cuda":
+            free = s.pool_largest_free_block  # a CUDA pack needs one contiguous block
+        else:
+            free = s.pool_free
         return bool(free >= nbytes and used + nbytes <= limit)
 
     t0 = time.monotonic()

@@ -271,7 +271,8 @@ def encode(meta: WireMeta) -> bytes:
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise WireFormatError(f"cannot encode object metadata: {e!r}") from e
     _parse(raw)
-    return msgpack.packb(raw, use_bin_type=True)
+    packed: bytes = msgpack.packb(raw, use_bin_type=True)
+    return packed
 
 
 def decode(data: bytes) -> WireMeta:

@@ -305,11 +305,12 @@ def test_fallback_warning_once_per_process(caplog: pytest.LogCaptureFixture,
         small = [torch.ones(16)]
         rt.put("obj-small", small)
         warnings = [r for r in caplog.records
-                    if r.name == "ray_rdt_pool.transport" and r.levelno == logging.WARNING]
+                    if r.name == "ray_rdt_pool.sender" and r.levelno == logging.WARNING]
         assert len(warnings) == 1, [r.getMessage() for r in warnings]
         assert "does not fit" in warnings[0].getMessage()
         st = rt.stats()
         assert st.fallbacks == 4 and st.objects_put == 5 and st.live_objects == 5
+        assert st.overflow_objects == 4
         for i in range(4):
             rt.free(f"obj-{i}")
         rt.free("obj-small")
@@ -337,13 +338,13 @@ def test_debug_logging_variable(caplog: pytest.LogCaptureFixture,
         puts = [r.getMessage() for r in caplog.records
                 if r.levelno == logging.DEBUG and r.getMessage().startswith("put dbg-obj:")]
         assert len(puts) == 1, caplog.text
-        assert "2 tensors" in puts[0] and "fallback=False" in puts[0]
+        assert "2 tensors" in puts[0] and "overflow=False" in puts[0]
     finally:
         rt.shutdown()
         disable_debug_logging()
     out, err = capsys.readouterr()
     assert out == ""
-    assert "DEBUG ray_rdt_pool.transport" in err and "put dbg-obj" in err
+    assert "DEBUG ray_rdt_pool.sender" in err and "put dbg-obj" in err
     assert not any(getattr(h, "_ray_rdt_pool_debug_handler", False)
                    for h in logging.getLogger("ray_rdt_pool").handlers)
 

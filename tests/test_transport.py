@@ -231,18 +231,34 @@ def test_target_buffers_that_do_not_match_raise(pair):
     assert "Length" in str(ei.value) or "buffers" in str(ei.value)
 
 
-def test_object_larger_than_pool_falls_back_with_registration():
-    s, r = Sender.remote(pool_bytes=1 << 20), Receiver.remote()
-    big = [torch.randn(1 << 19)]  # 2 MiB > 1 MiB pool
-    refs, expected = ray.get(s.put.remote(big))
+def test_object_larger_than_pool_is_still_a_snapshot():
+    """Pool of 4 MiB, tensor of 8 MiB, mutated right after the put: the receiver reads
+    the bytes of the put, from overflow memory that goes away with the object."""
+    s, r = Sender.remote(pool_bytes=4 << 20), Receiver.remote()
+    t = torch.full((2 << 20,), 5.0)  # 8 MiB
+    refs, expected = ray.get(s.put.remote([t], keep="big"))
+    ray.get(s.mutate.remote("big"))  # t += 1 in the sender, in place
+    assert ray.get(r.get.remote(refs)) == expected == digest([torch.full((2 << 20,), 5.0)])
     st = ray.get(s.stats.remote())
-    assert st.fallbacks == 1
-    assert st.nixl_registrations >= 2  # the pool, then the tensor's storage
-    assert ray.get(r.get.remote(refs)) == expected
+    assert (st.fallbacks, st.overflow_objects, st.overflow_bytes) == (1, 1, 8 << 20)
     # A pooled object still works next to it.
     refs2, expected2 = ray.get(s.put.remote([torch.arange(10)]))
     assert ray.get(r.get.remote(refs2)) == expected2
-    assert ray.get(s.stats.remote()).fallbacks == 1
+    del refs
+    wait_for(lambda: ray.get(s.stats.remote()).overflow_capacity == 0)
+    st = ray.get(s.stats.remote())
+    assert (st.overflow_objects, st.overflow_bytes, st.registered_regions) == (0, 0, 1)
+
+
+def test_full_pool_still_sends_snapshots():
+    """The pool is full of live objects and a 3 MiB object arrives at a 4 MiB pool."""
+    s, r = Sender.remote(pool_bytes=4 << 20), Receiver.remote()
+    held = [ray.get(s.put.remote([torch.zeros(256 << 10)]))[0] for _ in range(3)]
+    t = torch.full((768 << 10,), 5.0)
+    refs, expected = ray.get(s.put.remote([t], keep="x"))
+    ray.get(s.mutate.remote("x"))
+    assert ray.get(r.get.remote(refs)) == expected
+    assert ray.get(s.stats.remote()).overflow_objects == 1 and len(held) == 3
 
 
 def test_strict_mode_raises_pool_exhausted_with_sizes():
@@ -252,7 +268,7 @@ def test_strict_mode_raises_pool_exhausted_with_sizes():
     msg = str(ei.value)
     assert "PoolExhaustedError" in msg
     assert "2,097,152 bytes" in msg and "1,048,576" in msg
-    assert "raise pool_bytes" in msg
+    assert "raise pool_bytes" in msg and "strict mode" in msg
     st = ray.get(s.stats.remote())
     assert st.pool_used == 0 and st.live_objects == 0 and st.fallbacks == 0
 

@@ -1,0 +1,65 @@
+"""A driver that receives nixl_pool objects and then exits; run by tests/test_lifecycle.py.
+
+``python -m tests.exit_driver plain``: receive objects (several refs in one ``ray.get``,
+some views still alive), then leave the interpreter without any clean-up call: the
+``atexit`` hook must stop the progress thread and destroy the agent before finalization.
+
+``python -m tests.exit_driver shutdown``: the same, then call ``ray_rdt_pool.shutdown()``
+and print what it left behind as one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+
+import ray
+import torch
+
+import ray_rdt_pool
+
+ray_rdt_pool.register()
+
+
+@ray.remote(enable_tensor_transport=True)
+class Sender:
+    def __init__(self) -> None:
+        ray_rdt_pool.register()
+
+    def put(self, i: int) -> list[ray.ObjectRef]:
+        return [ray.put([torch.full((1000 + i,), float(i)), torch.arange(i + 1)],
+                        _tensor_transport="nixl_pool")]
+
+
+def main(mode: str) -> None:
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=128 << 20,
+             runtime_env={"env_vars": {"RAY_RDT_POOL_BYTES": "16M",
+                                       "RAY_RDT_POOL_METRICS": "0"}})
+    ray_rdt_pool.configure(pool_bytes=16 << 20, arena_bytes=16 << 20, metrics=False)
+    s = Sender.remote()
+    boxes = ray.get([s.put.remote(i) for i in range(12)])
+    got = ray.get([b[0] for b in boxes])  # one call, many refs
+    assert all(torch.equal(g[0], torch.full((1000 + i,), float(i))) for i, g in enumerate(got))
+    keep = got[:4]  # views still alive at exit
+    if mode == "shutdown":
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        name = ray_rdt_pool.stats().agent_name
+        ray_rdt_pool.shutdown()
+        ray_rdt_pool.shutdown()
+        threads = [t.name for t in threading.enumerate() if t.name.startswith("ray_rdt_pool")]
+        key = _internal_kv_get(f"agent/{name}", namespace="ray_rdt_pool")
+        try:
+            ray.get(ray.get(s.put.remote(99))[0])
+            after = "ok"
+        except Exception as e:  # Ray wraps the transport's error
+            after = f"{type(e).__name__}: {e}"
+        print(json.dumps({"threads": threads, "key": key is not None, "after": after,
+                          "kept": len(keep)}))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "plain")

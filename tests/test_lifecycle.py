@@ -1,0 +1,65 @@
+"""Process lifecycle: configuration before first use, ``shutdown()``, interpreter exit.
+
+Each case runs in its own interpreter, because what is tested is what happens to a
+process (its configuration lock, its exit path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_DEDUP_LOGS": "0"}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_configure_is_accepted_after_stats_before_first_use() -> None:
+    code = (
+        "import ray_rdt_pool\n"
+        "s = ray_rdt_pool.stats()\n"
+        "assert s.pool_capacity == 0 and s.agent_name == ''\n"
+        "c = ray_rdt_pool.configure(pool_bytes=3 << 20, metrics=False)\n"
+        "assert c.pool_bytes == 3 << 20\n"
+        "from ray_rdt_pool.transport import runtime\n"
+        "assert runtime().config.pool_bytes == 3 << 20\n"
+        "try:\n"
+        "    ray_rdt_pool.configure(pool_bytes=5 << 20)\n"
+        "except ray_rdt_pool.ConfigurationError as e:\n"
+        "    assert 'already called' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('a second, different configure() was accepted')\n"
+        "print('ok')\n"
+    )
+    p = run(["-c", code], timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
+@pytest.mark.ray
+def test_driver_that_received_objects_exits_cleanly() -> None:
+    """The exit path (atexit) stops the progress thread and destroys the NIXL agent
+    before the interpreter finalizes; a thread inside a NIXL binding at that point
+    aborts the process (std::terminate). Three runs in a row must all exit 0."""
+    for i in range(3):
+        p = run(["-m", "tests.exit_driver", "plain"])
+        bad = [w for w in ("terminate", "Aborted", "SIGABRT", "Fatal Python error")
+               if w in p.stderr]
+        assert p.returncode == 0 and not bad, (i, p.returncode, bad, p.stderr[-3000:])
+
+
+@pytest.mark.ray
+def test_shutdown_stops_the_thread_and_removes_the_agent_key() -> None:
+    p = run(["-m", "tests.exit_driver", "shutdown"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["threads"] == [] and out["key"] is False and out["kept"] == 4
+    assert "shut down" in out["after"], out
