@@ -1,4 +1,6 @@
-"""The pure core modules import neither torch, Ray nor NIXL."""
+"""The pure core modules import neither torch, Ray nor NIXL, and the owner modules
+(registry, sender, receiver) import no Ray and no NIXL: they take the backend and the
+directory as protocols, so fake-NIXL tests need no cluster."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ PURE_MODULES = [
     "ray_rdt_pool.wire",
     "ray_rdt_pool.config",
     "ray_rdt_pool.snapshot",
+    "ray_rdt_pool.events",
     # The package itself imports nothing heavy: its functions load the transport lazily.
     "ray_rdt_pool",
 ]
@@ -37,3 +40,22 @@ def test_pure_modules_do_not_import_heavy_dependencies() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"pure modules pulled in: {out.stdout.strip()}"
+
+
+OWNER_MODULES = ["ray_rdt_pool.registry", "ray_rdt_pool.sender", "ray_rdt_pool.receiver"]
+
+
+def test_owner_modules_import_no_ray_and_no_nixl() -> None:
+    code = textwrap.dedent(
+        f"""
+        import importlib, sys
+        for name in {OWNER_MODULES!r}:
+            importlib.import_module(name)
+        print(",".join(sorted(m for m in sys.modules if m.split(".")[0] in ("ray", "nixl"))))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"owner modules pulled in: {out.stdout.strip()}"

@@ -620,3 +620,54 @@ def test_shutdown_stops_everything_and_removes_the_directory_entry(world):
     assert req.inner.transfer.final == "CUT"
     with pytest.raises(TransferError, match="shut down"):
         s.backend()
+
+
+def test_gcs_round_trips_hold_no_lock(world):
+    """A slow GCS (metadata lookup on the receiver, publish on the sender) must not block
+    the process's other work: stats(), puts, aborts and frees go on meanwhile."""
+    s, r = make(world), make(world)
+    meta = ship(s.put("a", [torch.arange(3)]))
+    gate, entered = threading.Event(), threading.Event()
+    real_lookup, real_publish = world.lookup, world.publish
+
+    def slow_lookup(name):
+        entered.set()
+        gate.wait(10)
+        return real_lookup(name)
+
+    world.lookup = slow_lookup
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(r.wait(r.fetch("a", meta, None), -1)))
+    t.start()
+    assert entered.wait(10)
+    r.put("own", [torch.ones(3)])  # the blocked process sends meanwhile
+    r.free("own")
+    r.abort("zz")
+    assert r.stats().transfers_in_flight == 0
+    assert t.is_alive()  # still inside the lookup
+    gate.set()
+    t.join(10)
+    assert out and same(out[0], [torch.arange(3)])
+    world.lookup = real_lookup
+
+    gate.clear()
+    entered.clear()
+
+    def slow_publish(name, *args):
+        if name == s.agent_name:
+            entered.set()
+            gate.wait(10)
+        return real_publish(name, *args)
+
+    world.publish = slow_publish
+    s.registry.pin(torch.zeros(16))  # a new registration: the next put publishes
+    t = threading.Thread(target=lambda: out.append(s.put("b", [torch.arange(4)])))
+    t.start()
+    assert entered.wait(10)
+    assert same(roundtrip(r, s, "c", [torch.arange(2)]), [torch.arange(2)])  # s receives
+    s.free("a")
+    assert s.stats().live_objects == 0
+    assert not gate.is_set() and t.is_alive()  # all of the above ran during the publish
+    gate.set()
+    t.join(10)
+    assert len(out) == 2 and s.stats().live_objects == 1

@@ -111,6 +111,10 @@ class Receiver:
         out = ray.get(refs[0])
         return digest(bufs), all(a is b for a, b in zip(out, bufs))
 
+    def get_all(self, refs):
+        """One ray.get of several refs: Ray starts every fetch before waiting on any."""
+        return [digest(ts) for ts in ray.get(refs)]
+
     def take(self, x):
         if isinstance(x, dict):
             return {"w": digest([x["w"]]), "step": x["meta"]["step"],
@@ -248,6 +252,26 @@ def test_object_larger_than_pool_is_still_a_snapshot():
     wait_for(lambda: ray.get(s.stats.remote()).overflow_capacity == 0)
     st = ray.get(s.stats.remote())
     assert (st.overflow_objects, st.overflow_bytes, st.registered_regions) == (0, 0, 1)
+
+
+def test_one_get_of_refs_put_before_and_after_a_deregistration():
+    """The sender deregisters memory between two puts (an overflow region goes away), so
+    the second object names a newer epoch and the receiver must reload the sender's
+    metadata while the first READ of the same ray.get holds a lease. It must not wait for
+    that READ (Ray waits on neither fetch before starting both)."""
+    s, r = Sender.remote(pool_bytes=4 << 20), Receiver.remote()
+    warm, expected_warm = ray.get(s.put.remote([torch.arange(5)]))
+    assert ray.get(r.get.remote(warm)) == expected_warm  # the receiver knows the sender
+    before, exp_before = ray.get(s.put.remote([torch.full((1000,), 1.0)]))
+    big, _ = ray.get(s.put.remote([torch.zeros(2 << 20)]))  # 8 MiB: an overflow region
+    regs = ray.get(s.stats.remote()).nixl_deregistrations
+    del big
+    wait_for(lambda: ray.get(s.stats.remote()).nixl_deregistrations > regs)
+    after, exp_after = ray.get(s.put.remote([torch.full((1000,), 2.0)]))
+    got = ray.get(r.get_all.remote([before[0], after[0], warm[0]]), timeout=60)
+    assert got == [exp_before, exp_after, expected_warm]
+    st = ray.get(r.stats.remote())
+    assert st.transfers_in_flight == 0 and st.transfers_cut == 0 and st.transfer_errors == 0
 
 
 def test_full_pool_still_sends_snapshots():
