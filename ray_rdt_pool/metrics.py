@@ -119,6 +119,10 @@ GAUGES: tuple[tuple[str, str, Callable[[TransportStats], float]], ...] = (
      lambda s: s.transfers_in_flight),
     ("remote_agents", "Sender agents whose NIXL metadata this process holds.",
      lambda s: s.remote_agents),
+    ("sender_overflow_bytes", "Bytes of live objects in overflow memory (not in the pool).",
+     lambda s: s.overflow_bytes),
+    ("abandoned_transfers", "READs given up on whose memory waits for NIXL to end them.",
+     lambda s: s.abandoned_transfers),
 )
 
 #: Counters: (name without prefix, description, TransportStats field). Prometheus shows
@@ -131,7 +135,7 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("bytes_packed", "Bytes copied into the sender pool.", "bytes_packed"),
     ("zero_copy_tensors", "Tensors sent from register_memory() storage without a copy.",
      "zero_copy_tensors"),
-    ("fallbacks", "Objects too large for the pool, registered with NIXL directly.",
+    ("fallbacks", "Objects the pool could not hold, copied into overflow memory.",
      "fallbacks"),
     ("objects_received", "Objects read by this process as a receiver.", "objects_received"),
     ("bytes_received", "Bytes read by this process as a receiver.", "bytes_received"),
@@ -144,12 +148,18 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
      "nixl_deregistrations"),
     ("remote_metadata_loads", "Loads of a sender agent's NIXL metadata.",
      "remote_metadata_loads"),
+    ("late_completions", "READs that ended after they were given up on.",
+     "late_completions"),
+    ("transfers_cut", "READs ended by removing the sender's agent after fetch_timeout_s.",
+     "transfers_cut"),
+    ("remote_agents_removed", "Sender agents removed (failed, idle, or to cut off a READ).",
+     "remote_agents_removed"),
 )
 
 #: Histograms: (name without prefix, description), all with :data:`LATENCY_BUCKETS_S`.
 HISTOGRAMS: tuple[tuple[str, str], ...] = (
     ("put_seconds", "Time to pack one object and build its metadata (sender)."),
-    ("pack_seconds", "Time of the copy into the sender pool, per object (not for fallbacks)."),
+    ("pack_seconds", "Time of the copy into the sender pool or overflow memory, per object."),
     ("fetch_seconds", "Time from the start of a READ to the rebuilt tensors (receiver)."),
 )
 

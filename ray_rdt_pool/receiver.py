@@ -382,18 +382,18 @@ class Receiver:
     def poll(self, t: Transfer) -> str:
         """The transfer's state; ends it (exactly once) when NIXL says it is over.
 
-        ``"FAULT"``: NIXL could not say. The READ is not known to have ended, so it is
-        treated as still running (its landing stays reserved) until it ends or is cut.
+        NIXL's binding raises for an error status (a peer that disconnected, say): that
+        is NIXL reporting the READ ended in error, so it counts as ``ERR``.
         """
         with t.lock:
             if t.final is not None:
                 return t.final
             try:
                 state = str(self._backend().state(t.handle))
-            except Exception:
-                logger.debug("checking a transfer failed", exc_info=True)
-                return "FAULT"
-            if state not in ("PROC", "FAULT"):
+            except Exception as e:
+                logger.debug("transfer of %s ended in error: %s", t.obj_id, e)
+                state = "ERR"
+            if state != "PROC":
                 self._end_locked(t, state)
             return state
 
@@ -423,8 +423,7 @@ class Receiver:
             waiting = [t for t in self.outstanding.values() if t.abandoned]
             housekeeping = now >= self._next_housekeeping and bool(self.peers)
         for t in waiting:
-            if self.poll(t) in ("PROC", "FAULT") and \
-                    now > t.started + self.config.fetch_timeout_s:
+            if self.poll(t) == "PROC" and now > t.started + self.config.fetch_timeout_s:
                 self._remove_peer(t.peer, cut=True)
         if housekeeping:
             self._next_housekeeping = now + _HOUSEKEEPING_S
@@ -525,7 +524,7 @@ class Receiver:
         if state == "DONE":
             return self._finish(f, t)
         meta = f.meta
-        if state in ("TIMEOUT", "ABORTED", "FAULT"):
+        if state in ("TIMEOUT", "ABORTED"):
             self.abandon(t)
         else:
             self.release_landing(t.landing)

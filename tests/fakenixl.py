@@ -162,6 +162,7 @@ class FakeBackend:
     def state(self, xfer: Any) -> str:
         x = self.xfers[xfer]
         if x.released:
+            self.world.violations.append(f"state of READ {xfer} asked after its release")
             raise RuntimeError("NIXL_ERR_INVALID_PARAM: released handle")
         return x.state
 

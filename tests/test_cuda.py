@@ -89,7 +89,12 @@ def test_cuda_tensors_into_a_host_pool_round_trip():
     meta = pickle.loads(pickle.dumps(s.put("a", ts)))
     out = r.wait(r.fetch("a", meta, None), -1)
     for a, b in zip(out, ts):
-        assert torch.equal(a, b.cpu())
+        assert a.is_cuda and torch.equal(a, b)  # lands on the senders' device type
+    assert set(r.receiver.arenas) == {"cuda"}
+    host = [torch.empty_like(t, device="cpu").contiguous() for t in ts]
+    out = r.wait(r.fetch("a", meta, host), -1)  # set_target_device_for_ref(ref, "cpu")
+    for a, b in zip(out, ts):
+        assert not a.is_cuda and torch.equal(a, b.cpu())
 
 
 @pytest.mark.gpu
@@ -102,13 +107,42 @@ def test_stream_ordering_the_pool_sees_the_producers_final_bytes():
         x = torch.zeros(1 << 22, device="cuda")
         for _ in range(50):  # long enough that an unsynchronised copy would see zeros
             x.add_(1)
-    s.cuda_stream = side
+    s.sender.cuda_stream = side
     s.put("a", [x])
-    blocks = s.pool.alloc.blocks("a")
+    pool = s.sender.pool
+    blocks = pool.alloc.blocks("a")
     off = blocks[0].offset
-    got = s.pool.mem.tensor[off:off + x.numel() * 4].view(torch.float32)
+    got = pool.mem.tensor[off:off + x.numel() * 4].view(torch.float32)
     torch.cuda.synchronize()
     assert bool((got == 50).all())
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_put_of_registered_memory_only_needs_no_copy():
+    """The advertised GPU zero-copy use: every tensor inside register_memory() storage,
+    so the CUDA pack has nothing to copy (it used to crash unpacking an empty block list)."""
+    world = _world()
+    s, r = _runtime(world, device="cuda"), _runtime(world, device="cuda")
+    w = torch.randn(64, 256, device="cuda")
+    s.backend()
+    s.registry.pin(w)
+    ts = [w[i] for i in range(64)] + [torch.empty(0, device="cuda")]
+    out = r.wait(r.fetch("z", s.put("z", ts), None), -1)
+    assert all(torch.equal(a, b) for a, b in zip(out, ts))
+    assert s.stats().zero_copy_tensors == 64 and s.stats().pool_used == 0
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_copy_into_cuda_parameters_that_require_grad():
+    world = _world()
+    s, r = _runtime(world), _runtime(world)
+    src = [torch.randn(1000, device="cuda")]
+    p = torch.nn.Parameter(torch.zeros(1000, device="cuda"))  # requires_grad, a leaf
+    out = r.wait(r.fetch("a", s.put("a", src), [p]), -1)  # first sighting: copy out
+    assert out[0] is p and torch.equal(p.detach(), src[0])
+    assert r.stats().arena_used == 0
 
 
 @pytest.mark.gpu
@@ -142,9 +176,16 @@ def test_real_ray_round_trip_between_actors_on_one_gpu():
                 assert all(t.is_cuda for t in out)
                 return digest(out), ray_rdt_pool.stats().arena_used
 
+            def get_on_cpu(self, refs):
+                ray.experimental.set_target_device_for_ref(refs[0], "cpu")
+                out = ray.get(refs[0])
+                assert not any(t.is_cuda for t in out)
+                return digest(out)
+
         s, r = S.remote(), R.remote()
         refs, expected = ray.get(s.put.remote())
         got, arena_used = ray.get(r.get.remote(refs))
         assert got == expected and arena_used == 0  # views died with the method's frame
+        assert ray.get(r.get_on_cpu.remote(refs)) == expected
     finally:
         ray.shutdown()

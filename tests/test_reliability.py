@@ -564,13 +564,14 @@ def test_owner_drops_every_ref_while_fetch_in_flight(recv, form):
     ray.kill(s)
 
 
-def test_stalled_read_is_cut_off_and_its_memory_comes_back_only_then(recv):
+def test_stalled_read_gives_up_and_its_memory_comes_back_only_once_ended(recv):
     """READ a stalls past fetch_timeout_s while READ b from the same sender is in flight.
 
-    a raises TransferError within the bound. NIXL cannot cancel a READ in flight, so a's
-    arena block stays reserved (NIXL could still write into it) until the receiver cuts
-    the READ off by removing the sender's agent; that ends b too, with a typed error.
-    Only then do the blocks return. After SIGCONT, the sender serves both objects again.
+    a raises TransferError within the bound and is given up on. Its arena block returns
+    only once NIXL has ended the READ: the cancel succeeds, or, when NIXL cannot cancel
+    it, the receiver cuts it off by removing the sender's agent (which ends b too, with a
+    typed error). Either way b ends byte-exact or with a TransferError, nothing stays
+    reserved, and after SIGCONT the sender serves both objects again.
     """
     s = Sender.remote()
     ref_a, ref_b = s.make.remote(21, 1 << 20), s.make.remote(22, 2 << 20)
@@ -594,12 +595,15 @@ def test_stalled_read_is_cut_off_and_its_memory_comes_back_only_then(recv):
     assert not got_a["ok"] and "TransferError" in got_a["types"], got_a
     assert "fetch_timeout_s" in got_a["msg"], got_a
     assert got_a["s"] < FETCH_TIMEOUT_S + SLACK_S, got_a
-    assert not got_b["ok"] and "TransferError" in got_b["types"], got_b
+    if got_b["ok"]:  # a was cancelled; b's READ went on and finished
+        assert got_b["value"] == fingerprint(payload(22, 2 << 20)), got_b
+    else:  # a could not be cancelled and was cut off, and b with it
+        assert "TransferError" in got_b["types"], got_b
+        assert cut.transfers_cut >= base.transfers_cut + 1
+        assert cut.remote_agents_removed >= base.remote_agents_removed + 1
     assert got_b["s"] < FETCH_TIMEOUT_S + SLACK_S, got_b
-    assert cut.transfers_cut >= base.transfers_cut + 1
-    assert cut.remote_agents_removed >= base.remote_agents_removed + 1
     st = receiver_clean(recv, base)
-    assert st.transfer_errors == base.transfer_errors + 2
+    assert st.transfer_errors == base.transfer_errors + 1 + (not got_b["ok"])
     # The resumed sender serves the failed objects again (its metadata is reloaded).
     for ref, seed, n in ((ref_a, 21, 1 << 20), (ref_b, 22, 2 << 20)):
         again = ray.get(recv.get.remote([ref]))

@@ -522,3 +522,30 @@ def test_example_weight_sync_runs(actors: dict[str, Any]) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "OK: all checks passed" in out.stdout
     assert out.stdout.count("fp32 bit-exact [True, True]  bf16 bit-exact True") == 2
+
+
+def _publish_then_train(node: Any) -> Any:
+    """publish(), then modify the weights in place at once, as a trainer would."""
+    manifest = node.weight_sender.publish()
+    _perturb(node)
+    return manifest
+
+
+@pytest.mark.ray
+def test_publish_larger_than_the_pool_is_a_snapshot(actors: dict[str, Any]) -> None:
+    """The model (12 MiB) does not fit the 8 MiB pool: the buckets that do not fit go to
+    overflow memory, still snapshots, so a trainer that keeps training as soon as
+    publish() returns never tears the weights the receivers load."""
+    tr, r1 = actors["trainer"], actors["r1"]
+    call(tr, _setup_sender, BIG, 16, 4 << 20)
+    want = call(tr, _state)
+    call(r1, _setup_receiver, make_state(BIG, 17))
+    manifest = call(tr, _publish_then_train)
+    assert manifest.overflow, "expected some buckets in overflow memory"
+    st = call(tr, _stats)
+    assert st.overflow_objects == len(manifest.overflow) and st.overflow_bytes > 0
+    call(r1, _load, manifest)
+    assert_state_equal(call(r1, _state), want)  # the weights of publish time
+    del manifest
+    st = wait_drained(tr)
+    assert st.overflow_objects == 0 and st.overflow_capacity == 0
