@@ -219,7 +219,13 @@ class BlockAllocator:
                 self._undo_release(step)
             if old:
                 self._used += sum(b.length for b in old)
-            raise error
+            try:
+                raise error
+            finally:
+                # A local holding the exception while its traceback holds this frame is a
+                # reference cycle: it would keep the caller's frames (and the tensors of
+                # the object being put) alive until the next garbage collection.
+                del error
         blocks = tuple(self._carve(start, length, take) for start, length, take in plan)
         self._used += size
         self._live[key] = blocks

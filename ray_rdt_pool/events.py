@@ -90,7 +90,10 @@ class Events:
             self.error("err")
             err = TransferError(f"{what} failed: {type(e).__name__}: {e}; {hint}")
             _mark(err)
-            raise err from e
+            try:
+                raise err from e
+            finally:
+                del err  # no cycle through the traceback (see allocator.allocate)
 
 
 def _mark(e: BaseException) -> None:

@@ -671,3 +671,27 @@ def test_gcs_round_trips_hold_no_lock(world):
     gate.set()
     t.join(10)
     assert len(out) == 2 and s.stats().live_objects == 1
+
+
+def test_an_oversized_put_leaves_no_reference_cycle(world):
+    """Ray frees a sender's object when the ObjectRef dies; a reference cycle through an
+    exception's traceback (the pool-exhausted path) kept the caller's frames, and so the
+    ref and the tensors, alive until the next garbage collection."""
+    import weakref
+
+    s = make(world, pool_bytes=1 << 20)
+    gc.collect()
+    gc.disable()
+    try:
+        t = torch.zeros(1 << 19)  # 2 MiB > the pool
+        alive = weakref.ref(t)
+        s.put("big", [t])
+        del t
+        assert alive() is None, "something still holds the sent tensor"
+        with pytest.raises(TransferError):
+            world.mode = "ERR"  # the failure mapper's path too
+            r = make(world)
+            r.fetch("x", ship(s.put("x", [torch.ones(4)])), None)
+            r.wait(r.fetch("x", ship(s.put("x", [torch.ones(4)])), None), -1)
+    finally:
+        gc.enable()
