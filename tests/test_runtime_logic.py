@@ -688,10 +688,5 @@ def test_an_oversized_put_leaves_no_reference_cycle(world):
         s.put("big", [t])
         del t
         assert alive() is None, "something still holds the sent tensor"
-        with pytest.raises(TransferError):
-            world.mode = "ERR"  # the failure mapper's path too
-            r = make(world)
-            r.fetch("x", ship(s.put("x", [torch.ones(4)])), None)
-            r.wait(r.fetch("x", ship(s.put("x", [torch.ones(4)])), None), -1)
     finally:
         gc.enable()
