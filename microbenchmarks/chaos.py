@@ -555,7 +555,7 @@ class _Harness:
                                   else r.get.remote(refs[t.index]))
         t_kill = time.monotonic()
         ray.kill(victim_actor, no_restart=True)
-        reaped = _wait(lambda: _process_gone(pid), CLEAN_BOUND_S)
+        reaped = _wait(lambda: process_gone(pid), CLEAN_BOUND_S)
         kill_s = time.monotonic() - t_kill
         by_index = {t.index: t for t in batch}
         for i, call in calls.items():
@@ -668,7 +668,8 @@ def _held(st: dict[str, Any], field: str) -> int:
     return int(st[field]) - ray_held
 
 
-def _process_gone(pid: int) -> bool:
+def process_gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie has no memory left to read)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]

@@ -32,6 +32,7 @@ import ray
 import torch
 
 import ray_rdt_pool
+from microbenchmarks.chaos import process_gone
 from ray_rdt_pool import wire
 from ray_rdt_pool.errors import TransferError, WireFormatError
 from tests.raycluster import digest, start_ray, wait_for
@@ -328,15 +329,6 @@ def stats(actor: Any) -> Any:
 def in_flight(actor: Any, n: int) -> Any:
     """Wait until ``actor`` has ``n`` READs in flight; return its stats."""
     return wait_for(lambda: (st := stats(actor)).transfers_in_flight == n and st, timeout=60)
-
-
-def process_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return state in ("Z", "X")  # a zombie has no memory left to read
 
 
 def kill_and_reap(actor: Any, pid: int) -> None:
