@@ -589,10 +589,11 @@ def test_stalled_read_gives_up_and_its_memory_comes_back_only_once_ended(recv):
     assert got_a["s"] < FETCH_TIMEOUT_S + SLACK_S, got_a
     if got_b["ok"]:  # a was cancelled; b's READ went on and finished
         assert got_b["value"] == fingerprint(payload(22, 2 << 20)), got_b
-    else:  # a could not be cancelled and was cut off, and b with it
+    else:  # b timed out too, or a could not be cancelled and was cut off, and b with it
         assert "TransferError" in got_b["types"], got_b
-        assert cut.transfers_cut >= base.transfers_cut + 1
-        assert cut.remote_agents_removed >= base.remote_agents_removed + 1
+        assert "fetch_timeout_s" in got_b["msg"] or (
+            cut.transfers_cut >= base.transfers_cut + 1
+            and cut.remote_agents_removed >= base.remote_agents_removed + 1), (got_b, cut)
     assert got_b["s"] < FETCH_TIMEOUT_S + SLACK_S, got_b
     st = receiver_clean(recv, base)
     assert st.transfer_errors == base.transfer_errors + 1 + (not got_b["ok"])
