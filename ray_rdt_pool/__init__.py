@@ -44,6 +44,17 @@ def register() -> str:
     return _register()
 
 
+def setup_worker() -> None:
+    """Register the transport in a Ray worker process: a ``worker_process_setup_hook``.
+
+    ``ray.init(runtime_env={"worker_process_setup_hook": "ray_rdt_pool.setup_worker"})``
+    runs it in every worker before any task or actor, so actors need not call
+    :func:`register` themselves (the driver still does, before defining actor classes).
+    With a hook of your own, call :func:`register` from it instead.
+    """
+    register()
+
+
 def configure(**options: Any) -> PoolConfig:
     """Configure this process's transport before its first put or get.
 
@@ -120,6 +131,7 @@ __all__ = [
     "register",
     "register_memory",
     "set_cuda_stream",
+    "setup_worker",
     "shutdown",
     "stats",
 ]

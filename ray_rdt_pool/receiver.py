@@ -131,6 +131,7 @@ class Fetch:
         self.transfer: Transfer | None = None
         self.copy_into: list[torch.Tensor] | None = None
         self.targets: list[torch.Tensor] | None = None
+        self.selected: Selection | None = None  # a partial READ (fetch_selected)
         self.tensors: list[torch.Tensor] = []
         self.t_start = time.perf_counter()
         self.ndescs = 0
@@ -189,6 +190,7 @@ class Receiver:
               ) -> tuple[Landing, list[tuple[int, int, int]], list[tuple[int, int, int]]]:
         """Reserve the landing of ``f``; returns it with the READ's (local, remote)."""
         meta = f.meta
+        total = meta.total if f.selected is None else f.selected.total
         if targets:
             entries: list[RegEntry] = []
             for t in targets:
@@ -209,7 +211,7 @@ class Receiver:
         with self.lock:
             self._drain_locked()
             try:
-                (block,) = arena.alloc.allocate(key, meta.total, max_blocks=1)
+                (block,) = arena.alloc.allocate(key, total, max_blocks=1)
             except PoolExhaustedError:
                 block = None
         dev_id = int(arena.mem.device_id)
@@ -221,10 +223,13 @@ class Receiver:
             import torch
 
             self.events.add("receive_fallbacks")
-            buf = torch.empty(meta.total, dtype=torch.uint8, device=arena.mem.torch_device)
-            handle = self.registry.register_buffer(buf.data_ptr(), meta.total, device, dev_id)
+            buf = torch.empty(total, dtype=torch.uint8, device=arena.mem.torch_device)
+            handle = self.registry.register_buffer(buf.data_ptr(), total, device, dev_id)
             landing = Landing("temp", buf.data_ptr(), device, dev_id, temp=buf,
                               temp_handle=handle)
+        if f.selected is not None:
+            return (landing, *_read_pieces(
+                meta, [(p, landing.addr + lo, n) for lo, p, n in f.selected.runs], dev_id))
         local = [(landing.addr + v, n, dev_id) for v, _a, n in meta.segments]
         remote = [(a, n, meta.device_id) for _v, a, n in meta.segments]
         return landing, local, remote
@@ -442,11 +447,23 @@ class Receiver:
     # -- fetch / wait ---------------------------------------------------------------------
 
     def fetch(self, obj_id: str, meta: WireMeta, device_hint: str | None,
-              targets: Sequence[torch.Tensor] | None) -> Fetch:
-        """Start reading ``obj_id``; never waits for other fetches."""
-        from ray_rdt_pool.tensors import empty_like_run_list
+              targets: Sequence[torch.Tensor] | None,
+              selection: Sequence[Any] | None = None) -> Fetch:
+        """Start reading ``obj_id`` (or, with ``selection``, only part of each tensor:
+        see :func:`selection_plan`); never waits for other fetches."""
+        from ray_rdt_pool.tensors import empty_like_run_list, torch_dtype
 
         f = Fetch(obj_id, meta)
+        if selection is not None:
+            f.selected = selection_plan(meta, selection)
+            if f.selected.total == 0:
+                import torch
+
+                device = device_hint if device_hint in MEM_TYPE else meta.device
+                f.tensors = [torch.empty(s, dtype=torch_dtype(d), device=device)
+                             for s, d in zip(f.selected.shapes, f.selected.dtypes)]
+                f.settled = True
+                return f
         if targets:
             _check_targets(targets, meta)
             device = targets[0].device.type
@@ -549,9 +566,12 @@ class Receiver:
 
         meta = f.meta
         landing = t.landing
+        sel = f.selected
         self.events.add("objects_received")
-        self.events.add("bytes_received", meta.total)
-        if f.copy_into is not None:
+        self.events.add("bytes_received", meta.total if sel is None else sel.nbytes)
+        if sel is not None:
+            f.tensors = self._rebuild_selected(landing, sel)
+        elif f.copy_into is not None:
             f.tensors = self._copy_out(f, landing)
         elif landing.kind == "targets":
             assert f.targets is not None
@@ -574,6 +594,26 @@ class Receiver:
         if obs is not None:
             obs.on_fetch(self.events.source, meta.total, time.perf_counter() - f.t_start)
         return f.tensors
+
+    def _rebuild_selected(self, landing: Landing, sel: Selection) -> list[torch.Tensor]:
+        from ray_rdt_pool.tensors import device_block, torch_dtype
+
+        if landing.kind == "arena":
+            landing.released = True  # ownership passes to the views
+            dead, key = self._arena_dead, (landing.device, landing.key)
+            block = device_block(landing.addr, sel.total, landing.device, landing.device_id,
+                                 lambda: dead.append(key))
+        else:
+            block = landing.temp
+            self.release_landing(landing)
+        out = []
+        for shape, dt, off in zip(sel.shapes, sel.dtypes, sel.offsets):
+            n = 1
+            for x in shape:
+                n *= x
+            tdt = torch_dtype(dt)
+            out.append(block[off:off + n * tdt.itemsize].view(tdt).view(shape))
+        return out
 
     def _copy_out(self, f: Fetch, landing: Landing) -> list[torch.Tensor]:
         """Copy a received object from its landing into the caller's buffers."""
@@ -664,23 +704,20 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _target_descs(targets: Sequence[torch.Tensor], meta: WireMeta
-                  ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-    """(local, remote) descriptors landing each packed tensor in its target buffer."""
+def _read_pieces(meta: WireMeta, spans: Sequence[tuple[int, int, int]], ldev: int
+                 ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """(local, remote) descriptors that land packed ranges ``(packed offset, local
+    address, length)`` at their local addresses, split where the sender's segments
+    split (the wire decoder checked that the segments cover every tensor's bytes)."""
     segments = meta.segments
     starts = [v for v, _a, _n in segments]
     local: list[tuple[int, int, int]] = []
     remote: list[tuple[int, int, int]] = []
-    ldev = targets[0].device.index or 0
     rdev = meta.device_id
-    for t, off in zip(targets, meta.tensor_offsets()):
-        n = t.numel() * t.element_size()
-        if n == 0:
-            continue
-        addr = t.data_ptr()
+    for off, addr, n in spans:
         i = bisect.bisect_right(starts, off) - 1
         pos, end = off, off + n
-        while pos < end:  # wire-validated: the segments cover every tensor's bytes
+        while pos < end:
             v, a, m = segments[i]
             take = min(v + m, end) - pos
             local.append((addr + (pos - off), take, ldev))
@@ -688,6 +725,102 @@ def _target_descs(targets: Sequence[torch.Tensor], meta: WireMeta
             pos += take
             i += 1
     return local, remote
+
+
+def _target_descs(targets: Sequence[torch.Tensor], meta: WireMeta
+                  ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """(local, remote) descriptors landing each packed tensor in its target buffer."""
+    spans = [(off, t.data_ptr(), t.numel() * t.element_size())
+             for t, off in zip(targets, meta.tensor_offsets()) if t.numel()]
+    return _read_pieces(meta, spans, targets[0].device.index or 0)
+
+
+@dataclass
+class Selection:
+    """What a partial READ lands: per tensor its selected shape, dtype and offset in the
+    landing, and the byte runs ``(landing offset, packed offset, length)`` to read."""
+
+    shapes: list[tuple[int, ...]]
+    dtypes: list[str]
+    offsets: list[int]
+    total: int
+    runs: list[tuple[int, int, int]]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes read (``total`` adds the alignment padding of the landing)."""
+        return sum(n for _lo, _p, n in self.runs)
+
+
+def selection_plan(meta: WireMeta, selection: Sequence[Any]) -> Selection:
+    """Plan a READ of only the selected part of each tensor (see transport.fetch_selected)."""
+    from ray_rdt_pool.layout import packed_offsets
+    from ray_rdt_pool.wire import DTYPES
+
+    if len(selection) != meta.num_tensors:
+        raise InvalidInputError(
+            f"{len(selection)} selections for an object of {meta.num_tensors} tensors; pass "
+            "one (a tuple of slices, or None) per tensor")
+    shapes: list[tuple[int, ...]] = []
+    dtypes: list[str] = []
+    rel: list[list[tuple[int, int]]] = []
+    items: list[int] = []
+    for i, ((shape, dt), sel) in enumerate(zip(meta.shapes_dtypes(), selection)):
+        item = DTYPES[dt][1]
+        out, runs = _byte_runs(i, shape, item, sel)
+        shapes.append(out)
+        dtypes.append(dt)
+        rel.append(runs)
+        items.append(item)
+    sizes = [sum(n for _o, n in r) for r in rel]
+    offsets, total = packed_offsets(sizes, items)
+    runs_out: list[tuple[int, int, int]] = []
+    for off, base, runs in zip(offsets, meta.tensor_offsets(), rel):
+        pos = off
+        for o, n in runs:
+            runs_out.append((pos, base + o, n))
+            pos += n
+    return Selection(shapes, dtypes, offsets, total, runs_out)
+
+
+def _byte_runs(i: int, shape: tuple[int, ...], item: int, sel: Any
+               ) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+    """The selected shape and the (offset, length) byte runs of a C-contiguous tensor."""
+    if sel is None:
+        sel = ()
+    if isinstance(sel, slice):
+        sel = (sel,)
+    if not isinstance(sel, tuple) or len(sel) > len(shape) or not all(
+            isinstance(s, slice) for s in sel):
+        raise InvalidInputError(
+            f"selection {i} is {sel!r} for a tensor of shape {shape}: pass a tuple of at most "
+            f"{len(shape)} slices (or None for the whole tensor)")
+    bounds: list[tuple[int, int]] = []
+    for dim, size in enumerate(shape):
+        start, stop, step = (sel[dim] if dim < len(sel) else slice(None)).indices(size)
+        if step != 1:
+            raise InvalidInputError(
+                f"selection {i} has step {step} on dim {dim}; only step-1 slices can be "
+                "read as byte ranges: read the range and slice it afterwards")
+        bounds.append((start, max(start, stop)))
+    out = tuple(b - a for a, b in bounds)
+    if 0 in out:
+        return out, []
+    strides = [1] * len(shape)
+    for dim in range(len(shape) - 2, -1, -1):
+        strides[dim] = strides[dim + 1] * shape[dim + 1]
+    narrow = [d for d, (a, b) in enumerate(bounds) if (a, b) != (0, shape[d])]
+    if not narrow:
+        n = 1
+        for x in shape:
+            n *= x
+        return out, [(0, n * item)]
+    k = narrow[-1]
+    run = out[k] * strides[k]
+    runs = [((sum(j * s for j, s in zip(idx, strides)) + bounds[k][0] * strides[k]) * item,
+             run * item)
+            for idx in itertools.product(*(range(a, b) for a, b in bounds[:k]))]
+    return out, runs
 
 
 def _check_targets(targets: Sequence[torch.Tensor], meta: WireMeta) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -188,16 +188,22 @@ class Sender:
 
     # -- put / free -----------------------------------------------------------------------
 
-    def put(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> tuple[WireMeta, bytes]:
-        """Snapshot ``tensors`` for ``obj_id``; returns the wire metadata and its bytes."""
-        from ray_rdt_pool.tensors import describe, pack_into
+    def put(self, obj_id: str, tensors: Sequence[torch.Tensor],
+            convert: Mapping[int, torch.dtype] | None = None) -> tuple[WireMeta, bytes]:
+        """Snapshot ``tensors`` for ``obj_id``; returns the wire metadata and its bytes.
+
+        ``convert`` maps ``id(tensor)`` to the dtype it is packed as: the conversion is
+        the pack copy itself (one pass), and the metadata names the new dtype.
+        """
+        from ray_rdt_pool.tensors import describe, pack_into, pack_torch
 
         t_start = time.perf_counter()
         d = describe(tensors, allow_cuda=True)
+        converted = _apply_conversions(d, tensors, convert) if convert else []
         runs = runs_from(d.shapes, d.dtypes)
         offsets, total = run_offsets(runs)
         pool_device = self.config.device
-        pinned = self._pinned_entries(d, pool_device)
+        pinned = None if converted else self._pinned_entries(d, pool_device)
         if pinned is None:
             copy_idx = None
             local_offsets, local_total = offsets, total
@@ -211,7 +217,7 @@ class Sender:
         # memmove reaches host memory only; CUDA on either side packs with one torch op
         # into one contiguous block.
         torch_path = d.device == "cuda" or pool_device == "cuda"
-        p = self._place(obj_id, local_total, torch_path)
+        p = self._place(obj_id, local_total, torch_path or bool(converted))
         try:
             for e in pinned or ():
                 if e is not None:
@@ -223,6 +229,13 @@ class Sender:
                 region.populate(max(o + n for o, n in p.blocks))
                 if torch_path:
                     self._pack_cuda(tensors, d, local_offsets, p.blocks, region, copy_idx)
+                elif converted:  # one contiguous block: torch converts, memmove the rest
+                    (off, length), = p.blocks
+                    pack_torch(tensors, d, local_offsets, region.mem.tensor[off:off + length],
+                               converted)
+                    conv = set(converted)
+                    pack_into(tensors, d, local_offsets, p.blocks, region.mem,
+                              [i for i in range(len(tensors)) if i not in conv])
                 else:
                     pack_into(tensors, d, local_offsets, p.blocks, region.mem, copy_idx)
             pack_s = time.perf_counter() - t_copy
@@ -319,6 +332,26 @@ class Sender:
             used = sum(r.alloc.stats().used for r in self.overflow)
             cap = sum(r.capacity for r in self.overflow)
         return objs, used, cap
+
+
+def _apply_conversions(d: Described, tensors: Sequence[torch.Tensor],
+                       convert: Mapping[int, torch.dtype]) -> list[int]:
+    """Describe the tensors named in ``convert`` as their packed dtype; their indices."""
+    from ray_rdt_pool.tensors import dtype_name
+
+    out: list[int] = []
+    for i, t in enumerate(tensors):
+        dt = convert.get(id(t))
+        if dt is None or dt == t.dtype:
+            continue
+        name = dtype_name(dt)  # raises InvalidInputError for a dtype the wire lacks
+        item = int(dt.itemsize)
+        d.dtypes[i] = name
+        d.aligns[i] = item
+        d.nbytes[i] = t.numel() * item
+        d.plain[i] = False
+        out.append(i)
+    return out
 
 
 def _device_index(tensors: Sequence[torch.Tensor]) -> int:

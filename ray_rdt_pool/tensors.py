@@ -444,9 +444,11 @@ def pack_torch(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[
                block: torch.Tensor, which: Sequence[int] | None = None) -> None:
     """Copy tensors into one device block with a single batched torch op.
 
-    Used where memmove cannot reach (CUDA memory): ``torch._foreach_copy_`` issues the
-    copies of all tensors as one operation instead of one ``copy_`` per tensor. Strided
-    sources are fine: torch copies their logical values.
+    Used where memmove cannot reach (CUDA memory) and for tensors converted to another
+    dtype on the way (``d.dtypes`` names the packed dtype): ``torch._foreach_copy_``
+    issues the copies of all tensors as one operation instead of one ``copy_`` per
+    tensor, converting as it copies. Strided sources are fine: torch copies their
+    logical values.
     """
     import torch
 
@@ -458,7 +460,9 @@ def pack_torch(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[
         if n == 0:
             continue
         t = tensors[i]
-        dsts.append(block[offsets[i]:offsets[i] + n].view(t.dtype).view(t.shape))
+        # The described dtype: it differs from t.dtype when the pack converts (pack_as).
+        dt = torch_dtype(d.dtypes[i])
+        dsts.append(block[offsets[i]:offsets[i] + n].view(dt).view(t.shape))
         srcs.append(t.resolve_conj().resolve_neg())
     if dsts:
         torch._foreach_copy_(dsts, srcs)

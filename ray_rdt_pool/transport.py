@@ -19,7 +19,8 @@ import atexit
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -226,7 +227,7 @@ class Runtime:
         if not tensors:
             return PoolTransportMetadata(tensor_meta=[], tensor_device=None, wire=None)
         self.backend()
-        meta, wire = self.sender.put(obj_id, tensors)
+        meta, wire = self.sender.put(obj_id, tensors, getattr(_pack_as, "dtypes", None))
         out = PoolTransportMetadata(tensor_meta=[], tensor_device=tensors[0].device.type,
                                     wire=wire)
         out._decoded = meta
@@ -241,6 +242,13 @@ class Runtime:
         inner = self.receiver.fetch(obj_id, meta, pmeta.tensor_device, targets)
         return PoolFetch(obj_id=obj_id, tensors=inner.tensors, inner=inner,
                          receiver=self.receiver)
+
+    def fetch_selected(self, obj_id: str, pmeta: PoolTransportMetadata,
+                       selection: Sequence[tuple[slice, ...] | None],
+                       timeout_s: float | None) -> list[torch.Tensor]:
+        inner = self.receiver.fetch(obj_id, pmeta.decoded(), pmeta.tensor_device, None,
+                                    selection=selection)
+        return self.receiver.wait(inner, timeout_s)
 
     def wait(self, req: PoolFetch, timeout: float | None) -> list[torch.Tensor]:
         assert req.inner is not None
@@ -455,6 +463,69 @@ def shutdown() -> None:
         rt.shutdown()
 
 
+_pack_as = threading.local()
+
+
+@contextmanager
+def pack_as(dtypes: Mapping[int, torch.dtype]) -> Iterator[None]:
+    """Within the block, puts on this thread pack tensor ``t`` as ``dtypes[id(t)]``.
+
+    The conversion is the pack copy itself (no separate cast), and the object's metadata
+    names the new dtype, so receivers get tensors of that dtype: for example fp32 master
+    weights sent as bf16, half the bytes on the wire. Tensors not in the mapping are
+    packed as they are. Blocks do not nest.
+    """
+    if getattr(_pack_as, "dtypes", None) is not None:
+        raise InvalidInputError("pack_as() blocks do not nest; merge the mappings instead")
+    _pack_as.dtypes = dtypes
+    try:
+        yield
+    finally:
+        _pack_as.dtypes = None
+
+
+def fetch_selected(ref: ray.ObjectRef, selection: Sequence[tuple[slice, ...] | None],
+                   timeout_s: float | None = None) -> list[torch.Tensor]:
+    """READ only part of each tensor of a ``nixl_pool`` object this process holds a ref to.
+
+    ``selection[i]`` is a tuple of slices (step 1) applied to tensor ``i``, or None for
+    the whole tensor; an empty slice on dim 0 skips a tensor. Only the selected bytes
+    are read: a dim-0 slice is one contiguous range, slices of later dims become one
+    range per row, merged where they touch. Returns, per tensor, a contiguous tensor of
+    the selected shape; they are views of one receive block, which returns when the last
+    of them dies. ``stats().bytes_received`` grows by the selected bytes only. Unlike
+    ``ray.get``, this bypasses Ray's check of target buffers against the full shapes.
+
+    Raises ``InvalidInputError`` for a selection that does not fit the object (before
+    anything is read), and what a fetch raises otherwise.
+    """
+    mgr = ray._private.worker.global_worker.rdt_manager
+    obj_id = ref.hex()
+    info = mgr.get_rdt_metadata(obj_id)
+    if info is None:
+        raise InvalidInputError(f"{ref} is not an RDT object this process knows; pass a ref "
+                                "made with _tensor_transport='nixl_pool'")
+    store = mgr.rdt_store
+    if store.has_object(obj_id):  # this process holds the object itself: no READ
+        held = store.get_object(obj_id)
+        _check_selection_count(selection, len(held))
+        return [t.contiguous() if sel is None else t[sel].contiguous()
+                for t, sel in zip(held, selection)]
+    tmeta = info.tensor_transport_meta
+    if tmeta is None:
+        wait = timeout_s if timeout_s is not None else 60.0
+        tmeta = mgr.wait_for_tensor_transport_metadata(obj_id, wait)
+        if tmeta is None:
+            raise TimeoutError(f"the metadata of {ref} did not arrive within {wait}s")
+    return runtime().fetch_selected(obj_id, _as_pool_meta(tmeta), selection, timeout_s)
+
+
+def _check_selection_count(selection: Sequence[Any], n: int) -> None:
+    if len(selection) != n:
+        raise InvalidInputError(f"{len(selection)} selections for an object of {n} tensors; "
+                                "pass one (a tuple of slices, or None) per tensor")
+
+
 def _probe_actor(self: Any) -> bool:
     try:
         import nixl._api  # noqa: F401
@@ -554,11 +625,60 @@ def _as_pool_meta(meta: Any) -> PoolTransportMetadata:
     return meta
 
 
+#: Longest a ``.remote()`` waits for the producer of a nixl_pool argument (see below).
+ORDER_WAIT_S = 10.0
+
+
+def _transfers_before_their_tasks() -> None:
+    """Work around a Ray 2.60 deadlock of out-of-order receivers (async or concurrent).
+
+    Such an actor waits for an RDT task argument *inside* the task's executor (for an
+    async actor, on its event loop) until Ray's ``__ray_recv__`` has stored the tensors,
+    while the core worker hands tasks to every concurrency group from one thread. In a
+    burst of tasks that thread can block handing a task to the busy default group, so a
+    ``__ray_recv__`` that reaches the actor *after* its consuming task is never
+    dispatched, and the wait ends only at ``RAY_rdt_fetch_fail_timeout_milliseconds``
+    ("not found in RDT object store"). Ray's own ``nixl`` fails the same way when its
+    transfers arrive late; ours arrive early only because our puts are fast.
+
+    Ray submits the transfer when the consuming task is submitted if the argument's
+    metadata is known, and queues it otherwise. So, for a ``nixl_pool`` argument whose
+    producer has not finished, ``.remote()`` to an out-of-order actor first waits for the
+    producer (at most :data:`ORDER_WAIT_S`): the transfer is then always submitted before
+    the task that uses it. Other destinations and other transports are untouched.
+    """
+    from ray._raylet import ObjectRef
+    from ray.experimental.rdt.rdt_manager import RDTManager
+
+    if getattr(RDTManager, "_nixl_pool_ordered", False):
+        return
+    submit = RDTManager.queue_or_trigger_out_of_band_tensor_transfer
+
+    def ordered(self: Any, dst_actor: Any, task_args: Any) -> Any:
+        if getattr(dst_actor, "_ray_allow_out_of_order_execution", False):
+            for arg in task_args:
+                if not isinstance(arg, ObjectRef):
+                    continue
+                info = self.get_rdt_metadata(arg.hex())
+                if (info is None or info.tensor_transport_backend != TRANSPORT
+                        or info.tensor_transport_meta is not None):
+                    continue
+                ready, _ = ray.wait([arg], timeout=ORDER_WAIT_S)
+                if ready:  # finished (or failed: then no metadata comes, and Ray says so)
+                    self.wait_for_tensor_transport_metadata(arg.hex(), ORDER_WAIT_S)
+        return submit(self, dst_actor, task_args)
+
+    RDTManager.queue_or_trigger_out_of_band_tensor_transfer = ordered  # type: ignore[method-assign]
+    RDTManager._nixl_pool_ordered = True  # type: ignore[attr-defined]
+
+
 def register() -> str:
     """Register the transport with Ray in this process; safe to call again."""
     import torch
     from ray.experimental import register_tensor_transport
     from ray.experimental.rdt import util as rdt_util
+
+    _transfers_before_their_tasks()
 
     info = rdt_util.transport_manager_info.get(TRANSPORT)
     if info is not None:
@@ -621,6 +741,8 @@ __all__ = [
     "Runtime",
     "configure",
     "deregister_memory",
+    "fetch_selected",
+    "pack_as",
     "register",
     "register_memory",
     "runtime",

@@ -36,11 +36,14 @@ through the arena (the copy starts only after the whole READ succeeded).
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
+import traceback
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -58,17 +61,23 @@ __all__ = [
     "RECEIVER_ATTR",
     "SENDER_ATTR",
     "Bucket",
+    "BucketLayout",
     "BucketPlan",
     "BucketReport",
     "DtypeMismatchError",
+    "DuplicateNameError",
     "DuplicateTargetError",
     "LoadPlan",
     "LoadReport",
+    "LoaderError",
     "Manifest",
     "ManifestMismatchError",
     "ManifestReleasedError",
     "MissingWeightsError",
+    "SelectError",
     "ShapeMismatchError",
+    "SourceExhaustedError",
+    "StaleVersionError",
     "StreamReport",
     "SyncReport",
     "TensorEntry",
@@ -78,6 +87,7 @@ __all__ = [
     "WeightSender",
     "WeightSyncError",
     "WeightSyncTimeoutError",
+    "WireDtypeError",
     "can_cast",
     "load_manifest",
     "named_tensors",
@@ -96,7 +106,19 @@ RECEIVER_ATTR = "weight_receiver"
 
 Casting = Literal["no", "same_kind", "unsafe"]
 StateLike = torch.nn.Module | Mapping[str, torch.Tensor]
+#: ``(name, tensor)`` pairs, e.g. ``model.named_parameters()`` or a generator.
+Pairs = Iterable[tuple[str, torch.Tensor]]
+SourceLike = StateLike | Pairs
+Source = SourceLike | Callable[[], SourceLike]
+#: What ``load_weights`` receives: ``(name, tensor)`` pairs valid during the call only.
+LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 NameMap = Mapping[str, str | None] | Callable[[str], str | None] | None
+#: ``WeightSender(wire_dtype=)``: one dtype for every floating-point tensor, or
+#: ``(name, tensor) -> dtype | None`` per tensor (``None``: send as it is).
+WireDtype = torch.dtype | Callable[[str, torch.Tensor], torch.dtype | None] | None
+#: ``WeightReceiver(select=)``: ``(name, full_shape) -> slices | None`` (``None``: all of it).
+Selection = tuple[slice, ...]
+Select = Callable[[str, tuple[int, ...]], Sequence[slice] | slice | None]
 
 
 # ---------------------------------------------------------------------------------------
@@ -165,8 +187,24 @@ class UnexpectedWeightsError(ManifestMismatchError):
     kind = "unexpected"
 
 
+class SelectError(ManifestMismatchError):
+    """The receiver's ``select`` does not fit a manifest tensor; nothing was read.
+
+    Raised by :meth:`WeightReceiver.check` (so by every load, and for a lazy stream at
+    the bucket holding the tensor) before any byte of the load is read or written, when
+    ``select(name, full_shape)`` returns something other than ``None`` or a tuple of
+    ``slice`` objects with step 1 that fit the full shape (at most one per dimension,
+    ``0 <= start <= stop <= size`` after negative indices are counted from the end), or
+    raises. The message names the tensor, its full shape and what was returned. Fix the
+    ``select`` callable: return e.g. ``(slice(rank * n, (rank + 1) * n),)`` for a dim-0
+    shard, or ``None`` for the whole tensor.
+    """
+
+    kind = "select"
+
+
 _ERROR_ORDER: tuple[type[ManifestMismatchError], ...] = (
-    DuplicateTargetError, ShapeMismatchError, DtypeMismatchError, MissingWeightsError,
+    SelectError, DuplicateTargetError, ShapeMismatchError, DtypeMismatchError, MissingWeightsError,
     UnexpectedWeightsError)
 
 
@@ -178,8 +216,110 @@ class ManifestReleasedError(WeightSyncError, ValueError):
     """
 
 
+class WireDtypeError(WeightSyncError, ValueError):
+    """``WeightSender(wire_dtype=...)`` asks for a dtype a tensor cannot be sent as.
+
+    Raised by the sender while it computes the layout: for a module or mapping before
+    any bucket is put, for a lazy source before the bucket holding the tensor is put
+    (earlier buckets of a stream are loaded, the receivers' versions unchanged). The
+    wire dtype must be a ``torch.dtype`` the transport carries, and the conversion must
+    stay within the casting order (``torch.can_cast(tensor.dtype, wire_dtype)``: e.g.
+    float32 -> bfloat16 or int64 -> int32, never float -> int or complex -> real).
+    ``name`` is the tensor (``None`` for a bad ``wire_dtype`` argument). Fix: return
+    ``None`` from the ``wire_dtype`` callable for tensors to send as they are.
+    """
+
+    def __init__(self, message: str, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self.args[0]) if self.args else "", self.name))
+
+
 class WeightSyncTimeoutError(WeightSyncError, TimeoutError):
     """The sender waited longer than ``timeout_s`` for pool space or receiver acks."""
+
+
+class StaleVersionError(WeightSyncError, ValueError):
+    """A manifest or stream is not newer than the receiver's last complete load.
+
+    Raised by :meth:`WeightReceiver.load` (before anything is written) and by
+    :meth:`WeightSender.stream` (when a receiver begins, before any bucket is put), and
+    at the commit of a load that lost a race to a concurrent load of the same or a newer
+    version (the data it wrote is that version's too). ``version`` is the refused
+    version, ``current`` the receiver's. Fix: pass a larger ``version=`` to
+    ``publish``/``stream`` (e.g. the trainer step), or create a new receiver to start
+    over.
+    """
+
+    def __init__(self, version: int, current: int, what: str = "manifest",
+                 loading: bool = False) -> None:
+        where = (f"version {current}, which this receiver is loading now" if loading else
+                 f"this receiver's last complete load (version {current})")
+        super().__init__(
+            f"{what} version {version} is not newer than {where}; refused, nothing was "
+            f"written. Publish or stream with a version > {current} (e.g. the trainer "
+            "step), or create a new WeightReceiver to start over")
+        self.loading = loading
+        self.version = version
+        self.current = current
+        self.what = what
+
+    def __reduce__(self) -> Any:
+        return (type(self), (self.version, self.current, self.what, self.loading))
+
+
+class SourceExhaustedError(WeightSyncError, ValueError):
+    """A one-shot source (an iterator or generator) was used for a second sync.
+
+    An iterator can be consumed once: the second ``publish``/``stream``/``layout``
+    would see no tensors. Fix: pass a zero-argument callable that returns a fresh
+    iterable (e.g. ``WeightSender(lambda: model.named_parameters())``), which is called
+    once per sync, or pass the iterator as ``state=`` to each call.
+    """
+
+
+class DuplicateNameError(WeightSyncError, ValueError):
+    """A lazy source yielded the same tensor name twice.
+
+    Raised by the sender when the duplicate arrives. ``name`` is the tensor,
+    ``bucket`` the bucket being filled then (it is not sent), ``applied`` the buckets
+    every receiver had already loaded (streaming; empty for ``publish``, which returns
+    nothing). The receivers' versions are unchanged. Fix the source so each name is
+    yielded once.
+    """
+
+    def __init__(self, name: str, bucket: int, applied: Sequence[int] = (),
+                 detail: str = "") -> None:
+        msg = (f"the weight source yielded {name!r} twice (the second time while bucket "
+               f"{bucket} was being filled); yield each name once")
+        super().__init__(msg + (f"; {detail}" if detail else ""))
+        self.detail = detail
+        self.name = name
+        self.bucket = bucket
+        self.applied = tuple(applied)
+
+    def __reduce__(self) -> Any:
+        return (type(self), (self.name, self.bucket, self.applied, self.detail))
+
+
+class LoaderError(WeightSyncError):
+    """The receiver's ``load_weights`` callable raised while loading a bucket.
+
+    ``bucket`` is the bucket index, ``names`` the (mapped) names passed in that call;
+    the original exception is the ``__cause__``. The bucket's arena block was released
+    and the receiver's version is unchanged (buckets before it stay loaded). Fix the
+    loader (often: a name it does not know; map it with ``name_map`` or to ``None``).
+    """
+
+    def __init__(self, message: str, bucket: int = -1, names: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.bucket = bucket
+        self.names = tuple(names)
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self.args[0]) if self.args else "", self.bucket, self.names))
 
 
 # ---------------------------------------------------------------------------------------
@@ -271,6 +411,8 @@ class Manifest:
     version: int
     overflow: tuple[int, ...] = ()
     sender_pool_used: int = 0
+    #: unique per publish: a receiver may load the manifest it loaded last once more
+    id: str = ""
 
     @property
     def released(self) -> bool:
@@ -311,21 +453,69 @@ def _identity_key(t: torch.Tensor) -> tuple[Any, ...]:
             tuple(t.stride()), t.dtype, t.device)
 
 
-def plan_layout(state: StateLike, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+def _check_wire_dtype(wire_dtype: WireDtype) -> None:
+    if wire_dtype is None or callable(wire_dtype):
+        return
+    if not isinstance(wire_dtype, torch.dtype) or not wire_dtype.is_floating_point:
+        raise WireDtypeError(
+            f"wire_dtype must be a floating-point torch.dtype (applied to every "
+            f"floating-point tensor), a callable (name, tensor) -> dtype | None, or None; "
+            f"got {wire_dtype!r}")
+    _wire_carries(wire_dtype, None)
+
+
+def _wire_carries(dt: torch.dtype, name: str | None) -> None:
+    from ray_rdt_pool.wire import DTYPES
+
+    if _dtype_str(dt) not in DTYPES:
+        who = f" for {name!r}" if name is not None else ""
+        raise WireDtypeError(f"wire_dtype{who} is {dt}, which the nixl_pool wire does not "
+                             f"carry; use one of {', '.join(DTYPES)}", name)
+
+
+def _wire_of(wire_dtype: WireDtype, name: str, t: torch.Tensor) -> torch.dtype:
+    """The dtype ``t`` is sent as: ``t.dtype`` unless ``wire_dtype`` says otherwise."""
+    if wire_dtype is None:
+        return t.dtype
+    if isinstance(wire_dtype, torch.dtype):  # checked in WeightSender.__init__
+        return wire_dtype if t.is_floating_point() else t.dtype
+    got = wire_dtype(name, t)
+    if got is None or got == t.dtype:
+        return t.dtype
+    if not isinstance(got, torch.dtype):
+        raise WireDtypeError(
+            f"wire_dtype({name!r}, <{_dtype_str(t.dtype)} tensor>) returned "
+            f"{type(got).__name__} {got!r}; return a torch.dtype, or None to send {name!r} "
+            "as it is", name)
+    _wire_carries(got, name)
+    if not torch.can_cast(t.dtype, got):
+        raise WireDtypeError(
+            f"wire_dtype asks to send {name!r} ({_dtype_str(t.dtype)}) as "
+            f"{_dtype_str(got)}, a cast down the order bool -> integer -> floating -> "
+            f"complex; return None for {name!r} to send it as {_dtype_str(t.dtype)}", name)
+    return got
+
+
+def plan_layout(state: StateLike, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                wire_dtype: WireDtype = None
                 ) -> tuple[WeightLayout, list[list[torch.Tensor]]]:
     """Split a state, in order, into buckets of at most ``bucket_bytes`` packed bytes.
 
     Returns the layout and, per bucket, the (detached) tensors to put. A tensor larger
     than ``bucket_bytes`` gets a bucket of its own. Names that are the same tensor as an
     earlier name (same storage, offset, shape, strides and dtype) become aliases.
+    ``wire_dtype`` (see :class:`WeightSender`) sets the dtype each tensor is sent as;
+    the layout's entries, sizes and buckets are those of the wire dtypes, and the put
+    converts (:func:`_put_bucket`). An alias is sent as its canonical tensor is.
     """
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise InvalidInputError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    _check_wire_dtype(wire_dtype)
     items = named_tensors(state)
     seen: dict[tuple[Any, ...], str] = {}
     aliases: list[tuple[str, str]] = []
-    groups: list[list[tuple[str, torch.Tensor]]] = []
-    cur: list[tuple[str, torch.Tensor]] = []
+    groups: list[list[tuple[str, torch.Tensor, torch.dtype]]] = []
+    cur: list[tuple[str, torch.Tensor, torch.dtype]] = []
     end = 0
     for name, t in items:
         key = _identity_key(t)
@@ -333,13 +523,14 @@ def plan_layout(state: StateLike, bucket_bytes: int = DEFAULT_BUCKET_BYTES
             aliases.append((name, seen[key]))
             continue
         seen.setdefault(key, name)
-        size = t.element_size()
+        wire = _wire_of(wire_dtype, name, t)
+        size = _itemsize(wire)
         n = t.numel() * size
         grown = align_up(align_up(end, size) + n, BLOCK_ALIGN)
         if cur and grown > bucket_bytes:
             groups.append(cur)
             cur, end = [], 0
-        cur.append((name, t))
+        cur.append((name, t, wire))
         end = align_up(end, size) + n
     if cur:
         groups.append(cur)
@@ -347,13 +538,131 @@ def plan_layout(state: StateLike, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     buckets: list[Bucket] = []
     tensors: list[list[torch.Tensor]] = []
     for k, group in enumerate(groups):
-        sizes = [t.numel() * t.element_size() for _n, t in group]
-        _offsets, total = packed_offsets(sizes, [t.element_size() for _n, t in group])
-        for i, ((name, t), n) in enumerate(zip(group, sizes)):
-            entries.append(TensorEntry(name, tuple(t.shape), _dtype_str(t.dtype), k, i, n))
-        buckets.append(Bucket(k, tuple(n for n, _t in group), total))
-        tensors.append([t.detach() for _n, t in group])
+        spec = _bucket_spec(k, group, [])
+        entries.extend(spec.entries)
+        buckets.append(spec.bucket)
+        tensors.append([t.detach() for _n, t, _w in group])
     return WeightLayout(tuple(entries), tuple(buckets), tuple(aliases), bucket_bytes), tensors
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _bucket_spec(k: int, group: Sequence[tuple[str, torch.Tensor, torch.dtype]],
+                 aliases: Sequence[tuple[str, str]]) -> BucketLayout:
+    """Bucket ``k``'s layout: entries in object order with their wire dtypes and sizes."""
+    items = [_itemsize(w) for _n, _t, w in group]
+    sizes = [t.numel() * i for (_n, t, _w), i in zip(group, items)]
+    _offsets, total = packed_offsets(sizes, items)
+    entries = tuple(TensorEntry(name, tuple(t.shape), _dtype_str(w), k, i, n)
+                    for i, ((name, t, w), n) in enumerate(zip(group, sizes)))
+    return BucketLayout(Bucket(k, tuple(n for n, _t, _w in group), total), entries,
+                        tuple(aliases))
+
+
+def _put_bucket(tensors: list[torch.Tensor], entries: Sequence[TensorEntry]) -> ObjectRef:
+    """``ray.put`` one bucket; tensors whose entry names another dtype are converted by
+    the pack copy itself (``transport.pack_as``), not by a separate cast."""
+    import ray
+
+    convert = {id(t): e.torch_dtype for t, e in zip(tensors, entries)
+               if _dtype_str(t.dtype) != e.dtype}
+    if not convert:
+        return ray.put(tensors, _tensor_transport=_transport())
+    from ray_rdt_pool.transport import pack_as
+
+    with pack_as(convert):
+        return ray.put(tensors, _tensor_transport=_transport())
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """The layout of one bucket of a lazy source, sent to the receivers with the bucket.
+
+    A lazy (iterable) source is bucketed as its pairs arrive, so receivers learn the
+    layout bucket by bucket: ``entries`` are the bucket's tensors in object order,
+    ``aliases`` the ``(alias, canonical)`` pairs whose canonical is in this bucket.
+    """
+
+    bucket: Bucket
+    entries: tuple[TensorEntry, ...]
+    aliases: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass
+class _Packed:
+    spec: BucketLayout
+    tensors: list[torch.Tensor]
+
+
+def _pairs(source: Iterable[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    for item in source:
+        pair = tuple(item) if isinstance(item, (tuple, list)) else None
+        if pair is None or len(pair) != 2 or not isinstance(pair[0], str) \
+                or not isinstance(pair[1], torch.Tensor):
+            raise InvalidInputError(
+                f"a lazy weight source yields (name: str, tensor: torch.Tensor) pairs, got "
+                f"{type(item).__name__} {str(item)[:80]!r}")
+        yield pair[0], pair[1]
+
+
+def _pack(k: int, cur: list[tuple[str, torch.Tensor, torch.dtype]],
+          aliases: list[tuple[str, str]]) -> _Packed:
+    """Make bucket ``k`` of ``cur`` and empty ``cur`` and ``aliases`` (so the caller,
+    a suspended generator, keeps no reference to the tensors)."""
+    packed = _Packed(_bucket_spec(k, cur, aliases), [t.detach() for _n, t, _w in cur])
+    cur.clear()
+    aliases.clear()
+    return packed
+
+
+def _iter_buckets(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                  wire_dtype: WireDtype = None) -> Iterator[_Packed]:
+    """Bucket ``pairs`` as they arrive, with :func:`plan_layout`'s rule.
+
+    Holds at most the bucket being filled (plus the pair that starts the next one).
+    Aliases (tied tensors) are found only within a bucket: a tensor already handed out
+    may have been freed, and a new one may reuse its address, so identity across
+    buckets is not checked; a tie across buckets is sent twice. Raises
+    :class:`DuplicateNameError` when a name comes again, :class:`WireDtypeError` when
+    ``wire_dtype`` refuses a tensor (before its bucket is yielded).
+    """
+    names: set[str] = set()
+    cur: list[tuple[str, torch.Tensor, torch.dtype]] = []
+    aliases: list[tuple[str, str]] = []
+    keys: dict[tuple[Any, ...], str] = {}
+    end = 0
+    k = 0
+    for name, t in pairs:
+        if name in names:
+            raise DuplicateNameError(name, k)
+        names.add(name)
+        key = _identity_key(t)
+        if t.numel() > 0 and key in keys:
+            aliases.append((name, keys[key]))
+            continue
+        wire = _wire_of(wire_dtype, name, t)
+        size = _itemsize(wire)
+        n = t.numel() * size
+        grown = align_up(align_up(end, size) + n, BLOCK_ALIGN)
+        if cur and grown > bucket_bytes:
+            yield _pack(k, cur, aliases)
+            k += 1
+            keys = {}
+            end = 0
+        keys.setdefault(key, name)
+        cur.append((name, t, wire))
+        end = align_up(end, size) + n
+        del t
+    if cur:
+        yield _pack(k, cur, aliases)
+
+
+def _layout_of(specs: Sequence[BucketLayout], bucket_bytes: int) -> WeightLayout:
+    return WeightLayout(tuple(e for s in specs for e in s.entries),
+                        tuple(s.bucket for s in specs),
+                        tuple(a for s in specs for a in s.aliases), bucket_bytes)
 
 
 # ---------------------------------------------------------------------------------------
@@ -455,19 +764,25 @@ class WeightSender:
     """Publishes a named state as ``nixl_pool`` buckets. Lives in the trainer actor.
 
     Args:
-        source: The state to send: an ``nn.Module``, a ``Mapping[str, Tensor]``, or a
-            zero-argument callable returning either. Optional when every call passes
-            ``state=``.
+        source: The state to send. Either a state (an ``nn.Module``, a
+            ``Mapping[str, Tensor]``), or a lazy source: an iterable or generator of
+            ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``), or a
+            zero-argument callable returning any of these (called once per sync).
+            An iterator or generator is one-shot: a second sync raises
+            :class:`SourceExhaustedError`; pass a callable instead. Optional when every
+            call passes ``state=``.
         bucket_bytes: Most packed bytes per bucket. For :meth:`stream` keep
             ``max_inflight * bucket_bytes`` within the sender's ``pool_bytes``, and
             ``bucket_bytes`` within each receiver's ``arena_bytes`` (buckets that are
             copied rather than landed directly go through the arena).
 
     Each publish or stream snapshots the state (the pool copy is made at ``ray.put``),
-    so the trainer may keep training as soon as the call returns.
+    so the trainer may keep training as soon as the call returns. ``version`` is the
+    version of the last successful publish or stream (0 before any); a call without
+    ``version=`` uses ``version + 1``.
     """
 
-    def __init__(self, source: StateLike | Callable[[], StateLike] | None = None, *,
+    def __init__(self, source: Source | None = None, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) \
                 or bucket_bytes <= 0:
@@ -475,74 +790,164 @@ class WeightSender:
         self.source = source
         self.bucket_bytes = bucket_bytes
         self.version = 0
+        self._spent = False  # a one-shot (iterator) source was consumed
 
-    def _state(self, state: StateLike | None) -> StateLike:
-        if state is not None:
-            return state
-        src = self.source
-        if src is None:
-            raise InvalidInputError("WeightSender has no source; pass state= or source=")
-        if callable(src) and not isinstance(src, torch.nn.Module):
-            return src()
-        return src
+    def _acquire(self, state: SourceLike | None
+                 ) -> tuple[StateLike | None, Iterator[tuple[str, torch.Tensor]] | None]:
+        """This sync's weights: ``(state, None)`` for a module or mapping, else
+        ``(None, pairs)`` for a lazy source (consumed once, as the buckets are made)."""
+        if state is None:
+            src = self.source
+            if src is None:
+                raise InvalidInputError("WeightSender has no source; pass state= or source=")
+            if isinstance(src, Iterator):
+                if self._spent:
+                    raise SourceExhaustedError(
+                        f"the WeightSender's source is a one-shot {type(src).__name__}, "
+                        "already consumed by an earlier sync; pass a zero-argument "
+                        "callable that returns a fresh iterable, e.g. WeightSender(lambda: "
+                        "model.named_parameters()), or pass state= to each call")
+                self._spent = True
+                return None, _pairs(src)
+            if callable(src) and not isinstance(src, torch.nn.Module):
+                src = src()
+            state = src
+        if isinstance(state, (torch.nn.Module, Mapping)):
+            return state, None
+        if isinstance(state, Iterable) and not isinstance(state, (str, bytes, torch.Tensor)):
+            return None, _pairs(state)
+        raise InvalidInputError(
+            f"a weight source is an nn.Module, a Mapping[str, Tensor], an iterable of "
+            f"(name, tensor) pairs or a callable returning one; got {type(state).__name__}")
 
-    def layout(self, state: StateLike | None = None) -> WeightLayout:
-        """The layout the next publish would have (no data is moved)."""
-        return plan_layout(self._state(state), self.bucket_bytes)[0]
+    def _next_version(self, version: int | None) -> int:
+        if version is None:
+            return self.version + 1
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise InvalidInputError(f"version must be an int, got {version!r}")
+        return version
 
-    def publish(self, state: StateLike | None = None) -> Manifest:
-        """Put every bucket now and return the manifest (version = previous + 1).
+    def layout(self, state: SourceLike | None = None) -> WeightLayout:
+        """The layout the next publish would have (no data is moved).
 
-        Every bucket is a snapshot: the trainer may modify its weights as soon as this
-        returns. Buckets that do not fit the pool are copied into overflow memory
-        (listed in ``Manifest.overflow``; with ``strict=True`` in the pool config they
-        raise ``PoolExhaustedError`` instead). Nothing is ever sent by reference unless
-        the trainer registered its memory with ``register_memory()``. Use :meth:`stream`
-        for states larger than the pool.
+        A lazy source is consumed to compute it (a callable is called once more; a
+        one-shot iterator is spent).
+        """
+        eager, pairs = self._acquire(state)
+        if eager is not None:
+            return plan_layout(eager, self.bucket_bytes)[0]
+        assert pairs is not None
+        specs = []
+        for packed in _iter_buckets(pairs, self.bucket_bytes):
+            specs.append(packed.spec)
+            del packed
+        return _layout_of(specs, self.bucket_bytes)
+
+    def publish(self, state: SourceLike | None = None, *, version: int | None = None
+                ) -> Manifest:
+        """Put every bucket now and return the manifest.
+
+        ``version`` is the manifest's version (an int, e.g. the trainer step); without
+        it, the previous version + 1. Receivers refuse a manifest that is not newer than
+        their last complete load (:class:`StaleVersionError`).
+
+        A lazy source is consumed whole here, bucket by bucket: each bucket is put as
+        soon as it is full and its source tensors are dropped then. Every bucket is a
+        snapshot: the trainer may modify its weights as soon as this returns. Buckets
+        that do not fit the pool are copied into overflow memory (listed in
+        ``Manifest.overflow``; with ``strict=True`` in the pool config they raise
+        ``PoolExhaustedError`` instead). Nothing is ever sent by reference unless the
+        trainer registered its memory with ``register_memory()``. Use :meth:`stream`
+        for states larger than the pool. A lazy source that repeats a name raises
+        :class:`DuplicateNameError` and publishes nothing.
         """
         import ray
 
-        layout, groups = plan_layout(self._state(state), self.bucket_bytes)
+        v = self._next_version(version)
+        eager, pairs = self._acquire(state)
         transport = _transport()
         refs: list[list[ObjectRef] | None] = []
         overflow: list[int] = []
         fallbacks = _stats().fallbacks
-        for k, tensors in enumerate(groups):
+
+        def put(k: int, tensors: list[torch.Tensor]) -> None:
+            nonlocal fallbacks
             refs.append([ray.put(tensors, _tensor_transport=transport)])
             now = _stats().fallbacks
             if now != fallbacks:
                 overflow.append(k)
                 fallbacks = now
-        self.version += 1
-        return Manifest(layout, refs, self.version, tuple(overflow), int(_stats().pool_used))
 
-    def stream(self, receivers: Sequence[ActorHandle], state: StateLike | None = None, *,
-               receiver_attr: str = RECEIVER_ATTR, max_inflight: int = 2,
-               timeout_s: float = 300.0) -> StreamReport:
+        if eager is not None:
+            layout, groups = plan_layout(eager, self.bucket_bytes)
+            for k, tensors in enumerate(groups):
+                put(k, tensors)
+        else:
+            assert pairs is not None
+            specs: list[BucketLayout] = []
+            try:
+                for packed in _iter_buckets(pairs, self.bucket_bytes):
+                    specs.append(packed.spec)
+                    put(packed.spec.bucket.index, packed.tensors)
+                    packed.tensors.clear()  # the pool holds the snapshot now
+                    del packed
+            except DuplicateNameError as e:
+                refs.clear()  # frees the buckets put so far
+                raise DuplicateNameError(e.name, e.bucket, (),
+                                         "publish() published nothing") from None
+            except BaseException:
+                refs.clear()
+                raise
+            layout = _layout_of(specs, self.bucket_bytes)
+        self.version = v
+        return Manifest(layout, refs, v, tuple(overflow), int(_stats().pool_used),
+                        uuid.uuid4().hex)
+
+    def stream(self, receivers: Sequence[ActorHandle], state: SourceLike | None = None, *,
+               version: int | None = None, receiver_attr: str = RECEIVER_ATTR,
+               max_inflight: int = 2, timeout_s: float = 300.0) -> StreamReport:
         """Sync ``receivers`` bucket by bucket with bounded sender pool memory.
 
         Each receiver actor must hold a :class:`WeightReceiver` at ``receiver_attr``.
-        First every receiver validates the layout (a mismatch raises here, before any
-        bucket is put). Then for each bucket: wait until fewer than ``max_inflight``
-        buckets are unacknowledged and the pool has room for it, ``ray.put`` it, and ask
-        every receiver to load it (``__ray_call__``); the local ref is dropped at once,
-        so the pool blocks return when the receivers are done with it. "Room" means the
-        pool has the bucket's bytes free and this stream's pool use (``pool_used`` beyond
+        ``version`` as in :meth:`publish`; a receiver whose last complete load is not
+        older refuses the stream when it begins (:class:`StaleVersionError`, before any
+        bucket is put).
+
+        For a module or mapping, every receiver first validates the whole layout (a
+        mismatch raises here, before any bucket is put). For a lazy source (an iterable
+        of pairs) the layout is not known up front: each bucket is filled as pairs
+        arrive and sent with its own :class:`BucketLayout`, which each receiver
+        validates before writing that bucket; a mismatch then raises at that bucket
+        (earlier buckets are loaded, the receivers' versions unchanged), and
+        ``strict`` missing tensors are found after the last bucket.
+
+        Then for each bucket: wait until fewer than ``max_inflight`` buckets are
+        unacknowledged and the pool has room for it, ``ray.put`` it, and ask every
+        receiver to load it (``__ray_call__``); the local ref is dropped at once, so the
+        pool blocks return when the receivers are done with it. "Room" means the pool
+        has the bucket's bytes free and this stream's pool use (``pool_used`` beyond
         what was in use when the stream began) stays within
         ``max_inflight * bucket_bytes``, so acknowledged buckets whose blocks Ray has not
-        garbage-collected yet still count. No bucket is ever put without room, so
-        there is no fallback registration. With
-        ``max_inflight >= 2`` packing bucket ``k+1`` overlaps the receivers' reads of
-        bucket ``k``; ``max_inflight=1`` serialises them (no pipelining).
+        garbage-collected yet still count. A lazy source is only pulled for the next
+        bucket once there is room for a full bucket, and its tensors are dropped as soon
+        as their bucket is packed, so beyond the model the sync holds at most
+        ``max_inflight`` buckets (in the pool, or being filled). No bucket is ever put
+        without room, so there is no fallback registration. With ``max_inflight >= 2``
+        packing bucket ``k+1`` overlaps the receivers' reads of bucket ``k``;
+        ``max_inflight=1`` serialises them (no pipelining).
 
-        Raises ``PoolExhaustedError`` up front if a bucket cannot fit the pool at all,
+        Raises ``PoolExhaustedError`` if a bucket cannot fit the pool at all (up front
+        for a module or mapping, at that bucket for a lazy source),
         :class:`WeightSyncTimeoutError` if pool space or acks take longer than
-        ``timeout_s``, and re-raises a receiver's error (its other buckets still drain).
+        ``timeout_s``, :class:`DuplicateNameError` if a lazy source repeats a name,
+        and re-raises a receiver's error (its other buckets still drain). On any error
+        the receivers are told to drop the stream, so no bucket stays pinned.
         """
         import ray
 
         if not receivers:
             raise InvalidInputError("stream() needs at least one receiver actor")
+        receivers = list(receivers)
         ids = [r._actor_id.hex() for r in receivers]
         if len(set(ids)) != len(ids):
             raise InvalidInputError("stream() got the same receiver actor twice")
@@ -550,67 +955,139 @@ class WeightSender:
                 or max_inflight < 1:
             raise InvalidInputError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
         t0 = time.perf_counter()
-        layout, groups = plan_layout(self._state(state), self.bucket_bytes)
+        v = self._next_version(version)
+        eager, pairs = self._acquire(state)
         capacity = _pool_capacity()
-        for b in layout.buckets:
-            if b.nbytes > capacity:
-                s = _stats()
-                raise PoolExhaustedError(
-                    b.nbytes, int(s.pool_free) if s.pool_capacity else capacity,
-                    int(s.pool_largest_free_block) if s.pool_capacity else capacity,
-                    capacity, what=f"sender pool (bucket {b.index}: {b.names[:3]}...)",
-                    remedy="streaming never falls back: lower bucket_bytes or raise "
-                           "pool_bytes (RAY_RDT_POOL_BYTES) above the largest tensor")
-        version = self.version + 1
-        session = f"{os.getpid()}-{version}-{uuid.uuid4().hex[:8]}"
+        bb = self.bucket_bytes
+        items: Iterator[tuple[int, list[torch.Tensor], BucketLayout | None]]
+        layout: WeightLayout | None = None
+        biggest = 0
+        if eager is not None:
+            layout, groups = plan_layout(eager, bb)
+            for b in layout.buckets:
+                if b.nbytes > capacity:
+                    raise _too_big(b, capacity)
+            biggest = max((b.nbytes for b in layout.buckets), default=0)
+            items = ((b.nbytes, g, None) for b, g in zip(layout.buckets, groups))
+        else:
+            assert pairs is not None
+            items = ((p.spec.bucket.nbytes, p.tensors, p.spec)
+                     for p in _iter_buckets(pairs, bb))
+        session = f"{os.getpid()}-{v}-{uuid.uuid4().hex[:8]}"
         transport = _transport()
         deadline_s = float(timeout_s)
 
-        begins = [r.__ray_call__.remote(_remote_begin, receiver_attr, session, layout, version)
+        begins = [r.__ray_call__.remote(_remote_begin, receiver_attr, session, layout, v)
                   for r in receivers]
         skipped = _get_all(begins, deadline_s, "validating the layout on the receivers")
 
         st0 = _stats()
         fallbacks0 = st0.fallbacks
+        used0 = int(st0.pool_used)
         # Double buffering in bytes: this stream's buckets may hold at most max_inflight
         # buckets' worth of the pool, counting buckets that were acknowledged but whose
         # blocks Ray has not garbage-collected yet.
-        biggest = max((b.nbytes for b in layout.buckets), default=0)
-        limit = min(capacity, int(st0.pool_used) + max_inflight * max(self.bucket_bytes,
-                                                                      biggest))
         samples: list[int] = []
         inflight: deque[list[Any]] = deque()
         acked: list[list[BucketReport]] = [[] for _ in receivers]
         wait_s = 0.0
+        k = 0
         try:
-            for k, tensors in enumerate(groups):
+            while True:
                 while len(inflight) >= max_inflight:
                     _collect(inflight.popleft(), acked, deadline_s)
-                wait_s += _wait_for_pool(layout.buckets[k].nbytes, limit, capacity, deadline_s)
+                if layout is None:
+                    # Lazy: pull the next bucket's tensors only once a full bucket fits.
+                    lim = min(capacity, used0 + max_inflight * max(bb, biggest))
+                    wait_s += _wait_for_pool(min(bb, capacity), lim, capacity, deadline_s)
+                item = next(items, None)
+                if item is None:
+                    break
+                nbytes, tensors, spec = item
+                del item
+                if nbytes > capacity:
+                    assert spec is not None
+                    raise _too_big(spec.bucket, capacity)
+                biggest = max(biggest, nbytes)
+                limit = min(capacity, used0 + max_inflight * max(bb, biggest))
+                wait_s += _wait_for_pool(nbytes, limit, capacity, deadline_s)
                 box = [ray.put(tensors, _tensor_transport=transport)]
+                tensors.clear()  # the pool holds the snapshot; drop the source's tensors
+                del tensors
                 try:
                     samples.append(int(_stats().pool_used))
                     inflight.append([r.__ray_call__.remote(_remote_bucket, receiver_attr,
-                                                           session, k, box) for r in receivers])
+                                                           session, k, box, spec)
+                                     for r in receivers])
                 finally:
                     box.clear()  # the tasks hold the ref now; ours must not pin the pool
+                k += 1
             while inflight:
                 _collect(inflight.popleft(), acked, deadline_s)
-        except BaseException:
-            # Let the receivers finish (or fail) what they hold so every ref drains.
+            if layout is None or not layout.buckets:
+                skipped = _get_all(
+                    [r.__ray_call__.remote(_remote_finish, receiver_attr, session, k)
+                     for r in receivers], deadline_s, "finishing the stream on the receivers")
+        except BaseException as e:
+            # Let the receivers finish (or fail) what they hold so every ref drains, then
+            # have them drop the stream (and any bucket they hold out of order).
             pending = [a for acks in inflight for a in acks]
             if pending:
                 ray.wait(pending, num_returns=len(pending), timeout=deadline_s)
+                for acks in inflight:
+                    for i, a in enumerate(acks):
+                        try:
+                            acked[i].extend(ray.get(a, timeout=0))
+                        except Exception:  # the error that counts is e
+                            pass
+            aborts = [r.__ray_call__.remote(_remote_abort, receiver_attr, session)
+                      for r in receivers]
+            ray.wait(aborts, num_returns=len(aborts), timeout=min(deadline_s, 30.0))
+            if isinstance(e, DuplicateNameError):
+                applied = sorted(set.intersection(*[{r.bucket for r in a} for a in acked]))
+                raise DuplicateNameError(
+                    e.name, e.bucket, applied,
+                    f"bucket(s) {_ranges(applied)} were loaded on every receiver before it; "
+                    f"no receiver committed version {v} (their versions are unchanged)"
+                ) from None
             raise
-        self.version = version
-        loads = tuple(_summarise(version, reps, sk) for reps, sk in zip(acked, skipped))
+        self.version = v
+        nbytes_total = sum(r.nbytes for r in acked[0])
+        loads = tuple(_summarise(v, sorted(reps, key=lambda r: r.bucket), sk)
+                      for reps, sk in zip(acked, skipped))
         return StreamReport(
-            version=version, buckets=len(layout.buckets), nbytes=layout.total_bytes,
+            version=v, buckets=k, nbytes=layout.total_bytes if layout else nbytes_total,
             receivers=len(receivers), max_inflight=max_inflight,
             seconds=time.perf_counter() - t0, pool_capacity=capacity,
             peak_pool_used=max(samples, default=0), pool_used_samples=tuple(samples),
             fallbacks=int(_stats().fallbacks - fallbacks0), pool_wait_seconds=wait_s,
             loads=loads)
+
+
+def _too_big(b: Bucket, capacity: int) -> PoolExhaustedError:
+    s = _stats()
+    return PoolExhaustedError(
+        b.nbytes, int(s.pool_free) if s.pool_capacity else capacity,
+        int(s.pool_largest_free_block) if s.pool_capacity else capacity,
+        capacity, what=f"sender pool (bucket {b.index}: {b.names[:3]}...)",
+        remedy="streaming never falls back: lower bucket_bytes or raise "
+               "pool_bytes (RAY_RDT_POOL_BYTES) above the largest tensor")
+
+
+def _ranges(ks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``; ``"none"`` when empty."""
+    if not ks:
+        return "none"
+    out: list[str] = []
+    start = prev = ks[0]
+    for x in [*ks[1:], None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ", ".join(out)
 
 
 def _get_all(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
@@ -629,8 +1106,8 @@ def _collect(acks: list[Any], acked: list[list[BucketReport]], timeout_s: float)
     # Wait for every receiver first, so one receiver's error is raised only after the
     # others are done with this bucket too (their refs drain before we give up).
     ray.wait(acks, num_returns=len(acks), timeout=timeout_s)
-    for i, rep in enumerate(_get_all(acks, timeout_s, "waiting for receivers to load a bucket")):
-        acked[i].append(rep)
+    for i, reps in enumerate(_get_all(acks, timeout_s, "waiting for receivers to load a bucket")):
+        acked[i].extend(reps)  # a receiver may load buckets that arrived early with this one
 
 
 def _wait_for_pool(nbytes: int, limit: int, capacity: int, timeout_s: float) -> float:
@@ -706,6 +1183,7 @@ class BucketPlan:
     nbytes: int
     targets: list[torch.Tensor] | None  # direct landing buffers, one per object tensor
     copies: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (idx, dest)
+    loads: list[tuple[int, str]] = field(default_factory=list)  # (idx, name) for load_weights
 
 
 @dataclass
@@ -726,58 +1204,139 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and _identity_key(a) == _identity_key(b)
 
 
+class _ToLoader:
+    """A manifest tensor that goes to ``load_weights`` under ``name``."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+_Target = torch.Tensor | _ToLoader | None
+
+
+@dataclass
+class _Stream:
+    """One stream in progress on a receiver."""
+
+    session: str
+    version: int
+    plan: LoadPlan | None  # the whole layout's plan; None for a lazy (bucket-by-bucket) stream
+    claimed: dict[str, str] = field(default_factory=dict)  # lazy: target name -> manifest name
+    skipped: int = 0
+    next: int = 0
+    pending: dict[int, tuple[list[ObjectRef], BucketLayout | None]] = field(
+        default_factory=dict)
+    failed: str | None = None
+    draining: bool = False
+
+
 class WeightReceiver:
     """Loads manifests into a destination in place. Lives in the inference actor.
 
     Args:
         dest: An ``nn.Module`` (its ``state_dict(keep_vars=True)``: live parameters and
             persistent buffers) or a ``Mapping[str, Tensor]`` of the tensors to write.
+            May be ``None`` when ``load_weights`` is given.
+        load_weights: A callable taking an iterable of ``(name, tensor)`` pairs, such as
+            an inference engine's ``model.load_weights``. Each bucket's tensors whose
+            (mapped) name is not in ``dest`` are passed to it as soon as the bucket
+            arrives, in the manifest's dtype. The tensors are views of the receive arena,
+            valid during the call only: copy what you keep (the arena block returns when
+            the call ends). An exception in it raises :class:`LoaderError`.
         name_map: Maps a manifest name to a destination name: a dict (unlisted names
             keep their name) or a callable; ``None`` as the value skips the tensor.
         casting: dtype rule, see :func:`can_cast`. The destination's dtype is the
             target: fp32 weights load into a bf16 model converted.
         strict: Raise on destination tensors no manifest tensor maps to
             (:class:`MissingWeightsError`) and on manifest tensors whose mapped name is
-            not in the destination (:class:`UnexpectedWeightsError`). With ``False``
-            both are ignored (extras are skipped).
+            not in the destination and that no ``load_weights`` takes
+            (:class:`UnexpectedWeightsError`). With ``False`` both are ignored (extras
+            are skipped).
         direct: Land exactly matching buckets in the destination tensors
             (``set_target_for_ref``); ``False`` always reads into the arena and copies.
 
-    ``version`` is the version of the last manifest fully loaded (0 before any).
+    ``version`` is the version of the last manifest or stream fully loaded (0 before
+    any). A load whose version is not newer raises :class:`StaleVersionError`; the check
+    and the commit of the new version happen under one lock, so concurrent loads (an
+    actor with ``max_concurrency > 1``, or :meth:`load_async`) are safe: of two loads of
+    one version exactly one succeeds. A load that fails midway leaves ``version`` as it
+    was.
     """
 
-    def __init__(self, dest: StateLike, *, name_map: NameMap = None,
-                 casting: Casting = "same_kind", strict: bool = True,
+    def __init__(self, dest: StateLike | None = None, *, load_weights: LoadWeights | None = None,
+                 name_map: NameMap = None, casting: Casting = "same_kind", strict: bool = True,
                  direct: bool = True) -> None:
-        named_tensors(dest)  # validate early
+        if dest is None and load_weights is None:
+            raise InvalidInputError("WeightReceiver needs a dest (module or mapping), a "
+                                    "load_weights callable, or both")
+        if load_weights is not None and not callable(load_weights):
+            raise InvalidInputError(f"load_weights must be callable, got "
+                                    f"{type(load_weights).__name__}")
+        if dest is not None:
+            named_tensors(dest)  # validate early
         can_cast(torch.float32, torch.float32, casting)
+        _mapper(name_map)
         self.dest = dest
+        self.load_weights = load_weights
         self.name_map = name_map
         self.casting = casting
         self.strict = strict
         self.direct = direct
-        self.version = 0
-        self._session: tuple[str, LoadPlan, int] | None = None
-        self._next = 0
-        self._reports: list[BucketReport] = []
-        self._failed: str | None = None
+        self._version = 0
+        self._loaded = False  # any complete load yet (so any first version is accepted)
+        self._last_id = ""  # Manifest.id of the last complete load
+        self._reserved: list[int] = []  # versions being loaded now
+        self._lock = threading.Lock()  # version check + reservation, and commit
+        self._writing = threading.Lock()  # one load() writes the destination at a time
+        self._state = threading.Lock()  # the stream state below
+        self._stream: _Stream | None = None
+
+    @property
+    def version(self) -> int:
+        """The version of the last complete load (0 before any)."""
+        return self._version
+
+    def _reserve(self, version: int, what: str = "manifest", manifest_id: str = "") -> None:
+        """Check that ``version`` is newer than the last complete load and than every load
+        in progress, and reserve it, atomically; else raise StaleVersionError.
+
+        The one exception: the manifest loaded last (same ``Manifest.id``) may be loaded
+        again when no load of it is in progress (``release=False`` re-loads)."""
+        with self._lock:
+            top = max(self._reserved, default=None)
+            if top is not None and version <= top:
+                raise StaleVersionError(version, top, what, loading=True)
+            again = bool(manifest_id) and manifest_id == self._last_id \
+                and version == self._version
+            if self._loaded and version <= self._version and not again:
+                raise StaleVersionError(version, self._version, what)
+            self._reserved.append(version)
+
+    def _unreserve(self, version: int) -> None:
+        with self._lock:
+            if version in self._reserved:
+                self._reserved.remove(version)
+
+    def _commit(self, version: int, manifest_id: str = "") -> None:
+        with self._lock:
+            if version in self._reserved:
+                self._reserved.remove(version)
+            self._version, self._loaded, self._last_id = version, True, manifest_id
 
     # -- validation --
 
-    def check(self, layout: WeightLayout) -> LoadPlan:
-        """Validate ``layout`` against the destination and plan the load; writes nothing.
+    def _dests(self) -> dict[str, torch.Tensor]:
+        return dict(named_tensors(self.dest)) if self.dest is not None else {}
 
-        Raises a :class:`ManifestMismatchError` subclass listing every problem.
-        """
-        dests = dict(named_tensors(self.dest))
+    def _resolve(self, sources: Sequence[tuple[str, TensorEntry]],
+                 dests: Mapping[str, torch.Tensor], claimed: dict[str, str],
+                 problems: list[tuple[str, str, str]]) -> tuple[dict[str, _Target], int]:
+        """Map each source name to its target (a dest tensor, the loader, or skipped)."""
         mapname = _mapper(self.name_map)
-        problems: list[tuple[str, str, str]] = []
-        claimed: dict[str, str] = {}
-        resolved: dict[str, torch.Tensor | None] = {}
-        by_name = layout.by_name()
+        resolved: dict[str, _Target] = {}
         skipped = 0
-        sources = [(e.name, e) for e in layout.entries]
-        sources += [(a, by_name[c]) for a, c in layout.aliases if c in by_name]
         for name, e in sources:
             dn = mapname(name)
             if dn is None:
@@ -785,7 +1344,7 @@ class WeightReceiver:
                 skipped += 1
                 continue
             d = dests.get(dn)
-            if d is None:
+            if d is None and self.load_weights is None:
                 resolved[name] = None
                 skipped += 1
                 if self.strict:
@@ -797,29 +1356,55 @@ class WeightReceiver:
                                  f"to {dn!r}"))
                 continue
             claimed[dn] = name
-            if tuple(d.shape) != e.shape:
+            if d is None:
+                resolved[name] = _ToLoader(dn)
+            elif tuple(d.shape) != e.shape:
                 problems.append(("shape", name, f"{name!r} is {e.shape} in the manifest but "
                                  f"{dn!r} is {tuple(d.shape)} in the destination"))
             elif not can_cast(e.torch_dtype, d.dtype, self.casting):
                 problems.append(("dtype", name, f"{name!r} is {e.dtype} in the manifest and "
                                  f"{dn!r} is {_dtype_str(d.dtype)}; casting={self.casting!r} "
                                  "does not allow that conversion"))
-            resolved[name] = d
+            else:
+                resolved[name] = d
+        return resolved, skipped
+
+    def _missing(self, dests: Mapping[str, torch.Tensor], claimed: Mapping[str, str],
+                 problems: list[tuple[str, str, str]]) -> None:
         if self.strict:
             for dn in dests:
                 if dn not in claimed:
                     problems.append(("missing", dn, f"destination {dn!r} receives no tensor "
                                      "from the manifest"))
+
+    @staticmethod
+    def _raise(problems: list[tuple[str, str, str]], written: str = "nothing was written"
+               ) -> None:
         if problems:
             kinds = {p[0] for p in problems}
             cls = next(c for c in _ERROR_ORDER if c.kind in kinds)
             shown = "\n  ".join(f"[{k}] {d}" for k, _n, d in problems[:20])
             more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
             raise cls(f"the weight manifest does not match the destination ({len(problems)} "
-                      f"problem(s); nothing was written):\n  {shown}{more}", problems)
+                      f"problem(s); {written}):\n  {shown}{more}", problems)
+
+    def check(self, layout: WeightLayout) -> LoadPlan:
+        """Validate ``layout`` against the destination and plan the load; writes nothing.
+
+        Raises a :class:`ManifestMismatchError` subclass listing every problem.
+        """
+        dests = self._dests()
+        by_name = layout.by_name()
+        sources = [(e.name, e) for e in layout.entries]
+        sources += [(a, by_name[c]) for a, c in layout.aliases if c in by_name]
+        problems: list[tuple[str, str, str]] = []
+        claimed: dict[str, str] = {}
+        resolved, skipped = self._resolve(sources, dests, claimed, problems)
+        self._missing(dests, claimed, problems)
+        self._raise(problems)
         return LoadPlan(layout, self._plan_buckets(layout, resolved), skipped)
 
-    def _plan_buckets(self, layout: WeightLayout, resolved: dict[str, torch.Tensor | None]
+    def _plan_buckets(self, layout: WeightLayout, resolved: Mapping[str, _Target]
                       ) -> list[BucketPlan]:
         alias_of: dict[str, list[str]] = {}
         for a, c in layout.aliases:
@@ -830,20 +1415,26 @@ class WeightReceiver:
             by_bucket.setdefault(e.bucket, []).append(e)
         for b in layout.buckets:
             entries = sorted(by_bucket.get(b.index, []), key=lambda e: e.index)
-            dests = [resolved.get(e.name) for e in entries]
+            targets = [resolved.get(e.name) for e in entries]
+            dests = [t if isinstance(t, torch.Tensor) else None for t in targets]
             land = self.direct and all(d is not None and _can_land(d, e)
                                        for d, e in zip(dests, entries))
             if land:
                 ptrs = [d.data_ptr() for d in dests if d is not None and d.numel() > 0]
                 land = len(ptrs) == len(set(ptrs))
             plan = BucketPlan(b.index, b.nbytes, list(dests) if land else None)  # type: ignore
-            for e, d in zip(entries, dests):
-                if not land and d is not None:
-                    plan.copies.append((e.index, d))
+            for e, t in zip(entries, targets):
+                if isinstance(t, _ToLoader):
+                    plan.loads.append((e.index, t.name))
+                elif not land and t is not None:
+                    plan.copies.append((e.index, t))
                 for a in alias_of.get(e.name, ()):
-                    ad = resolved.get(a)
-                    if ad is not None and not (d is not None and _same_memory(ad, d)):
-                        plan.copies.append((e.index, ad))
+                    at = resolved.get(a)
+                    if isinstance(at, _ToLoader):
+                        plan.loads.append((e.index, at.name))
+                    elif at is not None and not (isinstance(t, torch.Tensor)
+                                                 and _same_memory(at, t)):
+                        plan.copies.append((e.index, at))
             plans.append(plan)
         return plans
 
@@ -874,21 +1465,57 @@ class WeightReceiver:
             with torch.no_grad():
                 for idx, d in plan.copies:
                     d.copy_(src[idx])
+        if plan.loads:
+            assert self.load_weights is not None
+            batch = [(name, src[idx]) for idx, name in plan.loads]
+            names = [n for n, _t in batch]
+            try:
+                with torch.no_grad():
+                    self.load_weights(batch)
+            except Exception as e:
+                batch.clear()
+                del got, src
+                # The loader's frames may hold the arena views: let the block return.
+                traceback.clear_frames(e.__traceback__)
+                shown = ", ".join(repr(n) for n in names[:8])
+                more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+                raise LoaderError(
+                    f"load_weights raised {type(e).__name__}: {e} while loading bucket "
+                    f"{plan.index} ({len(names)} tensor(s): {shown}{more}); the bucket's "
+                    "arena block was released and the receiver's version is unchanged. Fix "
+                    "the loader, or map names it does not take to None with name_map",
+                    plan.index, names) from e
+            batch.clear()
         del got, src
         return BucketReport(plan.index, plan.nbytes, direct, time.perf_counter() - t0)
 
     def load(self, manifest: Manifest, *, release: bool = True) -> LoadReport:
         """Validate, then load every bucket of ``manifest`` in order, in place.
 
-        With ``release=True`` each bucket's ref is removed from ``manifest`` (this
-        process's copy) as soon as the bucket is loaded.
+        Raises :class:`StaleVersionError` (writing nothing) when ``manifest.version`` is
+        not newer than :attr:`version`. Loads on one receiver run one at a time (a
+        concurrent one waits, then usually finds its version stale). With
+        ``release=True`` each bucket's ref is removed from ``manifest`` (this process's
+        copy) as soon as the bucket is loaded.
         """
+        self._reserve(manifest.version, "manifest", manifest.id)
+        try:
+            with self._writing:
+                report = self._load(manifest, release)
+        except BaseException:
+            self._unreserve(manifest.version)
+            raise
+        self._commit(manifest.version, manifest.id)
+        return report
+
+    def _load(self, manifest: Manifest, release: bool) -> LoadReport:
         plan = self.check(manifest.layout)
         missing = [k for k, r in enumerate(manifest.refs) if r is None]
         if missing:
             raise ManifestReleasedError(
-                f"bucket(s) {missing[:10]} of manifest version {manifest.version} were already "
-                "released; load a fresh manifest, or pass release=False to load one twice")
+                f"bucket(s) {missing[:10]} of manifest version {manifest.version} were "
+                "already released; load a fresh manifest, or pass release=False to load "
+                "one twice")
         reports: list[BucketReport] = []
         for bp in plan.buckets:
             box = manifest.refs[bp.index]
@@ -897,56 +1524,164 @@ class WeightReceiver:
             if release:
                 manifest.refs[bp.index] = None
             del box
-        self.version = manifest.version
         return _summarise(manifest.version, reports, plan.skipped)
+
+    async def load_async(self, manifest: Manifest, *, release: bool = True) -> LoadReport:
+        """:meth:`load` in a worker thread, for ``async def`` actor methods.
+
+        The actor's event loop keeps serving other calls while the buckets are read and
+        copied (``asyncio.to_thread``).
+        """
+        return await asyncio.to_thread(self.load, manifest, release=release)
 
     # -- streaming (called through __ray_call__ by WeightSender.stream) --
 
-    def begin_stream(self, session: str, layout: WeightLayout, version: int) -> int:
+    def begin_stream(self, session: str, layout: WeightLayout | None, version: int) -> int:
         """Validate a streamed layout and get ready for its buckets.
 
-        Returns the number of manifest tensors this receiver will skip.
+        ``layout=None`` starts a lazy stream, whose buckets each bring their own
+        :class:`BucketLayout`. Raises :class:`StaleVersionError` when ``version`` is not
+        newer than :attr:`version`. Returns the number of manifest tensors this receiver
+        will skip (0 for a lazy stream; :meth:`finish_stream` returns its count).
         """
-        self._session = None
-        plan = self.check(layout)
-        self._session = (session, plan, version)
-        self._next = 0
-        self._reports = []
-        self._failed = None
-        return plan.skipped
-
-    def load_stream_bucket(self, session: str, k: int, box: list[ObjectRef]) -> BucketReport:
-        """Load bucket ``k`` of the current stream (buckets must arrive in order)."""
-        if self._session is None or self._session[0] != session:
-            raise WeightSyncError(f"bucket {k} of stream {session} arrived, but this receiver "
-                                  "is not in that stream (a newer begin replaced it?)")
-        _sid, plan, version = self._session
-        if self._failed is not None:
-            raise WeightSyncError(f"bucket {k} skipped: {self._failed}")
-        if k != self._next:
-            self._failed = f"bucket {k} arrived while bucket {self._next} was expected"
-            raise WeightSyncError(self._failed + "; receivers must be sync (in-order) actors")
+        self.abort_stream()
+        self._reserve(version, "stream")
         try:
-            rep = self._load_bucket(plan.buckets[k], box[0])
-        except BaseException as e:
-            self._failed = f"bucket {k} failed on this receiver: {e!r}"
+            plan = self.check(layout) if layout is not None else None
+        except BaseException:
+            self._unreserve(version)
             raise
-        finally:
-            box.clear()
-        self._reports.append(rep)
-        self._next = k + 1
-        if self._next == len(plan.buckets):
-            self.version = version
-            self._session = None
+        with self._state:
+            self._stream = _Stream(session, version, plan)
+        return plan.skipped if plan is not None else 0
+
+    def abort_stream(self, session: str | None = None) -> None:
+        """Drop the stream in progress (``session``, or any) and the buckets it holds."""
+        with self._state:
+            st = self._stream
+            if st is None or (session is not None and st.session != session):
+                return
+            self._stream = None
+            self._unreserve(st.version)
+            if st.failed is None:
+                st.failed = "the stream was aborted"
+            for box, _spec in st.pending.values():
+                box.clear()
+            st.pending.clear()
+
+    def load_stream_bucket(self, session: str, k: int, box: list[ObjectRef],
+                           spec: BucketLayout | None = None) -> list[BucketReport]:
+        """Load bucket ``k`` of the current stream; returns the buckets loaded by this call.
+
+        Buckets are loaded in order. One that arrives early (an async or threaded actor
+        may run the calls out of order) is kept and loaded, by the call that loads its
+        predecessor, right after it; such a call returns ``[]``. After a failure the
+        stream's later buckets are refused. The version is committed after the last
+        bucket (with a whole layout) or by :meth:`finish_stream` (lazy).
+        """
+        with self._state:
+            st = self._stream
+            if st is None or st.session != session:
+                box.clear()
+                raise WeightSyncError(
+                    f"bucket {k} of stream {session} arrived, but this receiver is not in "
+                    "that stream (a newer begin replaced it, or it was aborted)")
+            if st.failed is not None:
+                box.clear()
+                raise WeightSyncError(f"bucket {k} skipped: {st.failed}")
+            if (st.plan is None) != (spec is not None) or k < st.next or k in st.pending:
+                st.failed = f"bucket {k} does not belong to this stream (expected {st.next})"
+                box.clear()
+                raise WeightSyncError(st.failed)
+            st.pending[k] = (box, spec)
+            if st.draining:
+                return []  # the call loading an earlier bucket loads this one too
+            st.draining = True
+        reports: list[BucketReport] = []
+        while True:
+            with self._state:
+                item = st.pending.pop(st.next, None) if st.failed is None else None
+                if item is None:
+                    st.draining = False
+                    return reports
+                j = st.next
+            kbox, kspec = item
+            del item
+            try:
+                reports.append(self._stream_one(st, j, kbox[0], kspec))
+            except BaseException as e:
+                self._unreserve(st.version)
+                with self._state:
+                    st.failed = f"bucket {j} failed on this receiver: {e!r}"
+                    st.draining = False
+                    for b, _s in st.pending.values():
+                        b.clear()
+                    st.pending.clear()
+                raise
+            finally:
+                kbox.clear()
+            with self._state:
+                st.next = j + 1
+                done = st.plan is not None and st.next == len(st.plan.buckets)
+                if done and self._stream is st:
+                    self._stream = None
+            if done:
+                self._commit(st.version)
+
+    def _stream_one(self, st: _Stream, k: int, ref: ObjectRef, spec: BucketLayout | None
+                    ) -> BucketReport:
+        if st.plan is not None:
+            return self._load_bucket(st.plan.buckets[k], ref)
+        assert spec is not None
+        if spec.bucket.index != k:
+            raise WeightSyncError(f"bucket {k} arrived with the layout of bucket "
+                                  f"{spec.bucket.index}")
+        by_name = {e.name: e for e in spec.entries}
+        sources = [(e.name, e) for e in spec.entries]
+        sources += [(a, by_name[c]) for a, c in spec.aliases if c in by_name]
+        problems: list[tuple[str, str, str]] = []
+        claimed = dict(st.claimed)
+        resolved, skipped = self._resolve(sources, self._dests(), claimed, problems)
+        self._raise(problems, f"bucket {k} was not written; bucket(s) {_ranges(range(k))} "
+                              f"were, and the version stays {self._version}")
+        layout = WeightLayout(spec.entries, (spec.bucket,), spec.aliases)
+        rep = self._load_bucket(self._plan_buckets(layout, resolved)[0], ref)
+        st.claimed, st.skipped = claimed, st.skipped + skipped
         return rep
 
+    def finish_stream(self, session: str, buckets: int) -> int:
+        """End a stream after its ``buckets`` buckets: check for destination tensors that
+        received nothing (``strict``), then commit the version. Returns the number of
+        manifest tensors skipped."""
+        with self._state:
+            st = self._stream
+            if st is None or st.session != session:
+                raise WeightSyncError(f"stream {session} ended, but this receiver is not in "
+                                      "that stream (a newer begin replaced it?)")
+            if st.failed is not None:
+                raise WeightSyncError(f"stream {session} failed on this receiver: {st.failed}")
+            if st.next != buckets or st.pending:
+                raise WeightSyncError(f"stream {session} ended after {buckets} bucket(s), but "
+                                      f"this receiver loaded {st.next}")
+            self._stream = None
+        if st.plan is None:
+            problems: list[tuple[str, str, str]] = []
+            self._missing(self._dests(), st.claimed, problems)
+            if problems:
+                self._unreserve(st.version)
+            self._raise(problems, f"all {buckets} bucket(s) were written, but the version "
+                                  f"stays {self._version}")
+        self._commit(st.version)
+        return st.plan.skipped if st.plan is not None else st.skipped
 
-def load_manifest(manifest: Manifest, dest: StateLike, *, name_map: NameMap = None,
+
+def load_manifest(manifest: Manifest, dest: StateLike | None = None, *,
+                  load_weights: LoadWeights | None = None, name_map: NameMap = None,
                   casting: Casting = "same_kind", strict: bool = True, direct: bool = True,
                   release: bool = True) -> LoadReport:
     """Load ``manifest`` into ``dest`` in place: ``WeightReceiver(dest, ...).load(...)``."""
-    receiver = WeightReceiver(dest, name_map=name_map, casting=casting, strict=strict,
-                              direct=direct)
+    receiver = WeightReceiver(dest, load_weights=load_weights, name_map=name_map,
+                              casting=casting, strict=strict, direct=direct)
     return receiver.load(manifest, release=release)
 
 
@@ -965,35 +1700,48 @@ def _find(actor: Any, attr: str, cls: type) -> Any:
     return obj
 
 
-def _remote_begin(actor: Any, attr: str, session: str, layout: WeightLayout,
+def _remote_begin(actor: Any, attr: str, session: str, layout: WeightLayout | None,
                   version: int) -> int:
     return _find(actor, attr, WeightReceiver).begin_stream(session, layout, version)
 
 
-def _remote_bucket(actor: Any, attr: str, session: str, k: int, box: list[ObjectRef]
-                   ) -> BucketReport:
-    return _find(actor, attr, WeightReceiver).load_stream_bucket(session, k, box)
+def _remote_bucket(actor: Any, attr: str, session: str, k: int, box: list[ObjectRef],
+                   spec: BucketLayout | None = None) -> list[BucketReport]:
+    # On an async actor this runs on its event loop (Ray runs a sync __ray_call__
+    # there), so it blocks the loop for one bucket; it still works, in any order.
+    return _find(actor, attr, WeightReceiver).load_stream_bucket(session, k, box, spec)
+
+
+def _remote_finish(actor: Any, attr: str, session: str, buckets: int) -> int:
+    return _find(actor, attr, WeightReceiver).finish_stream(session, buckets)
+
+
+def _remote_abort(actor: Any, attr: str, session: str) -> None:
+    rec = getattr(actor, attr, None)
+    if isinstance(rec, WeightReceiver):
+        rec.abort_stream(session)
 
 
 def _remote_load(actor: Any, attr: str, manifest: Manifest) -> LoadReport:
     return _find(actor, attr, WeightReceiver).load(manifest)
 
 
-def _remote_publish(actor: Any, attr: str) -> Manifest:
-    return _find(actor, attr, WeightSender).publish()
+def _remote_publish(actor: Any, attr: str, version: int | None = None) -> Manifest:
+    return _find(actor, attr, WeightSender).publish(version=version)
 
 
 def _remote_stream(actor: Any, attr: str, receivers: list[ActorHandle], receiver_attr: str,
-                   max_inflight: int, timeout_s: float) -> StreamReport:
+                   max_inflight: int, timeout_s: float, version: int | None = None
+                   ) -> StreamReport:
     return _find(actor, attr, WeightSender).stream(
-        receivers, receiver_attr=receiver_attr, max_inflight=max_inflight, timeout_s=timeout_s)
-
+        receivers, version=version, receiver_attr=receiver_attr, max_inflight=max_inflight,
+        timeout_s=timeout_s)
 
 
 def sync(trainer: ActorHandle, receivers: Sequence[ActorHandle], *,
          mode: Literal["stream", "publish"] = "stream", max_inflight: int = 2,
          sender_attr: str = SENDER_ATTR, receiver_attr: str = RECEIVER_ATTR,
-         timeout_s: float = 300.0) -> SyncReport:
+         timeout_s: float = 300.0, version: int | None = None) -> SyncReport:
     """Driver-side: sync the trainer's weights to every receiver and wait for it.
 
     The trainer actor holds a :class:`WeightSender` at ``sender_attr``; each receiver a
@@ -1001,7 +1749,8 @@ def sync(trainer: ActorHandle, receivers: Sequence[ActorHandle], *,
     :meth:`WeightSender.stream` in the trainer (bounded pool memory, pipelined with
     ``max_inflight >= 2``). ``mode="publish"`` puts every bucket, hands the manifest to
     all receivers at once (they load concurrently), then drops the driver's copy, so the
-    sender frees the pool when the last receiver is done.
+    sender frees the pool when the last receiver is done. ``version`` is passed to
+    ``publish``/``stream`` (default: the sender's previous version + 1).
     """
     import ray
 
@@ -1010,13 +1759,13 @@ def sync(trainer: ActorHandle, receivers: Sequence[ActorHandle], *,
     if mode == "stream":
         rep: StreamReport = _get_all(
             [trainer.__ray_call__.remote(_remote_stream, sender_attr, receivers,
-                                         receiver_attr, max_inflight, timeout_s)],
+                                         receiver_attr, max_inflight, timeout_s, version)],
             timeout_s * 2, "the streaming sync")[0]
         return SyncReport("stream", rep.version, time.perf_counter() - t0, rep.nbytes,
                           rep.buckets, rep.loads, rep, rep.peak_pool_used)
     if mode != "publish":
         raise InvalidInputError(f"mode must be 'stream' or 'publish', got {mode!r}")
-    manifest: Manifest = ray.get(trainer.__ray_call__.remote(_remote_publish, sender_attr),
+    manifest: Manifest = ray.get(trainer.__ray_call__.remote(_remote_publish, sender_attr, version),
                                  timeout=timeout_s)
     layout, version, used = manifest.layout, manifest.version, manifest.sender_pool_used
     try:

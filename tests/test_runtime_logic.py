@@ -690,3 +690,59 @@ def test_an_oversized_put_leaves_no_reference_cycle(world):
         assert alive() is None, "something still holds the sent tensor"
     finally:
         gc.enable()
+
+
+# ---------------------------------------------------------------------------------------
+# Partial READs (fetch_selected) and conversion in the pack (pack_as)
+# ---------------------------------------------------------------------------------------
+
+
+def test_selected_reads_only_the_selected_bytes(world):
+    s, r = make(world), make(world, arena_bytes=4 << 20)
+    w = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)
+    b = torch.arange(10, dtype=torch.int16)
+    c = torch.randn(4, 6, 8)
+    meta = ship(s.put("a", [w, b, c]))
+    sel = [(slice(32, 64),), None, (slice(None), slice(2, 5))]  # dim 0, whole, dim 1
+    before = r.stats().bytes_received
+    out = r.fetch_selected("a", meta, sel, None)
+    assert torch.equal(out[0], w[32:64]) and torch.equal(out[1], b)
+    assert torch.equal(out[2], c[:, 2:5]) and out[2].is_contiguous()
+    want = 32 * 48 * 4 + 10 * 2 + 4 * 3 * 8 * 4
+    assert r.stats().bytes_received - before == want
+    last = r.backend().xfers[max(r.backend().xfers)]
+    assert sum(n for _a, n, _d in last.remote) == want  # only those bytes were read
+    del out
+    gc.collect()
+    assert r.stats().arena_used == 0
+
+
+def test_selection_errors_are_typed_and_read_nothing(world):
+    s, r = make(world), make(world)
+    meta = ship(s.put("a", [torch.zeros(8, 8)]))
+    for bad, text in (([(slice(0, 8, 2),)], "step 2"), ([None, None], "2 selections"),
+                      ([(slice(0, 1), slice(0, 1), slice(0, 1))], "at most 2 slices"),
+                      ([(3,)], "tuple of at most")):
+        with pytest.raises(InvalidInputError, match=text):
+            r.fetch_selected("a", meta, bad, None)
+    st = r.stats()
+    assert st.transfers_in_flight == 0 and st.bytes_received == 0 and st.arena_used == 0
+    empty = r.fetch_selected("a", meta, [(slice(3, 3),)], None)
+    assert empty[0].shape == (0, 8)
+
+
+def test_pack_as_converts_in_the_pack(world):
+    from ray_rdt_pool.transport import pack_as
+
+    s, r = make(world), make(world)
+    w = torch.randn(100, 7)
+    keep = torch.arange(5)
+    with pack_as({id(w): torch.bfloat16}):
+        meta = ship(s.put("a", [w, keep]))
+    assert [dt for _s, dt in meta.decoded().shapes_dtypes()] == ["bfloat16", "int64"]
+    out = r.wait(r.fetch("a", meta, None), -1)
+    assert out[0].dtype == torch.bfloat16 and torch.equal(out[0], w.to(torch.bfloat16))
+    assert torch.equal(out[1], keep)
+    assert s.stats().bytes_packed < 100 * 7 * 4  # half the bytes of fp32
+    with pytest.raises(InvalidInputError, match="nest"), pack_as({}), pack_as({}):
+        pass
