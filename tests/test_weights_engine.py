@@ -1,0 +1,533 @@
+"""Weight sync into inference engines: caller versions, lazy sources, load_weights
+receivers, async receivers and the one-line worker set-up.
+
+The first group needs no Ray (the stream protocol runs in-process, with ``ray.get``
+replaced by the identity). The Ray group shares one cluster started with
+``worker_process_setup_hook="ray_rdt_pool.setup_worker"``: its actors never call
+``ray_rdt_pool.register()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from ray import cloudpickle
+
+import ray_rdt_pool
+from ray_rdt_pool.weights import (
+    BucketLayout,
+    DuplicateNameError,
+    DuplicateTargetError,
+    LoaderError,
+    Manifest,
+    MissingWeightsError,
+    ShapeMismatchError,
+    SourceExhaustedError,
+    StaleVersionError,
+    WeightLayout,
+    WeightReceiver,
+    WeightSender,
+    WeightSyncError,
+    plan_layout,
+    sync,
+)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+pytestmark = pytest.mark.ray
+
+ENV = {"RAY_RDT_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "16M",
+       "RAY_RDT_POOL_METRICS": "0"}
+BUCKET = 4096
+SPEC = {f"w{i}": (32, 32) for i in range(6)}  # 4 KiB each: one bucket per tensor
+
+
+def make_state(seed: int, spec: dict[str, tuple[int, ...]] = SPEC) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(shape, generator=g) for k, shape in spec.items()}
+
+
+def pairs_of(state: dict[str, torch.Tensor], dup_at: int | None = None
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A generator source that makes a new tensor per name (as a gather would)."""
+    for i, (k, v) in enumerate(state.items()):
+        if dup_at is not None and i == dup_at:
+            yield "w0", v.clone()
+        yield k, v.clone()
+
+
+# ---------------------------------------------------------------------------------------
+# No Ray
+# ---------------------------------------------------------------------------------------
+
+
+def test_lazy_source_buckets_like_a_mapping() -> None:
+    state = {f"t{i}": torch.zeros(1000 + i) for i in range(10)}
+    want = plan_layout(state, bucket_bytes=10_000)[0]
+    for source in (lambda: iter(state.items()), lambda: list(state.items()),
+                   lambda: ((k, v * 1) for k, v in state.items())):
+        assert WeightSender(source, bucket_bytes=10_000).layout() == want
+
+
+def test_one_shot_iterator_then_callable() -> None:
+    state = make_state(1)
+    sender = WeightSender(iter(state.items()), bucket_bytes=BUCKET)
+    assert len(sender.layout().entries) == len(state)
+    with pytest.raises(SourceExhaustedError, match="callable"):
+        sender.layout()
+    calls = []
+
+    def fresh() -> Iterator[tuple[str, torch.Tensor]]:
+        calls.append(1)
+        return pairs_of(state)
+
+    sender = WeightSender(fresh, bucket_bytes=BUCKET)
+    assert sender.layout() == sender.layout() and len(calls) == 2
+
+
+def test_duplicate_name_is_typed_and_named() -> None:
+    with pytest.raises(DuplicateNameError, match="'w0'") as info:
+        WeightSender(lambda: pairs_of(make_state(1), dup_at=3), bucket_bytes=BUCKET).layout()
+    assert info.value.name == "w0" and info.value.bucket == 2
+    assert isinstance(info.value, WeightSyncError)
+
+
+def test_new_errors_pickle_with_their_fields() -> None:
+    e = cloudpickle.loads(cloudpickle.dumps(StaleVersionError(3, 7)))
+    assert (e.version, e.current) == (3, 7) and "3" in str(e) and "7" in str(e)
+    d = cloudpickle.loads(cloudpickle.dumps(DuplicateNameError("x", 2, (0, 1), "why")))
+    assert (d.name, d.bucket, d.applied) == ("x", 2, (0, 1)) and "why" in str(d)
+    le = cloudpickle.loads(cloudpickle.dumps(LoaderError("boom", 4, ("a", "b"))))
+    assert (le.bucket, le.names) == (4, ("a", "b"))
+
+
+def _manifest(layout: WeightLayout, version: int, groups: list[list[torch.Tensor]]
+              ) -> Manifest:
+    # With ray.get patched to the identity, a bucket's "ref" is its tensor list.
+    return Manifest(layout, [[list(g)] for g in groups], version)  # type: ignore[list-item]
+
+
+@pytest.fixture
+def no_ray_get(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda ref, **kw: ref)
+
+
+def test_versions_stale_and_failed_loads(no_ray_get: None) -> None:
+    src, dest = make_state(1), make_state(2)
+    layout, groups = plan_layout(src, BUCKET)
+    rec = WeightReceiver(dest, direct=False)
+    assert rec.version == 0
+    rec.load(_manifest(layout, 10, groups))
+    assert rec.version == 10 and all(torch.equal(dest[k], src[k]) for k in src)
+    for stale in (10, 9):
+        with pytest.raises(StaleVersionError, match="version 10") as info:
+            rec.load(_manifest(layout, stale, groups))
+        assert info.value.current == 10
+    bad = [list(g) for g in groups]
+    bad[2] = []  # bucket 2 fails midway (IndexError in the copy)
+    with pytest.raises(IndexError):
+        rec.load(_manifest(layout, 11, bad))
+    assert rec.version == 10
+    m = _manifest(layout, 11, groups)
+    m.id = "publish-11"
+    rec.load(m, release=False)
+    assert rec.version == 11
+    rec.load(m)  # the manifest loaded last may be loaded again (release=False re-loads)
+    with pytest.raises(StaleVersionError):
+        rec.load(_manifest(layout, 11, groups))  # another manifest of version 11
+
+
+def test_concurrent_loads_of_one_version_one_wins(no_ray_get: None) -> None:
+    layout, groups = plan_layout(make_state(1), BUCKET)
+    rec = WeightReceiver(make_state(2), direct=False)
+    results: list[Any] = []
+
+    def run() -> None:
+        try:
+            results.append(rec.load(_manifest(layout, 5, groups)).version)
+        except StaleVersionError as e:
+            results.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results.count(5) == 1
+    assert sum(isinstance(r, StaleVersionError) for r in results) == 3
+
+
+def test_load_weights_gets_mapped_names_and_errors_are_typed(no_ray_get: None) -> None:
+    src = make_state(1)
+    layout, groups = plan_layout(src, BUCKET)
+    seen: dict[str, torch.Tensor] = {}
+
+    def load_weights(batch: Any) -> None:
+        for name, t in batch:
+            seen[name] = t.clone()
+
+    dest = {"w0": torch.zeros(32, 32)}  # w0 goes to dest, the rest to the loader
+    rec = WeightReceiver(dest, load_weights=load_weights, direct=False,
+                         name_map=lambda n: None if n == "w5" else n.upper() if n != "w0" else n)
+    plan = rec.check(layout)
+    assert plan.skipped == 1 and plan.buckets[1].loads == [(0, "W1")]
+    rep = rec.load(_manifest(layout, 1, groups))
+    assert rep.skipped == 1 and torch.equal(dest["w0"], src["w0"])
+    assert set(seen) == {"W1", "W2", "W3", "W4"}
+    assert all(torch.equal(seen[k.upper()], src[k]) for k in ("w1", "w2", "w3", "w4"))
+    # two manifest names onto one loader name
+    with pytest.raises(DuplicateTargetError):
+        WeightReceiver(load_weights=load_weights, name_map=lambda n: "same").check(layout)
+
+    def failing(batch: Any) -> None:
+        for name, _t in batch:
+            if name == "w3":
+                raise KeyError(f"unknown parameter {name}")
+
+    rec = WeightReceiver(load_weights=failing)
+    with pytest.raises(LoaderError, match=r"bucket 3 .*'w3'") as info:
+        rec.load(_manifest(layout, 1, groups))
+    assert isinstance(info.value.__cause__, KeyError) and info.value.names == ("w3",)
+    assert rec.version == 0
+    with pytest.raises(Exception, match="dest"):
+        WeightReceiver()
+
+
+def _spec(layout: WeightLayout, k: int) -> BucketLayout:
+    return BucketLayout(layout.buckets[k], tuple(e for e in layout.entries if e.bucket == k))
+
+
+def test_stream_protocol_out_of_order_lazy_and_missing(no_ray_get: None) -> None:
+    src = make_state(1)
+    layout, groups = plan_layout(src, BUCKET)
+    n = len(groups)
+    # Whole layout; buckets arrive out of order: early ones are held, then loaded in order.
+    dest = make_state(2)
+    rec = WeightReceiver(dest, direct=False)
+    rec.begin_stream("s1", layout, 3)
+    order = [1, 2, 0, 4, 3, 5]
+    loaded = [[r.bucket for r in rec.load_stream_bucket("s1", k, [list(groups[k])])]
+              for k in order]
+    assert loaded == [[], [], [0, 1, 2], [], [3, 4], [5]]
+    assert rec.version == 3 and all(torch.equal(dest[k], src[k]) for k in src)
+    with pytest.raises(StaleVersionError):
+        rec.begin_stream("s2", layout, 3)
+    # Lazy: each bucket brings its layout; a mismatch stops at that bucket.
+    dest = make_state(2)
+    dest["w3"] = torch.zeros(31, 32)
+    rec = WeightReceiver(dest, direct=False)
+    rec.begin_stream("s3", None, 1)
+    for k in range(3):
+        rec.load_stream_bucket("s3", k, [list(groups[k])], _spec(layout, k))
+    with pytest.raises(ShapeMismatchError, match=r"bucket 3 was not written; bucket\(s\) 0-2"):
+        rec.load_stream_bucket("s3", 3, [list(groups[3])], _spec(layout, 3))
+    with pytest.raises(WeightSyncError, match="skipped"):
+        rec.load_stream_bucket("s3", 4, [list(groups[4])], _spec(layout, 4))
+    assert rec.version == 0
+    # Lazy, strict: a destination tensor nobody sent is found at the end.
+    dest = make_state(2)
+    dest["extra"] = torch.zeros(2)
+    rec = WeightReceiver(dest, direct=False)
+    rec.begin_stream("s4", None, 1)
+    for k in range(n):
+        rec.load_stream_bucket("s4", k, [list(groups[k])], _spec(layout, k))
+    with pytest.raises(MissingWeightsError, match="'extra'"):
+        rec.finish_stream("s4", n)
+    assert rec.version == 0
+
+
+def test_load_async_runs_in_a_thread(no_ray_get: None) -> None:
+    layout, groups = plan_layout(make_state(1), BUCKET)
+    loop_thread: list[int] = []
+
+    def slow(batch: Any) -> None:
+        loop_thread.append(threading.get_ident())
+        time.sleep(0.05)
+
+    rec = WeightReceiver(load_weights=slow)
+
+    async def main() -> list[Any]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        tick = asyncio.create_task(ticker())
+        res = await asyncio.gather(rec.load_async(_manifest(layout, 1, groups)),
+                                   rec.load_async(_manifest(layout, 1, groups)),
+                                   return_exceptions=True)
+        tick.cancel()
+        assert ticks > 5  # the loop kept running during the loads
+        return list(res)
+
+    res = asyncio.run(main())
+    assert sum(isinstance(r, StaleVersionError) for r in res) == 1
+    assert threading.get_ident() not in loop_thread
+
+
+# ---------------------------------------------------------------------------------------
+# Ray: one cluster whose workers register the transport through the setup hook
+# ---------------------------------------------------------------------------------------
+
+
+
+@pytest.fixture(scope="module")
+def actors() -> Iterator[dict[str, Any]]:
+    import ray
+
+    ray_rdt_pool.register()  # the driver, before defining the actor classes
+
+    @ray.remote(enable_tensor_transport=True)
+    class Node:  # never calls ray_rdt_pool.register(): the setup hook did
+        def __init__(self) -> None:
+            torch.set_num_threads(1)
+
+        def put(self, n: int) -> list[Any]:
+            return [ray.put([torch.arange(n, dtype=torch.float32)],
+                            _tensor_transport="nixl_pool")]
+
+        @ray.method(tensor_transport="nixl_pool")
+        def ret(self, n: int) -> list[torch.Tensor]:
+            return [torch.full((n,), 2.0)]
+
+        def total(self, box: list[Any]) -> float:
+            return float(ray.get(box[0])[0].sum())
+
+        def consume(self, tensors: list[torch.Tensor]) -> float:
+            return float(tensors[0].sum())
+
+    @ray.remote(enable_tensor_transport=True, max_concurrency=4)
+    class AsyncNode:
+        def __init__(self) -> None:
+            torch.set_num_threads(1)
+
+        async def ping(self) -> str:
+            return "pong"
+
+        async def load(self, manifest: Manifest) -> Any:
+            return await self.weight_receiver.load_async(manifest)
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning",
+             runtime_env={"env_vars": ENV,
+                          "worker_process_setup_hook": "ray_rdt_pool.setup_worker"})
+    try:
+        nodes = {"trainer": Node.remote(), "r1": Node.remote(), "ar": AsyncNode.remote()}
+        ray.get([n.__ray_call__.remote(_noop) for n in nodes.values()], timeout=120)
+        yield nodes
+        for n in nodes.values():
+            ray.kill(n)
+    finally:
+        ray.shutdown()
+
+
+def _noop(node: Any) -> None:
+    return None
+
+
+def call(actor: Any, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(fn, *args, **kw), timeout=120)
+
+
+def _stats(node: Any) -> Any:
+    return ray_rdt_pool.stats()
+
+
+def _state(node: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in node.state.items()}
+
+
+def _version(node: Any) -> int:
+    return int(node.weight_receiver.version)
+
+
+def _set_sender(node: Any, seed: int, lazy: str = "", dup_at: int | None = None) -> None:
+    node.state = make_state(seed)
+    src: Any = node.state
+    if lazy == "callable":
+        src = lambda: pairs_of(node.state, dup_at)  # noqa: E731
+    elif lazy == "iterator":
+        src = pairs_of(node.state, dup_at)
+    node.weight_sender = WeightSender(src, bucket_bytes=BUCKET)
+
+
+def _set_receiver(node: Any, seed: int, **opts: Any) -> None:
+    node.state = make_state(seed)
+    node.weight_receiver = WeightReceiver(node.state, **opts)
+
+
+def _set_loader_receiver(node: Any, fail_on: str | None = None, sleep_s: float = 0.0) -> None:
+    node.state = {}
+    node.arena_seen = []
+
+    def load_weights(batch: Any) -> None:
+        node.arena_seen.append(ray_rdt_pool.stats().arena_used)
+        for name, t in batch:
+            if name == fail_on:
+                raise KeyError(f"the engine has no parameter {name!r}")
+            node.state[name] = t.clone()
+        time.sleep(sleep_s)
+
+    node.weight_receiver = WeightReceiver(load_weights=load_weights)
+
+
+def _publish(node: Any, version: int | None = None) -> Manifest:
+    return node.weight_sender.publish(version=version)
+
+
+def _load(node: Any, manifest: Manifest) -> Any:
+    return node.weight_receiver.load(manifest)
+
+
+def wait_drained(trainer: Any, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    st = call(trainer, _stats)
+    while (st.pool_used or st.live_objects) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        st = call(trainer, _stats)
+    assert st.pool_used == 0 and st.live_objects == 0, st
+    return st
+
+
+def assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_setup_hook_registers_the_transport_in_every_worker(actors: dict[str, Any]) -> None:
+    import ray
+
+    tr, r1 = actors["trainer"], actors["r1"]
+    put0 = call(tr, _stats).objects_put
+    box = ray.get(tr.put.remote(100), timeout=60)
+    assert ray.get(r1.total.remote(box), timeout=60) == sum(range(100))
+    assert ray.get(r1.consume.remote(tr.ret.remote(10)), timeout=60) == 20.0
+    assert call(tr, _stats).objects_put >= put0 + 2  # both went through nixl_pool
+    del box
+    wait_drained(tr)
+
+
+def test_caller_versions_publish_and_stream(actors: dict[str, Any]) -> None:
+    tr, r1 = actors["trainer"], actors["r1"]
+    call(tr, _set_sender, 1)
+    call(r1, _set_receiver, 2)
+    m = call(tr, _publish, 10)
+    assert m.version == 10 and call(r1, _load, m).version == 10
+    m = call(tr, _publish, 10)
+    with pytest.raises(StaleVersionError, match="version 10 is not newer"):
+        call(r1, _load, m)
+    del m
+    put0 = call(tr, _stats).objects_put
+    with pytest.raises(StaleVersionError):
+        sync(tr, [r1], version=7)
+    assert call(tr, _stats).objects_put == put0  # refused before any bucket was put
+    assert sync(tr, [r1], version=11).version == 11
+    assert sync(tr, [r1]).version == 12  # counts up from the caller's last version
+    assert call(r1, _version) == 12
+    assert_equal(call(r1, _state), call(tr, _state))
+    wait_drained(tr)
+
+
+def test_lazy_stream_bounded_and_exact(actors: dict[str, Any]) -> None:
+    tr, r1 = actors["trainer"], actors["r1"]
+    call(tr, _set_sender, 3, "callable")
+    call(r1, _set_receiver, 4)
+    for mode in ("stream", "publish", "stream"):
+        rep = sync(tr, [r1], mode=mode)  # type: ignore[arg-type]
+        assert rep.buckets == len(SPEC) and rep.loads[0].buckets == len(SPEC)
+        if mode == "stream":
+            assert rep.stream is not None and rep.stream.fallbacks == 0
+            assert rep.stream.peak_pool_used <= 2 * BUCKET
+        assert_equal(call(r1, _state), call(tr, _state))
+    assert call(r1, _version) == 3
+    wait_drained(tr)
+
+
+def test_one_shot_iterator_second_sync_raises(actors: dict[str, Any]) -> None:
+    tr, r1 = actors["trainer"], actors["r1"]
+    call(tr, _set_sender, 5, "iterator")
+    call(r1, _set_receiver, 6)
+    sync(tr, [r1])
+    with pytest.raises(SourceExhaustedError, match="callable"):
+        sync(tr, [r1])
+    wait_drained(tr)
+
+
+def test_lazy_duplicate_name_reports_applied_buckets(actors: dict[str, Any]) -> None:
+    tr, r1 = actors["trainer"], actors["r1"]
+    call(tr, _set_sender, 7, "callable", 3)
+    call(r1, _set_receiver, 8)
+    v0 = call(r1, _version)
+    with pytest.raises(DuplicateNameError, match=r"'w0'.*bucket\(s\) 0-1 were loaded") as info:
+        sync(tr, [r1])
+    assert info.value.applied == (0, 1)
+    assert call(r1, _version) == v0
+    with pytest.raises(DuplicateNameError, match="published nothing"):
+        call(tr, _publish)
+    wait_drained(tr)
+
+
+def test_load_weights_receiver_arena_returns(actors: dict[str, Any]) -> None:
+    tr, r1 = actors["trainer"], actors["r1"]
+    call(tr, _set_sender, 9)
+    call(r1, _set_loader_receiver)
+    for mode in ("stream", "publish"):
+        rep = sync(tr, [r1], mode=mode)  # type: ignore[arg-type]
+        assert rep.loads[0].copied_buckets == len(SPEC)
+        assert_equal(call(r1, _state), call(tr, _state))
+        assert all(u > 0 for u in call(r1, lambda n: n.arena_seen))  # views of the arena
+        assert call(r1, _stats).arena_used == 0  # every block came back
+    call(r1, _set_loader_receiver, "w2")
+    v0 = call(r1, _version)
+    for mode in ("stream", "publish"):
+        with pytest.raises(LoaderError, match=r"bucket 2 .*'w2'") as info:
+            sync(tr, [r1], mode=mode)  # type: ignore[arg-type]
+        assert "KeyError" in str(info.value)
+        assert call(r1, _stats).arena_used == 0
+        assert call(r1, _version) == v0
+    wait_drained(tr)
+
+
+def test_async_receiver_serves_calls_during_load(actors: dict[str, Any]) -> None:
+    import ray
+
+    tr, ar = actors["trainer"], actors["ar"]
+    call(tr, _set_sender, 11)
+    call(ar, _set_loader_receiver, None, 0.3)  # 6 buckets x 0.3 s
+    m = call(tr, _publish, 100)
+    loads = [ar.load.remote(m), ar.load.remote(m)]  # one version, twice, concurrently
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    assert ray.get(ar.ping.remote(), timeout=30) == "pong"
+    assert time.monotonic() - t0 < 1.0
+    assert len(ray.wait(loads, num_returns=2, timeout=0)[1]) >= 1  # a load still running
+    outcomes = []
+    for ref in loads:
+        try:
+            outcomes.append(ray.get(ref, timeout=60).version)
+        except StaleVersionError as e:
+            outcomes.append(e)
+    assert outcomes.count(100) == 1
+    assert sum(isinstance(o, StaleVersionError) for o in outcomes) == 1
+    del m
+    # stream() into an async actor (its buckets run on the actor's event loop)
+    call(ar, _set_receiver, 12)
+    rep = sync(tr, [ar], version=101)
+    assert rep.loads[0].buckets == len(SPEC) and call(ar, _version) == 101
+    assert_equal(call(ar, _state), call(tr, _state))
+    wait_drained(tr)
