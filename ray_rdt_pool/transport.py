@@ -526,6 +526,10 @@ def _check_selection_count(selection: Sequence[Any], n: int) -> None:
                                 "pass one (a tuple of slices, or None) per tensor")
 
 
+def _noop(self: Any) -> None:
+    return None
+
+
 def _probe_actor(self: Any) -> bool:
     try:
         import nixl._api  # noqa: F401
@@ -641,11 +645,14 @@ def _transfers_before_their_tasks() -> None:
     ("not found in RDT object store"). Ray's own ``nixl`` fails the same way when its
     transfers arrive late; ours arrive early only because our puts are fast.
 
-    Ray submits the transfer when the consuming task is submitted if the argument's
-    metadata is known, and queues it otherwise. So, for a ``nixl_pool`` argument whose
-    producer has not finished, ``.remote()`` to an out-of-order actor first waits for the
-    producer (at most :data:`ORDER_WAIT_S`): the transfer is then always submitted before
-    the task that uses it. Other destinations and other transports are untouched.
+    Ray submits the transfer (a ``__ray_recv__`` task on the receiver's one-thread
+    ``_ray_system`` group) when the consuming task is submitted if the argument's metadata
+    is known, and queues it otherwise. So a ``.remote()`` to an out-of-order actor with a
+    ``nixl_pool`` argument first waits for the argument's producer, lets Ray submit the
+    transfer, and then waits for a no-op task queued behind it on ``_ray_system``: the
+    tensors are in the receiver's store before the task that uses them is even sent.
+    Each wait is bounded by :data:`ORDER_WAIT_S`. Other destinations and other
+    transports are untouched.
     """
     from ray._raylet import ObjectRef
     from ray.experimental.rdt.rdt_manager import RDTManager
@@ -655,18 +662,26 @@ def _transfers_before_their_tasks() -> None:
     submit = RDTManager.queue_or_trigger_out_of_band_tensor_transfer
 
     def ordered(self: Any, dst_actor: Any, task_args: Any) -> Any:
-        if getattr(dst_actor, "_ray_allow_out_of_order_execution", False):
-            for arg in task_args:
-                if not isinstance(arg, ObjectRef):
-                    continue
-                info = self.get_rdt_metadata(arg.hex())
-                if (info is None or info.tensor_transport_backend != TRANSPORT
-                        or info.tensor_transport_meta is not None):
-                    continue
+        if not getattr(dst_actor, "_ray_allow_out_of_order_execution", False):
+            return submit(self, dst_actor, task_args)
+        ours = False
+        for arg in task_args:
+            if not isinstance(arg, ObjectRef):
+                continue
+            info = self.get_rdt_metadata(arg.hex())
+            if info is None or info.tensor_transport_backend != TRANSPORT:
+                continue
+            ours = True
+            if info.tensor_transport_meta is None:
                 ready, _ = ray.wait([arg], timeout=ORDER_WAIT_S)
                 if ready:  # finished (or failed: then no metadata comes, and Ray says so)
                     self.wait_for_tensor_transport_metadata(arg.hex(), ORDER_WAIT_S)
-        return submit(self, dst_actor, task_args)
+        out = submit(self, dst_actor, task_args)
+        if ours:
+            behind = dst_actor.__ray_call__.options(concurrency_group="_ray_system").remote(
+                _noop)
+            ray.wait([behind], timeout=ORDER_WAIT_S)
+        return out
 
     RDTManager.queue_or_trigger_out_of_band_tensor_transfer = ordered  # type: ignore[method-assign]
     RDTManager._nixl_pool_ordered = True  # type: ignore[attr-defined]
