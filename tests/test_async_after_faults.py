@@ -79,6 +79,19 @@ class Receiver:
         return float(ray.get(ref_list[0])[0].double().sum())
 
 
+@ray.remote(enable_tensor_transport=True)
+class InOrderReceiver:
+    """Runs one task at a time: the ordering workaround for out-of-order receivers (see
+    transport._transfers_before_their_tasks) does not apply, so a blocked _ray_system
+    shows as Ray's own fetch timeout."""
+
+    def __init__(self):
+        ray_rdt_pool.register()
+
+    def take(self, tensors):
+        return float(tensors[0].double().sum())
+
+
 @ray.remote(num_cpus=0)
 class Signal:
     def __init__(self):
@@ -152,7 +165,7 @@ def test_sender_killed_during_fetch(recv):
 
 
 def test_receiver_ray_system_blocked():
-    s, r = Sender.remote(), Receiver.remote()
+    s, r = Sender.remote(), InOrderReceiver.remote()
     assert ray.get(r.take.remote(s.make.remote(7, 1024))) == pytest.approx(expected(7, 1024))
     block_s = RAY_FETCH_TIMEOUT_S + 5
     blocker = r.__ray_call__.options(concurrency_group="_ray_system").remote(
