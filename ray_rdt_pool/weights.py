@@ -12,7 +12,9 @@ one actor to many, on top of the ``nixl_pool`` transport. See docs/weight-sync.m
   any number of receivers may load. :meth:`WeightSender.stream` instead drives the
   receivers bucket by bucket with at most ``max_inflight`` buckets outstanding, and
   never puts a bucket before the pool has room for it, so a model larger than the pool
-  syncs with bounded sender memory and no fallback registrations.
+  syncs with bounded sender memory and no fallback registrations. ``wire_dtype`` sends
+  tensors in another dtype (e.g. fp32 as bf16), converted by the pack copy itself
+  (``transport.pack_as``).
 * **Receiver** (inside an inference actor): :class:`WeightReceiver` (or the one-shot
   :func:`load_manifest`) validates the whole layout against its destination first
   (names after mapping, shapes, dtype casting rule) and raises a
@@ -22,6 +24,8 @@ one actor to many, on top of the ``nixl_pool`` transport. See docs/weight-sync.m
   tensors through ``set_target_for_ref`` (no copy on the receiver); any other bucket is
   read into the receive arena and ``copy_``-ed (with dtype conversion) under
   ``torch.no_grad()``. Each bucket's views and ref are dropped as soon as it is loaded.
+  With ``select`` a receiver reads only part of each tensor (a tensor-parallel shard)
+  through ``transport.fetch_selected``.
 * **Driver**: :func:`sync` runs one sync between a trainer actor that holds a
   ``WeightSender`` and inference actors that hold a ``WeightReceiver`` (found by
   attribute name through Ray's ``__ray_call__``), in ``"stream"`` or ``"publish"`` mode.
@@ -37,6 +41,7 @@ through the arena (the copy starts only after the whole READ succeeded).
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import threading
 import time
@@ -775,6 +780,15 @@ class WeightSender:
             ``max_inflight * bucket_bytes`` within the sender's ``pool_bytes``, and
             ``bucket_bytes`` within each receiver's ``arena_bytes`` (buckets that are
             copied rather than landed directly go through the arena).
+        wire_dtype: The dtype tensors are sent as. A ``torch.dtype`` (floating point)
+            applies to every floating-point tensor (integer and bool tensors are sent
+            as they are), e.g. ``torch.bfloat16`` sends fp32 master weights in half the
+            bytes; a callable ``(name, tensor) -> dtype | None`` decides per tensor
+            (``None``: as it is). The conversion is the pack copy into the pool (no
+            separate cast); the layout carries the wire dtypes and sizes, and receivers
+            cast to their destination dtypes. A conversion down the casting order
+            (float -> int, complex -> real) raises :class:`WireDtypeError` before the
+            bucket is put. A tied tensor is sent once, as its first name decides.
 
     Each publish or stream snapshots the state (the pool copy is made at ``ray.put``),
     so the trainer may keep training as soon as the call returns. ``version`` is the
@@ -783,12 +797,15 @@ class WeightSender:
     """
 
     def __init__(self, source: Source | None = None, *,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 wire_dtype: WireDtype = None) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) \
                 or bucket_bytes <= 0:
             raise InvalidInputError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        _check_wire_dtype(wire_dtype)
         self.source = source
         self.bucket_bytes = bucket_bytes
+        self.wire_dtype = wire_dtype
         self.version = 0
         self._spent = False  # a one-shot (iterator) source was consumed
 
@@ -835,10 +852,10 @@ class WeightSender:
         """
         eager, pairs = self._acquire(state)
         if eager is not None:
-            return plan_layout(eager, self.bucket_bytes)[0]
+            return plan_layout(eager, self.bucket_bytes, self.wire_dtype)[0]
         assert pairs is not None
         specs = []
-        for packed in _iter_buckets(pairs, self.bucket_bytes):
+        for packed in _iter_buckets(pairs, self.bucket_bytes, self.wire_dtype):
             specs.append(packed.spec)
             del packed
         return _layout_of(specs, self.bucket_bytes)
@@ -861,34 +878,32 @@ class WeightSender:
         for states larger than the pool. A lazy source that repeats a name raises
         :class:`DuplicateNameError` and publishes nothing.
         """
-        import ray
 
         v = self._next_version(version)
         eager, pairs = self._acquire(state)
-        transport = _transport()
         refs: list[list[ObjectRef] | None] = []
         overflow: list[int] = []
         fallbacks = _stats().fallbacks
 
-        def put(k: int, tensors: list[torch.Tensor]) -> None:
+        def put(k: int, tensors: list[torch.Tensor], entries: Sequence[TensorEntry]) -> None:
             nonlocal fallbacks
-            refs.append([ray.put(tensors, _tensor_transport=transport)])
+            refs.append([_put_bucket(tensors, entries)])
             now = _stats().fallbacks
             if now != fallbacks:
                 overflow.append(k)
                 fallbacks = now
 
         if eager is not None:
-            layout, groups = plan_layout(eager, self.bucket_bytes)
+            layout, groups = plan_layout(eager, self.bucket_bytes, self.wire_dtype)
             for k, tensors in enumerate(groups):
-                put(k, tensors)
+                put(k, tensors, [e for e in layout.entries if e.bucket == k])
         else:
             assert pairs is not None
             specs: list[BucketLayout] = []
             try:
-                for packed in _iter_buckets(pairs, self.bucket_bytes):
+                for packed in _iter_buckets(pairs, self.bucket_bytes, self.wire_dtype):
                     specs.append(packed.spec)
-                    put(packed.spec.bucket.index, packed.tensors)
+                    put(packed.spec.bucket.index, packed.tensors, packed.spec.entries)
                     packed.tensors.clear()  # the pool holds the snapshot now
                     del packed
             except DuplicateNameError as e:
@@ -929,9 +944,11 @@ class WeightSender:
         what was in use when the stream began) stays within
         ``max_inflight * bucket_bytes``, so acknowledged buckets whose blocks Ray has not
         garbage-collected yet still count. A lazy source is only pulled for the next
-        bucket once there is room for a full bucket, and its tensors are dropped as soon
-        as their bucket is packed, so beyond the model the sync holds at most
-        ``max_inflight`` buckets (in the pool, or being filled). No bucket is ever put
+        bucket once there is room for a full bucket, and the sender drops its tensors as
+        soon as their bucket is packed; Ray's RDT store keeps a put's tensors until the
+        bucket is freed, so beyond the model and the pool the sync holds at most
+        ``max_inflight`` buckets of source tensors (in the pool, or being filled) plus
+        one tensor. No bucket is ever put
         without room, so there is no fallback registration. With ``max_inflight >= 2``
         packing bucket ``k+1`` overlaps the receivers' reads of bucket ``k``;
         ``max_inflight=1`` serialises them (no pipelining).
@@ -959,22 +976,26 @@ class WeightSender:
         eager, pairs = self._acquire(state)
         capacity = _pool_capacity()
         bb = self.bucket_bytes
-        items: Iterator[tuple[int, list[torch.Tensor], BucketLayout | None]]
+        items: Iterator[tuple[int, list[torch.Tensor], BucketLayout | None,
+                              Sequence[TensorEntry]]]
         layout: WeightLayout | None = None
         biggest = 0
         if eager is not None:
-            layout, groups = plan_layout(eager, bb)
+            layout, groups = plan_layout(eager, bb, self.wire_dtype)
             for b in layout.buckets:
                 if b.nbytes > capacity:
                     raise _too_big(b, capacity)
             biggest = max((b.nbytes for b in layout.buckets), default=0)
-            items = ((b.nbytes, g, None) for b, g in zip(layout.buckets, groups))
+            per_bucket: list[list[TensorEntry]] = [[] for _ in layout.buckets]
+            for e in layout.entries:
+                per_bucket[e.bucket].append(e)
+            items = ((b.nbytes, g, None, es)
+                     for b, g, es in zip(layout.buckets, groups, per_bucket))
         else:
             assert pairs is not None
-            items = ((p.spec.bucket.nbytes, p.tensors, p.spec)
-                     for p in _iter_buckets(pairs, bb))
+            items = ((p.spec.bucket.nbytes, p.tensors, p.spec, p.spec.entries)
+                     for p in _iter_buckets(pairs, bb, self.wire_dtype))
         session = f"{os.getpid()}-{v}-{uuid.uuid4().hex[:8]}"
-        transport = _transport()
         deadline_s = float(timeout_s)
 
         begins = [r.__ray_call__.remote(_remote_begin, receiver_attr, session, layout, v)
@@ -988,6 +1009,7 @@ class WeightSender:
         # buckets' worth of the pool, counting buckets that were acknowledged but whose
         # blocks Ray has not garbage-collected yet.
         samples: list[int] = []
+        held: list[tuple[str, int]] = []  # lazy: (object id, bytes) of the buckets put
         inflight: deque[list[Any]] = deque()
         acked: list[list[BucketReport]] = [[] for _ in receivers]
         wait_s = 0.0
@@ -997,13 +1019,17 @@ class WeightSender:
                 while len(inflight) >= max_inflight:
                     _collect(inflight.popleft(), acked, deadline_s)
                 if layout is None:
-                    # Lazy: pull the next bucket's tensors only once a full bucket fits.
+                    # Lazy: pull the next bucket's tensors only once a full bucket fits,
+                    # and once Ray's RDT store let go of the source tensors of the buckets
+                    # freed from the pool (Ray frees the pool blocks just before that).
                     lim = min(capacity, used0 + max_inflight * max(bb, biggest))
                     wait_s += _wait_for_pool(min(bb, capacity), lim, capacity, deadline_s)
+                    wait_s += _wait_for_ray_store(held, (max_inflight - 1) * max(bb, biggest),
+                                                  deadline_s)
                 item = next(items, None)
                 if item is None:
                     break
-                nbytes, tensors, spec = item
+                nbytes, tensors, spec, entries = item
                 del item
                 if nbytes > capacity:
                     assert spec is not None
@@ -1011,7 +1037,9 @@ class WeightSender:
                 biggest = max(biggest, nbytes)
                 limit = min(capacity, used0 + max_inflight * max(bb, biggest))
                 wait_s += _wait_for_pool(nbytes, limit, capacity, deadline_s)
-                box = [ray.put(tensors, _tensor_transport=transport)]
+                box = [_put_bucket(tensors, entries)]
+                if layout is None:
+                    held.append((box[0].hex(), nbytes))
                 tensors.clear()  # the pool holds the snapshot; drop the source's tensors
                 del tensors
                 try:
@@ -1139,6 +1167,28 @@ def _wait_for_pool(nbytes: int, limit: int, capacity: int, timeout_s: float) -> 
     return time.monotonic() - t0
 
 
+def _wait_for_ray_store(held: list[tuple[str, int]], limit: int, timeout_s: float) -> float:
+    """Block until the buckets in ``held`` that Ray's RDT store still keeps (with their
+    source tensors: the object's primary copy) total at most ``limit`` bytes; drop the
+    others from ``held``. Ray pops an object from its store right after the transport's
+    ``garbage_collect`` frees its pool blocks, so this waits for that short gap only.
+    Returns the seconds waited."""
+    import ray
+
+    store = ray._private.worker.global_worker.rdt_manager.rdt_store
+    t0 = time.monotonic()
+    while True:
+        held[:] = [(o, n) for o, n in held if store.has_object(o)]
+        if sum(n for _o, n in held) <= limit:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout_s:
+            raise WeightSyncTimeoutError(
+                f"for {timeout_s}s Ray kept {len(held)} bucket(s) of this stream whose "
+                f"pool blocks were freed ({fmt_bytes(sum(n for _o, n in held))}, more than "
+                f"{fmt_bytes(limit)}); a receiver is stuck or a ref is still held")
+        time.sleep(0.0005)
+
+
 def _summarise(version: int, reports: Sequence[BucketReport], skipped: int = 0) -> LoadReport:
     direct = sum(r.direct for r in reports)
     return LoadReport(version, len(reports), sum(r.nbytes for r in reports), direct,
@@ -1184,6 +1234,10 @@ class BucketPlan:
     targets: list[torch.Tensor] | None  # direct landing buffers, one per object tensor
     copies: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (idx, dest)
     loads: list[tuple[int, str]] = field(default_factory=list)  # (idx, name) for load_weights
+    #: per object tensor, the part to read (``transport.fetch_selected``; an empty dim-0
+    #: slice skips a tensor nobody takes), or None: the bucket is read whole. ``nbytes``
+    #: is then the selected bytes.
+    select: list[Selection | None] | None = None
 
 
 @dataclass
@@ -1200,8 +1254,50 @@ def _can_land(d: torch.Tensor, e: TensorEntry) -> bool:
             and d.is_contiguous() and not d.is_conj() and not d.is_neg())
 
 
+def _skip(e: TensorEntry) -> Selection | None:
+    """The selection that reads nothing of ``e`` (None, i.e. all of it, for a scalar)."""
+    return (slice(0, 0), *(slice(0, n) for n in e.shape[1:])) if e.shape else None
+
+
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and _identity_key(a) == _identity_key(b)
+
+
+def _normalize_select(raw: Any, shape: tuple[int, ...]) -> Selection | None:
+    """``select``'s answer as one step-1 slice per dimension, or None for the whole
+    tensor. Raises ValueError (with what is wrong) for an answer that does not fit."""
+    if raw is None:
+        return None
+    if isinstance(raw, slice):
+        raw = (raw,)
+    if not isinstance(raw, (tuple, list)) or not all(isinstance(x, slice) for x in raw):
+        raise ValueError("it is not a tuple of slice objects")
+    if len(raw) > len(shape):
+        raise ValueError(f"{len(raw)} slices for a tensor of {len(shape)} dimension(s)")
+    out: list[slice] = []
+    for d, (sl, size) in enumerate(zip(raw, shape)):
+        if sl.step not in (None, 1):
+            raise ValueError(f"dim {d}: step {sl.step!r}; only step 1 is read")
+        bounds = []
+        for v, default in ((sl.start, 0), (sl.stop, size)):
+            if v is None:
+                v = default
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"dim {d}: {sl} has a non-int bound {v!r}")
+            bounds.append(v + size if v < 0 else v)
+        start, stop = bounds
+        if not 0 <= start <= stop <= size:
+            raise ValueError(f"dim {d}: {sl} does not fit size {size} "
+                             f"(needs 0 <= start <= stop <= {size})")
+        out.append(slice(start, stop))
+    out += [slice(0, size) for size in shape[len(out):]]
+    if all(sl.start == 0 and sl.stop == size for sl, size in zip(out, shape)):
+        return None
+    return tuple(out)
+
+
+def _selected_shape(sel: Selection | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return shape if sel is None else tuple(sl.stop - sl.start for sl in sel)
 
 
 class _ToLoader:
@@ -1256,6 +1352,15 @@ class WeightReceiver:
             are skipped).
         direct: Land exactly matching buckets in the destination tensors
             (``set_target_for_ref``); ``False`` always reads into the arena and copies.
+        select: Sharded pulls: ``select(name, full_shape)`` returns the part of manifest
+            tensor ``name`` this receiver needs, as a tuple of ``slice`` objects (step 1,
+            one per leading dimension; the rest are whole), or ``None`` for all of it.
+            Only those bytes are read (``transport.fetch_selected``), and tensors nobody
+            takes are not read at all. The destination tensor has the selected shape;
+            ``load_weights`` gets the selected part. An answer that does not fit the
+            full shape raises :class:`SelectError` before anything is read. Buckets with
+            a selection go through the arena (no direct landing); aliases (tied
+            tensors) get their canonical tensor's selection.
 
     ``version`` is the version of the last manifest or stream fully loaded (0 before
     any). A load whose version is not newer raises :class:`StaleVersionError`; the check
@@ -1267,7 +1372,10 @@ class WeightReceiver:
 
     def __init__(self, dest: StateLike | None = None, *, load_weights: LoadWeights | None = None,
                  name_map: NameMap = None, casting: Casting = "same_kind", strict: bool = True,
-                 direct: bool = True) -> None:
+                 direct: bool = True, select: Select | None = None) -> None:
+        if select is not None and not callable(select):
+            raise InvalidInputError(f"select must be callable (name, full_shape) -> slices | "
+                                    f"None, got {type(select).__name__}")
         if dest is None and load_weights is None:
             raise InvalidInputError("WeightReceiver needs a dest (module or mapping), a "
                                     "load_weights callable, or both")
@@ -1284,6 +1392,7 @@ class WeightReceiver:
         self.casting = casting
         self.strict = strict
         self.direct = direct
+        self.select = select
         self._version = 0
         self._loaded = False  # any complete load yet (so any first version is accepted)
         self._last_id = ""  # Manifest.id of the last complete load
@@ -1332,10 +1441,14 @@ class WeightReceiver:
 
     def _resolve(self, sources: Sequence[tuple[str, TensorEntry]],
                  dests: Mapping[str, torch.Tensor], claimed: dict[str, str],
-                 problems: list[tuple[str, str, str]]) -> tuple[dict[str, _Target], int]:
-        """Map each source name to its target (a dest tensor, the loader, or skipped)."""
+                 problems: list[tuple[str, str, str]]
+                 ) -> tuple[dict[str, _Target], int, dict[str, Selection | None]]:
+        """Map each source name to its target (a dest tensor, the loader, or skipped),
+        and each entry with a target to its selection (``select``)."""
         mapname = _mapper(self.name_map)
         resolved: dict[str, _Target] = {}
+        selections: dict[str, Selection | None] = {}
+        bad_select: set[str] = set()
         skipped = 0
         for name, e in sources:
             dn = mapname(name)
@@ -1356,10 +1469,21 @@ class WeightReceiver:
                                  f"to {dn!r}"))
                 continue
             claimed[dn] = name
+            if e.name not in selections and e.name not in bad_select:
+                try:
+                    selections[e.name] = self._select(e)
+                except ValueError as err:
+                    bad_select.add(e.name)
+                    problems.append(("select", e.name, str(err)))
+            if e.name in bad_select:
+                continue
+            shape = _selected_shape(selections[e.name], e.shape)
+            what = "in the manifest" if shape == e.shape else \
+                f"as selected (of {e.shape} in the manifest)"
             if d is None:
                 resolved[name] = _ToLoader(dn)
-            elif tuple(d.shape) != e.shape:
-                problems.append(("shape", name, f"{name!r} is {e.shape} in the manifest but "
+            elif tuple(d.shape) != shape:
+                problems.append(("shape", name, f"{name!r} is {shape} {what} but "
                                  f"{dn!r} is {tuple(d.shape)} in the destination"))
             elif not can_cast(e.torch_dtype, d.dtype, self.casting):
                 problems.append(("dtype", name, f"{name!r} is {e.dtype} in the manifest and "
@@ -1367,7 +1491,27 @@ class WeightReceiver:
                                  "does not allow that conversion"))
             else:
                 resolved[name] = d
-        return resolved, skipped
+        return resolved, skipped, selections
+
+    def _select(self, e: TensorEntry) -> Selection | None:
+        """``select``'s part of entry ``e``, normalized; ValueError naming the fix if it
+        does not fit."""
+        if self.select is None:
+            return None
+        try:
+            raw = self.select(e.name, e.shape)
+        except Exception as err:
+            raise ValueError(
+                f"select({e.name!r}, {e.shape}) raised {type(err).__name__}: {err}; make "
+                "select return a tuple of step-1 slices for every manifest tensor, or None "
+                "for the whole tensor") from None
+        try:
+            return _normalize_select(raw, e.shape)
+        except ValueError as err:
+            raise ValueError(
+                f"select({e.name!r}, {e.shape}) returned {raw!r}: {err}. Return a tuple of "
+                "step-1 slices within the full shape (e.g. (slice(r * n, (r + 1) * n),) for "
+                "a dim-0 shard), or None for the whole tensor") from None
 
     def _missing(self, dests: Mapping[str, torch.Tensor], claimed: Mapping[str, str],
                  problems: list[tuple[str, str, str]]) -> None:
@@ -1399,13 +1543,15 @@ class WeightReceiver:
         sources += [(a, by_name[c]) for a, c in layout.aliases if c in by_name]
         problems: list[tuple[str, str, str]] = []
         claimed: dict[str, str] = {}
-        resolved, skipped = self._resolve(sources, dests, claimed, problems)
+        resolved, skipped, selections = self._resolve(sources, dests, claimed, problems)
         self._missing(dests, claimed, problems)
         self._raise(problems)
-        return LoadPlan(layout, self._plan_buckets(layout, resolved), skipped)
+        return LoadPlan(layout, self._plan_buckets(layout, resolved, selections), skipped)
 
-    def _plan_buckets(self, layout: WeightLayout, resolved: Mapping[str, _Target]
+    def _plan_buckets(self, layout: WeightLayout, resolved: Mapping[str, _Target],
+                      selections: Mapping[str, Selection | None] | None = None
                       ) -> list[BucketPlan]:
+        selections = selections or {}
         alias_of: dict[str, list[str]] = {}
         for a, c in layout.aliases:
             alias_of.setdefault(c, []).append(a)
@@ -1422,7 +1568,21 @@ class WeightReceiver:
             if land:
                 ptrs = [d.data_ptr() for d in dests if d is not None and d.numel() > 0]
                 land = len(ptrs) == len(set(ptrs))
+            wanted = [selections.get(e.name) for e in entries]
+            select = None
+            if self.select is not None:
+                # Read part of the bucket when a tensor is selected or nobody takes one
+                # (an empty dim-0 slice skips it).
+                taken = [self._taken(e, t, alias_of, resolved) for e, t in zip(entries, targets)]
+                if any(w is not None for w in wanted) or not all(taken):
+                    select = [w if ok else _skip(e) for w, ok, e in zip(wanted, taken, entries)]
+                    land = False
             plan = BucketPlan(b.index, b.nbytes, list(dests) if land else None)  # type: ignore
+            if select is not None:
+                plan.select = select
+                plan.nbytes = sum(
+                    math.prod(_selected_shape(sl, e.shape)) * _itemsize(e.torch_dtype)
+                    for sl, e in zip(select, entries))
             for e, t in zip(entries, targets):
                 if isinstance(t, _ToLoader):
                     plan.loads.append((e.index, t.name))
@@ -1438,6 +1598,13 @@ class WeightReceiver:
             plans.append(plan)
         return plans
 
+    @staticmethod
+    def _taken(e: TensorEntry, t: _Target, alias_of: Mapping[str, list[str]],
+               resolved: Mapping[str, _Target]) -> bool:
+        """Does any name of entry ``e`` (itself or an alias) have a target?"""
+        return t is not None or any(resolved.get(a) is not None
+                                    for a in alias_of.get(e.name, ()))
+
     # -- loading --
 
     def _load_bucket(self, plan: BucketPlan, ref: ObjectRef) -> BucketReport:
@@ -1445,7 +1612,13 @@ class WeightReceiver:
 
         t0 = time.perf_counter()
         direct = plan.targets is not None
-        if plan.targets is not None:
+        src: list[torch.Tensor]
+        if plan.select is not None:
+            from ray_rdt_pool import transport
+
+            got = transport.fetch_selected(ref, plan.select)
+            src = got
+        elif plan.targets is not None:
             from ray.experimental import set_target_for_ref
 
             set_target_for_ref(ref, plan.targets)
@@ -1457,7 +1630,7 @@ class WeightReceiver:
                 with torch.no_grad():
                     for g, t in zip(got, plan.targets):
                         t.copy_(g)
-            src: list[torch.Tensor] = plan.targets
+            src = plan.targets
         else:
             got = ray.get(ref)
             src = got
@@ -1641,11 +1814,12 @@ class WeightReceiver:
         sources += [(a, by_name[c]) for a, c in spec.aliases if c in by_name]
         problems: list[tuple[str, str, str]] = []
         claimed = dict(st.claimed)
-        resolved, skipped = self._resolve(sources, self._dests(), claimed, problems)
+        resolved, skipped, selections = self._resolve(sources, self._dests(), claimed,
+                                                      problems)
         self._raise(problems, f"bucket {k} was not written; bucket(s) {_ranges(range(k))} "
                               f"were, and the version stays {self._version}")
         layout = WeightLayout(spec.entries, (spec.bucket,), spec.aliases)
-        rep = self._load_bucket(self._plan_buckets(layout, resolved)[0], ref)
+        rep = self._load_bucket(self._plan_buckets(layout, resolved, selections)[0], ref)
         st.claimed, st.skipped = claimed, st.skipped + skipped
         return rep
 
@@ -1678,10 +1852,10 @@ class WeightReceiver:
 def load_manifest(manifest: Manifest, dest: StateLike | None = None, *,
                   load_weights: LoadWeights | None = None, name_map: NameMap = None,
                   casting: Casting = "same_kind", strict: bool = True, direct: bool = True,
-                  release: bool = True) -> LoadReport:
+                  release: bool = True, select: Select | None = None) -> LoadReport:
     """Load ``manifest`` into ``dest`` in place: ``WeightReceiver(dest, ...).load(...)``."""
     receiver = WeightReceiver(dest, load_weights=load_weights, name_map=name_map,
-                              casting=casting, strict=strict, direct=direct)
+                              casting=casting, strict=strict, direct=direct, select=select)
     return receiver.load(manifest, release=release)
 
 

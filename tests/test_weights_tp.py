@@ -1,0 +1,599 @@
+"""Weight sync into a tensor-parallel inference engine: fused parameters, TP=2 shards,
+sharded pulls (``WeightReceiver(select=)``) and bf16 on the wire
+(``WeightSender(wire_dtype=)``).
+
+The engine model below stores its parameters the way vLLM does: ``qkv_proj`` (q, k, v
+concatenated on dim 0) and ``gate_up_proj`` (gate, up), column-parallel weights split
+on dim 0 across the TP ranks, row-parallel ones (``o_proj``, ``down_proj``) on dim 1,
+embeddings and the LM head split on the vocabulary, norms replicated. Its
+``load_weights`` maps the trainer's (Hugging Face) names and slices each tensor for its
+rank with per-parameter weight loaders, as vLLM's loaders do.
+
+The first group needs no Ray (``ray.get`` and ``fetch_selected`` are replaced by
+in-process slicing). The Ray group shares one cluster whose workers register the
+transport through the setup hook.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from ray import cloudpickle
+
+import ray_rdt_pool
+from ray_rdt_pool.weights import (
+    Manifest,
+    SelectError,
+    ShapeMismatchError,
+    WeightLayout,
+    WeightReceiver,
+    WeightSender,
+    WeightSyncError,
+    WireDtypeError,
+    plan_layout,
+    sync,
+)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+# ---------------------------------------------------------------------------------------
+# The trainer's model (Hugging Face names) and the engine's (vLLM layout)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cfg:
+    hidden: int = 256
+    heads: int = 8
+    kv_heads: int = 2
+    inter: int = 512
+    layers: int = 2
+    vocab: int = 1024
+
+    @property
+    def q(self) -> int:
+        return self.hidden
+
+    @property
+    def kv(self) -> int:
+        return self.hidden // self.heads * self.kv_heads
+
+
+CFG = Cfg()
+TP = 2
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+ROW = ("o_proj", "down_proj")
+
+
+def trainer_state(cfg: Cfg, seed: int) -> dict[str, torch.Tensor]:
+    """The trainer's state dict, with Llama's Hugging Face names, fp32."""
+    g = torch.Generator().manual_seed(seed)
+    h = cfg.hidden
+    out = {"model.embed_tokens.weight": torch.randn(cfg.vocab, h, generator=g)}
+    for i in range(cfg.layers):
+        p = f"model.layers.{i}."
+        out |= {
+            p + "input_layernorm.weight": torch.randn(h, generator=g),
+            p + "self_attn.q_proj.weight": torch.randn(cfg.q, h, generator=g),
+            p + "self_attn.k_proj.weight": torch.randn(cfg.kv, h, generator=g),
+            p + "self_attn.v_proj.weight": torch.randn(cfg.kv, h, generator=g),
+            p + "self_attn.o_proj.weight": torch.randn(h, cfg.q, generator=g),
+            p + "post_attention_layernorm.weight": torch.randn(h, generator=g),
+            p + "mlp.gate_proj.weight": torch.randn(cfg.inter, h, generator=g),
+            p + "mlp.up_proj.weight": torch.randn(cfg.inter, h, generator=g),
+            p + "mlp.down_proj.weight": torch.randn(h, cfg.inter, generator=g),
+        }
+    out["model.norm.weight"] = torch.randn(h, generator=g)
+    out["lm_head.weight"] = torch.randn(cfg.vocab, h, generator=g)
+    return out
+
+
+def _param(*shape: int) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.zeros(shape), requires_grad=False)
+
+
+class EngineModel(torch.nn.Module):
+    """One TP rank of an inference engine's Llama, parameters stored as vLLM does.
+
+    ``load_weights(pairs)`` takes the trainer's full tensors and narrows each to this
+    rank; with ``presharded=True`` it takes tensors already cut to this rank (what a
+    receiver with ``select=tp_select(...)`` passes) and only places them.
+    """
+
+    def __init__(self, cfg: Cfg, rank: int = 0, tp: int = 1) -> None:
+        super().__init__()
+        self.cfg, self.rank, self.tp = cfg, rank, tp
+        h, q, kv, inter, v = cfg.hidden, cfg.q // tp, cfg.kv // tp, cfg.inter // tp, cfg.vocab
+        self._loaders: dict[str, Callable[..., None]] = {}
+        self.add("model.embed_tokens.weight", _param(v // tp, h), self._column)
+        for i in range(cfg.layers):
+            p = f"model.layers.{i}."
+            self.add(p + "input_layernorm.weight", _param(h), self._replicated)
+            self.add(p + "self_attn.qkv_proj.weight", _param(q + 2 * kv, h), self._qkv)
+            self.add(p + "self_attn.o_proj.weight", _param(h, q), self._row)
+            self.add(p + "post_attention_layernorm.weight", _param(h), self._replicated)
+            self.add(p + "mlp.gate_up_proj.weight", _param(2 * inter, h), self._gate_up)
+            self.add(p + "mlp.down_proj.weight", _param(h, inter), self._row)
+        self.add("model.norm.weight", _param(h), self._replicated)
+        self.add("lm_head.weight", _param(v // tp, h), self._column)
+
+    def add(self, name: str, p: torch.nn.Parameter, loader: Callable[..., None]) -> None:
+        self.register_parameter(name.replace(".", "__"), p)
+        self._loaders[name] = loader
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {k.replace("__", "."): v for k, v in self.named_parameters()}
+
+    # -- weight loaders (vLLM: each parameter's weight_loader) --
+
+    def _shard(self, w: torch.Tensor, dim: int, presharded: bool) -> torch.Tensor:
+        if presharded:
+            return w
+        n = w.shape[dim] // self.tp
+        return w.narrow(dim, self.rank * n, n)
+
+    def _replicated(self, p: torch.Tensor, w: torch.Tensor, shard: Any, pre: bool) -> None:
+        p.copy_(w)
+
+    def _column(self, p: torch.Tensor, w: torch.Tensor, shard: Any, pre: bool) -> None:
+        p.copy_(self._shard(w, 0, pre))
+
+    def _row(self, p: torch.Tensor, w: torch.Tensor, shard: Any, pre: bool) -> None:
+        p.copy_(self._shard(w, 1, pre))
+
+    def _qkv(self, p: torch.Tensor, w: torch.Tensor, shard: str, pre: bool) -> None:
+        q, kv = self.cfg.q // self.tp, self.cfg.kv // self.tp
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
+        p.narrow(0, offset, size).copy_(self._shard(w, 0, pre))
+
+    def _gate_up(self, p: torch.Tensor, w: torch.Tensor, shard: int, pre: bool) -> None:
+        size = self.cfg.inter // self.tp
+        p.narrow(0, shard * size, size).copy_(self._shard(w, 0, pre))
+
+    STACKED = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
+               ("qkv_proj", "v_proj", "v"), ("gate_up_proj", "gate_proj", 0),
+               ("gate_up_proj", "up_proj", 1))
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     presharded: bool = False) -> set[str]:
+        params = self.params()
+        loaded: set[str] = set()
+        for name, w in weights:
+            shard: Any = None
+            for fused, part, shard_id in self.STACKED:
+                if f".{part}." in name:
+                    name, shard = name.replace(part, fused), shard_id
+                    break
+            if name not in params:
+                raise KeyError(f"the engine has no parameter {name!r}")
+            self._loaders[name](params[name], w, shard, presharded)
+            loaded.add(name)
+        return loaded
+
+
+def tp_select(rank: int, tp: int) -> Callable[[str, tuple[int, ...]], Any]:
+    """The part of each trainer tensor TP rank ``rank`` holds (None: replicated)."""
+
+    def select(name: str, shape: tuple[int, ...]) -> Any:
+        if any(f"{c}." in name for c in COLUMN):
+            n = shape[0] // tp
+            return (slice(rank * n, (rank + 1) * n),)
+        if any(f"{r}." in name for r in ROW):
+            n = shape[1] // tp
+            return (slice(None), slice(rank * n, (rank + 1) * n))
+        return None
+
+    return select
+
+
+def reference(state: dict[str, torch.Tensor], rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """The same trainer state loaded in-process into the same engine class."""
+    m = EngineModel(CFG, rank, tp)
+    m.load_weights(state.items())
+    return m.params()
+
+
+def assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+
+
+# ---------------------------------------------------------------------------------------
+# No Ray
+# ---------------------------------------------------------------------------------------
+
+
+def test_engine_loader_is_the_vllm_layout() -> None:
+    st = trainer_state(CFG, 0)
+    full = reference(st, 0, 1)
+    ranks = [reference(st, r, TP) for r in range(TP)]
+    p = "model.layers.1."
+    q, kv, inter = CFG.q // TP, CFG.kv // TP, CFG.inter // TP
+    for r, m in enumerate(ranks):
+        qkv = m[p + "self_attn.qkv_proj.weight"]
+        assert torch.equal(qkv[:q], st[p + "self_attn.q_proj.weight"][r * q:(r + 1) * q])
+        assert torch.equal(qkv[q + kv:], st[p + "self_attn.v_proj.weight"][r * kv:(r + 1) * kv])
+        gu = m[p + "mlp.gate_up_proj.weight"]
+        assert torch.equal(gu[inter:], st[p + "mlp.up_proj.weight"][r * inter:(r + 1) * inter])
+    # the two ranks' row-parallel halves put together are the full (TP=1) parameter
+    o = torch.cat([m[p + "self_attn.o_proj.weight"] for m in ranks], dim=1)
+    assert torch.equal(o, full[p + "self_attn.o_proj.weight"])
+
+
+@pytest.fixture
+def in_process(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """ray.get is the identity (a bucket's "ref" is its tensor list) and fetch_selected
+    slices it; returns the list of selections fetch_selected was called with."""
+    import ray
+
+    from ray_rdt_pool import transport
+
+    calls: list[Any] = []
+
+    def fetch_selected(ref: Any, selection: Any, timeout_s: Any = None) -> list[torch.Tensor]:
+        calls.append(list(selection))
+        return [t.contiguous() if s is None else t[s].contiguous()
+                for t, s in zip(ref, selection)]
+
+    monkeypatch.setattr(ray, "get", lambda ref, **kw: ref)
+    monkeypatch.setattr(transport, "fetch_selected", fetch_selected)
+    return calls
+
+
+def _manifest(layout: WeightLayout, version: int, groups: list[list[torch.Tensor]]
+              ) -> Manifest:
+    return Manifest(layout, [[list(g)] for g in groups], version)  # type: ignore[list-item]
+
+
+def test_wire_dtype_layout_and_errors() -> None:
+    st = {"w": torch.randn(64, 64), "ids": torch.arange(10), "b": torch.randn(64),
+          "h": torch.randn(8, dtype=torch.float16)}
+    fp32 = plan_layout(st, 1 << 20)[0]
+    bf16 = plan_layout(st, 1 << 20, torch.bfloat16)[0]
+    got = {e.name: (e.dtype, e.nbytes) for e in bf16.entries}
+    assert got == {"w": ("bfloat16", 64 * 64 * 2), "ids": ("int64", 80),
+                   "b": ("bfloat16", 128), "h": ("bfloat16", 16)}
+    assert bf16.total_bytes < 0.52 * fp32.total_bytes
+    # per tensor: only the matrices, as fp16
+    per = plan_layout(st, 1 << 20, lambda n, t: torch.float16 if t.dim() == 2 else None)[0]
+    assert [e.dtype for e in per.entries] == ["float16", "int64", "float32", "float16"]
+    # buckets are sized by wire bytes: two fp32 matrices need two 16 KiB buckets, one in bf16
+    two = {"a": torch.zeros(64, 64), "c": torch.zeros(64, 64)}
+    assert len(plan_layout(two, 16 << 10)[0].buckets) == 2
+    assert len(plan_layout(two, 16 << 10, torch.bfloat16)[0].buckets) == 1
+    for bad, match in ((lambda n, t: torch.int8, r"'w' \(float32\) as int8.*return None"),
+                       (lambda n, t: "bf16", r"returned str 'bf16'.*torch.dtype")):
+        with pytest.raises(WireDtypeError, match=match) as info:
+            WeightSender(st, wire_dtype=bad).layout()
+        assert info.value.name == "w" and isinstance(info.value, WeightSyncError)
+    with pytest.raises(WireDtypeError, match="floating-point"):
+        WeightSender(st, wire_dtype=torch.int32)  # type: ignore[arg-type]
+    e = cloudpickle.loads(cloudpickle.dumps(WireDtypeError("m", "w")))
+    assert e.name == "w" and str(e) == "m"
+
+
+def test_put_converts_in_the_pack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each bucket's ray.put runs inside transport.pack_as with the ids of the tensors
+    to convert (the wire dtype is applied by the pack copy, not before)."""
+    import contextlib
+
+    import ray
+
+    from ray_rdt_pool import transport
+
+    seen: list[tuple[list[torch.Tensor], dict[int, torch.dtype] | None]] = []
+    active: list[dict[int, torch.dtype]] = []
+
+    @contextlib.contextmanager
+    def pack_as(dtypes: dict[int, torch.dtype]) -> Iterator[None]:
+        active.append(dict(dtypes))
+        try:
+            yield
+        finally:
+            active.pop()
+
+    def put(tensors: list[torch.Tensor], **kw: Any) -> str:
+        seen.append((list(tensors), active[-1] if active else None))
+        return "ref"
+
+    monkeypatch.setattr(transport, "pack_as", pack_as)
+    monkeypatch.setattr(ray, "put", put)
+    monkeypatch.setattr("ray_rdt_pool.weights._stats",
+                        lambda: type("S", (), {"fallbacks": 0, "pool_used": 0})())
+    st = {"w": torch.randn(4, 4), "ids": torch.arange(3), "b": torch.randn(4)}
+    for source in (st, lambda: iter(st.items())):
+        seen.clear()
+        m = WeightSender(source, wire_dtype=torch.bfloat16).publish()
+        ((tensors, conv),) = seen
+        assert all(t.dtype != torch.bfloat16 for t in tensors)  # not converted before
+        assert conv == {id(tensors[0]): torch.bfloat16, id(tensors[2]): torch.bfloat16}
+        assert [e.dtype for e in m.layout.entries] == ["bfloat16", "int64", "bfloat16"]
+    seen.clear()
+    WeightSender(st).publish()
+    assert seen[0][1] is None  # no conversion: no pack_as block
+
+
+def test_select_reads_parts_and_writes_selected_shapes(in_process: list[Any]) -> None:
+    st = trainer_state(CFG, 1)
+    layout, groups = plan_layout(st, 1 << 20)
+    for r in range(TP):
+        # load_weights gets the selected slices; the engine places them as they are
+        eng = EngineModel(CFG, r, TP)
+        rec = WeightReceiver(load_weights=functools.partial(eng.load_weights, presharded=True),
+                             select=tp_select(r, TP))
+        rep = rec.load(_manifest(layout, 1, groups))
+        assert_equal(eng.params(), reference(st, r, TP))
+        assert 0.45 < rep.nbytes / layout.total_bytes < 0.55  # bytes read, about half
+        # a dest of the selected shapes (a sharded state dict with the trainer's names)
+        sel = tp_select(r, TP)
+        dest = {k: torch.zeros_like(v[sel(k, tuple(v.shape)) or ()]) for k, v in st.items()}
+        WeightReceiver(dest, select=sel, direct=False).load(_manifest(layout, 1, groups))
+        for k, v in st.items():
+            assert torch.equal(dest[k], v[sel(k, tuple(v.shape)) or ()].contiguous()), k
+    # tensors nobody takes are skipped with an empty dim-0 slice; full selections are None
+    in_process.clear()
+    dest = {"model.norm.weight": torch.zeros(CFG.hidden)}
+    WeightReceiver(dest, strict=False, direct=False, select=lambda n, s: (slice(None),)).load(
+        _manifest(layout, 1, groups))
+    assert torch.equal(dest["model.norm.weight"], st["model.norm.weight"])
+    norm = layout.by_name()["model.norm.weight"]
+    flat = [s for call in in_process for s in call]
+    # every other tensor is skipped (an empty dim-0 slice); norm's bucket is read through
+    # fetch_selected only if it holds other tensors too
+    alone = all(e.bucket != norm.bucket for e in layout.entries if e is not norm)
+    assert len(flat) == len(layout.entries) - alone
+    assert flat.count(None) == (not alone)  # type: ignore[comparison-overlap]
+    assert all(s is None or s[0] == slice(0, 0) for s in flat)
+
+
+def test_select_errors_before_anything_is_read(in_process: list[Any]) -> None:
+    st = trainer_state(CFG, 1)
+    layout, groups = plan_layout(st, 1 << 20)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    cases: list[tuple[Any, str]] = [
+        ((slice(0, CFG.hidden + 1),), r"dim 0: slice\(0, 257, None\) does not fit size 256"),
+        ((slice(None), slice(0, 8, 2)), "step 2"),
+        ([0, 1], "not a tuple of slice"),
+        ((slice(None),) * 3, "3 slices for a tensor of 2 dimension"),
+        (KeyError("no"), "raised KeyError"),
+    ]
+    for answer, match in cases:
+        def select(n: str, shape: tuple[int, ...], answer: Any = answer) -> Any:
+            if n != name:
+                return None
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+        eng = EngineModel(CFG)
+        rec = WeightReceiver(load_weights=eng.load_weights, select=select)
+        with pytest.raises(SelectError, match=match) as info:
+            rec.load(_manifest(layout, 1, groups))
+        assert repr(name) in str(info.value) and "None for the whole tensor" in str(info.value)
+        assert info.value.problems[0][:2] == ("select", name)
+        assert isinstance(info.value, WeightSyncError) and rec.version == 0
+        assert not in_process  # nothing was read
+        assert all(not p.any() for p in eng.params().values())  # nothing was written
+    # a destination of the full shape does not fit a selection: a typed shape error
+    dest = {name: torch.zeros(CFG.hidden, CFG.q)}
+    with pytest.raises(ShapeMismatchError, match=r"\(256, 128\) as selected"):
+        WeightReceiver(dest, strict=False, select=tp_select(0, TP)).check(layout)
+
+
+def test_select_in_a_lazy_stream(in_process: list[Any]) -> None:
+    """A lazy stream validates each bucket's selections before reading that bucket."""
+    from ray_rdt_pool.weights import BucketLayout
+
+    st = trainer_state(CFG, 2)
+    layout, groups = plan_layout(st, 1 << 20)
+    eng = EngineModel(CFG, 1, TP)
+    rec = WeightReceiver(load_weights=functools.partial(eng.load_weights, presharded=True),
+                         select=tp_select(1, TP))
+    rec.begin_stream("s", None, 1)
+    for k, g in enumerate(groups):
+        spec = BucketLayout(layout.buckets[k], tuple(e for e in layout.entries if e.bucket == k))
+        rec.load_stream_bucket("s", k, [list(g)], spec)
+    rec.finish_stream("s", len(groups))
+    assert rec.version == 1
+    assert_equal(eng.params(), reference(st, 1, TP))
+
+
+# ---------------------------------------------------------------------------------------
+# Ray
+# ---------------------------------------------------------------------------------------
+
+ENV = {"RAY_RDT_POOL_BYTES": "16M", "RAY_RDT_POOL_ARENA_BYTES": "16M",
+       "RAY_RDT_POOL_METRICS": "0"}
+BUCKET = 1 << 20
+VERSION = itertools.count(1)  # receivers outlive senders: versions keep counting up
+
+
+@pytest.fixture(scope="module")
+def actors() -> Iterator[dict[str, Any]]:
+    import ray
+
+    ray_rdt_pool.register()
+
+    @ray.remote(enable_tensor_transport=True)
+    class Node:
+        def __init__(self) -> None:
+            torch.set_num_threads(1)
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning",
+             runtime_env={"env_vars": ENV,
+                          "worker_process_setup_hook": "ray_rdt_pool.setup_worker"})
+    try:
+        nodes = {"trainer": Node.remote(), "r0": Node.remote(), "r1": Node.remote()}
+        ray.get([n.__ray_call__.remote(_noop) for n in nodes.values()], timeout=120)
+        yield nodes
+        for n in nodes.values():
+            ray.kill(n)
+    finally:
+        ray.shutdown()
+
+
+def _noop(node: Any) -> None:
+    return None
+
+
+def call(actor: Any, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(fn, *args, **kw), timeout=120)
+
+
+def _stats(node: Any) -> Any:
+    return ray_rdt_pool.stats()
+
+
+def _set_trainer(node: Any, seed: int, wire_dtype: Any = None) -> None:
+    node.state = trainer_state(CFG, seed)
+    node.weight_sender = WeightSender(node.state, bucket_bytes=BUCKET, wire_dtype=wire_dtype)
+
+
+def _trainer_state(node: Any) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in node.state.items()}
+
+
+def _set_engine(node: Any, rank: int, sharded: bool) -> None:
+    node.model = EngineModel(CFG, rank, TP)
+    node.weight_receiver = WeightReceiver(
+        load_weights=functools.partial(node.model.load_weights, presharded=sharded),
+        select=tp_select(rank, TP) if sharded else None)
+
+
+def _set_dest(node: Any, dtype: torch.dtype) -> None:
+    node.model = None
+    node.dest = {k: torch.zeros(v.shape, dtype=dtype) for k, v in trainer_state(CFG, 0).items()}
+    node.weight_receiver = WeightReceiver(node.dest)
+
+
+def _params(node: Any) -> dict[str, torch.Tensor]:
+    src = node.model.params() if node.model is not None else node.dest
+    return {k: v.detach().clone() for k, v in src.items()}
+
+
+def _received(ranks: list[Any]) -> list[int]:
+    return [call(r, _stats).bytes_received for r in ranks]
+
+
+def _drained(trainer: Any) -> None:
+    from tests.raycluster import wait_for
+
+    wait_for(lambda: (lambda s: s.pool_used == 0 and s.live_objects == 0)(
+        call(trainer, _stats)), timeout=30)
+
+
+@pytest.mark.ray
+def test_tp2_engine_full_then_sharded_pulls(actors: dict[str, Any]) -> None:
+    tr, ranks = actors["trainer"], [actors["r0"], actors["r1"]]
+    call(tr, _set_trainer, 3)
+    state = call(tr, _trainer_state)
+    refs = [reference(state, r, TP) for r in range(TP)]
+    # Full pulls: each rank reads every tensor whole and its loader narrows.
+    for r, node in enumerate(ranks):
+        call(node, _set_engine, r, False)
+    before = _received(ranks)
+    rep = sync(tr, ranks, mode="publish", version=next(VERSION))
+    full = [a - b for a, b in zip(_received(ranks), before)]
+    for r, node in enumerate(ranks):
+        assert_equal(call(node, _params), refs[r])
+    assert all(f >= rep.nbytes for f in full)
+    # Sharded pulls: each rank reads only its part, in both modes.
+    for mode in ("stream", "publish"):
+        for r, node in enumerate(ranks):
+            call(node, _set_engine, r, True)  # fresh, zeroed parameters
+        before = _received(ranks)
+        rep = sync(tr, ranks, mode=mode, version=next(VERSION))  # type: ignore[arg-type]
+        part = [a - b for a, b in zip(_received(ranks), before)]
+        for r, node in enumerate(ranks):
+            assert_equal(call(node, _params), refs[r])
+            assert 0.45 < part[r] / full[r] < 0.55, (part, full)
+            assert part[r] == rep.loads[r].nbytes  # the report counts the bytes read
+    print(f"TP=2 bytes per rank: full pull {full}, sharded pull {part} "
+          f"({part[0] / full[0]:.3f} of full)")
+    _drained(tr)
+
+
+@pytest.mark.ray
+def test_bf16_on_the_wire_halves_the_bytes(actors: dict[str, Any]) -> None:
+    tr, ranks = actors["trainer"], [actors["r0"], actors["r1"]]
+    call(tr, _set_trainer, 4)
+    state = call(tr, _trainer_state)
+    call(ranks[0], _set_dest, torch.float32)
+    call(ranks[1], _set_dest, torch.bfloat16)
+    before = _received(ranks)
+    fp32 = sync(tr, ranks, version=next(VERSION))
+    fp32_bytes = [a - b for a, b in zip(_received(ranks), before)]
+    assert fp32.loads[0].direct_buckets == fp32.buckets  # fp32 -> fp32 lands directly
+    call(tr, _set_trainer, 4, torch.bfloat16)
+    for mode in ("stream", "publish"):
+        before = _received(ranks)
+        rep = sync(tr, ranks, mode=mode, version=next(VERSION))  # type: ignore[arg-type]
+        bf16_bytes = [a - b for a, b in zip(_received(ranks), before)]
+        assert all(0.45 < b / f < 0.55 for b, f in zip(bf16_bytes, fp32_bytes)), \
+            (bf16_bytes, fp32_bytes)
+        assert rep.nbytes * 2 == fp32.nbytes  # every tensor here is floating point
+        got32, got16 = call(ranks[0], _params), call(ranks[1], _params)
+        for k, v in state.items():
+            want = v.to(torch.bfloat16)
+            assert torch.equal(got32[k], want.to(torch.float32)), k  # cast back on load
+            assert torch.equal(got16[k], want), k
+    print(f"bytes per receiver: fp32 wire {fp32_bytes[0]}, bf16 wire {bf16_bytes[0]}")
+    _drained(tr)
+
+
+@pytest.mark.ray
+def test_sharded_bf16_and_errors_before_any_byte(actors: dict[str, Any]) -> None:
+    import ray
+
+    tr, ranks = actors["trainer"], [actors["r0"], actors["r1"]]
+    call(tr, _set_trainer, 5, torch.bfloat16)
+    state = call(tr, _trainer_state)
+    for r, node in enumerate(ranks):
+        call(node, _set_engine, r, True)
+    before = _received(ranks)
+    rep = sync(tr, ranks, version=next(VERSION))
+    got = [a - b for a, b in zip(_received(ranks), before)]
+    bf16_state = {k: v.to(torch.bfloat16).float() for k, v in state.items()}
+    for r, node in enumerate(ranks):
+        assert_equal(call(node, _params), reference(bf16_state, r, TP))
+        assert got[r] == rep.loads[r].nbytes and 0.2 < got[r] / (2 * rep.nbytes) < 0.3
+    print(f"TP=2 sharded + bf16 wire: {got} bytes per rank (fp32 payload: "
+          f"{2 * rep.nbytes})")
+    # A select that does not fit: refused before anything is read, on either path.
+    def bad_select(node: Any) -> None:
+        node.weight_receiver.select = lambda n, s: (slice(0, s[0] + 1),)
+
+    call(ranks[0], bad_select)
+    put0 = call(tr, _stats).objects_put
+    before = _received(ranks)
+    with pytest.raises(SelectError, match=r"does not fit size"):
+        sync(tr, ranks[:1], version=next(VERSION))
+    assert call(tr, _stats).objects_put == put0  # refused before any bucket was put
+    m = call(tr, lambda n, v: n.weight_sender.publish(version=v), next(VERSION))
+    put1 = call(tr, _stats).objects_put
+    assert put1 == put0 + len(m.layout.buckets)
+    with pytest.raises(SelectError):
+        ray.get(ranks[0].__ray_call__.remote(lambda n, m: n.weight_receiver.load(m), m),
+                timeout=60)
+    del m
+    assert _received(ranks)[0] == before[0]
+    # A wire dtype the tensors cannot take: refused before any bucket is put.
+    call(tr, _set_trainer, 5, lambda n, t: torch.int8 if "norm" in n else None)
+    with pytest.raises(WireDtypeError, match="norm"):
+        sync(tr, ranks[1:], version=next(VERSION))
+    assert call(tr, _stats).objects_put == put1
+    _drained(tr)
