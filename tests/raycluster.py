@@ -6,10 +6,11 @@ Each test module starts one cluster (Ray start-up costs seconds) through
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import ray
@@ -87,3 +88,54 @@ def all_dtype_tensors(seed: int = 0, rows: int = 3, first_cols: int = 5) -> list
             raw = raw % 2
         out.append(raw.view(dt).view(shape))
     return out
+
+
+def _noop(actor: Any) -> None:
+    return None
+
+
+def call(actor: Any, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """Run ``fn(actor_instance, *args, **kw)`` inside ``actor`` and return its value."""
+    return ray.get(actor.__ray_call__.remote(fn, *args, **kw), timeout=120)
+
+
+@contextlib.contextmanager
+def actor_cluster(env: dict[str, str], classes: dict[str, Any], *, setup_hook: bool = False,
+                  **init_kwargs: Any) -> Iterator[dict[str, Any]]:
+    """A fresh local cluster (4 CPUs) whose workers see ``env``; one started actor per
+    name in ``classes``. ``setup_hook`` registers the transport in every worker through
+    ``ray_rdt_pool.setup_worker``. Kills the actors and shuts the cluster down after."""
+    import ray_rdt_pool
+
+    ray_rdt_pool.register()
+    runtime_env: dict[str, Any] = {"env_vars": env}
+    if setup_hook:
+        runtime_env["worker_process_setup_hook"] = "ray_rdt_pool.setup_worker"
+    if ray.is_initialized():
+        ray.shutdown()
+    init_kwargs.setdefault("logging_level", "warning")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env=runtime_env,
+             **init_kwargs)
+    try:
+        actors = {name: cls.remote() for name, cls in classes.items()}
+        ray.get([a.__ray_call__.remote(_noop) for a in actors.values()], timeout=120)
+        yield actors
+        for a in actors.values():
+            ray.kill(a)
+    finally:
+        ray.shutdown()
+
+
+def _stats_of(actor: Any) -> Any:
+    import ray_rdt_pool
+
+    return ray_rdt_pool.stats()
+
+
+def wait_drained(actor: Any, timeout: float = 30.0) -> Any:
+    """Wait until ``actor``'s sender pool holds no object (frees run after the refs die);
+    return its stats."""
+    st = wait_for(lambda: (x := call(actor, _stats_of)).pool_used == 0
+                  and x.live_objects == 0 and x, timeout=timeout, interval=0.05)
+    assert st.pool_used == 0 and st.live_objects == 0, st
+    return st

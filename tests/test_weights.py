@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from ray_rdt_pool.weights import (
     plan_layout,
     sync,
 )
+from tests.raycluster import actor_cluster, call, wait_drained
 
 # The helpers below run inside the actors; ship them by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -193,24 +194,8 @@ def actors() -> Iterator[dict[str, Any]]:
             ray_rdt_pool.register()
             torch.set_num_threads(1)
 
-    ray_rdt_pool.register()
-    if ray.is_initialized():
-        ray.shutdown()
-    # address="local": a fresh cluster, never one that RAY_ADDRESS points to.
-    ray.init(address="local", num_cpus=4, include_dashboard=False,
-             runtime_env={"env_vars": ENV}, logging_level="warning")
-    try:
-        nodes = {name: Node.remote() for name in ("trainer", "r1", "r2")}
-        ray.get([n.__ray_call__.remote(_noop) for n in nodes.values()])
+    with actor_cluster(ENV, dict.fromkeys(("trainer", "r1", "r2"), Node)) as nodes:
         yield nodes
-        for n in nodes.values():
-            ray.kill(n)
-    finally:
-        ray.shutdown()
-
-
-def _noop(node: Any) -> None:
-    return None
 
 
 def _set(node: Any, attr: str, value: Any) -> None:
@@ -251,22 +236,6 @@ def _load(node: Any, manifest: Any, release: bool = True, keep: bool = False) ->
     if keep:
         node.kept = manifest
     return rep
-
-
-def call(actor: Any, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-    import ray
-
-    return ray.get(actor.__ray_call__.remote(fn, *args, **kw), timeout=120)
-
-
-def wait_drained(trainer: Any, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    st = call(trainer, _stats)
-    while (st.pool_used or st.live_objects) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        st = call(trainer, _stats)
-    assert st.pool_used == 0 and st.live_objects == 0, st
-    return st
 
 
 def assert_state_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],

@@ -13,7 +13,7 @@ import asyncio
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -38,6 +38,7 @@ from ray_rdt_pool.weights import (
     plan_layout,
     sync,
 )
+from tests.raycluster import actor_cluster, call, wait_drained
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.ray
@@ -318,29 +319,9 @@ def actors() -> Iterator[dict[str, Any]]:
         async def load(self, manifest: Manifest) -> Any:
             return await self.weight_receiver.load_async(manifest)
 
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning",
-             runtime_env={"env_vars": ENV,
-                          "worker_process_setup_hook": "ray_rdt_pool.setup_worker"})
-    try:
-        nodes = {"trainer": Node.remote(), "r1": Node.remote(), "ar": AsyncNode.remote()}
-        ray.get([n.__ray_call__.remote(_noop) for n in nodes.values()], timeout=120)
+    with actor_cluster(ENV, {"trainer": Node, "r1": Node, "ar": AsyncNode},
+                       setup_hook=True) as nodes:
         yield nodes
-        for n in nodes.values():
-            ray.kill(n)
-    finally:
-        ray.shutdown()
-
-
-def _noop(node: Any) -> None:
-    return None
-
-
-def call(actor: Any, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-    import ray
-
-    return ray.get(actor.__ray_call__.remote(fn, *args, **kw), timeout=120)
 
 
 def _stats(node: Any) -> Any:
@@ -391,16 +372,6 @@ def _publish(node: Any, version: int | None = None) -> Manifest:
 
 def _load(node: Any, manifest: Manifest) -> Any:
     return node.weight_receiver.load(manifest)
-
-
-def wait_drained(trainer: Any, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    st = call(trainer, _stats)
-    while (st.pool_used or st.live_objects) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        st = call(trainer, _stats)
-    assert st.pool_used == 0 and st.live_objects == 0, st
-    return st
 
 
 def assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -42,6 +42,7 @@ from ray import cloudpickle
 
 import ray_rdt_pool
 from ray_rdt_pool.weights import WeightReceiver, WeightSender
+from tests.raycluster import actor_cluster, call
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.ray
@@ -72,32 +73,17 @@ def actors() -> Iterator[dict[str, Any]]:
         def __init__(self) -> None:
             torch.set_num_threads(1)
 
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning",
-             log_to_driver=False,
-             runtime_env={"env_vars": ENV,
-                          "worker_process_setup_hook": "ray_rdt_pool.setup_worker"})
-    try:
-        nodes = {"trainer": Node.remote(), "r1": Node.remote()}
-        ray.get([n.__ray_call__.remote(_setup) for n in nodes.values()], timeout=120)
-        yield nodes
+    with actor_cluster(ENV, {"trainer": Node, "r1": Node}, setup_hook=True,
+                       log_to_driver=False) as nodes:
         for n in nodes.values():
-            ray.kill(n)
-    finally:
-        ray.shutdown()
+            call(n, _setup)
+        yield nodes
 
 
 def _setup(node: Any) -> None:
     g = torch.Generator().manual_seed(0)
     node.model = {f"w{i}": torch.randn(TENSOR // 4, generator=g) for i in range(N_TENSORS)}
     node.weight_receiver = WeightReceiver({k: torch.zeros_like(v) for k, v in node.model.items()})
-
-
-def call(actor: Any, fn: Callable[..., Any], *args: Any) -> Any:
-    import ray
-
-    return ray.get(actor.__ray_call__.remote(fn, *args), timeout=120)
 
 
 def _stream_measured(node: Any, receivers: list[Any], lazy: bool, version: int,

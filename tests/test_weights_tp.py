@@ -40,6 +40,7 @@ from ray_rdt_pool.weights import (
     plan_layout,
     sync,
 )
+from tests.raycluster import actor_cluster, call
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -429,29 +430,9 @@ def actors() -> Iterator[dict[str, Any]]:
         def __init__(self) -> None:
             torch.set_num_threads(1)
 
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning",
-             runtime_env={"env_vars": ENV,
-                          "worker_process_setup_hook": "ray_rdt_pool.setup_worker"})
-    try:
-        nodes = {"trainer": Node.remote(), "r0": Node.remote(), "r1": Node.remote()}
-        ray.get([n.__ray_call__.remote(_noop) for n in nodes.values()], timeout=120)
+    with actor_cluster(ENV, dict.fromkeys(("trainer", "r0", "r1"), Node),
+                       setup_hook=True) as nodes:
         yield nodes
-        for n in nodes.values():
-            ray.kill(n)
-    finally:
-        ray.shutdown()
-
-
-def _noop(node: Any) -> None:
-    return None
-
-
-def call(actor: Any, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-    import ray
-
-    return ray.get(actor.__ray_call__.remote(fn, *args, **kw), timeout=120)
 
 
 def _stats(node: Any) -> Any:
