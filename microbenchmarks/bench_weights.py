@@ -23,6 +23,28 @@ rest) seconds per sync, GB/s of the weight set at the warm median, the sender's 
 pool bytes, and the ratio against ``ray-nixl``.
 
 Run: python -m microbenchmarks.bench_weights [--quick] [--json PATH]
+
+``--suite engine`` instead syncs a Hugging Face ``LlamaForCausalLM`` (built from a config,
+~100M parameters, 384 MiB fp32 at ``--hf-size full``) from an fp32 trainer into two
+engine-like receivers, each variant alone:
+
+* ``anchor-ray-nixl``: Ray's WeightSyncManager pattern on Ray's ``nixl``: the trainer puts
+  its state dict as dicts of at most 64 MiB (``ray.put(..., _tensor_transport="nixl")``),
+  each receiver ``ray.get``\\ s them all, then ``load_state_dict``.
+* ``pool-stream``: ``sync(mode="stream")`` into ``WeightReceiver(load_weights=...)`` (a
+  name -> parameter ``copy_``, through the receive arena); the full-pull baseline.
+* ``pool-stream-tp2``: two TP ranks, ``select`` = each rank's dim-0 half of every 2-D
+  tensor, loaded into rank-sized tensors.
+* ``wire-fp32-to-bf16`` / ``wire-bf16-to-bf16``: bf16 receivers, fp32 or bf16 on the wire
+  (``WeightSender(wire_dtype=torch.bfloat16)``).
+
+It prints per variant the warm median sync time, the receive-side seconds per rank
+(``LoadReport.seconds``), the bytes read per rank (``stats().bytes_received``), each
+receiver's peak extra RSS (VmHWM reset through /proc/self/clear_refs, and a 2 ms
+/proc/self/statm sampler), then the issue's target ratios measured in the same run.
+``--nodes 2`` puts the receivers on a second Ray node (ray.cluster_utils.Cluster).
+
+    python -m microbenchmarks.bench_weights --suite engine [--nodes 2] [--syncs 11]
 """
 
 from __future__ import annotations
@@ -168,6 +190,400 @@ def run_variant(name: str, layout: Layout, args: argparse.Namespace) -> dict[str
     }
 
 
+# ---------------------------------------------------------------------------------------
+# --suite engine: a Hugging Face Llama into inference-engine-like receivers
+# ---------------------------------------------------------------------------------------
+
+#: Hugging Face Llama shapes (random init from a config, no download). ``full`` is the
+#: example's (examples/weight_sync_hf.py) ~100M parameters, ~400 MB fp32.
+HF_SIZES = {
+    "full": dict(vocab_size=16384, hidden_size=768, intermediate_size=2048,
+                 num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4),
+    "medium": dict(vocab_size=8192, hidden_size=512, intermediate_size=1536,
+                   num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4),
+    "small": dict(vocab_size=512, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+}
+ENGINE_VARIANTS = ("anchor-ray-nixl", "pool-stream", "pool-stream-tp2", "wire-fp32-to-bf16",
+                   "wire-bf16-to-bf16")
+#: Ray's WeightSyncManager pattern chunks the state dict into dicts of this many bytes.
+ANCHOR_CHUNK = 64 * MIB
+
+
+def _hf_model(shape: dict[str, int], seed: int, dtype: torch.dtype) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**shape, max_position_embeddings=256, tie_word_embeddings=False,
+                      attn_implementation="eager")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def tp_select(rank: int, tp: int) -> Any:
+    """Each rank takes its dim-0 share of every 2-D tensor; 1-D tensors whole."""
+    def select(name: str, shape: tuple[int, ...]) -> Any:
+        if len(shape) != 2:
+            return None
+        n = shape[0] // tp
+        return (slice(rank * n, (rank + 1) * n),)
+    return select
+
+
+class _MemWatch:
+    """Peak RSS of this process during one sync: VmHWM reset through
+    /proc/self/clear_refs, and a thread reading /proc/self/statm every 2 ms."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.threading = threading
+        self.base0 = _rss()  # before any sync: model built, transport not yet used
+        self.thread: Any = None
+
+    def begin(self) -> None:
+        gc.collect()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.hwm_ok = True
+        except OSError:
+            self.hwm_ok = False
+        self.before = _rss()
+        self.peak = self.before
+        self.stop = self.threading.Event()
+
+        def run() -> None:
+            while not self.stop.is_set():
+                self.peak = max(self.peak, _rss())
+                time.sleep(0.002)
+        self.thread = self.threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def end(self) -> dict[str, int]:
+        self.stop.set()
+        self.thread.join()
+        peak = max(self.peak, _hwm() if self.hwm_ok else 0, _rss())
+        return {"before": self.before, "peak": peak, "base0": self.base0,
+                "sampled_peak": self.peak}
+
+
+@ray.remote(enable_tensor_transport=True, num_cpus=0)
+class HFNode:
+    """The trainer (fp32 Llama) or an inference receiver, one process each.
+
+    Receiver kinds: ``model`` (the full Llama in ``dtype``; our receiver goes through
+    ``load_weights``, a name -> parameter ``copy_``, as an engine's loader does), or
+    ``tp`` (rank ``rank`` of 2: a dict of dim-0 halves of the 2-D weights, loaded by
+    ``load_weights`` from a ``select``-ed pull).
+    """
+
+    def __init__(self, shape: dict[str, int], seed: int, pool_bytes: int, arena_bytes: int,
+                 bucket_bytes: int, kind: str = "model", dtype: str = "float32",
+                 rank: int = 0, wire: str | None = None) -> None:
+        ray_rdt_pool.register()
+        ray_rdt_pool.configure(pool_bytes=pool_bytes, arena_bytes=arena_bytes)
+        torch.set_num_threads(1)
+        dt = getattr(torch, dtype)
+        self.model = _hf_model(shape, seed, dt)
+        self.params = dict(self.model.named_parameters())
+        self.kind = kind
+        if kind == "trainer":
+            wd = getattr(torch, wire) if wire else None
+            self.weight_sender = WeightSender(self.model, bucket_bytes=bucket_bytes,
+                                              wire_dtype=wd)
+        elif kind == "tp":
+            sel = tp_select(rank, 2)
+            self.shards = {}
+            for n, p in self.params.items():
+                s = sel(n, tuple(p.shape))
+                self.shards[n] = (p.detach()[s[0]] if s else p.detach()).clone()
+            del self.model, self.params
+            gc.collect()
+            self.weight_receiver = WeightReceiver(load_weights=self._load_shards, select=sel)
+        else:
+            self.weight_receiver = WeightReceiver(load_weights=self._load_model)
+        self.mem = _MemWatch()
+
+    @torch.no_grad()
+    def _load_model(self, pairs: Any) -> None:
+        for n, t in pairs:
+            self.params[n].copy_(t)
+
+    @torch.no_grad()
+    def _load_shards(self, pairs: Any) -> None:
+        for n, t in pairs:
+            self.shards[n].copy_(t)
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def nbytes(self) -> tuple[int, int]:
+        return (sum(p.numel() * p.element_size() for p in self.model.parameters()),
+                sum(p.numel() for p in self.model.parameters()))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p in self.model.parameters():
+            p.view(-1)[:64].add_(1e-3)
+
+    def checksum(self, dtype: str = "float32", rank: int | None = None) -> list[float]:
+        dt = getattr(torch, dtype)
+        out = []
+        if self.kind == "tp" or rank is not None:
+            src = self.shards if self.kind == "tp" else {
+                n: (p.detach()[tp_select(rank, 2)(n, tuple(p.shape))[0]]
+                    if p.dim() == 2 else p.detach()) for n, p in self.params.items()}
+        else:
+            src = {n: p.detach() for n, p in self.params.items()}
+        for n in sorted(src):
+            out.append(float(src[n].to(dt).float().sum()))
+        return out
+
+    def bytes_received(self) -> int:
+        return int(ray_rdt_pool.stats().bytes_received)
+
+    def mem_begin(self) -> None:
+        self.mem.begin()
+
+    def mem_end(self) -> dict[str, int]:
+        return self.mem.end()
+
+    # -- the anchor: Ray's WeightSyncManager pattern on Ray's nixl --
+
+    def anchor_put(self) -> list[Any]:
+        """Split the state dict into ~64 MiB dicts and put each on Ray's nixl."""
+        refs, cur, size = [], {}, 0
+        for n, t in self.model.state_dict().items():
+            if cur and size + t.nbytes > ANCHOR_CHUNK:
+                refs.append(ray.put(cur, _tensor_transport="nixl"))
+                cur, size = {}, 0
+            cur[n] = t
+            size += t.nbytes
+        if cur:
+            refs.append(ray.put(cur, _tensor_transport="nixl"))
+        return [refs]
+
+    def anchor_load(self, box: list[Any]) -> float:
+        """Get every chunk, then load_state_dict; returns the receive-side seconds."""
+        t0 = time.perf_counter()
+        sd: dict[str, torch.Tensor] = {}
+        for r in box[0]:
+            sd.update(ray.get(r))
+        self.model.load_state_dict(sd)
+        del sd
+        return time.perf_counter() - t0
+
+
+def run_engine_variant(name: str, shape: dict[str, int], args: argparse.Namespace,
+                       version0: int) -> dict[str, Any]:
+    bucket = args.bucket_mib * MIB
+    pool = 64 * MIB if name == "anchor-ray-nixl" else 2 * bucket
+    arena = args.arena_mib * MIB
+    wire = "bfloat16" if name == "wire-bf16-to-bf16" else None
+    rdt = "bfloat16" if name.startswith("wire-") else "float32"
+    # --nodes 2: the trainer on the head node, the receivers on a second Ray node.
+    tr = HFNode.options(resources={"trainer": 1}) if args.nodes == 2 else HFNode
+    rc = HFNode.options(resources={"receiver": 1}) if args.nodes == 2 else HFNode
+    trainer = tr.remote(shape, 0, pool, arena, bucket, kind="trainer", wire=wire)
+    if name == "pool-stream-tp2":
+        receivers = [rc.remote(shape, 100 + i, pool, arena, bucket, kind="tp", rank=i)
+                     for i in range(2)]
+    else:
+        receivers = [rc.remote(shape, 100 + i, pool, arena, bucket, kind="model",
+                                   dtype=rdt) for i in range(args.receivers)]
+    actors = [trainer, *receivers]
+    ray.get([a.ready.remote() for a in actors])
+    nbytes, nparams = ray.get(trainer.nbytes.remote())
+    times: list[float] = []
+    recv_s: list[list[float]] = []
+    got: list[list[int]] = []
+    mems: list[list[dict[str, int]]] = []
+    buckets = 0
+    try:
+        for k in range(args.syncs):
+            ray.get(trainer.step.remote())
+            before = ray.get([r.bytes_received.remote() for r in receivers])
+            ray.get([r.mem_begin.remote() for r in receivers])
+            t0 = time.perf_counter()
+            if name == "anchor-ray-nixl":
+                box = ray.get(trainer.anchor_put.remote())
+                rs = ray.get([r.anchor_load.remote(box) for r in receivers])
+                buckets = len(box[0])
+                del box
+            else:
+                rep = sync(trainer, receivers, mode="stream", max_inflight=2,
+                           version=version0 + k)
+                rs = [ld.seconds for ld in rep.loads]
+                buckets = rep.buckets
+                assert rep.stream is not None and rep.stream.fallbacks == 0, rep.stream
+            times.append(time.perf_counter() - t0)
+            mems.append(ray.get([r.mem_end.remote() for r in receivers]))
+            after = ray.get([r.bytes_received.remote() for r in receivers])
+            recv_s.append(rs)
+            got.append([a - b for a, b in zip(after, before)])
+        if name == "pool-stream-tp2":
+            ok = all(ray.get(r.checksum.remote()) == ray.get(trainer.checksum.remote(rank=i))
+                     for i, r in enumerate(receivers))
+        else:
+            want = ray.get(trainer.checksum.remote(rdt))
+            ok = all(ray.get(r.checksum.remote(rdt)) == want for r in receivers)
+    finally:
+        for a in actors:
+            ray.kill(a)
+        del actors, trainer, receivers
+        gc.collect()
+        time.sleep(args.settle)
+    warm = slice(1, None) if len(times) > 1 else slice(None)
+    wt, wr, wm = times[warm], recv_s[warm], mems[warm]
+    nrec = len(wr[0])
+    # Peak extra memory per receiver: max over warm syncs of (peak RSS during the sync -
+    # RSS just before it), and of (peak - RSS before the first sync, i.e. counting what the
+    # transport keeps between syncs: arena, registrations, allocator caches).
+    extra = [max(m[i]["peak"] - m[i]["before"] for m in wm) for i in range(nrec)]
+    extra0 = [max(m[i]["peak"] - m[i]["base0"] for m in mems) for i in range(nrec)]
+    return {
+        "variant": name, "suite": "engine", "bytes": nbytes, "params": nparams,
+        "syncs": len(times), "warm_syncs": len(wt), "buckets": buckets,
+        "cold_s": times[0], "warm_median_s": statistics.median(wt), "warm_min_s": min(wt),
+        "warm_max_s": max(wt),
+        "recv_median_s": [statistics.median(r[i] for r in wr) for i in range(nrec)],
+        "bytes_received": got[-1], "peak_extra_bytes": extra, "peak_extra_vs_base0": extra0,
+        "checksums_ok": ok, "times_s": times, "recv_s": recv_s, "mem": mems,
+        "loadavg_after": list(os.getloadavg()),
+    }
+
+
+def _ratio_line(label: str, num: float, den: float, target: str, ok: bool | None) -> str:
+    r = num / den if den else float("nan")
+    verdict = "" if ok is None else ("MET" if ok else "MISSED")
+    return f"{label:58s} {r:6.2f}   {target:14s} {verdict}"
+
+
+def engine_suite(args: argparse.Namespace, command: str) -> int:
+    shape = HF_SIZES[args.hf_size]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()] \
+        if args.variants_given else list(ENGINE_VARIANTS)
+    unknown = sorted(set(variants) - set(ENGINE_VARIANTS))
+    if unknown:
+        raise SystemExit(f"unknown engine variants {unknown}; choose from {ENGINE_VARIANTS}")
+    print(f"engine suite: LlamaForCausalLM {args.hf_size} {shape}; {args.nodes} Ray "
+          f"node(s); {args.receivers} "
+          f"receivers, {args.syncs} syncs (1 cold + {args.syncs - 1} warm), buckets/chunks of "
+          f"{args.bucket_mib} MiB, receiver arena {args.arena_mib} MiB; {os.cpu_count()} CPUs, "
+          f"load {os.getloadavg()[0]:.1f}", flush=True)
+    ray_rdt_pool.register()
+    cluster, previous = None, None
+    if args.nodes == 2:
+        # Two Ray nodes on this machine (as tests/test_multinode.py): separate raylets and
+        # object stores; NIXL moves the bytes between the processes.
+        from pathlib import Path
+
+        from ray.cluster_utils import Cluster
+
+        current = Path("/tmp/ray/ray_current_cluster")
+        previous = current.read_bytes() if current.exists() else None
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 2, "resources": {"trainer": 1}, "include_dashboard": False})
+        # Cluster records its address there; put it back so no other process joins ours.
+        if previous is None:
+            current.unlink(missing_ok=True)
+        else:
+            current.write_bytes(previous)
+        cluster.add_node(num_cpus=2, resources={"receiver": args.receivers})
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
+    else:
+        ray.init(address="local", include_dashboard=False, logging_level="warning",
+                 log_to_driver=False)
+    results = []
+    try:
+        for i, v in enumerate(variants):
+            r = run_engine_variant(v, shape, args, version0=1 + i * 1000)
+            results.append(r)
+            print(f"  {v:20s} cold {r['cold_s'] * 1e3:8.1f} ms  warm median "
+                  f"{r['warm_median_s'] * 1e3:8.1f} ms  load {r['loadavg_after'][0]:.1f}  "
+                  f"ok={r['checksums_ok']}", flush=True)
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+    if results:
+        print(f"\nmodel: {results[0]['params'] / 1e6:.1f}M params, "
+              f"{results[0]['bytes'] / MIB:.1f} MiB fp32")
+    print(f"{'variant':20s} {'cold s':>7s} {'warm med s':>10s} {'min s':>6s} {'max s':>6s} "
+          f"{'recv s/rank':>13s} {'MiB recv/rank':>15s} {'peak extra MiB/rank':>20s} "
+          f"{'vs base0':>11s} {'bkts':>4s}")
+    for r in results:
+        got = "n/a (Ray)" if r["variant"] == "anchor-ray-nixl" else \
+            "/".join(f"{b / MIB:.0f}" for b in r["bytes_received"])
+        print(f"{r['variant']:20s} {r['cold_s']:7.2f} {r['warm_median_s']:10.3f} "
+              f"{r['warm_min_s']:6.3f} {r['warm_max_s']:6.3f} "
+              f"{'/'.join(f'{x:.3f}' for x in r['recv_median_s']):>13s} "
+              f"{got:>15s} "
+              f"{'/'.join(f'{b / MIB:.0f}' for b in r['peak_extra_bytes']):>20s} "
+              f"{'/'.join(f'{b / MIB:.0f}' for b in r['peak_extra_vs_base0']):>11s} "
+              f"{r['buckets']:4d}")
+    by = {r["variant"]: r for r in results}
+    lines = []
+    a, s = by.get("anchor-ray-nixl"), by.get("pool-stream")
+    if a and s:
+        sp = a["warm_median_s"] / s["warm_median_s"]
+        lines.append(_ratio_line("anchor: ray-nixl time / pool-stream time (speedup)",
+                                 a["warm_median_s"], s["warm_median_s"], ">= 2.0", sp >= 2))
+        me, ma = max(s["peak_extra_bytes"]), max(a["peak_extra_bytes"])
+        lines.append(_ratio_line("anchor: pool-stream / ray-nixl peak extra receiver mem",
+                                 me, ma, "<= 0.5", me <= 0.5 * ma))
+        me0, ma0 = max(s["peak_extra_vs_base0"]), max(a["peak_extra_vs_base0"])
+        lines.append(_ratio_line("  same, counting memory kept between syncs (vs base0)",
+                                 me0, ma0, "<= 0.5", me0 <= 0.5 * ma0))
+    t = by.get("pool-stream-tp2")
+    if t and s:
+        lines.append(_ratio_line("tp2: bytes received per rank / full pull",
+                                 max(t["bytes_received"]), max(s["bytes_received"]),
+                                 "~0.5", None))
+        rt, rs = max(t["recv_median_s"]), max(s["recv_median_s"])
+        lines.append(_ratio_line("tp2: receive-side s per rank (READ+load) / full pull",
+                                 rt, rs, "<= 0.6", rt <= 0.6 * rs))
+        lines.append(_ratio_line("tp2: whole-sync s / full pull", t["warm_median_s"],
+                                 s["warm_median_s"], "<= 0.8",
+                                 t["warm_median_s"] <= 0.8 * s["warm_median_s"]))
+    w32, w16 = by.get("wire-fp32-to-bf16"), by.get("wire-bf16-to-bf16")
+    if w32 and w16:
+        lines.append(_ratio_line("wire: bf16 / fp32 bytes received per receiver",
+                                 max(w16["bytes_received"]), max(w32["bytes_received"]),
+                                 "~0.5", None))
+        lines.append(_ratio_line("wire: bf16 / fp32 on the wire, whole-sync s",
+                                 w16["warm_median_s"], w32["warm_median_s"], "<= 0.75",
+                                 w16["warm_median_s"] <= 0.75 * w32["warm_median_s"]))
+    if lines:
+        print(f"\n{'ratio (same run, warm medians)':58s} {'value':>6s}   {'target':14s} verdict")
+        print("\n".join(lines))
+    bad = [r["variant"] for r in results if not r["checksums_ok"]]
+    if bad:
+        print(f"CHECKSUM MISMATCH in {bad}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": command, "suite": "engine", "shape": shape,
+                       "cpus": os.cpu_count(), "torch": torch.__version__,
+                       "ray": ray.__version__, "args": vars(args), "results": results,
+                       "ratios": lines}, f, indent=2)
+        print(f"wrote {args.json}")
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="weight sync: nixl_pool vs Ray's nixl")
     p.add_argument("--quick", action="store_true", help="about 64 MiB instead of 500 MiB")
@@ -175,18 +591,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, help="layers (default 20, quick 10)")
     p.add_argument("--vocab", type=int, help="vocabulary (default 8192, quick 4096)")
     p.add_argument("--bucket-mib", type=int, help="bucket size in MiB (default 64, quick 8)")
-    p.add_argument("--syncs", type=int, default=10)
+    p.add_argument("--syncs", type=int, help="syncs per variant (default 10, engine 6)")
+    p.add_argument("--suite", choices=("basic", "engine"), default="basic",
+                   help="engine: a Hugging Face Llama into engine-like receivers: the anchor "
+                        "(Ray's WeightSyncManager pattern on Ray's nixl), TP=2 select, bf16 "
+                        f"on the wire; variants {','.join(ENGINE_VARIANTS)}")
+    p.add_argument("--hf-size", choices=tuple(HF_SIZES), default="full",
+                   help="engine suite: Llama size (full ~100M params / ~400 MB fp32)")
+    p.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                   help="engine suite: 2 puts the receivers on a second Ray node "
+                        "(ray.cluster_utils.Cluster on this machine)")
+    p.add_argument("--arena-mib", type=int, default=64,
+                   help="engine suite: receivers' receive arena in MiB (default 64)")
     p.add_argument("--receivers", type=int, default=2)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--settle", type=float, default=2.0,
                    help="seconds to wait after killing a variant's actors")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
+    args.variants_given = any(a.startswith("--variants")
+                              for a in (sys.argv[1:] if argv is None else argv))
+    args.syncs = args.syncs or (6 if args.suite == "engine" else 10)
     q = args.quick
     args.hidden = args.hidden or (512 if q else 1024)
     args.layers = args.layers or (10 if q else 20)
     args.vocab = args.vocab or (4096 if q else 8192)
     args.bucket_mib = args.bucket_mib or (8 if q else 64)
+    command = shlex.join([sys.executable, "-m", "microbenchmarks.bench_weights",
+                          *(sys.argv[1:] if argv is None else argv)])
+    if args.suite == "engine":
+        print(f"command: {command}")
+        return engine_suite(args, command)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
