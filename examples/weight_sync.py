@@ -167,7 +167,7 @@ def main() -> int:
         if not (bf16_exact and bf16_close):
             failures.append(f"step {step}: bf16 output off (exact={bf16_exact}, err={err:.3g})")
         if report.stream is not None and report.stream.fallbacks:
-            failures.append(f"step {step}: {report.stream.fallbacks} fallback registrations")
+            failures.append(f"step {step}: {report.stream.fallbacks} buckets in overflow memory")
 
     # Every bucket ref is gone, so the sender's pool must drain to zero.
     deadline = time.monotonic() + 30
@@ -178,7 +178,7 @@ def main() -> int:
     if st.pool_used or st.live_objects:
         failures.append(f"sender pool not drained: {st.pool_used} bytes, {st.live_objects} objs")
     if st.fallbacks:
-        failures.append(f"{st.fallbacks} buckets fell back to direct registration")
+        failures.append(f"{st.fallbacks} buckets did not fit the pool (overflow memory)")
     if peak > st.pool_capacity:
         failures.append(f"peak pool use {peak} above capacity {st.pool_capacity}")
     print(f"model {model_bytes:,} bytes; sender pool {st.pool_capacity:,} bytes, streaming peak "
