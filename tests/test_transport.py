@@ -111,6 +111,22 @@ class Receiver:
         out = ray.get(refs[0])
         return digest(bufs), all(a is b for a, b in zip(out, bufs))
 
+    def into_param_swapping_memory(self, refs):
+        """Receive into a Parameter twice (registered on its second sighting), swap its
+        memory (``p.data = new``) and receive twice more: every read must land in the
+        memory the tensor has now."""
+        p = torch.nn.Parameter(torch.zeros(1 << 16))
+        first = ray_rdt_pool.stats().nixl_registrations
+        out = []
+        for swap in (False, False, True, False):
+            if swap:
+                p.data = torch.zeros(1 << 16)
+            ray.experimental.set_target_for_ref(refs[0], [p])
+            got = ray.get(refs[0])
+            out.append((got[0] is p, digest([p.detach()])[0]))
+        st = ray_rdt_pool.stats()
+        return out, st.nixl_registrations - first, st.registration_cache_entries
+
     def get_all(self, refs):
         """One ray.get of several refs: Ray starts every fetch before waiting on any."""
         return [digest(ts) for ts in ray.get(refs)]
@@ -272,6 +288,18 @@ def test_one_get_of_refs_put_before_and_after_a_deregistration():
     assert got == [exp_before, exp_after, expected_warm]
     st = ray.get(r.stats.remote())
     assert st.transfers_in_flight == 0 and st.transfers_cut == 0 and st.transfer_errors == 0
+
+
+def test_target_parameter_whose_memory_is_swapped():
+    """The registration cache is keyed by the storage: after ``p.data = new`` the new
+    memory is registered and read into, never the old one."""
+    s, r = Sender.remote(), Receiver.remote()
+    refs, expected = ray.get(s.put.remote([torch.arange(1 << 16, dtype=torch.float32)]))
+    out, new_regs, entries = ray.get(r.into_param_swapping_memory.remote(refs))
+    assert [o for o, _d in out] == [True] * 4
+    assert [d for _o, d in out] == expected * 4
+    # the arena; the first storage on its second sighting; the new storage on its second
+    assert new_regs == 3 and entries == 2
 
 
 def test_full_pool_still_sends_snapshots():
