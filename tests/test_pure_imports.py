@@ -23,39 +23,31 @@ PURE_MODULES = [
 HEAVY = ["torch", "ray", "nixl"]
 
 
-def test_pure_modules_do_not_import_heavy_dependencies() -> None:
-    # A fresh interpreter, since this test process may already have torch loaded.
+def loaded_after_import(modules: list[str], roots: list[str]) -> list[str]:
+    """The modules under ``roots`` that importing ``modules`` loads, in a fresh interpreter
+    (this test process may already have torch loaded)."""
     code = textwrap.dedent(
         f"""
         import importlib, sys
-        for name in {PURE_MODULES!r}:
+        for name in {modules!r}:
             importlib.import_module(name)
-        assert all(name in sys.modules for name in {PURE_MODULES!r})
-        heavy = {HEAVY!r}
-        print(",".join(sorted(m for m in sys.modules if m.split(".")[0] in heavy)))
+        assert all(name in sys.modules for name in {modules!r})
+        print(",".join(sorted(m for m in sys.modules if m.split(".")[0] in {roots!r})))
         """
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "", f"pure modules pulled in: {out.stdout.strip()}"
+    return [m for m in out.stdout.strip().split(",") if m]
+
+
+def test_pure_modules_do_not_import_heavy_dependencies() -> None:
+    assert loaded_after_import(PURE_MODULES, HEAVY) == []
 
 
 OWNER_MODULES = ["ray_rdt_pool.registry", "ray_rdt_pool.sender", "ray_rdt_pool.receiver"]
 
 
 def test_owner_modules_import_no_ray_and_no_nixl() -> None:
-    code = textwrap.dedent(
-        f"""
-        import importlib, sys
-        for name in {OWNER_MODULES!r}:
-            importlib.import_module(name)
-        print(",".join(sorted(m for m in sys.modules if m.split(".")[0] in ("ray", "nixl"))))
-        """
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "", f"owner modules pulled in: {out.stdout.strip()}"
+    assert loaded_after_import(OWNER_MODULES, ["ray", "nixl"]) == []
