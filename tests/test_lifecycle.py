@@ -48,8 +48,9 @@ def test_configure_is_accepted_after_stats_before_first_use() -> None:
 def test_driver_that_received_objects_exits_cleanly() -> None:
     """The exit path (atexit) stops the progress thread and destroys the NIXL agent
     before the interpreter finalizes; a thread inside a NIXL binding at that point
-    aborts the process (std::terminate). Three runs in a row must all exit 0."""
-    for i in range(3):
+    aborts the process (std::terminate). Two runs in a row must both exit 0 (each starts
+    its own cluster: about 15 s)."""
+    for i in range(2):
         p = run(["-m", "tests.exit_driver", "plain"])
         bad = [w for w in ("terminate", "Aborted", "SIGABRT", "Fatal Python error")
                if w in p.stderr]

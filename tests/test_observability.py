@@ -30,7 +30,7 @@ from ray_rdt_pool.config import PoolConfig, from_env
 from ray_rdt_pool.logs import disable_debug_logging, quiet_nixl_stdout
 from ray_rdt_pool.snapshot import TransportStats
 from ray_rdt_pool.transport import Runtime
-from tests.raycluster import start_ray
+from tests.raycluster import start_ray, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -411,7 +411,16 @@ def test_pool_table_two_actors(cluster: dict[str, Any]) -> None:
             "0 B/0 B", "0", "1/0", "0", "0"], table
 
     # A dead actor gets an error row instead of breaking the table.
-    ray.kill(b)
+    ray.kill(b)  # asynchronous: wait until calls to b fail
+
+    def dead() -> bool:
+        try:
+            ray.get(b.__ray_call__.remote(lambda self: 0), timeout=10)
+        except ray.exceptions.RayActorError:
+            return True
+        return False
+
+    wait_for(dead, timeout=60)
     rows = view.collect([a, b], include_driver=False, timeout=20)
     assert rows[0]["live_objects"] == 1 and "error" in rows[1]
     assert "error:" in view.render(rows).splitlines()[2]
