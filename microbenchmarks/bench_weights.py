@@ -137,6 +137,16 @@ class Node:
         assert all(g.data_ptr() == t.data_ptr() for g, t in zip(got, self.tensors))
 
 
+def _teardown(actors: list[Any], settle_s: float) -> None:
+    """Kill a variant's actors and let their memory go before the next variant starts."""
+    import ray
+
+    for a in actors:
+        ray.kill(a)
+    gc.collect()
+    time.sleep(settle_s)
+
+
 def run_variant(name: str, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
     total = layout_bytes(layout)
     bucket = args.bucket_mib * MIB
@@ -171,11 +181,8 @@ def run_variant(name: str, layout: Layout, args: argparse.Namespace) -> dict[str
         ok = all(ray.get(r.checksum.remote()) == want for r in receivers)
         st = ray.get(trainer.stats.remote())
     finally:
-        for a in actors:
-            ray.kill(a)
+        _teardown(actors, args.settle)
         del actors, trainer, receivers
-        gc.collect()
-        time.sleep(args.settle)
     warm = times[1:] or times
     med = statistics.median(warm)
     return {
@@ -441,11 +448,8 @@ def run_engine_variant(name: str, shape: dict[str, int], args: argparse.Namespac
             want = ray.get(trainer.checksum.remote(rdt))
             ok = all(ray.get(r.checksum.remote(rdt)) == want for r in receivers)
     finally:
-        for a in actors:
-            ray.kill(a)
+        _teardown(actors, args.settle)
         del actors, trainer, receivers
-        gc.collect()
-        time.sleep(args.settle)
     warm = slice(1, None) if len(times) > 1 else slice(None)
     wt, wr, wm = times[warm], recv_s[warm], mems[warm]
     nrec = len(wr[0])

@@ -353,13 +353,6 @@ class Registry:
         with self._lock:
             entry.users += 1
 
-    def clear(self) -> None:
-        """Deregister every cached storage (process exit)."""
-        with self._lock:
-            for entry in list(self._entries.values()):
-                self._drop(entry)
-            self._pinned = []
-
     def cached(self) -> tuple[int, int]:
         """(entries, bytes held) of the storage cache."""
         with self._lock:

@@ -318,13 +318,6 @@ class Sender:
             obs.on_free(self.events.source)
         return True
 
-    def shutdown(self) -> None:
-        """Free every object and drop the overflow regions (process exit)."""
-        with self.lock:
-            ids = list(self.sent)
-        for obj_id in ids:
-            self.free(obj_id)
-
     def overflow_stats(self) -> tuple[int, int, int]:
         """(objects, bytes, registered capacity) in overflow regions now."""
         with self.lock:
