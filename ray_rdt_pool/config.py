@@ -29,6 +29,10 @@ DEFAULT_POOL_BYTES = 1 << 30
 DEFAULT_REGISTRATION_CACHE_BYTES = 8 << 30
 
 _DEVICES = ("cpu", "cuda")
+_SAME_NODE = ("map", "copy", "off")
+
+#: Most threads a pack copy uses when ``pack_threads`` is 0 (automatic).
+MAX_AUTO_PACK_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,15 @@ class PoolConfig:
             seen more than once) kept registered with NIXL, and held alive, while no
             transfer uses them; least recently used ones are deregistered first.
             Storages pinned by ``register_memory()`` do not count and are never evicted.
+        same_node: How a receiver gets objects from a sender on the same Ray node.
+            ``"map"``: map the sender's shared pool and return views of it (no copy;
+            a lease keeps the block until the views die). ``"copy"``: map it and copy
+            into the receive arena at once (for results kept a long time). ``"off"``:
+            always read with NIXL. On a sender, ``"off"`` keeps the pool in private
+            memory, so no receiver can map it.
+        pack_threads: Threads that copy one large object into the pool; 0 picks the
+            number of cores, at most :data:`MAX_AUTO_PACK_THREADS`.
+        pack_threshold_bytes: Objects smaller than this are packed by one thread.
     """
 
     pool_bytes: int = DEFAULT_POOL_BYTES
@@ -67,6 +80,9 @@ class PoolConfig:
     metrics: bool = True
     debug_transfers: bool = False
     registration_cache_bytes: int = DEFAULT_REGISTRATION_CACHE_BYTES
+    same_node: str = "map"
+    pack_threads: int = 0
+    pack_threshold_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
         for name in ("pool_bytes", "arena_bytes", "registration_cache_bytes"):
@@ -79,6 +95,23 @@ class PoolConfig:
         if self.device not in _DEVICES:
             raise ConfigurationError(
                 f"device must be one of {_DEVICES}, got {self.device!r}"
+            )
+        if self.same_node not in _SAME_NODE:
+            raise ConfigurationError(
+                f"same_node must be one of {_SAME_NODE}, got {self.same_node!r}; "
+                "'map' is the default"
+            )
+        if isinstance(self.pack_threads, bool) or not isinstance(self.pack_threads, int) or (
+                not 0 <= self.pack_threads <= 64):
+            raise ConfigurationError(
+                f"pack_threads must be an int in [0, 64] (0: automatic), got "
+                f"{self.pack_threads!r}"
+            )
+        if isinstance(self.pack_threshold_bytes, bool) or not isinstance(
+                self.pack_threshold_bytes, int) or self.pack_threshold_bytes < 0:
+            raise ConfigurationError(
+                f"pack_threshold_bytes must be a non-negative number of bytes, got "
+                f"{self.pack_threshold_bytes!r}"
             )
         if not (0 < self.progress_interval_s <= 1.0):
             raise ConfigurationError(
@@ -98,6 +131,13 @@ class PoolConfig:
     def arena_capacity(self) -> int:
         """The arena size rounded up to whole blocks."""
         return -(-self.arena_bytes // BLOCK_ALIGN) * BLOCK_ALIGN
+
+    @property
+    def pack_thread_count(self) -> int:
+        """Threads a large pack uses: ``pack_threads``, or the cores (capped) when 0."""
+        if self.pack_threads:
+            return self.pack_threads
+        return max(1, min(os.cpu_count() or 1, MAX_AUTO_PACK_THREADS))
 
     def with_overrides(self, **overrides: Any) -> PoolConfig:
         """Return a copy with ``overrides`` applied; unknown names raise ConfigurationError."""
@@ -126,6 +166,11 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "RAY_RDT_POOL_DEBUG": ("debug_transfers", "1: DEBUG-log every put and fetch"),
     "RAY_RDT_POOL_REG_CACHE_BYTES": (
         "registration_cache_bytes", "bytes of user storages kept registered (K, M, G allowed)"),
+    "RAY_RDT_POOL_SAME_NODE": (
+        "same_node", "same-node receivers: map (views of the sender's pool), copy, or off"),
+    "RAY_RDT_POOL_PACK_THREADS": ("pack_threads", "threads per large pack copy (0: automatic)"),
+    "RAY_RDT_POOL_PACK_THRESHOLD": (
+        "pack_threshold_bytes", "objects below this size pack on one thread (K, M, G allowed)"),
 }
 
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
