@@ -25,7 +25,7 @@ COUNTER_NAMES = (
     "registrations", "deregistrations", "registration_evictions", "objects_put",
     "objects_freed", "bytes_packed", "zero_copy_tensors", "fallbacks", "objects_received",
     "bytes_received", "receive_fallbacks", "transfer_errors", "metadata_loads", "in_flight",
-    "peers_removed", "transfers_cut", "late_completions",
+    "peers_removed", "transfers_cut", "late_completions", "mapped_gets", "reads_posted",
 )
 
 

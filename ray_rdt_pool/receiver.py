@@ -40,6 +40,7 @@ receiver lock. Imports no Ray.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import itertools
 import logging
 import threading
@@ -49,9 +50,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ray_rdt_pool.errors import InvalidInputError, PoolExhaustedError, TransferError
+from ray_rdt_pool.errors import (
+    InvalidInputError,
+    PoolExhaustedError,
+    RdtPoolError,
+    TransferError,
+)
 from ray_rdt_pool.merge import merge_descriptors
 from ray_rdt_pool.registry import MEM_TYPE, Directory, RegEntry, Region, Registry
+from ray_rdt_pool.shared import PAGE, HostInfo, MappedPool, mappable_spans, unmap
 
 if TYPE_CHECKING:
     import torch
@@ -68,9 +75,12 @@ __all__ = ["PEER_IDLE_S", "Fetch", "Landing", "Peer", "Receiver", "Transfer"]
 PEER_IDLE_S = 120.0
 #: Most peers kept loaded; the least recently used idle ones go first.
 MAX_PEERS = 256
+#: Senders remembered by agent name for the same-node path (mapped or not).
+MAX_HOSTS = 1024
 #: Aborts remembered for fetches that have not started (bounded; see Receiver.abort).
 MAX_PENDING_ABORTS = 1024
 _FINISHED_IDS = 4096
+_memmove = ctypes.memmove
 _HOUSEKEEPING_S = 1.0
 
 
@@ -142,8 +152,17 @@ class Receiver:
     """The receiving half of one process's transport."""
 
     def __init__(self, config: PoolConfig, registry: Registry, events: Events,
-                 backend: Callable[[], Any], directory: Directory) -> None:
+                 backend: Callable[[], Any], directory: Directory,
+                 node_id: Callable[[], str | None] | None = None) -> None:
         self.config = config
+        self._node_id = node_id or (lambda: None)
+        # Same-node senders by agent name: our handle on their shared pool, or None when
+        # their objects are read with NIXL (another node, no shared pool, or no access).
+        self.hosts: OrderedDict[str, MappedPool | None] = OrderedDict()
+        # Object mappings whose views died: (pool, slot, address, length, bytes); appended
+        # by deleters from any thread, unmapped and unleased under the lock.
+        self._unmaps: deque[tuple[MappedPool, int, int, int, int]] = deque()
+        self.mapped_bytes = 0
         self.registry = registry
         self.events = events
         self._backend = backend
@@ -164,6 +183,10 @@ class Receiver:
     # -- arenas ---------------------------------------------------------------------------
 
     def _drain_locked(self) -> None:
+        while self._unmaps:
+            host, slot, addr, length, nbytes = self._unmaps.popleft()
+            unmap(addr, length)  # first: no copy-on-write page outlives the lease
+            self._unlease_locked(host, slot, nbytes)
         while self._arena_dead:
             device, key = self._arena_dead.popleft()
             arena = self.arenas.get(device)
@@ -426,7 +449,8 @@ class Receiver:
         now = time.monotonic()
         with self.lock:
             waiting = [t for t in self.outstanding.values() if t.abandoned]
-            housekeeping = now >= self._next_housekeeping and bool(self.peers)
+            housekeeping = now >= self._next_housekeeping and bool(self.peers or self.hosts)
+            self._drain_locked()
         for t in waiting:
             if self.poll(t) == "PROC" and now > t.started + self.config.fetch_timeout_s:
                 self._remove_peer(t.peer, cut=True)
@@ -439,10 +463,168 @@ class Receiver:
                 victims += [p for p in idle if p not in victims][:max(0, extra)]
             for p in victims:
                 self._remove_peer(p, cut=False)
+            self._close_dead_hosts()
 
     def dropped(self, t: Transfer) -> None:
         """A Fetch died unconsumed (any thread, maybe inside GC): abandon it later."""
         self._dropped.append(t)
+
+    # -- same-node senders: private mappings of their shared pool ------------------------
+
+    def _host(self, agent: str) -> MappedPool | None:
+        """Our handle on ``agent``'s shared pool if it runs on this node, else None
+        (looked up once per agent, outside the lock: a GCS round trip)."""
+        with self.lock:
+            if agent in self.hosts:
+                return self.hosts[agent]
+        node = self._node_id()
+        host: MappedPool | None = None
+        blob = self.directory.lookup_host(agent) if node is not None else None
+        if blob is not None:
+            try:
+                info = HostInfo.decode(blob)
+                if info.node_id == node:
+                    host = MappedPool(info)
+            except (OSError, RdtPoolError) as e:
+                logger.warning("cannot map the pool of same-node sender %s (%s); its objects "
+                               "are read with NIXL", agent, e)
+        with self.lock:
+            if agent in self.hosts:  # another thread looked it up meanwhile
+                if host is not None:
+                    host.close()
+                return self.hosts[agent]
+            self.hosts[agent] = host
+            while len(self.hosts) > MAX_HOSTS:
+                _name, old = next(iter(self.hosts.items()))
+                if old is not None and old.held:
+                    break  # the oldest still has views out: keep the map bounded lazily
+                self.hosts.popitem(last=False)
+                if old is not None:
+                    old.close()
+        return host
+
+    def _unlease_locked(self, host: MappedPool, slot: int, nbytes: int) -> None:
+        if host.counts is not None:  # closed (sender gone, or our shutdown): nothing to tell
+            host.unlease(slot)
+        else:
+            host.held -= 1
+        self.mapped_bytes -= nbytes
+
+    def _close_dead_hosts(self) -> None:
+        with self.lock:
+            dead = [(n, h) for n, h in self.hosts.items() if h is not None and not h.alive()]
+            for n, _h in dead:
+                self.hosts[n] = None
+        for _n, h in dead:
+            h.close()  # mappings of its objects stay valid while their views live
+
+    def _try_map(self, f: Fetch, device: str, targets: Sequence[torch.Tensor] | None
+                 ) -> bool:
+        """Serve ``f`` from a same-node sender's shared pool, with no NIXL READ.
+
+        ``map``: the tensors are views of a private mapping that holds a lease until they
+        die. ``copy``, a selection, or target buffers: one copy out of the mapping, and
+        the lease drops at once. False when the object cannot be mapped (another node,
+        overflow or ``register_memory()`` memory, no access): then NIXL reads it."""
+        meta = f.meta
+        if self.config.same_node == "off" or meta.device != "cpu" or device != "cpu":
+            return False
+        host = self._host(meta.agent)
+        if host is None:
+            return False
+        spans = mappable_spans(meta.segments, meta.total, host.info)
+        if spans is None or spans[0][0] != 0:
+            return False
+        slot = spans[0][1] // PAGE
+        self._backend()  # the progress thread returns dead views' leases
+        with self.lock:
+            self._drain_locked()
+            host.lease(slot)
+            self.mapped_bytes += meta.total
+        try:
+            addr, length = host.map(spans, meta.total)
+        except OSError as e:
+            with self.lock:
+                self._unlease_locked(host, slot, meta.total)
+            logger.warning("mapping object %s of same-node sender %s failed (%s); reading "
+                           "it with NIXL", f.obj_id, meta.agent, e)
+            return False
+        release = (host, slot, addr, length, meta.total)
+        try:
+            f.tensors = self._from_mapping(f, addr, release, targets)
+        finally:
+            with self.lock:
+                self._drain_locked()
+        f.settled = True
+        self._finish_id(f.obj_id)
+        ev = self.events
+        ev.add("objects_received")
+        ev.add("mapped_gets")
+        ev.add("bytes_received", meta.total if f.selected is None else f.selected.nbytes)
+        if ev.observer is not None:
+            ev.observer.on_fetch(ev.source, meta.total, time.perf_counter() - f.t_start)
+        return True
+
+    def _from_mapping(self, f: Fetch, addr: int, release: tuple[MappedPool, int, int, int, int],
+                      targets: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        from ray_rdt_pool.tensors import device_block, rebuild, unpack_into
+
+        meta = f.meta
+        unmaps = self._unmaps
+        if self.config.same_node == "map" and f.selected is None and not targets:
+            # From here the block owns the mapping: its deleter releases it, even if the
+            # rebuild below fails.
+            block = device_block(addr, meta.total, "cpu", 0, lambda: unmaps.append(release))
+            return rebuild(block, meta.runs, meta.run_starts())
+        # One copy out of the mapping; the mapping (and its lease) goes right after.
+        sel = f.selected
+        landing: Landing | None = None
+        try:
+            if targets:
+                unpack_into(targets, meta.tensor_offsets(), addr, meta.total, "cpu", 0)
+                return list(targets)
+            size = meta.total if sel is None else sel.total
+            landing = self._local_landing(size)
+            if sel is None:
+                _memmove(landing.addr, addr, meta.total)
+            else:
+                for lo, p, n in sel.runs:
+                    _memmove(landing.addr + lo, addr + p, n)
+        except BaseException:
+            if landing is not None:
+                self.release_landing(landing)
+            raise
+        finally:
+            unmaps.append(release)
+        assert landing is not None
+        if sel is not None:
+            return self._rebuild_selected(landing, sel)
+        landing.released = True  # ownership passes to the views
+        if landing.kind == "arena":
+            dead, key = self._arena_dead, (landing.device, landing.key)
+            block = device_block(landing.addr, size, "cpu", 0, lambda: dead.append(key))
+        else:
+            block = landing.temp
+        return rebuild(block, meta.runs, meta.run_starts())
+
+    def _local_landing(self, size: int) -> Landing:
+        """A host block for a copy out of a mapping: the arena, else a plain buffer."""
+        arena = self._arena("cpu")
+        key = next(self._keys)
+        with self.lock:
+            self._drain_locked()
+            try:
+                (block,) = arena.alloc.allocate(key, size, max_blocks=1)
+            except PoolExhaustedError:
+                block = None
+        if block is not None:
+            arena.populate(block[0] + block[1])
+            return Landing("arena", arena.addr + block[0], "cpu", 0, arena, key, block[0])
+        import torch
+
+        self.events.add("receive_fallbacks")
+        buf = torch.empty(size, dtype=torch.uint8)
+        return Landing("temp", buf.data_ptr(), "cpu", 0, temp=buf)
 
     # -- fetch / wait ---------------------------------------------------------------------
 
@@ -485,6 +667,8 @@ class Receiver:
             if self._pending_abort(obj_id):
                 self.events.error("aborted")
                 raise TransferError(f"the transfer of object {obj_id} was aborted")
+        if self._try_map(f, device, targets):
+            return f
         what = f"starting the READ of object {obj_id} ({meta.total:,} bytes) from {meta.agent}"
         with self.events.failures(what, "the sender may have exited; fetch again while the "
                                         "ref is in scope"):
@@ -506,6 +690,7 @@ class Receiver:
                     self._suspect(peer)
                     self.events.add("in_flight", -1)
                 raise
+        self.events.add("reads_posted")
         t = Transfer(obj_id, handle, peer, landing, time.monotonic())
         with self.lock:
             self.outstanding[id(t)] = t
@@ -682,6 +867,8 @@ class Receiver:
         with self.lock:
             self._drain_locked()
             return {
+                "mapped_objects": sum(h.held for h in self.hosts.values() if h is not None),
+                "mapped_bytes": self.mapped_bytes,
                 "abandoned": sum(t.abandoned for t in self.outstanding.values()),
                 "pending_aborts": len(self.pending_aborts),
                 "peers": len(self.peers),
@@ -690,8 +877,13 @@ class Receiver:
     def shutdown(self) -> None:
         """Abandon what is in flight and remove every peer (process exit)."""
         with self.lock:
+            self._drain_locked()
             live = list(self.outstanding.values())
             peers = list(self.peers.values())
+            hosts = [h for h in self.hosts.values() if h is not None]
+            self.hosts.clear()
+        for h in hosts:
+            h.close()  # views still alive keep their mappings (and leases) until they die
         for t in live:
             self.abandon(t)
         for p in peers:

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ray_rdt_pool.allocator import BlockAllocator
+from ray_rdt_pool.layout import BLOCK_ALIGN
 
 if TYPE_CHECKING:
     import torch
@@ -67,6 +68,8 @@ class Directory(Protocol):
     def publish(self, name: str, version: int, reset_version: int, md: bytes) -> None: ...
     def lookup(self, name: str) -> tuple[int, int, bytes] | None: ...
     def remove(self, name: str) -> None: ...
+    def publish_host(self, name: str, info: bytes) -> None: ...
+    def lookup_host(self, name: str) -> bytes | None: ...
 
 
 def _default_region(capacity: int, device: str, prefault: bool) -> HostRegion | CudaRegion:
@@ -84,7 +87,9 @@ class Region:
 
     def __init__(self, mem: Any, name: str) -> None:
         self.mem = mem  # HostRegion or CudaRegion (or a test double with the same fields)
-        self.alloc = BlockAllocator(mem.nbytes, name=name)
+        # A shared pool hands out whole pages (see shared.SharedHostRegion).
+        self.alloc = BlockAllocator(mem.nbytes, align=getattr(mem, "align", BLOCK_ALIGN),
+                                    name=name)
         self.handle: Any = None
 
     @property
@@ -208,9 +213,23 @@ class Registry:
 
     # -- regions --------------------------------------------------------------------------
 
-    def new_region(self, capacity: int, device: str, name: str, prefault: bool) -> Region:
-        """Create and register a region; the caller owns it until :meth:`drop_region`."""
-        mem = self._region_factory(capacity, device, prefault)
+    def new_region(self, capacity: int, device: str, name: str, prefault: bool,
+                   shared: bool = False) -> Region:
+        """Create and register a region; the caller owns it until :meth:`drop_region`.
+
+        ``shared``: host memory in a memfd that same-node receivers may map (the sender
+        pool); falls back to private memory where a memfd cannot be made."""
+        mem: Any = None
+        if shared and device == "cpu" and self._region_factory is _default_region:
+            try:
+                from ray_rdt_pool.shared import SharedHostRegion
+
+                mem = SharedHostRegion(capacity, prefault=prefault)
+            except OSError as e:
+                logger.warning("no shared memory for the sender pool (%s); same-node "
+                               "receivers will read it with NIXL", e)
+        if mem is None:
+            mem = self._region_factory(capacity, device, prefault)
         region = Region(mem, name)
         with self._lock:
             region.handle = self._register(region.addr, mem.nbytes, region.mem_type,

@@ -30,7 +30,9 @@ outside it. Imports no Ray and no NIXL.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -40,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from ray_rdt_pool.errors import PoolExhaustedError
 from ray_rdt_pool.layout import BlockMap, align_up, packed_offsets, run_layout
 from ray_rdt_pool.merge import merge_segments
-from ray_rdt_pool.registry import RegEntry, Region, Registry
+from ray_rdt_pool.registry import Directory, RegEntry, Region, Registry
 from ray_rdt_pool.wire import TensorRun, WireMeta, encode, runs_from
 
 if TYPE_CHECKING:
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
 
     from ray_rdt_pool.config import PoolConfig
     from ray_rdt_pool.events import Events
+    from ray_rdt_pool.shared import LeaseTable
     from ray_rdt_pool.tensors import Described
 
 logger = logging.getLogger(__name__)
@@ -73,6 +76,7 @@ class Placement:
     nbytes: int
     overflow: bool
     pinned: list[RegEntry] = field(default_factory=list)
+    key: Any = None  # the allocator key: unique per placement, even for a retried put
 
 
 def run_offsets(runs: Sequence[TensorRun]) -> tuple[list[int], int]:
@@ -93,30 +97,73 @@ class Sender:
     """The sending half of one process's transport."""
 
     def __init__(self, config: PoolConfig, registry: Registry, events: Events,
-                 agent_name: Callable[[], str]) -> None:
+                 agent_name: Callable[[], str], directory: Directory | None = None,
+                 node_id: Callable[[], str | None] | None = None) -> None:
         self.config = config
         self.registry = registry
         self.events = events
         self._agent_name = agent_name
+        self._directory = directory
+        self._node_id = node_id or (lambda: None)
         # Guards pool/overflow allocators and `sent`; RLock because wait_for() holds it
         # while reading stats.
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)  # notified by every free
+        self._create_lock = threading.Lock()  # serialises creating the pool
         self.pool: Region | None = None  # created on first put, lives until shutdown
         self.overflow: list[Region] = []  # each dropped when its last object is freed
         self.sent: dict[str, Placement] = {}  # obj_id -> placement, until free()
         self.cuda_stream: Any = None  # set_cuda_stream(): the producer of sent tensors
         self._warned_overflow = False
+        self._keys = itertools.count()
+        # Same-node receivers: the lease table of the shared pool (None: not shared), and
+        # placements Ray freed whose blocks wait for receivers' leases to drop.
+        self.leases: LeaseTable | None = None
+        self.leased: dict[Any, Placement] = {}
+        self._next_sweep = 0.0
 
     # -- placement ------------------------------------------------------------------------
 
     def ensure_pool(self) -> Region:
-        with self.lock:
+        pool = self.pool
+        if pool is not None:
+            return pool
+        # Its own lock: registering and publishing take a NIXL call and a GCS round trip,
+        # which must not hold up frees on _ray_system.
+        with self._create_lock:
             if self.pool is None:
-                self.pool = self.registry.new_region(
-                    self.config.pool_capacity, self.config.device, "sender pool",
-                    self.config.prefault)
+                cfg = self.config
+                pool = self.registry.new_region(
+                    cfg.pool_capacity, cfg.device, "sender pool", cfg.prefault,
+                    shared=cfg.same_node != "off" and cfg.device == "cpu")
+                self._share(pool)
+                with self.lock:
+                    self.pool = pool
             return self.pool
+
+    def _share(self, pool: Region) -> None:
+        """Make a shared pool reachable for same-node receivers: its lease table, and
+        the directory entry they look up (published before any object names the pool)."""
+        from ray_rdt_pool.shared import HostInfo, LeaseTable, SharedHostRegion
+
+        mem = pool.mem
+        node = self._node_id()
+        if not isinstance(mem, SharedHostRegion) or node is None or self._directory is None:
+            return
+        try:
+            table = LeaseTable(mem.nbytes // mem.align)
+        except OSError as e:
+            logger.warning("no lease table for same-node receivers (%s); they will read "
+                           "this sender's pool with NIXL", e)
+            return
+        info = HostInfo(node, os.getpid(), mem.fd, mem.ino, pool.addr, mem.nbytes,
+                        table.fd, table.ino, table.rows, table.slots)
+        try:
+            self._directory.publish_host(self._agent_name(), info.encode())
+        except Exception:
+            table.close()
+            raise
+        self.leases = table
 
     def _place(self, obj_id: str, nbytes: int, one_block: bool) -> Placement:
         """Blocks for ``nbytes`` in the pool, else in an overflow region (made if needed)."""
@@ -124,11 +171,21 @@ class Sender:
         pool = self.ensure_pool()
         with self.lock:
             old = self.sent.pop(obj_id, None)  # a retried put replaces its first try
-            if old is not None:
-                self._release_locked(old)
+            if old is not None and self._held(old):
+                self.leased[old.key] = old  # a receiver maps the first try: keep it
+                old = None
+        if old is not None:
+            self._release(old)
+        with self.lock:
+            key = (obj_id, next(self._keys))
             try:
-                blocks = pool.alloc.allocate(obj_id, nbytes, max_blocks=max_blocks)
-                return Placement(obj_id, pool, tuple(blocks), nbytes, False)
+                try:
+                    blocks = pool.alloc.allocate(key, nbytes, max_blocks=max_blocks)
+                except PoolExhaustedError:
+                    if not self._reap_leased_locked():
+                        raise
+                    blocks = pool.alloc.allocate(key, nbytes, max_blocks=max_blocks)
+                return Placement(obj_id, pool, tuple(blocks), nbytes, False, key=key)
             except PoolExhaustedError as e:
                 if self.config.strict:
                     raise PoolExhaustedError(
@@ -140,10 +197,10 @@ class Sender:
             with self.lock:
                 for region in self.overflow:
                     try:
-                        blocks = region.alloc.allocate(obj_id, nbytes, max_blocks=max_blocks)
+                        blocks = region.alloc.allocate(key, nbytes, max_blocks=max_blocks)
                     except PoolExhaustedError:
                         continue
-                    return Placement(obj_id, region, tuple(blocks), nbytes, True)
+                    return Placement(obj_id, region, tuple(blocks), nbytes, True, key=key)
             # Registering a region takes milliseconds: not under the lock.
             size = max(align_up(max(nbytes, 1), _OVERFLOW_ALIGN), MIN_OVERFLOW_BYTES,
                        self.config.pool_capacity // 4)
@@ -166,7 +223,7 @@ class Sender:
 
     def _release_locked(self, p: Placement) -> list[RegEntry]:
         if p.region is not None:
-            p.region.alloc.free(p.obj_id)
+            p.region.alloc.free(p.key)
         pinned, p.pinned = p.pinned, []
         return pinned
 
@@ -305,13 +362,69 @@ class Sender:
             pack_torch(tensors, d, offsets, block, which)
         side.synchronize()  # the pool bytes are in place before anyone can read them
 
+    # -- leases of same-node receivers ----------------------------------------------------
+
+    def _lease_slot(self, p: Placement) -> int | None:
+        """The lease slot of a placement in the shared pool (None: nothing can map it)."""
+        region = p.region
+        if self.leases is None or region is None or region is not self.pool or not p.blocks:
+            return None
+        return p.blocks[0][0] // region.alloc.align
+
+    def _held(self, p: Placement) -> bool:
+        slot = self._lease_slot(p)
+        return slot is not None and self.leases is not None and self.leases.held(slot)
+
+    def _reap_leased_locked(self) -> bool:
+        """Return the blocks of freed placements no receiver holds any more; True if any."""
+        done = [k for k, p in self.leased.items() if not self._held(p)]
+        for k in done:
+            p = self.leased.pop(k)
+            self._release_locked(p)
+        if done:
+            self.changed.notify_all()
+        return bool(done)
+
+    def reap(self) -> None:
+        """Progress-thread tick: blocks whose last lease dropped go back to the pool, and
+        (every second while some wait) rows of receivers that died are cleared."""
+        if not self.leased:
+            return
+        now = time.monotonic()
+        if self.leases is not None and now >= self._next_sweep:
+            self._next_sweep = now + 1.0
+            try:
+                if self.leases.sweep():
+                    logger.info("cleared the leases of a same-node receiver that exited")
+            except OSError:
+                logger.debug("sweeping the lease table failed", exc_info=True)
+        with self.lock:
+            self._reap_leased_locked()
+
+    def leased_stats(self) -> tuple[int, int]:
+        """(objects, bytes) freed by Ray whose blocks wait for receivers' leases."""
+        with self.lock:
+            return len(self.leased), sum(p.nbytes for p in self.leased.values())
+
+    # -- free -----------------------------------------------------------------------------
+
     def free(self, obj_id: str) -> bool:
-        """Ray garbage-collected ``obj_id``: return its placement. False if unknown."""
+        """Ray garbage-collected ``obj_id``: return its placement (at once, or once the
+        last same-node receiver's lease on it drops). False if unknown. Never blocks."""
         with self.lock:
             p = self.sent.pop(obj_id, None)
+            if p is not None and self._held(p):
+                self.leased[p.key] = p
+                pinned, p.pinned = p.pinned, []
+            else:
+                pinned = None
         if p is None:
             return False
-        self._release(p)
+        if pinned is None:
+            self._release(p)
+        else:
+            for entry in pinned:
+                self.registry.release(entry)
         self.events.add("objects_freed")
         obs = self.events.observer
         if obs is not None:

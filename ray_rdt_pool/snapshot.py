@@ -81,6 +81,17 @@ class TransportStats:
     registration_cache_bytes: int = 0
     #: cache entries deregistered by its LRU bound
     registration_evictions: int = 0
+    #: gets served from a same-node sender's shared pool (no NIXL READ)
+    mapped_gets: int = 0
+    #: NIXL READs posted by this process
+    reads_posted: int = 0
+    #: receiver: objects of same-node senders mapped here whose views are alive (each
+    #: holds a lease on its sender's block), and their bytes
+    mapped_objects: int = 0
+    mapped_bytes: int = 0
+    #: sender: objects Ray freed whose blocks wait for same-node receivers' leases
+    leased_objects: int = 0
+    leased_bytes: int = 0
 
     @property
     def pool_fragmentation(self) -> float:

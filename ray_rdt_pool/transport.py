@@ -146,8 +146,30 @@ class KVDirectory:
 
             if _internal_kv_initialized():
                 _internal_kv_del(f"agent/{name}", namespace=_KV_NAMESPACE)
+                _internal_kv_del(f"host/{name}", namespace=_KV_NAMESPACE)
         except Exception:  # best effort at shutdown
             pass
+
+    def publish_host(self, name: str, info: bytes) -> None:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        _internal_kv_put(f"host/{name}", info, overwrite=True, namespace=_KV_NAMESPACE)
+
+    def lookup_host(self, name: str) -> bytes | None:
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        value = _internal_kv_get(f"host/{name}", namespace=_KV_NAMESPACE)
+        return None if value is None else bytes(value)
+
+
+def _ray_node_id() -> str | None:
+    """This process's Ray node ID (same-node receivers map; others read with NIXL)."""
+    try:
+        if not ray.is_initialized():
+            return None
+        return str(ray.get_runtime_context().get_node_id())
+    except Exception:
+        return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -169,7 +191,8 @@ class Runtime:
 
     def __init__(self, config: PoolConfig, backend_factory: Callable[[str, float], Any]
                  | None = None, directory: Any = None,
-                 region_factory: Callable[[int, str, bool], Any] | None = None) -> None:
+                 region_factory: Callable[[int, str, bool], Any] | None = None,
+                 node_id: Callable[[], str | None] | None = None) -> None:
         self.config = config
         self.events = Events()
         self.events.source = self
@@ -180,9 +203,11 @@ class Runtime:
         self.directory = directory if directory is not None else KVDirectory()
         self.registry = Registry(self.backend, self.directory,
                                  config.registration_cache_bytes, self.events, region_factory)
-        self.sender = Sender(config, self.registry, self.events, lambda: self.agent_name)
+        node = node_id or _ray_node_id
+        self.sender = Sender(config, self.registry, self.events, lambda: self.agent_name,
+                             self.directory, node)
         self.receiver = Receiver(config, self.registry, self.events, self.backend,
-                                 self.directory)
+                                 self.directory, node)
         self.closed = False
         self._closing = False
         if config.debug_transfers:
@@ -213,6 +238,7 @@ class Runtime:
                 add_tick = getattr(b, "add_tick", None)
                 if add_tick is not None:
                     add_tick(self.receiver.reap)
+                    add_tick(self.sender.reap)
                 self.agent_name = name
                 self._backend = b
             return self._backend
@@ -284,6 +310,7 @@ class Runtime:
             p = s.pool.alloc.stats() if s.pool else None
             live = len(s.sent)
         o_objs, o_bytes, o_cap = s.overflow_stats()
+        l_objs, l_bytes = s.leased_stats()
         rc = r.counts()
         with r.lock:
             arenas = [a.alloc.stats() for a in r.arenas.values()]
@@ -330,6 +357,12 @@ class Runtime:
             registration_cache_entries=entries,
             registration_cache_bytes=cached,
             registration_evictions=c["registration_evictions"],
+            mapped_gets=c["mapped_gets"],
+            reads_posted=c["reads_posted"],
+            mapped_objects=rc["mapped_objects"],
+            mapped_bytes=rc["mapped_bytes"],
+            leased_objects=l_objs,
+            leased_bytes=l_bytes,
         )
 
     def shutdown(self) -> None:

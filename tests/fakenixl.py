@@ -43,6 +43,8 @@ class World:
 
     agents: dict[str, FakeBackend] = field(default_factory=dict)
     kv: dict[str, tuple[int, int, bytes]] = field(default_factory=dict)
+    #: same-node entries of senders (transport.KVDirectory.publish_host)
+    hosts: dict[str, bytes] = field(default_factory=dict)
     #: what new READs do: "DONE" (copy at once), "PROC" (stall), "ERR" (fail)
     mode: str = "DONE"
     #: releasing a READ still in flight: "fail" (cannot cancel; it may write later) or "ok"
@@ -67,6 +69,13 @@ class World:
 
     def remove(self, name: str) -> None:
         self.kv.pop(name, None)
+        self.hosts.pop(name, None)
+
+    def publish_host(self, name: str, info: bytes) -> None:
+        self.hosts[name] = info
+
+    def lookup_host(self, name: str) -> bytes | None:
+        return self.hosts.get(name)
 
 
 class FakeBackend:

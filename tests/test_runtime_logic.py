@@ -210,7 +210,7 @@ def test_zero_copy_tensors_mix_with_pooled_ones(world):
     assert same(out, ts)
     st = s.stats()
     assert st.zero_copy_tensors == 256
-    assert st.pool_used < 1024  # only the small tensor was copied
+    assert st.pool_used <= s.sender.pool.alloc.align  # only the small tensor was copied
     assert len(s.put("z2", ts).decoded().segments) == 2
     # deregister_memory while objects still name the storage: it stays registered until
     # they are freed, then goes.

@@ -1,0 +1,409 @@
+"""Same-node sharing: the sender's pool in shared memory, its lease table, and receivers'
+private mappings of it.
+
+Role. A sender whose pool is host memory keeps it in a ``memfd`` (anonymous shared memory
+with no name in any file system, so nothing is left behind when a process crashes). A
+receiver on the same Ray node opens it through ``/proc/<pid>/fd/<fd>`` and maps each
+object it gets *privately* (copy-on-write): its tensors are views of the sender's bytes,
+no copy is made, and a receiver that writes into them changes only its own pages. The
+pool stays registered with NIXL for receivers on other nodes.
+
+Leases. The sender must not reuse a block while a receiver still has views of it, so
+every mapping holds a lease, counted in a *lease table*: a second ``memfd`` owned by the
+sender, with one row per receiver process and one ``uint32`` counter per pool page
+(an object's slot is the page where its first block starts). A row has one writer, the
+receiver that claimed it (under ``flock`` on the table), so no atomic operations are
+needed across processes; the sender only reads counts, and clears a row only after its
+receiver has died. Ray frees an object only when no ref to it is left, so a receiver
+always takes its lease before the sender can see the object freed.
+
+Lifetimes, one owner each:
+
+* :class:`SharedHostRegion` (the pool's memory): created and closed by the registry
+  for the sender, like any region.
+* :class:`LeaseTable`: created and closed by the sender with its pool. A block whose
+  slot has a lease goes back to the pool only when the last lease drops; rows of dead
+  receivers are cleared by :meth:`LeaseTable.sweep` (the sender's progress tick).
+* :class:`MappedPool` (a receiver's handle on one sender's pool: two descriptors, the
+  table mapping and its row) and every object mapping: created and released by the
+  receiver. An object mapping is unmapped *before* its lease is dropped, so copy-on-write
+  pages never outlive the lease and a reused block is never seen through old pages.
+
+Threads: the sender's lease checks run on ``_ray_system`` (``garbage_collect``) and on
+the progress thread; a receiver changes its row only under its receiver lock.
+Imports no torch, Ray or NIXL at module level.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import mmap
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from ray_rdt_pool.errors import WireFormatError
+from ray_rdt_pool.tensors import HostRegion
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "HOST_INFO_VERSION", "PAGE", "HostInfo", "LeaseTable", "MappedPool", "SharedHostRegion",
+    "mappable_spans",
+]
+
+PAGE = mmap.PAGESIZE
+#: Version of the directory entry a sender publishes for same-node receivers.
+HOST_INFO_VERSION = 1
+#: Receiver processes one sender's lease table holds at once; more fall back to NIXL.
+LEASE_ROWS = 128
+_MAGIC = 0x52445450_4C534531  # "RDTPLSE1"
+_ROW_BASE = 4  # header words before the row owners: magic, rows, slots, spare
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_FIXED = 0x10
+_PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
+_PROT_NONE = 0
+
+
+def page_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def process_start(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (None if it is gone): with the pid,
+    it names a process even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    try:
+        return int(text[text.rindex(b")") + 2:].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------
+# What a sender publishes (versioned, validated: a peer's bytes are never trusted)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """How a same-node receiver finds a sender's shared pool and lease table."""
+
+    node_id: str
+    pid: int
+    pool_fd: int
+    pool_ino: int
+    pool_base: int
+    pool_bytes: int
+    table_fd: int
+    table_ino: int
+    rows: int
+    slots: int
+
+    def encode(self) -> bytes:
+        return bytes(msgpack.packb([HOST_INFO_VERSION, self.node_id, self.pid, self.pool_fd,
+                                    self.pool_ino, self.pool_base, self.pool_bytes,
+                                    self.table_fd, self.table_ino, self.rows, self.slots,
+                                    PAGE]))
+
+    @staticmethod
+    def decode(data: bytes) -> HostInfo:
+        """Parse a published entry; WireFormatError for anything malformed."""
+        try:
+            items = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except Exception as e:
+            raise WireFormatError(f"same-node entry is not valid msgpack: {e}") from e
+        if not isinstance(items, list) or len(items) != 12:
+            raise WireFormatError("same-node entry must be a list of 12 items")
+        if items[0] != HOST_INFO_VERSION:
+            raise WireFormatError(
+                f"same-node entry version {items[0]!r}, this process reads version "
+                f"{HOST_INFO_VERSION}; run the same ray_rdt_pool version on every process")
+        node_id = items[1]
+        if not isinstance(node_id, str) or not 0 < len(node_id) <= 256:
+            raise WireFormatError("same-node entry has no valid node id")
+        ints = items[2:]
+        if not all(type(x) is int and 0 <= x < 1 << 63 for x in ints):
+            raise WireFormatError("same-node entry fields must be non-negative ints")
+        pid, pfd, pino, base, nbytes, tfd, tino, rows, slots, page = ints
+        if page != PAGE or nbytes % PAGE or base % PAGE or not 0 < rows <= 254 or (
+                slots * PAGE < nbytes):
+            raise WireFormatError("same-node entry describes an impossible pool or table")
+        return HostInfo(node_id, pid, pfd, pino, base, nbytes, tfd, tino, rows, slots)
+
+
+# ---------------------------------------------------------------------------------------
+# Sender side: the pool's memory and the lease table
+# ---------------------------------------------------------------------------------------
+
+
+class SharedHostRegion(HostRegion):
+    """A pool region in a ``memfd``, mapped shared; its blocks are whole pages, so each
+    object's pages are its own (a receiver's copy-on-write page never holds a
+    neighbour's bytes)."""
+
+    align = PAGE
+
+    def __init__(self, nbytes: int, *, prefault: bool = False) -> None:
+        import numpy as np
+        import torch
+
+        nbytes = page_up(nbytes)
+        self.fd = os.memfd_create("ray_rdt_pool", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, nbytes)
+            flags = mmap.MAP_SHARED
+            if prefault and hasattr(mmap, "MAP_POPULATE"):
+                flags |= mmap.MAP_POPULATE
+            self._map = mmap.mmap(self.fd, nbytes, flags=flags, prot=_PROT_RW)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.ino = os.fstat(self.fd).st_ino
+        self.nbytes = nbytes
+        self._populated = nbytes if prefault else 0
+        self.array: np.ndarray = np.frombuffer(self._map, dtype=np.uint8)
+        self.tensor: torch.Tensor = torch.from_numpy(self.array)
+        self.addr = self.tensor.data_ptr()
+        self.device = "cpu"
+        self.device_id = 0
+        self.torch_device = "cpu"
+
+    def close(self) -> None:
+        super().close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class LeaseTable:
+    """The sender's table of receivers' leases on its pool pages (see the module doc)."""
+
+    def __init__(self, slots: int, rows: int = LEASE_ROWS) -> None:
+        import numpy as np
+
+        self.rows, self.slots = rows, slots
+        size = PAGE + page_up(rows * slots * 4)
+        self.fd = os.memfd_create("ray_rdt_pool-leases", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, size)
+            self._map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED, prot=_PROT_RW)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.ino = os.fstat(self.fd).st_ino
+        self.header = np.frombuffer(self._map, dtype=np.uint64, count=PAGE // 8)
+        self.header[:3] = (_MAGIC, rows, slots)
+        self.counts = np.frombuffer(self._map, dtype=np.uint32, offset=PAGE,
+                                    count=rows * slots).reshape(rows, slots)
+
+    def _claimed(self) -> list[int]:
+        owners = self.header[_ROW_BASE:_ROW_BASE + 2 * self.rows:2]
+        return [int(r) for r in owners.nonzero()[0]]
+
+    def held(self, slot: int) -> bool:
+        """Whether any receiver holds a lease on the object starting at page ``slot``.
+
+        Reads only claimed rows: reading an untouched row would allocate its pages."""
+        counts = self.counts
+        return any(counts[r, slot] for r in self._claimed())
+
+    def sweep(self) -> int:
+        """Clear the rows of receivers that died (their leases die with them); returns
+        how many. Under the table's ``flock``, so no receiver claims a row meanwhile."""
+        cleared = 0
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            for r in self._claimed():
+                pid = int(self.header[_ROW_BASE + 2 * r])
+                start = int(self.header[_ROW_BASE + 2 * r + 1])
+                if process_start(pid) == start:
+                    continue
+                self._clear_row(r)
+                self.header[_ROW_BASE + 2 * r:_ROW_BASE + 2 * r + 2] = 0
+                cleared += 1
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        return cleared
+
+    def _clear_row(self, r: int) -> None:
+        start = PAGE + r * self.slots * 4
+        length = self.slots * 4
+        # Punch the row's pages out of the memfd rather than write zeros into all of them.
+        lo, hi = page_up(start), (start + length) // PAGE * PAGE
+        try:
+            if hi > lo:
+                self._map.madvise(mmap.MADV_REMOVE, lo, hi - lo)
+            self.counts[r, :(lo - start) // 4] = 0
+            self.counts[r, (hi - start) // 4:] = 0
+        except (OSError, ValueError, AttributeError):
+            self.counts[r] = 0
+
+    def close(self) -> None:
+        self.header = None  # type: ignore[assignment]
+        self.counts = None  # type: ignore[assignment]
+        try:
+            self._map.close()
+        except BufferError:
+            pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+# ---------------------------------------------------------------------------------------
+# Receiver side
+# ---------------------------------------------------------------------------------------
+
+
+def mappable_spans(segments: Sequence[tuple[int, int, int]], total: int, info: HostInfo
+                   ) -> list[tuple[int, int, int]] | None:
+    """``(packed offset, pool offset, length)`` of an object whose every segment lies in
+    the sender's shared pool on page boundaries; None when it cannot be mapped (overflow
+    memory, ``register_memory()`` storages): such objects are read with NIXL."""
+    out: list[tuple[int, int, int]] = []
+    end = total
+    for i, (v, a, n) in enumerate(segments):
+        off = a - info.pool_base
+        last = i == len(segments) - 1
+        if off < 0 or off % PAGE or v % PAGE or off + page_up(n) > info.pool_bytes or (
+                not last and n % PAGE) or v + n > end:
+            return None
+        out.append((v, off, n))
+    return out or None
+
+
+class MappedPool:
+    """A receiver's handle on one same-node sender's pool: the pool and lease table
+    descriptors, the table mapping, and the row this process claimed.
+
+    The counts of the row change only under the receiver's lock (one writer)."""
+
+    def __init__(self, info: HostInfo) -> None:
+        import numpy as np
+
+        self.info = info
+        self.pool_fd = self.table_fd = -1
+        self.counts: Any = None
+        self._table: mmap.mmap | None = None
+        try:
+            self.pool_fd = _open_peer_fd(info.pid, info.pool_fd, info.pool_ino, os.O_RDONLY)
+            self.table_fd = _open_peer_fd(info.pid, info.table_fd, info.table_ino, os.O_RDWR)
+            size = PAGE + page_up(info.rows * info.slots * 4)
+            if os.fstat(self.table_fd).st_size < size or (
+                    os.fstat(self.pool_fd).st_size < info.pool_bytes):
+                raise OSError("the shared pool or lease table is smaller than published")
+            self._table = mmap.mmap(self.table_fd, size, flags=mmap.MAP_SHARED, prot=_PROT_RW)
+            header = np.frombuffer(self._table, dtype=np.uint64, count=PAGE // 8)
+            if int(header[0]) != _MAGIC:
+                raise OSError("the lease table has no valid header")
+            self.row = self._claim_row(header)
+            self.counts = np.frombuffer(self._table, dtype=np.uint32,
+                                        offset=PAGE + self.row * info.slots * 4,
+                                        count=info.slots)
+        except BaseException:
+            self.close()
+            raise
+        self.held = 0  # leases (object mappings) this process holds now
+
+    def _claim_row(self, header: Any) -> int:
+        me, start = os.getpid(), process_start(os.getpid())
+        if start is None:
+            raise OSError("cannot read this process's start time")
+        fcntl.flock(self.table_fd, fcntl.LOCK_EX)
+        try:
+            rows = self.info.rows
+            owners = [(int(header[_ROW_BASE + 2 * r]), int(header[_ROW_BASE + 2 * r + 1]))
+                      for r in range(rows)]
+            for r, owner in enumerate(owners):
+                if owner == (me, start):  # claimed before by this process: its row
+                    return r
+            for r, (pid, _s) in enumerate(owners):
+                if pid == 0:
+                    header[_ROW_BASE + 2 * r + 1] = start
+                    header[_ROW_BASE + 2 * r] = me
+                    return r
+        finally:
+            fcntl.flock(self.table_fd, fcntl.LOCK_UN)
+        raise OSError(f"all {self.info.rows} lease rows of the sender are taken")
+
+    def alive(self) -> bool:
+        """Whether the sender process still runs (its pid, started when it was)."""
+        return process_start(self.info.pid) is not None
+
+    def lease(self, slot: int) -> None:
+        self.counts[slot] += 1
+        self.held += 1
+
+    def unlease(self, slot: int) -> None:
+        self.counts[slot] -= 1
+        self.held -= 1
+
+    def map(self, spans: Sequence[tuple[int, int, int]], total: int) -> tuple[int, int]:
+        """Map an object's spans privately, contiguous in this address space; returns
+        (address, mapped length). The pages fault in when first touched."""
+        span = page_up(total)
+        if len(spans) == 1:
+            (_v, off, n), = spans
+            addr = _libc.mmap(None, span, _PROT_RW, mmap.MAP_PRIVATE, self.pool_fd, off)
+            if addr in (None, _MAP_FAILED):
+                raise OSError(ctypes.get_errno(), "mmap of a shared pool block failed")
+            return int(addr), span
+        base = _libc.mmap(None, span, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                          -1, 0)
+        if base in (None, _MAP_FAILED):
+            raise OSError(ctypes.get_errno(), "reserving address space failed")
+        for v, off, n in spans:
+            got = _libc.mmap(base + v, page_up(n), _PROT_RW, mmap.MAP_PRIVATE | _MAP_FIXED,
+                             self.pool_fd, off)
+            if got != base + v:
+                err = ctypes.get_errno()
+                _libc.munmap(base, span)
+                raise OSError(err, "mmap of a shared pool block failed")
+        return int(base), span
+
+    def close(self) -> None:
+        """Close the descriptors and the table mapping; object mappings stay valid."""
+        self.counts = None
+        if self._table is not None:
+            try:
+                self._table.close()
+            except BufferError:
+                pass
+            self._table = None
+        for name in ("pool_fd", "table_fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+
+
+def unmap(addr: int, length: int) -> None:
+    """Drop an object mapping (its copy-on-write pages go with it)."""
+    if _libc.munmap(addr, length) != 0:
+        logger.warning("munmap of a same-node mapping failed (errno %d)", ctypes.get_errno())
+
+
+def _open_peer_fd(pid: int, fd: int, ino: int, flags: int) -> int:
+    """Open another process's descriptor, checking it is the file that was published
+    (the pid may have been reused by another process since)."""
+    got = os.open(f"/proc/{pid}/fd/{fd}", flags | os.O_CLOEXEC)
+    if os.fstat(got).st_ino != ino:
+        os.close(got)
+        raise OSError(f"/proc/{pid}/fd/{fd} is not the published shared pool")
+    return got

@@ -1,0 +1,191 @@
+"""The same-node path with the fake NIXL, sender and receiver in one process.
+
+The shared pool, the lease table and the private mappings are real (memfd, /proc, mmap);
+only NIXL and the GCS are the in-process fakes, so every READ posted is counted and the
+tests can assert that a mapped get posts none. Real Ray actors (separate processes, a
+killed receiver, two Ray nodes) are in tests/test_same_node.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+
+import pytest
+import torch
+
+from ray_rdt_pool.config import PoolConfig
+from ray_rdt_pool.errors import WireFormatError
+from ray_rdt_pool.shared import PAGE, HostInfo, LeaseTable, process_start
+from ray_rdt_pool.transport import PoolTransportMetadata, Runtime
+from tests.fakenixl import World
+
+
+def make(world: World, node: str | None = "node-a", **cfg) -> Runtime:
+    cfg.setdefault("pool_bytes", 4 << 20)
+    cfg.setdefault("arena_bytes", 4 << 20)
+    cfg.setdefault("metrics", False)
+    return Runtime(PoolConfig(**cfg), backend_factory=world.factory, directory=world,
+                   node_id=lambda: node)
+
+
+def ship(meta: PoolTransportMetadata) -> PoolTransportMetadata:
+    return pickle.loads(pickle.dumps(meta))
+
+
+def get(sender: Runtime, receiver: Runtime, obj_id: str, tensors, targets=None, sel=None):
+    meta = ship(sender.put(obj_id, tensors))
+    if sel is not None:
+        return receiver.fetch_selected(obj_id, meta, sel, None)
+    return receiver.wait(receiver.fetch(obj_id, meta, targets), -1)
+
+
+def settle(*rts: Runtime) -> None:
+    """What the progress threads do on their ticks (the fake backend has none)."""
+    gc.collect()
+    for rt in rts:
+        rt.receiver.reap()
+    for rt in rts:
+        rt.sender.reap()
+
+
+@pytest.fixture()
+def world() -> World:
+    return World()
+
+
+def test_a_mapped_get_is_a_view_with_no_read_and_a_private_copy_on_write(world: World) -> None:
+    s, r = make(world), make(world)
+    src = [torch.arange(1000, dtype=torch.float32), torch.ones(3, 7, dtype=torch.int64)]
+    got = get(s, r, "a", src)
+    assert all(torch.equal(a, b) for a, b in zip(got, src))
+    st = r.stats()
+    assert (st.mapped_gets, st.reads_posted, st.mapped_objects) == (1, 0, 1)
+    assert st.mapped_bytes > 0 and st.arena_used == 0
+    # Writing into the views changes only this receiver's pages.
+    got[0].fill_(-1.0)
+    pool = s.sender.pool
+    assert pool is not None
+    again = get(s, make(world), "a2", src)  # another receiver: original bytes
+    assert torch.equal(again[0], src[0])
+    view = pool.mem.tensor  # the sender's own memory is untouched
+    off = s.sender.sent["a"].blocks[0][0]
+    assert torch.equal(view[off:off + 4000].view(torch.float32), src[0])
+
+
+def test_a_leased_block_is_not_reused_until_the_views_die(world: World) -> None:
+    s, r = make(world), make(world)
+    first = torch.full((PAGE * 4 // 4,), 7, dtype=torch.int32)
+    kept = get(s, r, "a", [first])
+    assert s.sender.free("a")  # Ray freed it; the receiver still holds views
+    st = s.stats()
+    assert (st.leased_objects, st.live_objects) == (1, 0)
+    assert st.leased_bytes == first.numel() * 4
+    off_a = s.sender.leased[next(iter(s.sender.leased))].blocks[0][0]
+    # A put of the same size lands elsewhere; the kept views are unchanged.
+    other = get(s, make(world), "b", [torch.full_like(first, 9)])
+    assert s.sender.sent["b"].blocks[0][0] != off_a
+    assert torch.equal(kept[0], first) and torch.equal(other[0], torch.full_like(first, 9))
+    settle(s, r)
+    assert s.stats().leased_objects == 1  # views alive: still held
+    del kept
+    settle(s, r)
+    st = s.stats()
+    assert (st.leased_objects, st.leased_bytes) == (0, 0)
+    assert r.stats().mapped_objects == 0 and r.stats().mapped_bytes == 0
+
+
+def test_free_returns_at_once_and_a_full_pool_waits_for_no_lease(world: World) -> None:
+    s, r = make(world, pool_bytes=1 << 20, strict=True), make(world)
+    kept = get(s, r, "a", [torch.ones(200_000, dtype=torch.float32)])
+    s.sender.free("a")
+    from ray_rdt_pool.errors import PoolExhaustedError
+
+    with pytest.raises(PoolExhaustedError):  # the leased block is not handed out again
+        s.put("b", [torch.ones(200_000, dtype=torch.float32)])
+    del kept
+    gc.collect()
+    r.receiver.reap()  # the receiver's lease drops; the sender's next put finds the block
+    assert s.put("c", [torch.ones(200_000, dtype=torch.float32)]) is not None
+
+
+def test_copy_mode_targets_and_selection_copy_once_and_keep_no_lease(world: World) -> None:
+    s = make(world)
+    src = [torch.randn(64, 33), torch.arange(10, dtype=torch.int16)]
+    r = make(world, same_node="copy")
+    got = get(s, r, "a", src)
+    assert all(torch.equal(a, b) for a, b in zip(got, src))
+    st = r.stats()
+    assert st.mapped_gets == 1 and st.reads_posted == 0 and st.mapped_objects == 0
+    assert st.arena_used > 0  # the copy lives in the receiver's arena
+    r2 = make(world)
+    targets = [torch.empty_like(t) for t in src]
+    out = get(s, r2, "b", src, targets=targets)
+    assert out[0] is targets[0] and torch.equal(targets[0], src[0])
+    part = get(s, r2, "c", src, sel=[(slice(2, 5), slice(1, 4)), None])
+    assert torch.equal(part[0], src[0][2:5, 1:4]) and torch.equal(part[1], src[1])
+    settle(r2)
+    assert r2.stats().mapped_objects == 0 and r2.stats().reads_posted == 0
+
+
+def test_other_nodes_overflow_and_off_use_nixl(world: World) -> None:
+    s = make(world, pool_bytes=1 << 20)
+    far = make(world, node="node-b")
+    src = [torch.arange(4096, dtype=torch.float64)]
+    assert torch.equal(get(s, far, "a", src)[0], src[0])
+    assert (far.stats().mapped_gets, far.stats().reads_posted) == (0, 1)
+    off = make(world, same_node="off")
+    get(s, off, "b", src)
+    assert (off.stats().mapped_gets, off.stats().reads_posted) == (0, 1)
+    near = make(world)
+    big = [torch.ones(600_000, dtype=torch.float32)]  # 2.4 MB > 1 MiB pool: overflow
+    assert torch.equal(get(s, near, "c", big)[0], big[0])
+    assert (near.stats().mapped_gets, near.stats().reads_posted) == (0, 1)
+    # An unshared sender publishes nothing: receivers read it with NIXL.
+    private = make(world, same_node="off")
+    near2 = make(world)
+    get(private, near2, "d", src)
+    assert (near2.stats().mapped_gets, near2.stats().reads_posted) == (0, 1)
+
+
+def test_a_fragmented_object_is_mapped_contiguously(world: World) -> None:
+    s, r = make(world, pool_bytes=16 * PAGE), make(world)
+    # Fill the pool with four-page objects, free every other one: two free holes.
+    keep = []
+    for i in range(4):
+        get(s, make(world, same_node="off"), f"f{i}", [torch.zeros(PAGE, dtype=torch.int32)])
+        keep.append(f"f{i}")
+    s.sender.free("f0")
+    s.sender.free("f2")
+    src = torch.arange(2 * PAGE, dtype=torch.int32)  # eight pages: spans both holes
+    got = get(s, r, "g", [src])
+    assert len(s.sender.sent["g"].blocks) == 2
+    assert torch.equal(got[0], src) and r.stats().mapped_gets == 1
+
+
+def test_a_dead_receivers_row_is_cleared() -> None:
+    table = LeaseTable(slots=64, rows=4)
+    try:
+        h = table.header
+        # Row 1 claimed by a process that no longer exists (start time that never was).
+        h[4 + 2 * 1], h[4 + 2 * 1 + 1] = os.getpid(), 1
+        table.counts[1, 5] = 3
+        # Row 2 claimed by this live process.
+        h[4 + 2 * 2], h[4 + 2 * 2 + 1] = os.getpid(), process_start(os.getpid())
+        table.counts[2, 6] = 1
+        assert table.held(5) and table.held(6)
+        assert table.sweep() == 1
+        assert not table.held(5) and table.held(6)
+        assert int(h[4 + 2]) == 0
+    finally:
+        table.close()
+
+
+def test_host_entries_are_validated() -> None:
+    good = HostInfo("n", 1, 3, 4, PAGE, PAGE * 8, 5, 6, 4, 8)
+    assert HostInfo.decode(good.encode()) == good
+    for bad in (b"\x00", good.encode()[:-1], HostInfo("n", 1, 3, 4, PAGE, PAGE * 8, 5, 6, 4,
+                                                      2).encode()):
+        with pytest.raises(WireFormatError):
+            HostInfo.decode(bad)
