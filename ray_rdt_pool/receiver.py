@@ -532,6 +532,17 @@ class Receiver:
         host = self._host(meta.agent)
         if host is None:
             return False
+        if not host.alive():
+            # Its memory would still be readable through our descriptors, but Ray holds
+            # the object lost with its process, as a READ from it would find.
+            with self.lock:
+                if self.hosts.get(meta.agent) is host:
+                    self.hosts[meta.agent] = None
+            host.close()
+            self.events.error("err")
+            raise TransferError(
+                f"the sender of object {f.obj_id} ({meta.agent}, pid {host.info.pid}) has "
+                "exited; its objects are gone. Fetch objects from a live sender")
         spans = mappable_spans(meta.segments, meta.total, host.info)
         if spans is None or spans[0][0] != 0:
             return False

@@ -144,7 +144,7 @@ class Sender:
     def _share(self, pool: Region) -> None:
         """Make a shared pool reachable for same-node receivers: its lease table, and
         the directory entry they look up (published before any object names the pool)."""
-        from ray_rdt_pool.shared import HostInfo, LeaseTable, SharedHostRegion
+        from ray_rdt_pool.shared import HostInfo, LeaseTable, SharedHostRegion, process_start
 
         mem = pool.mem
         node = self._node_id()
@@ -156,7 +156,11 @@ class Sender:
             logger.warning("no lease table for same-node receivers (%s); they will read "
                            "this sender's pool with NIXL", e)
             return
-        info = HostInfo(node, os.getpid(), mem.fd, mem.ino, pool.addr, mem.nbytes,
+        start = process_start(os.getpid())
+        if start is None:
+            table.close()
+            return
+        info = HostInfo(node, os.getpid(), start, mem.fd, mem.ino, pool.addr, mem.nbytes,
                         table.fd, table.ino, table.rows, table.slots)
         try:
             self._directory.publish_host(self._agent_name(), info.encode())

@@ -106,6 +106,7 @@ class HostInfo:
 
     node_id: str
     pid: int
+    start: int  # the sender's start time: with the pid, names the process
     pool_fd: int
     pool_ino: int
     pool_base: int
@@ -116,7 +117,8 @@ class HostInfo:
     slots: int
 
     def encode(self) -> bytes:
-        return bytes(msgpack.packb([HOST_INFO_VERSION, self.node_id, self.pid, self.pool_fd,
+        return bytes(msgpack.packb([HOST_INFO_VERSION, self.node_id, self.pid, self.start,
+                                    self.pool_fd,
                                     self.pool_ino, self.pool_base, self.pool_bytes,
                                     self.table_fd, self.table_ino, self.rows, self.slots,
                                     PAGE]))
@@ -128,8 +130,8 @@ class HostInfo:
             items = msgpack.unpackb(data, raw=False, strict_map_key=True)
         except Exception as e:
             raise WireFormatError(f"same-node entry is not valid msgpack: {e}") from e
-        if not isinstance(items, list) or len(items) != 12:
-            raise WireFormatError("same-node entry must be a list of 12 items")
+        if not isinstance(items, list) or len(items) != 13:
+            raise WireFormatError("same-node entry must be a list of 13 items")
         if items[0] != HOST_INFO_VERSION:
             raise WireFormatError(
                 f"same-node entry version {items[0]!r}, this process reads version "
@@ -140,11 +142,11 @@ class HostInfo:
         ints = items[2:]
         if not all(type(x) is int and 0 <= x < 1 << 63 for x in ints):
             raise WireFormatError("same-node entry fields must be non-negative ints")
-        pid, pfd, pino, base, nbytes, tfd, tino, rows, slots, page = ints
+        pid, start, pfd, pino, base, nbytes, tfd, tino, rows, slots, page = ints
         if page != PAGE or nbytes % PAGE or base % PAGE or not 0 < rows <= 254 or (
                 slots * PAGE < nbytes):
             raise WireFormatError("same-node entry describes an impossible pool or table")
-        return HostInfo(node_id, pid, pfd, pino, base, nbytes, tfd, tino, rows, slots)
+        return HostInfo(node_id, pid, start, pfd, pino, base, nbytes, tfd, tino, rows, slots)
 
 
 # ---------------------------------------------------------------------------------------
@@ -344,7 +346,7 @@ class MappedPool:
 
     def alive(self) -> bool:
         """Whether the sender process still runs (its pid, started when it was)."""
-        return process_start(self.info.pid) is not None
+        return process_start(self.info.pid) == self.info.start
 
     def lease(self, slot: int) -> None:
         self.counts[slot] += 1

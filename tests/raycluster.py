@@ -21,6 +21,10 @@ DEFAULT_ENV = {
     "RAY_RDT_POOL_ARENA_BYTES": "64M",
     "RAY_RDT_POOL_METRICS": "0",
     "RAY_DEDUP_LOGS": "0",
+    # One node: without this every get would map the sender's pool and the modules that
+    # attack NIXL READs (stalls, kills, aborts, timeouts) would test nothing. Modules
+    # of the same-node path, and the byte-exactness module, set "map".
+    "RAY_RDT_POOL_SAME_NODE": "off",
 }
 
 

@@ -152,6 +152,8 @@ def test_object_set_round_trips_across_nodes_by_ray_get(pair):
     st = ray.get(r.stats.remote())
     assert st.remote_agents >= 1 and st.receive_fallbacks == 0 and st.transfer_errors == 0
     assert st.bytes_received >= BIG_BYTES
+    # Another Ray node (on the same host): same_node="map" (the default) must not map.
+    assert st.mapped_gets == 0 and st.reads_posted >= 1
 
 
 def test_object_set_round_trips_across_nodes_as_a_task_argument(pair):

@@ -183,9 +183,9 @@ def test_a_dead_receivers_row_is_cleared() -> None:
 
 
 def test_host_entries_are_validated() -> None:
-    good = HostInfo("n", 1, 3, 4, PAGE, PAGE * 8, 5, 6, 4, 8)
+    good = HostInfo("n", 1, 2, 3, 4, PAGE, PAGE * 8, 5, 6, 4, 8)
     assert HostInfo.decode(good.encode()) == good
-    for bad in (b"\x00", good.encode()[:-1], HostInfo("n", 1, 3, 4, PAGE, PAGE * 8, 5, 6, 4,
-                                                      2).encode()):
+    for bad in (b"\x00", good.encode()[:-1], HostInfo("n", 1, 2, 3, 4, PAGE, PAGE * 8, 5, 6,
+                                                      4, 2).encode()):
         with pytest.raises(WireFormatError):
             HostInfo.decode(bad)

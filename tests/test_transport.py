@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
-    start_ray({"RAY_RDT_POOL_BYTES": "32M", "RAY_RDT_POOL_ARENA_BYTES": "32M"})
+    # The default same-node path: every dtype and odd view must come through it exactly.
+    start_ray({"RAY_RDT_POOL_BYTES": "32M", "RAY_RDT_POOL_ARENA_BYTES": "32M",
+               "RAY_RDT_POOL_SAME_NODE": "map"})
     yield
     ray.shutdown()
 

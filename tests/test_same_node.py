@@ -1,0 +1,173 @@
+"""The same-node path on a real Ray cluster: receivers map the sender's shared pool.
+
+One local cluster (one Ray node) for the module, with the default ``same_node="map"``.
+Every get of a pooled object must be served with no NIXL READ (``stats().reads_posted``
+stays 0, ``mapped_gets`` counts them), bytes are compared by sha256 on both sides, and
+the leases are attacked: views kept after the ref died, a block of the same size put
+meanwhile, a receiver writing into its views, a receiver killed while holding views,
+and a thousand cycles that must leave pool, leases and registrations at baseline.
+The two-node case (NIXL between Ray nodes) is in tests/test_multinode.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+import torch
+
+import ray_rdt_pool
+from tests.raycluster import call, digest, start_ray, wait_drained, wait_for
+
+pytestmark = pytest.mark.ray
+
+ray_rdt_pool.register()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    start_ray({"RAY_RDT_POOL_BYTES": "32M", "RAY_RDT_POOL_ARENA_BYTES": "32M",
+               "RAY_RDT_POOL_SAME_NODE": "map"})
+    yield
+    ray.shutdown()
+
+
+@ray.remote(enable_tensor_transport=True)
+class Sender:
+    def __init__(self) -> None:
+        ray_rdt_pool.register()
+
+    def put(self, n: int, fill: int):
+        ts = [torch.full((n,), fill, dtype=torch.int32), torch.arange(n, dtype=torch.float64)]
+        return [ray.put(ts, _tensor_transport="nixl_pool")], digest(ts)
+
+    @ray.method(tensor_transport="nixl_pool")
+    def make(self, n: int, fill: int):
+        return torch.full((n,), fill, dtype=torch.int64)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@ray.remote(enable_tensor_transport=True)
+class Receiver:
+    def __init__(self) -> None:
+        ray_rdt_pool.register()
+        self.kept: dict[str, list[torch.Tensor]] = {}
+
+    def get(self, refs, keep: str | None = None, scribble: bool = False):
+        ts = ray.get(refs[0])
+        d = digest(ts)
+        if scribble:  # a private copy-on-write mapping: nobody else may see this
+            for t in ts:
+                t.fill_(-1)
+        if keep:
+            self.kept[keep] = ts
+        return d
+
+    def kept_digest(self, key: str):
+        return digest(self.kept[key])
+
+    def drop(self, key: str) -> None:
+        del self.kept[key]
+
+    def take(self, t):  # a task argument: Ray's __ray_recv__ on _ray_system
+        return int(t.sum())
+
+    def cycles(self, sender, n: int):
+        """``n`` put/get/free cycles; returns the change of this process's counters."""
+        before = ray_rdt_pool.stats()
+        for i in range(n):
+            t = ray.get(sender.make.remote(4096 + (i % 7) * 1000, i))
+            assert int(t[0]) == i and int(t[-1]) == i
+            del t
+        after = ray_rdt_pool.stats()
+        return {k: getattr(after, k) - getattr(before, k)
+                for k in ("mapped_gets", "reads_posted", "nixl_registrations")}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def stats(actor):
+    return call(actor, lambda self: ray_rdt_pool.stats())
+
+
+def test_several_receivers_see_the_right_bytes_and_a_writer_changes_only_its_own() -> None:
+    s = Sender.remote()
+    rs = [Receiver.remote() for _ in range(3)]
+    refs, want = ray.get(s.put.remote(300_000, 5))
+    assert ray.get(rs[0].get.remote(refs, keep="x", scribble=True)) == want
+    # Later receivers (and the writer itself, fetching again) still see the original bytes.
+    for r in rs[1:]:
+        assert ray.get(r.get.remote(refs)) == want
+    assert ray.get(rs[0].get.remote(refs)) == want
+    # Task arguments go the same way (Ray's receive on _ray_system).
+    ref = s.make.remote(1000, 3)
+    assert ray.get(rs[1].take.remote(ref)) == 3000
+    for r in rs:
+        st = stats(r)
+        assert st.reads_posted == 0, st
+        assert st.mapped_gets >= 1
+    assert stats(rs[0]).mapped_objects == 1  # the kept views hold one lease
+    call(rs[0], lambda self: self.drop("x"))
+    del refs, ref
+    wait_drained(s)
+    wait_for(lambda: stats(rs[0]).mapped_objects == 0, timeout=10)
+    for a in (s, *rs):
+        ray.kill(a)
+
+
+def test_a_leased_block_is_never_reused_and_comes_back_when_the_views_die() -> None:
+    s, r = Sender.remote(), Receiver.remote()
+    refs, want = ray.get(s.put.remote(1 << 20, 1))
+    assert ray.get(r.get.remote(refs, keep="a")) == want
+    del refs  # Ray frees the object; the receiver still has views of its block
+    st = wait_for(lambda: (x := stats(s)).live_objects == 0 and x, timeout=10)
+    assert st.leased_objects == 1 and st.leased_bytes >= 12 << 20
+    # Another object of the same size: it must land elsewhere, the kept views unchanged.
+    refs2, want2 = ray.get(s.put.remote(1 << 20, 2))
+    assert ray.get(r.get.remote(refs2)) == want2
+    assert call(r, lambda self: self.kept_digest("a")) == want
+    del refs2
+    call(r, lambda self: self.drop("a"))
+    st = wait_drained(s)  # the block came back
+    assert st.leased_objects == 0 and st.leased_bytes == 0
+    assert stats(r).mapped_objects == 0 and stats(r).reads_posted == 0
+    ray.kill(s)
+    ray.kill(r)
+
+
+def test_a_killed_receivers_leases_are_released_within_five_seconds() -> None:
+    s, r = Sender.remote(), Receiver.remote()
+    refs, want = ray.get(s.put.remote(1 << 18, 7))
+    assert ray.get(r.get.remote(refs, keep="k")) == want
+    del refs
+    wait_for(lambda: stats(s).leased_objects == 1, timeout=10)
+    os.kill(ray.get(r.pid.remote()), signal.SIGKILL)
+    t0 = time.monotonic()
+    st = wait_for(lambda: (x := stats(s)).leased_objects == 0 and x.pool_used == 0 and x,
+                  timeout=15, interval=0.05)
+    assert time.monotonic() - t0 < 5.0, "leases of a killed receiver outlived 5 s"
+    assert st.leased_bytes == 0
+    ray.kill(s)
+
+
+def test_a_thousand_cycles_leak_nothing() -> None:
+    s, r = Sender.remote(), Receiver.remote()
+    ray.get(r.get.remote([s.make.remote(10, 0)]))  # pool, agents and mappings exist
+    base = stats(s)
+    delta = ray.get(r.cycles.remote(s, 1000), timeout=300)
+    assert delta == {"mapped_gets": 1000, "reads_posted": 0, "nixl_registrations": 0}
+    st = wait_drained(s)
+    st = wait_for(lambda: (x := stats(s)).leased_objects == 0 and x, timeout=10)
+    assert st.pool_used == 0 and st.live_objects == 0 and st.leased_bytes == 0
+    assert st.nixl_registrations == base.nixl_registrations
+    assert st.registered_regions == base.registered_regions
+    rst = wait_for(lambda: (x := stats(r)).mapped_objects == 0 and x, timeout=10)
+    assert rst.mapped_bytes == 0 and rst.arena_used == 0
+    ray.kill(s)
+    ray.kill(r)
