@@ -158,7 +158,8 @@ def test_a_killed_receivers_leases_are_released_within_five_seconds() -> None:
 
 def test_a_thousand_cycles_leak_nothing() -> None:
     s, r = Sender.remote(), Receiver.remote()
-    ray.get(r.get.remote([s.make.remote(10, 0)]))  # pool, agents and mappings exist
+    ray.get(r.cycles.remote(s, 1))  # pool, agents and mappings exist: the baseline
+    wait_drained(s)
     base = stats(s)
     delta = ray.get(r.cycles.remote(s, 1000), timeout=300)
     assert delta == {"mapped_gets": 1000, "reads_posted": 0, "nixl_registrations": 0}
