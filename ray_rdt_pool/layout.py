@@ -13,21 +13,55 @@ Terms used across the package:
   ``(offset, length)``; the virtual space is their concatenation in order.
   :func:`map_extent` and :class:`BlockMap` translate a virtual range into the
   physical pieces it occupies.
+* A *run* is ``(nbytes_each, align, count)``: ``count`` consecutive tensors of one size
+  and alignment. A *group* is a sequence of runs repeated ``repeat`` times, one
+  *repetition* after another (the wire format sends each pattern once).
+
+The one placement rule: every tensor starts at the end of the previous one rounded up to
+its own alignment. Nothing else ever pads, so the offsets of an object never depend on
+how its tensors are grouped: :func:`group_layout` of any grouping equals
+:func:`packed_offsets` of the tensors one by one.
+
+Groups are *uniform* from their second repetition on: repetition ``k >= 1`` lies exactly
+``(k - 1) * stride`` bytes after repetition 1, tensor for tensor, so one field of a
+repeated pattern is a regular strided array of the block. The stride is not a choice
+but a consequence of the rule: with ``M`` the widest alignment of the pattern (every
+element size is a power of two, so all of them divide ``M``), the first tensor of width
+``M`` in a repetition starts on a multiple of ``M``, which fixes where the next
+repetition starts modulo ``M``; repetitions 1, 2, ... therefore start at the same offset
+modulo ``M`` and lie alike. Repetition 0 starts wherever the previous group ended, so it
+may sit off that grid (only if the pattern's first tensor is narrower than ``M`` and the
+group starts at another offset modulo ``M`` than its later repetitions do; e.g. int8,
+float64, int8 repeated from offset 0 lies at 0, 17, 33, 49, ...): :class:`Placed` says
+where both lie, and :meth:`Placed.pieces` cuts a group into uniform pieces. The only
+padding is each tensor's own alignment, so the wire needs no rule about where groups
+begin or end, and any grouping of the same tensors gives the same bytes.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
+from math import lcm
+from typing import NamedTuple
 
 __all__ = [
     "BLOCK_ALIGN",
     "BlockMap",
+    "Placed",
+    "Spec",
     "align_up",
+    "group_layout",
+    "group_offsets",
+    "group_run_starts",
+    "lay_runs",
     "map_extent",
     "packed_offsets",
     "run_layout",
 ]
+
+#: One run as the layout sees it: ``(nbytes_each, align, count)``.
+Spec = tuple[int, int, int]
 
 # Every pool block starts on a 64-byte boundary. 64 is at least the largest element
 # size (16, complex128), so a tensor at a block start is aligned for any dtype; it is
@@ -73,17 +107,13 @@ def packed_offsets(nbytes: Sequence[int], aligns: Sequence[int]) -> tuple[list[i
     return offsets, align_up(end, BLOCK_ALIGN)
 
 
-def run_layout(runs: Sequence[tuple[int, int, int]]) -> tuple[list[int], int]:
-    """Start offset of each run of equal tensors, and the packed total.
+def lay_runs(pos: int, runs: Sequence[Spec]) -> tuple[list[int], int]:
+    """Start of each run laid out in order from packed position ``pos``, and the end.
 
-    Each run is ``(nbytes_each, align, count)``. The result equals
-    :func:`packed_offsets` on the expanded list: tensor ``k`` of run ``r`` starts at
-    ``starts[r] + k * nbytes_each``, which holds because ``nbytes_each`` is a
-    multiple of ``align``, so no padding arises inside a run. This costs O(runs)
-    instead of O(tensors), which matters for thousands of equal views.
-
-    A run with ``count == 0`` contributes no tensor, so, as in the expansion, it
-    does not move the packing position; its reported start is where it would begin.
+    Each run starts at the current end rounded up to its alignment; its tensors follow
+    each other with no padding (``nbytes_each`` is a multiple of ``align``). A run with
+    ``count == 0`` contributes no tensor, so, as in the expansion, it does not move the
+    end; its reported start is where it would begin. The end is not rounded.
 
     Raises:
         ValueError: for a negative size or count, a non-positive alignment, or
@@ -91,11 +121,13 @@ def run_layout(runs: Sequence[tuple[int, int, int]]) -> tuple[list[int], int]:
             tensors of the run would not be contiguous).
     """
     starts: list[int] = []
-    end = 0
+    end = pos
     for nbytes_each, align, count in runs:
         if nbytes_each < 0 or count < 0:
             raise ValueError(f"negative size {nbytes_each} or count {count} in a run")
-        start = align_up(end, align)
+        if align <= 0:
+            raise ValueError(f"alignment must be positive, got {align}")
+        start = -(-end // align) * align  # align_up, inlined: this loop runs per run
         if count > 1 and nbytes_each % align:
             raise ValueError(
                 f"a run of {count} tensors of {nbytes_each} bytes is not contiguous "
@@ -104,7 +136,129 @@ def run_layout(runs: Sequence[tuple[int, int, int]]) -> tuple[list[int], int]:
         starts.append(start)
         if count:
             end = start + nbytes_each * count
+    return starts, end
+
+
+def run_layout(runs: Sequence[Spec]) -> tuple[list[int], int]:
+    """Start offset of each run of equal tensors, and the packed total.
+
+    Each run is ``(nbytes_each, align, count)``. The result equals
+    :func:`packed_offsets` on the expanded list: tensor ``k`` of run ``r`` starts at
+    ``starts[r] + k * nbytes_each``, which holds because ``nbytes_each`` is a
+    multiple of ``align``, so no padding arises inside a run. This costs O(runs)
+    instead of O(tensors), which matters for thousands of equal views. Runs with
+    ``count == 0`` are placed as :func:`lay_runs` says.
+
+    Raises:
+        ValueError: as :func:`lay_runs`.
+    """
+    starts, end = lay_runs(0, runs)
     return starts, align_up(end, BLOCK_ALIGN)
+
+
+class Placed(NamedTuple):
+    """Where one group of runs lies in the packed space.
+
+    Run ``j`` of repetition 0 starts at ``first[j]``; run ``j`` of repetition ``k >= 1``
+    starts at ``origin[j] + k * stride``. When ``first == origin`` (the usual case) the
+    whole group is uniform. A group with one repetition has ``stride == 0``.
+    """
+
+    first: list[int]
+    origin: list[int]
+    stride: int
+
+    def pieces(self, repeat: int) -> list[tuple[list[int], int, int]]:
+        """The group as uniform pieces ``(run starts of the piece's first repetition,
+        stride, repetitions)``, in order: one piece, or repetition 0 alone and then the
+        others when repetition 0 lies off the grid."""
+        if repeat == 1 or self.first == self.origin:
+            return [(self.first, self.stride, repeat)]
+        return [(self.first, 0, 1),
+                ([o + self.stride for o in self.origin], self.stride, repeat - 1)]
+
+
+def group_layout(groups: Sequence[tuple[Sequence[Spec], int]]) -> tuple[list[Placed], int]:
+    """Place groups of runs in order; return where each lies and the packed total.
+
+    Group ``g`` is ``(runs, repeat)``: ``runs`` laid out ``repeat`` times back to back.
+    Tensor ``q`` of run ``j`` in repetition ``k`` starts ``q * nbytes_each`` after the
+    run start :class:`Placed` gives. The result equals :func:`packed_offsets` on the
+    expanded tensors: this is the same rule, computed in O(runs of the patterns)
+    instead of O(tensors) (two repetitions are laid out; the rest follow by stride).
+
+    Raises:
+        ValueError: as :func:`lay_runs`; for ``repeat < 1``; or for repetitions that
+            would not be uniform from the second on, which happens only with alignments
+            that are not powers of two (never for dtypes).
+    """
+    placed: list[Placed] = []
+    end = 0
+    for g, (runs, repeat) in enumerate(groups):
+        if repeat < 1:
+            raise ValueError(f"group {g}: repeat must be at least 1, got {repeat}")
+        first, end0 = lay_runs(end, runs)
+        f = next((j for j, (_n, _a, c) in enumerate(runs) if c), None)
+        if repeat == 1 or f is None:  # one repetition, or nothing to repeat
+            placed.append(Placed(first, first, 0))
+            end = end0
+            continue
+        second, end1 = lay_runs(end0, runs)
+        stride = align_up(end1, runs[f][1]) - second[f]
+        period = lcm(*(a for _n, a, c in runs if c))
+        if stride % period:
+            raise ValueError(
+                f"group {g}: repetitions 1 and 2 would start at different offsets modulo "
+                f"{period} (alignments must be powers of two)"
+            )
+        placed.append(Placed(first, [x - stride for x in second], stride))
+        end = end1 + (repeat - 2) * stride
+    return placed, align_up(end, BLOCK_ALIGN)
+
+
+def group_run_starts(placed: Placed, repeat: int) -> list[int]:
+    """Start of every run of a placed group, repetition after repetition."""
+    out: list[int] = []
+    for starts, stride, reps in placed.pieces(repeat):
+        if reps == 1:
+            out += starts
+            continue
+        m = len(starts)
+        part = [0] * (m * reps)
+        for j, s in enumerate(starts):
+            # One C-level slice assignment per run of the pattern, not one step per run.
+            part[j::m] = range(s, s + reps * stride, stride) if stride else [s] * reps
+        out += part
+    return out
+
+
+def group_offsets(runs: Sequence[Spec], placed: Placed, repeat: int) -> list[int]:
+    """Packed offset of every tensor of a placed group, in order.
+
+    Costs one C-level slice assignment per tensor of the pattern or per repetition of a
+    run, whichever is fewer, never a Python step per tensor.
+    """
+    per_rep = sum(c for _n, _a, c in runs)
+    out: list[int] = []
+    for starts, stride, reps in placed.pieces(repeat):
+        part = [0] * (per_rep * reps)
+        col = 0
+        for (n, _a, c), s in zip(runs, starts):
+            if c <= reps:
+                # Tensor q of this run, in every repetition: one strided range.
+                for q in range(c):
+                    first = s + q * n
+                    part[col + q::per_rep] = (range(first, first + reps * stride, stride)
+                                              if stride else [first] * reps)
+            else:
+                # The run's tensors in one repetition: one contiguous range.
+                for k in range(reps):
+                    base = s + k * stride
+                    at = k * per_rep + col
+                    part[at:at + c] = range(base, base + c * n, n) if n else [base] * c
+            col += c
+        out += part
+    return out
 
 
 class BlockMap:

@@ -82,9 +82,16 @@ class Placement:
 def run_offsets(runs: Sequence[TensorRun]) -> tuple[list[int], int]:
     """Packed offset of every tensor and the packed total, from the runs alone.
 
-    The same :func:`ray_rdt_pool.layout.run_layout` the receiver uses; tensors inside a
-    run follow each other with no padding, so their offsets are a ``range``.
+    The same layout functions the receiver uses. For the :class:`~ray_rdt_pool.wire.Runs`
+    that ``runs_from`` returns, the offsets come group by group from its cached
+    :func:`~ray_rdt_pool.layout.group_layout`, with C-level range fills instead of a
+    Python step per tensor or per run; any other sequence of runs goes through
+    :func:`~ray_rdt_pool.layout.run_layout` (the offsets are the same either way).
     """
+    from ray_rdt_pool.wire import Runs
+
+    if isinstance(runs, Runs):
+        return runs.tensor_offsets(), runs.layout()[1]
     starts, total = run_layout([(r.nbytes_each, r.itemsize, r.count) for r in runs])
     offsets: list[int] = []
     for run, start in zip(runs, starts):

@@ -80,7 +80,11 @@ class LazyTensorMeta(Sequence[Any]):
             from ray_rdt_pool.tensors import torch_dtype
 
             meta = self._owner.decoded()
-            self._items = [(torch.Size(s), torch_dtype(d)) for s, d in meta.shapes_dtypes()]
+            # One (Size, dtype) pair per run of a pattern, replicated per tensor: an
+            # object sent per sample (thousands of tensors, a handful of runs) costs no
+            # torch call per tensor here.
+            self._items = meta.map_tensors(
+                lambda run: (torch.Size(run.shape), torch_dtype(run.dtype)))
         return self._items
 
     def __getitem__(self, i: Any) -> Any:

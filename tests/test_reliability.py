@@ -730,7 +730,8 @@ def _shorten_first_segment(raw: list[Any]) -> None:
 
 
 def _too_many_tensors(raw: list[Any]) -> None:
-    raw[5], raw[6], raw[7] = 0, [1, 0, wire.DTYPES["float32"][0], wire.MAX_TENSORS + 1], []
+    # One group (repeat 1) of one run: float32 [0] x (MAX_TENSORS + 1).
+    raw[5], raw[6], raw[7] = 0, [1, 1, 1, 0, wire.DTYPES["float32"][0], wire.MAX_TENSORS + 1], []
 
 
 def _forge_address(raw: list[Any]) -> None:

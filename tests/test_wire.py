@@ -1,4 +1,5 @@
-"""The wire codec: round trips, size bounds, and rejection of every malformed input."""
+"""The wire codec: round trips, repeat finding, size bounds, and rejection of every
+malformed input."""
 
 from __future__ import annotations
 
@@ -19,10 +20,13 @@ from ray_rdt_pool.wire import (
     MAX_DIMS,
     MAX_TENSORS,
     WIRE_VERSION,
+    RunGroup,
+    Runs,
     TensorRun,
     WireMeta,
     decode,
     encode,
+    group_runs,
     runs_from,
 )
 
@@ -40,6 +44,10 @@ def total_of(runs: tuple[TensorRun, ...] | list[TensorRun]) -> int:
 @st.composite
 def metas(draw: st.DrawFn, max_runs: int = 6) -> WireMeta:
     runs = tuple(draw(st.lists(RUNS, max_size=max_runs)))
+    if draw(st.booleans()):
+        # A repeated pattern (a batch sent per sample, a model's layers): the encoder
+        # sends it as a group, which corruption must not get past either.
+        runs = runs * draw(st.integers(2, 40))
     total = total_of(runs)
     # The packed space split into consecutive pieces at arbitrary addresses, as
     # a split pool allocation would produce.
@@ -306,8 +314,23 @@ def test_scalar_fields() -> None:
     rejects(with_field(7, "x"), "segments must be an array")
 
 
-def _runs_raw(flat: list[Any], total: int = 0, segs: list[int] | None = None) -> bytes:
+def _groups_raw(flat: list[Any], total: int = 0, segs: list[int] | None = None) -> bytes:
     return pack([WIRE_VERSION, "a", 0, "cpu", 0, total, flat, segs or []])
+
+
+def _nruns(flat: list[Any]) -> int:
+    """How many runs a flat run array starts (the last one may be cut short)."""
+    i = n = 0
+    while i < len(flat):
+        ndim = flat[i]
+        n += 1
+        i += ndim + 3 if type(ndim) is int and ndim >= 0 else 3
+    return n
+
+
+def _runs_raw(flat: list[Any], total: int = 0, segs: list[int] | None = None) -> bytes:
+    """A message whose runs form one plain group (``repeat`` 1)."""
+    return _groups_raw([1, _nruns(flat), *flat], total, segs)
 
 
 def test_run_errors() -> None:
@@ -369,3 +392,315 @@ def test_encode_rejects_an_invalid_meta() -> None:
         encode(WireMeta("a", 0, "cpu", 0, 64, (TensorRun((1,), "float128", 1),), ()))
     with pytest.raises(WireFormatError, match="not fully cover"):
         encode(WireMeta(good.agent, 0, "cpu", 0, good.total, good.runs, ()))
+
+
+# -- repeated groups (wire version 2) --
+
+#: A realistic header: agent names are "rdtpool-<pid>-<12 hex>", addresses 47-bit.
+AGENT = "rdtpool-4194304-0123456789ab"
+ADDR = 0x7F12_3456_0000
+
+KINDS = st.tuples(st.lists(st.integers(0, 6), max_size=3).map(tuple),
+                  st.sampled_from(sorted(DTYPES)))
+
+
+def expand(runs: Any) -> list[tuple[tuple[int, ...], str]]:
+    return [(r.shape, r.dtype) for r in runs for _ in range(r.count)]
+
+
+def per_tensor_layout(pairs: list[tuple[tuple[int, ...], str]]) -> tuple[list[int], int]:
+    """The layout tensor by tensor: the reference every grouping must reproduce."""
+    return packed_offsets([TensorRun(s, d, 1).nbytes_each for s, d in pairs],
+                          [DTYPES[d][1] for _, d in pairs])
+
+
+def meta_of(runs: Any, total: int, segments: tuple[tuple[int, int, int], ...] | None = None,
+            ) -> WireMeta:
+    segs = segments if segments is not None else (((0, ADDR, total),) if total else ())
+    return WireMeta(AGENT, 123_456, "cuda", 3, total, runs, segs)
+
+
+@st.composite
+def periodic_pairs(draw: st.DrawFn, max_kinds: int = 8, max_repeat: int = 40,
+                   edges: bool = True) -> list[tuple[tuple[int, ...], str]]:
+    """A pattern of tensors drawn from a few kinds, repeated, maybe between other tensors."""
+    kinds = draw(st.lists(KINDS, min_size=1, max_size=max_kinds, unique=True))
+    pick = st.sampled_from(kinds)
+    pattern = draw(st.lists(pick, min_size=1, max_size=8))
+    prefix = draw(st.lists(pick, max_size=4)) if edges else []
+    suffix = draw(st.lists(pick, max_size=4)) if edges else []
+    return prefix + pattern * draw(st.integers(1, max_repeat)) + suffix
+
+
+@RELAXED
+@given(periodic_pairs())
+def test_runs_from_keeps_every_tensor_and_maximal_runs(
+    pairs: list[tuple[tuple[int, ...], str]],
+) -> None:
+    runs = runs_from([s for s, _ in pairs], [d for _, d in pairs])
+    assert isinstance(runs, Runs)
+    assert expand(runs) == pairs
+    assert runs.num_tensors == len(pairs) == sum(g.num_tensors for g in runs.groups)
+    assert len(runs) == sum(len(g.runs) * g.repeat for g in runs.groups) == len(list(runs))
+    for x, y in itertools.pairwise(runs):  # runs are maximal, as before groups existed
+        assert (x.shape, x.dtype) != (y.shape, y.dtype)
+    assert all(g.repeat >= 1 and g.runs for g in runs.groups)
+    # The same runs as a plain tuple compare (and hash) equal to the grouped form.
+    assert runs == tuple(runs) and tuple(runs) == runs and hash(runs) == hash(tuple(runs))
+
+
+@RELAXED
+@given(periodic_pairs(), st.booleans())
+def test_grouped_round_trip_and_per_tensor_layout(
+    pairs: list[tuple[tuple[int, ...], str]], as_tuple: bool,
+) -> None:
+    runs = runs_from([s for s, _ in pairs], [d for _, d in pairs])
+    offsets, total = per_tensor_layout(pairs)
+    meta = meta_of(tuple(runs) if as_tuple else runs, total)
+    back = decode(encode(meta))
+    assert back == meta and hash(back) == hash(meta)
+    # Offsets derived from the encoded form are the tensor-by-tensor aligned layout.
+    assert back.tensor_offsets() == offsets == meta.tensor_offsets()
+    assert back.total == total
+    firsts = list(itertools.accumulate((r.count for r in back.runs), initial=0))[:-1]
+    assert back.run_starts() == [offsets[i] for i in firsts]
+    assert list(back.shapes_dtypes()) == pairs
+    assert back.map_tensors(lambda r: r.dtype) == [d for _, d in pairs]
+    assert back.num_tensors == len(pairs)
+
+
+@st.composite
+def raw_groups(draw: st.DrawFn) -> list[tuple[list[tuple[tuple[int, ...], str, int]], int]]:
+    """Any grouping, canonical or not: runs may repeat kinds, patterns may be misaligned."""
+    run = st.tuples(st.lists(st.integers(0, 4), max_size=2).map(tuple),
+                    st.sampled_from(["bool", "int8", "int16", "float32", "float64",
+                                     "complex128"]),
+                    st.integers(1, 3))
+    return draw(st.lists(st.tuples(st.lists(run, min_size=1, max_size=4), st.integers(1, 5)),
+                         max_size=4))
+
+
+def flat_of(groups: list[tuple[list[tuple[tuple[int, ...], str, int]], int]]) -> list[int]:
+    flat: list[int] = []
+    for runs, repeat in groups:
+        flat += [repeat, len(runs)]
+        for shape, dtype, count in runs:
+            flat += [len(shape), *shape, DTYPES[dtype][0], count]
+    return flat
+
+
+def pairs_of(groups: list[tuple[list[tuple[tuple[int, ...], str, int]], int]]
+             ) -> list[tuple[tuple[int, ...], str]]:
+    return [(s, d) for runs, repeat in groups for _ in range(repeat)
+            for s, d, c in runs for _ in range(c)]
+
+
+@RELAXED
+@given(raw_groups())
+def test_any_grouping_decodes_to_the_per_tensor_layout(
+    groups: list[tuple[list[tuple[tuple[int, ...], str, int]], int]],
+) -> None:
+    pairs = pairs_of(groups)
+    offsets, total = per_tensor_layout(pairs)
+    meta = decode(_groups_raw(flat_of(groups), total, [0, ADDR, total] if total else []))
+    assert meta.tensor_offsets() == offsets
+    assert list(meta.shapes_dtypes()) == pairs
+    assert [g.repeat for g in meta.groups] == [r for _, r in groups]
+    assert decode(encode(meta)) == meta  # re-encoding may regroup; it decodes equal
+
+
+@settings(RELAXED, max_examples=300)
+@given(raw_groups(), st.data())
+def test_coverage_check_is_exact(
+    groups: list[tuple[list[tuple[tuple[int, ...], str, int]], int]], data: st.DataObject,
+) -> None:
+    pairs = pairs_of(groups)
+    offsets, total = per_tensor_layout(pairs)
+    if not total:
+        return
+    # Random disjoint segments, some bytes left out.
+    cuts = sorted({*data.draw(st.lists(st.integers(0, total), max_size=8)), 0, total})
+    keep = data.draw(st.lists(st.booleans(), min_size=len(cuts), max_size=len(cuts)))
+    segs = [(a, ADDR + a, b - a) for (a, b), k in zip(itertools.pairwise(cuts), keep) if k]
+    covered = bytearray(total)
+    for v, _a, n in segs:
+        covered[v:v + n] = b"\x01" * n
+    sizes = [TensorRun(s, d, 1).nbytes_each for s, d in pairs]
+    ok = all(covered[o:o + n] == b"\x01" * n for o, n in zip(offsets, sizes))
+    data_bytes = _groups_raw(flat_of(groups), total, [x for seg in segs for x in seg])
+    if ok:
+        assert decode(data_bytes).segments == tuple(segs)
+    else:
+        rejects(data_bytes, "which the segments do not fully cover")
+
+
+def test_coverage_error_names_the_run_and_tensors_of_a_repetition() -> None:
+    # float32 [4] then int64 [2], repeated 3 times: repetitions at 0, 32, 64.
+    flat = [3, 2, 1, 4, 12, 1, 1, 2, 6, 1]
+    assert decode(_groups_raw(flat, 128, [0, ADDR, 96])).tensor_offsets() == [
+        0, 16, 32, 48, 64, 80]
+    # A hole in repetition 2's int64 tensor: run 5, tensor 5.
+    rejects(_groups_raw(flat, 128, [0, ADDR, 84, 90, ADDR, 6]),
+            r"run 5 \(tensors 5..5\) occupies bytes \[80, 96\)")
+    # A hole in repetition 1's float32 tensor: run 2, tensor 2.
+    rejects(_groups_raw(flat, 128, [0, ADDR, 33, 40, ADDR, 56]),
+            r"run 2 \(tensors 2..2\) occupies bytes \[32, 48\)")
+    # Holes in the padding after a float32 tensor are fine (none here: it ends at 16).
+
+
+def test_a_first_repetition_off_the_grid() -> None:
+    # int8, float64, int16 repeated from offset 0: repetitions at 0, 18, 34, 50; the
+    # first sits off the grid of the others (stride 16), and nothing is padded.
+    pairs = [((), "int8"), ((), "float64"), ((), "int16")] * 4
+    runs = runs_from([s for s, _ in pairs], [d for _, d in pairs])
+    assert [(len(g.runs), g.repeat) for g in runs.groups] == [(3, 4)]
+    offsets, total = per_tensor_layout(pairs)
+    assert offsets == [0, 8, 16, 18, 24, 32, 34, 40, 48, 50, 56, 64]
+    ((first, origin, stride),) = runs.layout()[0]
+    assert (first, origin, stride) == ([0, 8, 16], [2, 8, 16], 16)
+    back = decode(encode(meta_of(runs, total)))
+    assert back.tensor_offsets() == offsets and back.total == total == 128
+    # A pattern that starts with its widest tensor is uniform from repetition 0 on.
+    wide = [((), "float64"), ((), "int16"), ((), "int8")] * 4
+    (placed,), _ = runs_from([s for s, _ in wide], [d for _, d in wide]).layout()
+    assert placed.first == placed.origin == [0, 8, 10] and placed.stride == 16
+
+
+def test_group_header_errors() -> None:
+    run = [1, 4, 12, 1]  # float32 [4]
+    rejects(_groups_raw([0, 1, *run]), "group 0: repeat must be an int in")
+    rejects(_groups_raw([MAX_TENSORS + 1, 1, *run]), "group 0: repeat must be an int in")
+    rejects(_groups_raw([True, 1, *run]), "repeat must be an int")
+    rejects(_groups_raw([1.0, 1, *run]), "repeat must be an int")
+    rejects(_groups_raw([1, 0, *run]), "group 0: the number of runs must be an int in")
+    rejects(_groups_raw([1, 2, *run]), r"the number of runs must be an int in \[1, 1\]")
+    rejects(_groups_raw([1, "1", *run]), "the number of runs must be an int")
+    rejects(_groups_raw([1, 1, *run, 2], 64), "group 1: the runs array ends inside the "
+            "group header")
+    rejects(_groups_raw([1, 1, *run, 2, 1, 1, 4, 12]), "run 1: the runs array ends inside")
+    # The bound on tensors counts repetitions, before anything is expanded.
+    rejects(_groups_raw([MAX_TENSORS, 1, 1, 0, 12, 2]), "more than 1,048,576 tensors")
+    rejects(_groups_raw([MAX_TENSORS // 2, 2, 1, 0, 12, 1, 1, 0, 6, 1, 1, 1, 0, 3, 1]),
+            "more than 1,048,576 tensors")
+    assert decode(_groups_raw([MAX_TENSORS // 2, 1, 1, 0, 12, 2])).num_tensors == MAX_TENSORS
+
+
+def test_a_message_standing_for_the_most_tensors_decodes_without_expanding() -> None:
+    # 2**20 empty tensors in 2**19 repetitions of two alternating runs: decoding costs
+    # what the message costs, not what it stands for.
+    data = _groups_raw([MAX_TENSORS // 2, 2, 1, 0, 12, 1, 1, 0, 6, 1])
+    start = time.perf_counter()
+    meta = decode(data)
+    elapsed = time.perf_counter() - start
+    assert meta.num_tensors == MAX_TENSORS and len(meta.runs) == MAX_TENSORS
+    assert elapsed < 0.5  # about 20 us; expanding would take a thousand times longer
+    assert len(data) < 40
+
+
+EXPERIENCE = [((1024,), "int64"), ((1024,), "int64"), ((1024,), "float32"),
+              ((1024,), "float32"), ((), "float32")]
+
+
+def _encoded(pairs: list[tuple[tuple[int, ...], str]]) -> tuple[bytes, Runs]:
+    runs = runs_from([s for s, _ in pairs], [d for _, d in pairs])
+    _, total = per_tensor_layout(pairs)
+    return encode(meta_of(runs, total)), runs
+
+
+def test_experience_batch_per_sample_encodes_under_200_bytes() -> None:
+    # 1,024 samples x 5 fields in sample-major order: 3,072 runs in version 1 (15 KB).
+    data, runs = _encoded(EXPERIENCE * 1024)
+    assert [(len(g.runs), g.repeat) for g in runs.groups] == [(3, 1024)]
+    assert len(data) <= 200
+    batched, _ = _encoded([((1024, 1024), "int64")] * 2 + [((1024, 1024), "float32")] * 2
+                          + [((1024,), "float32")])
+    assert len(batched) <= 200
+    assert decode(data).tensor_offsets() == per_tensor_layout(EXPERIENCE * 1024)[0]
+
+
+def test_ten_thousand_row_views_encode_under_200_bytes() -> None:
+    data, runs = _encoded([((4096,), "bfloat16")] * 10_000)
+    assert len(runs) == 1 and len(data) <= 200
+
+
+LLAMA = ([((1000, 256), "float32")]
+         + ([((256, 256), "float32")] * 4 + [((512, 256), "float32")] * 2
+            + [((256, 512), "float32")] + [((256,), "float32")] * 2) * 8
+         + [((256,), "float32"), ((1000, 256), "float32")])
+
+
+def test_a_state_dict_repeating_its_layer_pattern_encodes_small() -> None:
+    # The tensors of LlamaForCausalLM(hidden 256, 8 layers).state_dict(), in order.
+    data, runs = _encoded(LLAMA)
+    assert len(data) <= 200
+    assert max(g.repeat for g in runs.groups) == 7  # the last layer merges with the norm
+
+
+@settings(RELAXED, max_examples=300)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 65_535), min_size=1, max_size=2).map(tuple),
+                          st.sampled_from(sorted(DTYPES))),
+                min_size=1, max_size=8, unique=True),
+       st.data())
+def test_periodic_objects_of_up_to_8_kinds_encode_under_200_bytes(
+    kinds: list[tuple[tuple[int, ...], str]], data: st.DataObject,
+) -> None:
+    # Each kind once per period (in any order), repeated up to 5,000 times.
+    pattern = data.draw(st.permutations(kinds))
+    pairs = pattern * data.draw(st.integers(1, 5_000))
+    encoded, runs = _encoded(pairs)
+    assert len(encoded) <= 200, (len(encoded), runs)
+
+
+@RELAXED
+@given(periodic_pairs(max_repeat=200, edges=False))
+def test_a_repeated_pattern_costs_the_pattern_not_the_repeats(
+    pairs: list[tuple[tuple[int, ...], str]],
+) -> None:
+    runs = runs_from([s for s, _ in pairs], [d for _, d in pairs])
+    # At most three patterns' worth of runs (a plain head, the group, a plain tail),
+    # whatever the number of repetitions.
+    assert sum(len(g.runs) for g in runs.groups) <= 3 * 8
+
+
+def test_finding_repeats_is_linear_and_fast() -> None:
+    shapes = [s for s, _ in EXPERIENCE * 1024]
+    dtypes = [d for _, d in EXPERIENCE * 1024]
+    views = [(4096,)] * 10_000
+    # Warm up, then take the best of a few: CI machines are shared.
+    for _ in range(2):
+        runs_from(shapes, dtypes)
+    best = min(_timed(lambda: runs_from(shapes, dtypes)) for _ in range(5))
+    best_views = min(_timed(lambda: runs_from(views, ["float32"] * 10_000)) for _ in range(5))
+    assert best < 0.05 and best_views < 0.05  # about 0.4 ms and 0.8 ms here
+    # 40 times the tensors: well under 40 times the time of a repeated pattern's
+    # Python work, since the repetitions are compared in C.
+    big = min(_timed(lambda: runs_from(shapes * 40, dtypes * 40)) for _ in range(2))
+    assert big < 1.0
+
+
+def _timed(f: Any) -> float:
+    start = time.perf_counter()
+    f()
+    return time.perf_counter() - start
+
+
+def test_group_runs_regroups_a_plain_sequence_of_runs() -> None:
+    a, b = TensorRun((2,), "float32", 3), TensorRun((), "int64", 1)
+    runs = group_runs((a, b) * 50 + (a,))
+    assert [(len(g.runs), g.repeat) for g in runs.groups] == [(2, 50), (1, 1)]
+    assert runs == (a, b) * 50 + (a,)
+    assert group_runs(runs) is runs
+    # Adjacent equal runs stay as they are (decode keeps what the sender sent).
+    assert list(group_runs((a, a, a))) == [a, a, a]
+    meta = meta_of((a, b) * 50 + (a,), per_tensor_layout(expand((a, b) * 50 + (a,)))[1])
+    assert len(encode(meta)) < 100
+
+
+def test_runs_is_a_sequence_of_the_expanded_runs() -> None:
+    a, b = TensorRun((2,), "float32", 3), TensorRun((), "int64", 1)
+    runs = Runs([RunGroup((a, b), 3), RunGroup((a,))])
+    assert len(runs) == 7 and runs[0] == a and runs[-1] == a and runs[1:3] == (b, a)
+    assert list(runs) == [a, b, a, b, a, b, a] and runs.num_tensors == 15
+    assert runs == [a, b, a, b, a, b, a] and runs != (a, b) and runs != "ab"
+    assert Runs([RunGroup((a, b, a, b, a, b, a))]) == runs
+    assert "RunGroup" in repr(runs)
