@@ -289,6 +289,12 @@ class _NullDirectory:
     def remove(self, name: str) -> None:
         pass
 
+    def publish_host(self, name: str, info: bytes) -> None:
+        pass
+
+    def lookup_host(self, name: str) -> None:
+        return None
+
 
 def test_fallback_warning_once_per_process(caplog: pytest.LogCaptureFixture,
                                            capsys: pytest.CaptureFixture[str]) -> None:

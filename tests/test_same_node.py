@@ -172,3 +172,20 @@ def test_a_thousand_cycles_leak_nothing() -> None:
     assert rst.mapped_bytes == 0 and rst.arena_used == 0
     ray.kill(s)
     ray.kill(r)
+
+
+def test_a_get_from_an_exited_sender_fails() -> None:
+    s, r = Sender.remote(), Receiver.remote()
+    assert ray.get(r.take.remote(s.make.remote(100, 1))) == 100  # r maps s's pool
+    ref = s.make.remote(1000, 2)  # owned by the driver: it outlives the sender
+    ray.wait([ref], fetch_local=False)
+    pid = ray.get(s.pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}"), timeout=10)
+    before = stats(r)
+    with pytest.raises(ray.exceptions.RayError):
+        ray.get(r.take.remote(ref), timeout=60)
+    after = stats(r)
+    assert after.mapped_gets == before.mapped_gets and after.reads_posted == 0
+    assert after.transfer_errors == before.transfer_errors + 1
+    ray.kill(r)

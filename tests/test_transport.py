@@ -146,6 +146,12 @@ class Receiver:
         return ray_rdt_pool.stats()
 
 
+def receiver(same_node: str):
+    """A receiver with its own same_node setting (the module's default is "map")."""
+    return Receiver.options(runtime_env={"env_vars": {"RAY_RDT_POOL_SAME_NODE": same_node}}
+                            ).remote()
+
+
 @pytest.fixture(scope="module")
 def pair():
     """One sender and one receiver shared by the tests that need no fresh state
@@ -213,22 +219,29 @@ def test_snapshot_semantics_mutation_after_put_is_not_seen(pair):
     ray.get(s.drop.remote())
 
 
-def test_garbage_collection_returns_blocks_to_the_pool():
-    s, r = Sender.remote(), Receiver.remote()
+@pytest.mark.parametrize("same_node", ["off", "map"])
+def test_garbage_collection_returns_blocks_to_the_pool(same_node):
+    s, r = Sender.remote(), receiver(same_node)
     base = ray.get(s.stats.remote())
     refs, expected = ray.get(s.put.remote([torch.randn(1 << 16), torch.randn(33)]))
     during = ray.get(s.stats.remote())
     assert during.live_objects == base.live_objects + 1
     assert during.pool_used > base.pool_used
-    assert ray.get(r.get.remote(refs, True)) == expected
+    assert ray.get(r.get.remote(refs, True)) == expected  # the receiver keeps the views
     del refs
     after = wait_for(lambda: (st := ray.get(s.stats.remote())).live_objects == 0 and st)
-    assert after.pool_used == 0
     assert after.objects_freed >= 1
-    # The receiver's arena block comes back once its views are gone.
-    assert ray.get(r.stats.remote()).arena_used > 0
+    held = ray.get(r.stats.remote())
+    if same_node == "off":  # a READ: the sender's blocks are free, the receiver's arena not
+        assert after.pool_used == 0 and held.arena_used > 0
+    else:  # mapped views: their lease holds the sender's block until they die
+        assert after.leased_objects == 1 and after.pool_used > 0
+        assert held.mapped_objects == 1 and held.arena_used == 0 and held.reads_posted == 0
     ray.get(r.release.remote())
-    assert wait_for(lambda: ray.get(r.stats.remote()).arena_used == 0)
+    assert wait_for(lambda: (x := ray.get(r.stats.remote())).arena_used == 0
+                    and x.mapped_objects == 0)
+    st = wait_for(lambda: (x := ray.get(s.stats.remote())).pool_used == 0 and x)
+    assert st.leased_objects == 0
 
 
 def test_target_buffers_land_in_user_tensors(pair):
@@ -292,16 +305,22 @@ def test_one_get_of_refs_put_before_and_after_a_deregistration():
     assert st.transfers_in_flight == 0 and st.transfers_cut == 0 and st.transfer_errors == 0
 
 
-def test_target_parameter_whose_memory_is_swapped():
+@pytest.mark.parametrize("same_node", ["off", "map"])
+def test_target_parameter_whose_memory_is_swapped(same_node):
     """The registration cache is keyed by the storage: after ``p.data = new`` the new
-    memory is registered and read into, never the old one."""
-    s, r = Sender.remote(), Receiver.remote()
+    memory is registered and read into, never the old one. Mapped (same node), targets
+    are one copy out of the mapping: the current memory, and no registration at all."""
+    s, r = Sender.remote(), receiver(same_node)
     refs, expected = ray.get(s.put.remote([torch.arange(1 << 16, dtype=torch.float32)]))
     out, new_regs, entries = ray.get(r.into_param_swapping_memory.remote(refs))
     assert [o for o, _d in out] == [True] * 4
     assert [d for _o, d in out] == expected * 4
-    # the arena; the first storage on its second sighting; the new storage on its second
-    assert new_regs == 3 and entries == 2
+    if same_node == "off":
+        # the arena; the first storage on its second sighting; the new one on its second
+        assert new_regs == 3 and entries == 2
+    else:
+        assert new_regs == 0 and entries == 0
+        assert ray.get(r.stats.remote()).mapped_gets == 4
 
 
 def test_full_pool_still_sends_snapshots():
@@ -466,9 +485,10 @@ def test_example_put_get_runs():
     assert "received" in proc.stdout
 
 
-def test_receiver_loads_each_senders_metadata_once(pair):
+def test_receiver_loads_each_senders_metadata_once():
     s = Sender.remote()
-    r = pair[1]
+    r = receiver("off")  # NIXL metadata: only READs need it
+    ray.get(r.stats.remote())
     before = ray.get(r.stats.remote())
     for _ in range(3):
         refs, expected = ray.get(s.put.remote([torch.ones(8)]))
