@@ -3,19 +3,28 @@
 Depends on torch and the pure modules, never on Ray or NIXL. The transport calls these
 functions on both sides, so the byte layout of an object is decided in one place
 (:mod:`ray_rdt_pool.layout`) and applied here.
+
+Threads: every function runs on its caller's thread. The one exception is a large
+``pack_into`` with ``threads`` > 1, which shares its memmoves with daemon helper threads
+of this module, started by the first such call (none at import) and idle, blocked on a
+queue, in between.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import operator
+import os
+import queue
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ray_rdt_pool.errors import InvalidInputError
 from ray_rdt_pool.layout import BlockMap
-from ray_rdt_pool.wire import DTYPES, TensorRun
+from ray_rdt_pool.wire import DTYPES, RunGroup, Runs, TensorRun
 
 if TYPE_CHECKING:
     import numpy as np
@@ -106,40 +115,54 @@ def describe(tensors: Sequence[Any], *, allow_cuda: bool = False) -> Described:
 
     names, _ = _dtype_tables()
     Tensor = torch.Tensor
-    # Attribute by attribute in comprehensions: one C-level loop each is several times
-    # cheaper than one Python loop body touching every attribute.
-    for i, t in enumerate(tensors):
-        if not isinstance(t, Tensor):
-            raise InvalidInputError(
-                f"item {i} of the object is a {type(t).__name__}, not a torch.Tensor; "
-                "nixl_pool moves tensors only, so pass other values through the object store"
-            )
-    cpu = [t.is_cpu for t in tensors]
-    if not all(cpu):
+    # One C-level map per attribute, with no Python step per tensor: each torch attribute
+    # costs 50-120 ns, and a comprehension adds about as much again (the per-sample
+    # batches this transport carries hold thousands of small tensors).
+    if not all(issubclass(tp, Tensor) for tp in set(map(type, tensors))):
+        for i, t in enumerate(tensors):
+            if not isinstance(t, Tensor):
+                raise InvalidInputError(
+                    f"item {i} of the object is a {type(t).__name__}, not a torch.Tensor; "
+                    "nixl_pool moves tensors only, so pass other values through the object "
+                    "store"
+                )
+    cpu = all(map(_IS_CPU, tensors))
+    if not cpu:
         for i in range(len(tensors)):
             _check_device(tensors, i, allow_cuda)
     strided = torch.strided
-    if not all(t.layout is strided for t in tensors):
+    if set(map(_LAYOUT, tensors)) - {strided}:
         i = next(i for i, t in enumerate(tensors) if t.layout is not strided)
         raise InvalidInputError(
             f"tensor {i} has layout {tensors[i].layout}; only dense (strided) tensors can be "
             "sent, convert with t.to_dense()"
         )
-    dts = [t.dtype for t in tensors]
+    dts = list(map(_DTYPE, tensors))
     try:
-        dtypes = [names[dt] for dt in dts]
+        dtypes = list(map(names.__getitem__, dts))
     except KeyError:
         for dt in dts:
             dtype_name(dt)
         raise
-    aligns = [t.element_size() for t in tensors]
-    nbytes = [t.numel() * a for t, a in zip(tensors, aligns)]
-    plain = [t.is_contiguous() and not t.is_neg() for t in tensors]
+    aligns = list(map(_ITEMSIZE.__getitem__, dtypes))
+    nbytes = list(map(_NBYTES, tensors))  # numel * element size, also for views
+    plain = list(map(Tensor.is_contiguous, tensors))
+    if any(map(Tensor.is_neg, tensors)):
+        plain = [p and not t.is_neg() for p, t in zip(plain, tensors)]
     if any(dt.is_complex for dt in set(dts)):
         plain = [p and not t.is_conj() for p, t in zip(plain, tensors)]
-    device = None if not tensors else ("cpu" if cpu[0] else "cuda")
-    return Described([t.shape for t in tensors], dtypes, nbytes, aligns,
-                     [t.data_ptr() for t in tensors], plain, device)
+    device = None if not tensors else ("cpu" if tensors[0].is_cpu else "cuda")
+    return Described(list(map(_SHAPE, tensors)), dtypes, nbytes, aligns,
+                     list(map(Tensor.data_ptr, tensors)), plain, device)
+
+
+_IS_CPU = operator.attrgetter("is_cpu")
+_LAYOUT = operator.attrgetter("layout")
+_DTYPE = operator.attrgetter("dtype")
+_NBYTES = operator.attrgetter("nbytes")
+_SHAPE = operator.attrgetter("shape")
+#: Wire dtype name -> element size (what ``t.element_size()`` returns, without the call).
+_ITEMSIZE: dict[str, int] = {name: size for name, (_code, size) in DTYPES.items()}
 
 
 def _check_device(tensors: Sequence[Any], i: int, allow_cuda: bool) -> None:
@@ -259,10 +282,253 @@ class CudaRegion:
 
 _BIG_COPY = 1 << 20
 
+# ---------------------------------------------------------------------------------------
+# Threaded pack copy. Threads: the thread calling pack_into (Ray's task thread, or the
+# driver's) cuts the copy into units, queues one share per helper, copies units itself
+# and waits for the helpers; helper threads only ever run _PackJob.help.
+# ---------------------------------------------------------------------------------------
+
+#: Default ``threshold`` of :func:`pack_into` (the sender passes its configured
+#: ``pack_threshold_bytes``): smaller copies stay on the calling thread.
+_PACK_THRESHOLD = 16 << 20
+#: Bytes per unit of work of a threaded pack. Big spans are cut into units of this size
+#: and small spans grouped up to it. Threads take units one at a time, so one slowed by
+#: another process on the same core simply takes fewer, and a unit costs one lock round
+#: trip, not one per tensor.
+_PACK_CHUNK = 4 << 20
+#: Most helper threads the pool starts (``pack_threads`` is at most 64, caller included).
+_PACK_MAX_HELPERS = 63
+
+#: One memmove: (destination address, source address, bytes).
+_Move = tuple[int, int, int]
+
+
+class _PackJob:
+    """The units of one threaded pack, shared by the calling thread and its helpers.
+
+    The calling thread, and each helper that reaches the job before it is closed, take
+    units one at a time until none is left or a failure stopped the job. The caller then
+    closes the job and waits only for the helpers inside it: a helper still busy with
+    another job finds this one closed later and drops it, so it never delays the caller.
+    """
+
+    __slots__ = ("_active", "_closed", "_idle", "_lock", "_next", "error", "stopped", "units")
+
+    def __init__(self, units: list[list[_Move]]) -> None:
+        self.units = units
+        self._next = 0  # index of the next unit to take
+        self._lock = threading.Lock()
+        self._active = 0  # helpers inside work()
+        self._closed = False
+        self._idle = threading.Event()  # set once closed with no helper inside
+        self.stopped = False  # a failure in any thread: take no more units
+        self.error: BaseException | None = None  # a helper's first failure
+
+    def work(self) -> None:
+        """Copy units until none is left or the job stopped (caller and helpers)."""
+        units = self.units
+        lock = self._lock
+        while True:
+            with lock:
+                i = self._next
+                if self.stopped or i >= len(units):
+                    return
+                self._next = i + 1
+            for dst, src, n in units[i]:
+                _memmove(dst, src, n)  # releases the GIL: the threads copy in parallel
+
+    def help(self) -> None:
+        """One helper's share (helper thread): never raises, failures go to ``error``."""
+        with self._lock:
+            if self._closed:
+                return
+            self._active += 1
+        try:
+            self.work()
+        except BaseException as exc:  # re-raised by the caller in its own thread
+            self.stop(exc)
+        finally:
+            with self._lock:
+                self._active -= 1
+                if self._closed and not self._active:
+                    self._idle.set()
+
+    def stop(self, exc: BaseException | None = None) -> None:
+        """Let nobody take another unit; remember the first helper failure (any thread)."""
+        with self._lock:
+            self.stopped = True
+            if exc is not None and self.error is None:
+                self.error = exc
+
+    def close(self) -> None:
+        """Let no more helpers in and wait for those inside (calling thread).
+
+        After this returns no helper writes into the destination any more, so the caller
+        may free it (the sender does when the pack failed).
+        """
+        with self._lock:
+            self._closed = True
+            if not self._active:
+                return
+        self._idle.wait()
+
+
+class _PackPool:
+    """The daemon helper threads of threaded packs: started on demand, never stopped.
+
+    An idle helper blocks in ``SimpleQueue.get`` (no CPU, no polling); each queued item is
+    one helper's share of one job.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()  # a forked child inherits this object but not its threads
+        self.jobs: queue.SimpleQueue[_PackJob] = queue.SimpleQueue()
+        self.helpers = 0
+        self._lock = threading.Lock()
+
+    def submit(self, job: _PackJob, helpers: int) -> None:
+        """Queue ``helpers`` shares of ``job``, starting threads up to that many (caller).
+
+        If the system refuses a new thread the job runs with fewer helpers: the caller
+        copies every unit nobody else takes.
+        """
+        with self._lock:
+            while self.helpers < helpers:
+                t = threading.Thread(target=self._serve, daemon=True,
+                                     name=f"ray_rdt_pool-pack-{self.helpers}")
+                try:
+                    t.start()
+                except RuntimeError:
+                    break
+                self.helpers += 1
+            helpers = min(helpers, self.helpers)
+        for _ in range(helpers):
+            self.jobs.put(job)
+
+    def _serve(self) -> None:
+        """A helper thread's whole life: one share of one job at a time."""
+        while True:
+            self.jobs.get().help()
+
+
+_pack_pool: _PackPool | None = None
+_pack_pool_lock = threading.Lock()
+
+
+def _get_pack_pool() -> _PackPool:
+    """This process's helper pool, created on first use (and anew in a forked child)."""
+    global _pack_pool
+    pool = _pack_pool
+    if pool is None or pool.pid != os.getpid():
+        with _pack_pool_lock:
+            pool = _pack_pool
+            if pool is None or pool.pid != os.getpid():
+                pool = _pack_pool = _PackPool()
+    return pool
+
+
+def _pack_units(moves: Sequence[_Move], chunk: int) -> list[list[_Move]]:
+    """Cut and group ``moves`` into units of at most ``chunk`` bytes (calling thread).
+
+    A move is cut only where its destination crosses a 64-byte boundary, so the threads
+    do not write halves of one cache line.
+    """
+    chunk = max(chunk, 128)  # room for at least one cache-line boundary: always progress
+    units: list[list[_Move]] = []
+    unit: list[_Move] = []
+    room = chunk
+    for dst, src, n in moves:
+        while n > room:
+            take = ((dst + room) & ~63) - dst
+            if take > 0:
+                unit.append((dst, src, take))
+                dst, src, n = dst + take, src + take, n - take
+            if unit:
+                units.append(unit)
+            unit, room = [], chunk
+        if n:
+            unit.append((dst, src, n))
+            room -= n
+            if not room:
+                units.append(unit)
+                unit, room = [], chunk
+    if unit:
+        units.append(unit)
+    return units
+
+
+def _pack_threaded(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[int],
+                   blocks: Sequence[tuple[int, int]], region: HostRegion,
+                   idx: Sequence[int], threads: int) -> None:
+    """:func:`pack_into` on up to ``threads`` threads (runs on the calling thread).
+
+    The same spans as the one-thread loop are mapped to physical moves through the block
+    map and cut into units; ``threads - 1`` helpers and the calling thread copy them. The
+    caller materialises the non-plain tensors meanwhile (torch ops that allocate) and
+    copies those itself. It returns only once no helper touches the pool any more, and
+    re-raises the first failure of any thread.
+    """
+    base = region.addr
+    bmap = None if len(blocks) == 1 else BlockMap(blocks)
+    b0 = blocks[0][0] if blocks else 0
+    nbytes, ptrs, plain = d.nbytes, d.ptrs, d.plain
+
+    def physical(dst: int, src: int, n: int) -> list[_Move]:
+        if bmap is None:
+            return [(base + b0 + dst, src, n)]
+        out: list[_Move] = []
+        for phys, m in bmap.map(dst, n):
+            out.append((base + phys, src, m))
+            src += m
+        return out
+
+    moves: list[_Move] = []
+    leftovers: list[int] = []
+    span_src = span_dst = span_len = 0
+    # The span rule of pack_into's one-thread loop; tests/test_pack.py checks both
+    # paths leave identical pools.
+    for i in idx:
+        n = nbytes[i]
+        if n == 0:
+            continue
+        if not plain[i]:
+            leftovers.append(i)
+            continue
+        src = ptrs[i]
+        dst = offsets[i]
+        if span_len and src == span_src + span_len and dst == span_dst + span_len:
+            span_len += n
+            continue
+        if span_len:
+            moves.extend(physical(span_dst, span_src, span_len))
+        span_src, span_dst, span_len = src, dst, n
+    if span_len:
+        moves.extend(physical(span_dst, span_src, span_len))
+
+    job = _PackJob(_pack_units(moves, _PACK_CHUNK))
+    helpers = min(threads - 1, len(job.units) - 1, _PACK_MAX_HELPERS)
+    if helpers > 0:
+        _get_pack_pool().submit(job, helpers)
+    try:
+        for i in leftovers:
+            # As in the one-thread path: torch materialises the logical values.
+            t = tensors[i].resolve_conj().resolve_neg().contiguous()
+            for dst, src, n in physical(offsets[i], t.data_ptr(), nbytes[i]):
+                _memmove(dst, src, n)
+        job.work()
+    except BaseException:
+        job.stop()  # helpers finish the unit in hand and take no other
+        raise
+    finally:
+        job.close()
+    if job.error is not None:
+        raise job.error
+
 
 def pack_into(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[int],
               blocks: Sequence[tuple[int, int]], region: HostRegion,
-              which: Sequence[int] | None = None) -> None:
+              which: Sequence[int] | None = None, *, threads: int = 1,
+              threshold: int = _PACK_THRESHOLD) -> None:
     """Copy each tensor's own bytes to its packed offset in the object's pool blocks.
 
     ``offsets`` are positions in the object's packed space, which is the concatenation
@@ -270,7 +536,18 @@ def pack_into(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[i
     copy to some tensors. Runs of tensors adjacent both in memory and in the packed
     space are copied as one span, and every span is one memmove: a torch op per small
     tensor costs more than its copy (seed 000: ~8 us per fragment).
+
+    Threads: with ``threads`` > 1 and at least ``threshold`` bytes to copy, the calling
+    thread and up to ``threads - 1`` daemon helper threads (started on first use, shared
+    by the process) copy the spans in units of a few MiB; the call returns once every
+    byte is in place and re-raises a helper's failure. Otherwise the calling thread
+    copies everything, as below.
     """
+    if threads > 1 and (sum(d.nbytes) if which is None
+                        else sum([d.nbytes[i] for i in which])) >= threshold:
+        _pack_threaded(tensors, d, offsets, blocks, region,
+                       range(len(d.nbytes)) if which is None else which, threads)
+        return
     base = region.addr
     bmap = None if len(blocks) == 1 else BlockMap(blocks)
     b0 = blocks[0][0] if blocks else 0
@@ -315,19 +592,90 @@ def rebuild(block: torch.Tensor, runs: Sequence[TensorRun],
             starts: Sequence[int]) -> list[torch.Tensor]:
     """Rebuild the tensors of an object as views of one contiguous uint8 block.
 
-    Each run of equal (shape, dtype) tensors becomes one reshape and one ``unbind``,
-    so thousands of row views cost a few torch calls, not one per tensor.
+    ``starts`` are the packed offsets of the runs' first tensors (``meta.run_starts()``).
+    Each run of equal (shape, dtype) tensors becomes one reshape and one ``unbind``, so
+    thousands of row views cost a few torch calls, not one per tensor. When ``runs`` is a
+    :class:`~ray_rdt_pool.wire.Runs` (what the decoder returns), a repeated group costs a
+    few torch calls too, however many repetitions it has: see :func:`_rebuild_group`.
     """
     out: list[torch.Tensor] = []
-    for run, start in zip(runs, starts):
-        dt = torch_dtype(run.dtype)
-        each = run.nbytes_each
-        if run.count == 1:
-            out.append(block[start:start + each].view(dt).view(run.shape))
-            continue
-        flat = block[start:start + each * run.count].view(dt)
-        out.extend(flat.view((run.count, *run.shape)).unbind(0))
+    if not isinstance(runs, Runs):
+        for run, start in zip(runs, starts):
+            _rebuild_run(block, run, start, out)
+        return out
+    at = 0  # index in `starts` of the group's first run
+    for g, placed in zip(runs.groups, runs.layout()[0]):
+        # The layout is the one run_starts() came from; `starts` only places it, so a
+        # caller may pass offsets shifted as a whole.
+        shift = starts[at] - placed.first[0]
+        for piece_starts, stride, reps in placed.pieces(g.repeat):
+            piece = [s + shift for s in piece_starts]
+            if reps == 1:
+                for run, start in zip(g.runs, piece):
+                    _rebuild_run(block, run, start, out)
+            else:
+                _rebuild_group(block, g, piece, stride, reps, out)
+        at += len(g.runs) * g.repeat
     return out
+
+
+def _rebuild_run(block: torch.Tensor, run: TensorRun, start: int,
+                 out: list[torch.Tensor]) -> None:
+    dt = torch_dtype(run.dtype)
+    each = run.nbytes_each
+    if run.count == 1:
+        out.append(block[start:start + each].view(dt).view(run.shape))
+        return
+    flat = block[start:start + each * run.count].view(dt)
+    out.extend(flat.view((run.count, *run.shape)).unbind(0))
+
+
+def _rebuild_group(block: torch.Tensor, g: RunGroup, starts: Sequence[int], stride: int,
+                   rep: int, out: list[torch.Tensor]) -> None:
+    """The tensors of ``rep`` uniform repetitions of a group, a few torch calls per run.
+
+    Tensor ``q`` of a run in every repetition (a *field* of the pattern) is a regular
+    strided array of the block: one ``as_strided`` view of shape ``(rep, *shape)``
+    and one ``unbind``. A run with more tensors than the group has repetitions is cut
+    per repetition instead (one reshape and one ``unbind`` each), whichever is fewer
+    calls. The results go to their places in the output with slice assignments, so no
+    Python step runs per tensor.
+    """
+    per_rep = g.tensors_per_repeat
+    res: list[Any] = [None] * (per_rep * rep)
+    col = 0
+    for run, s in zip(g.runs, starts):
+        dt = torch_dtype(run.dtype)
+        n = run.nbytes_each
+        c = run.count
+        if c <= rep:
+            # A typed view over every repetition of the run; its storage offset is in
+            # elements of dt (the layout keeps s and the stride multiples of the itemsize).
+            typed = block[s:s + (rep - 1) * stride + c * n].view(dt)
+            numel = run.numel
+            size = (rep, *run.shape)
+            strides = (stride // run.itemsize, *_contiguous_strides(run.shape))
+            base = typed.storage_offset()
+            for q in range(c):
+                res[col + q::per_rep] = typed.as_strided(size, strides, base + q * numel).unbind(0)
+        else:
+            shape = (c, *run.shape)
+            for k in range(rep):
+                b = s + k * stride
+                at = k * per_rep + col
+                res[at:at + c] = block[b:b + c * n].view(dt).view(shape).unbind(0)
+        col += c
+    out.extend(res)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """C-contiguous strides in elements, as torch computes them (a 0 dim counts as 1)."""
+    strides: list[int] = []
+    acc = 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 def unpack_into(targets: Sequence[torch.Tensor], offsets: Sequence[int], base: int,

@@ -1,0 +1,444 @@
+"""The threaded pack copy leaves exactly the bytes of the one-thread copy.
+
+Fast unit tests, no Ray and no NIXL: ``pack_into`` on one thread and on several, into two
+``HostRegion`` s filled with the same pattern, must leave byte-identical regions (so a
+threaded pack writes nowhere else either), and both must hold each tensor's logical
+bytes where the block map puts them. The unit size is patched down to a few hundred
+bytes so small tensors still make many units, cut inside tensors and across blocks.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from itertools import pairwise
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ray_rdt_pool.tensors as T
+from ray_rdt_pool.layout import BlockMap, packed_offsets
+
+RELAXED = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=60)
+FILL = 0xA5
+
+DTYPES = [torch.float32, torch.int8, torch.float64, torch.bfloat16, torch.complex64,
+          torch.int16]
+KINDS = ["own", "adjacent", "transposed", "strided", "neg", "conj", "zero"]
+
+
+@contextmanager
+def unit_bytes(n: int) -> Iterator[None]:
+    with mock.patch.object(T, "_PACK_CHUNK", n):
+        yield
+
+
+def _values(n: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    if dtype.is_complex or dtype.is_floating_point:
+        return torch.randn(n, generator=g, dtype=torch.float64 if dtype.is_complex
+                           else torch.float32).to(dtype)
+    return torch.randint(-100, 100, (n,), generator=g).to(dtype)
+
+
+def build(specs: Sequence[tuple[str, int, torch.dtype]], seed: int = 0) -> list[torch.Tensor]:
+    """Tensors from (kind, numel, dtype) specs. ``adjacent`` ones are consecutive slices
+    of one buffer, so the pack merges them into one span."""
+    g = torch.Generator().manual_seed(seed)
+    out: list[torch.Tensor] = []
+    shared: torch.Tensor | None = None
+    pos = 0
+    for kind, n, dtype in specs:
+        if kind == "conj" and not dtype.is_complex:
+            dtype = torch.complex64
+        if kind == "zero":
+            out.append(torch.empty(0, 3, dtype=dtype))
+        elif kind == "adjacent":
+            if shared is None or shared.dtype != dtype or pos + n > shared.numel():
+                shared, pos = _values(max(4096, n), dtype, g), 0
+            out.append(shared[pos:pos + n])
+            pos += n
+            continue
+        elif kind == "transposed":
+            out.append(_values(2 * (n + 2), dtype, g).view(2, n + 2).t())
+        elif kind == "strided":
+            out.append(_values(2 * n + 2, dtype, g)[::2])
+        elif kind == "neg":
+            out.append(torch._neg_view(_values(n, dtype, g)))
+        elif kind == "conj":
+            out.append(_values(n, dtype, g).conj())
+        else:
+            out.append(_values(n, dtype, g))
+        shared = None  # anything else breaks the run of adjacent slices
+    return out
+
+
+def scatter_blocks(total: int, cuts: Sequence[int], gaps: Sequence[int],
+                   order: Sequence[int]) -> tuple[list[tuple[int, int]], int]:
+    """Split ``[0, total)`` at ``cuts`` into blocks placed out of order, with gaps between,
+    as the allocator may hand them out. Returns the blocks and the region size needed."""
+    edges = sorted({0, total, *[c for c in cuts if 0 < c < total]})
+    lengths = [b - a for a, b in pairwise(edges)] or [total]
+    place = sorted(range(len(lengths)), key=lambda i: order[i % len(order)] if order else i)
+    phys: dict[int, int] = {}
+    at = 0
+    for k, i in enumerate(place):
+        at += gaps[k % len(gaps)] if gaps else 0
+        phys[i] = at
+        at += lengths[i]
+    return [(phys[i], lengths[i]) for i in range(len(lengths))], at + 64
+
+
+def logical_bytes(t: torch.Tensor) -> bytes:
+    c = t.resolve_conj().resolve_neg().contiguous()
+    return c.view(-1).view(torch.uint8).numpy().tobytes() if c.numel() else b""
+
+
+def pack_both(tensors: list[torch.Tensor], blocks: list[tuple[int, int]] | None,
+              which: Sequence[int] | None, threads: int, chunk: int,
+              threshold: int = 0) -> tuple[bytes, bytes, list[int], list[tuple[int, int]]]:
+    """Pack one-thread and threaded into two regions; return both regions' bytes."""
+    d = T.describe(tensors)
+    offsets, total = packed_offsets(d.nbytes, d.aligns)
+    if blocks is None:
+        blocks, size = [(128, total)], total + 256
+    else:
+        size = max((o + n for o, n in blocks), default=0) + 64
+    regions = [T.HostRegion(max(size, 64)) for _ in range(2)]
+    for r in regions:
+        r.tensor.fill_(FILL)
+    T.pack_into(tensors, d, offsets, blocks, regions[0], which)
+    with unit_bytes(chunk):
+        T.pack_into(tensors, d, offsets, blocks, regions[1], which, threads=threads,
+                    threshold=threshold)
+    out = [r.tensor.numpy().tobytes() for r in regions]
+    for r in regions:
+        r.close()
+    return out[0], out[1], offsets, blocks
+
+
+def check_placed(region: bytes, tensors: list[torch.Tensor], offsets: list[int],
+                 blocks: list[tuple[int, int]], which: Sequence[int] | None) -> None:
+    """Every tensor in ``which`` holds its logical bytes at its mapped physical places."""
+    bmap = BlockMap(blocks)
+    for i in range(len(tensors)) if which is None else which:
+        want = logical_bytes(tensors[i])
+        got = b"".join(region[p:p + m] for p, m in bmap.map(offsets[i], len(want)))
+        assert got == want, f"tensor {i} ({tensors[i].dtype}, {tuple(tensors[i].shape)})"
+
+
+def assert_same_pack(tensors: list[torch.Tensor], blocks: list[tuple[int, int]] | None = None,
+                     which: Sequence[int] | None = None, threads: int = 3,
+                     chunk: int = 256) -> None:
+    one, many, offsets, used = pack_both(tensors, blocks, which, threads, chunk)
+    assert one == many
+    check_placed(many, tensors, offsets, used, which)
+
+
+# --------------------------------------------------------------------------- examples
+
+
+def test_one_big_tensor_many_units() -> None:
+    assert_same_pack([torch.randn(50_000)], chunk=4096)
+
+
+def test_adjacent_views_make_one_span_cut_into_units() -> None:
+    weight = torch.randn(64, 100)
+    assert_same_pack(list(weight.unbind(0)), chunk=1000)
+
+
+def test_adjacent_in_memory_but_padded_in_the_pool() -> None:
+    # 3 bytes, then float32 values right after them in memory: the pool puts the floats
+    # on a 4-byte boundary, so the two are not one span.
+    buf = bytearray(bytes(range(200)))
+    head = torch.frombuffer(buf, dtype=torch.uint8, count=3)
+    tail = torch.frombuffer(buf, dtype=torch.float32, count=40, offset=3)
+    more = torch.frombuffer(buf, dtype=torch.uint8, count=37, offset=163)
+    assert tail.data_ptr() == head.data_ptr() + 3
+    assert_same_pack([head, tail, more], chunk=128)
+    blocks, _ = scatter_blocks(256, [2, 70, 130], [64, 0, 8], [3, 1, 0, 2])
+    assert_same_pack([head, tail, more], blocks, chunk=128)
+
+
+def test_multi_block_placement() -> None:
+    tensors = [torch.randn(3000), torch.randn(17).to(torch.bfloat16), torch.randn(5000)]
+    d = T.describe(tensors)
+    _, total = packed_offsets(d.nbytes, d.aligns)
+    # Five blocks, out of order, with gaps; cuts fall inside tensors on purpose.
+    blocks, _ = scatter_blocks(total, [1000, 6001, 12_000, 12_064], [64, 0, 320, 8, 128],
+                               [3, 1, 4, 0, 2])
+    assert len(blocks) == 5
+    assert_same_pack(tensors, blocks, chunk=512)
+
+
+def test_mixed_plain_and_non_plain() -> None:
+    specs = [("own", 900, torch.float32), ("transposed", 300, torch.float32),
+             ("adjacent", 200, torch.int16), ("adjacent", 55, torch.int16),
+             ("neg", 400, torch.float64), ("conj", 100, torch.complex64),
+             ("strided", 333, torch.int8), ("own", 10, torch.bfloat16)]
+    tensors = build(specs)
+    assert not all(T.describe(tensors).plain)
+    d = T.describe(tensors)
+    _, total = packed_offsets(d.nbytes, d.aligns)
+    blocks, _ = scatter_blocks(total, [total // 3, total // 2], [0, 64, 192], [2, 0, 1])
+    assert_same_pack(tensors, blocks, chunk=300)
+
+
+def test_only_non_plain_tensors() -> None:
+    assert_same_pack(build([("transposed", 5000, torch.float32), ("neg", 3000, torch.float32)]))
+
+
+def test_zero_size_tensors_and_empty_object() -> None:
+    tensors = [torch.empty(0), torch.randn(2000), torch.empty(0, 5), torch.randn(7),
+               torch.empty(0, dtype=torch.int8)]
+    assert_same_pack(tensors)
+    assert_same_pack([torch.empty(0), torch.empty(0, 4)])
+    assert_same_pack([])
+
+
+def test_which_subsets() -> None:
+    tensors = build([("adjacent", 700, torch.float32)] * 6 + [("transposed", 90, torch.int16),
+                                                              ("own", 3000, torch.float64)])
+    for which in ([], [0], [1, 3, 5], [5, 4, 3, 2, 1, 0], [6, 7], [0, 2, 6], list(range(8))):
+        assert_same_pack(tensors, which=which, chunk=500)
+
+
+def test_more_threads_than_units() -> None:
+    assert_same_pack([torch.randn(100)], threads=16, chunk=4 << 20)
+
+
+# --------------------------------------------------------------------------- threshold
+
+
+def test_threshold_boundary_picks_the_path() -> None:
+    tensors = [torch.randn(1024), torch.randn(3072)]  # 16 KiB to copy
+    d = T.describe(tensors)
+    offsets, total = packed_offsets(d.nbytes, d.aligns)
+    nbytes = sum(d.nbytes)
+    real = T._pack_threaded
+    calls: list[int] = []
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        real(*args, **kwargs)
+
+    region = T.HostRegion(total)
+    with mock.patch.object(T, "_pack_threaded", spy), unit_bytes(1024):
+        # At the threshold: threaded. One byte above it: the calling thread alone.
+        for threshold, threads, which, threaded in [
+                (nbytes, 2, None, True), (nbytes + 1, 2, None, False),
+                (nbytes, 1, None, False), (0, 1, None, False),
+                (4096, 2, [0], True), (4097, 2, [0], False)]:
+            calls.clear()
+            region.tensor.fill_(0)
+            T.pack_into(tensors, d, offsets, [(0, total)], region, which, threads=threads,
+                        threshold=threshold)
+            assert bool(calls) == threaded, (threshold, threads, which)
+            check_placed(region.tensor.numpy().tobytes(), tensors, offsets, [(0, total)],
+                         which)
+    region.close()
+
+
+def test_default_call_stays_on_the_calling_thread() -> None:
+    tensors = [torch.randn(1 << 16)]
+    d = T.describe(tensors)
+    offsets, total = packed_offsets(d.nbytes, d.aligns)
+    region = T.HostRegion(total)
+    with mock.patch.object(T, "_pack_threaded", side_effect=AssertionError("threaded")):
+        T.pack_into(tensors, d, offsets, [(0, total)], region)
+        T.pack_into(tensors, d, offsets, [(0, total)], region, [0])
+    check_placed(region.tensor.numpy().tobytes(), tensors, offsets, [(0, total)], None)
+    region.close()
+
+
+# --------------------------------------------------------------------------- properties
+
+SPEC = st.tuples(st.sampled_from(KINDS), st.integers(1, 700), st.sampled_from(DTYPES))
+
+
+@RELAXED
+@given(specs=st.lists(SPEC, max_size=12), seed=st.integers(0, 2**16),
+       cuts=st.lists(st.integers(0, 20_000), max_size=6),
+       gaps=st.lists(st.sampled_from([0, 8, 64, 200]), min_size=1, max_size=4),
+       order=st.permutations(range(7)), threads=st.integers(2, 5),
+       chunk=st.sampled_from([128, 200, 1000, 4096]), data=st.data())
+def test_threaded_pack_is_byte_identical(specs: list[tuple[str, int, torch.dtype]], seed: int,
+                                         cuts: list[int], gaps: list[int], order: list[int],
+                                         threads: int, chunk: int, data: Any) -> None:
+    tensors = build(specs, seed)
+    d = T.describe(tensors)
+    _, total = packed_offsets(d.nbytes, d.aligns)
+    blocks, _ = scatter_blocks(total, cuts, gaps, order)
+    which = data.draw(st.none() | st.lists(st.sampled_from(range(len(tensors))), unique=True)
+                      if tensors else st.none())
+    assert_same_pack(tensors, blocks, which, threads, chunk)
+
+
+@RELAXED
+@given(moves=st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 5000)), max_size=30),
+       chunk=st.integers(1, 3000))
+def test_units_cover_every_move_once(moves: list[tuple[int, int]], chunk: int) -> None:
+    # Destinations laid end to end after a random start; sources far away.
+    triples = []
+    at = 0
+    for start, n in moves:
+        triples.append((at + start, 1 << 40 | (at + start), n))
+        at += start + n
+    units = T._pack_units(triples, chunk)
+    flat = [m for u in units for m in u]
+    assert all(u for u in units)
+    assert all(sum(n for *_, n in u) <= max(chunk, 128) for u in units)
+    # Pieces come in order, each a prefix of what is left of its move.
+    it = iter(flat)
+    for dst, src, n in triples:
+        while n:
+            d2, s2, m = next(it)
+            assert (d2, s2) == (dst, src) and 0 < m <= n
+            if m < n:
+                assert (d2 + m) % 64 == 0  # cut on a cache-line boundary
+            dst, src, n = dst + m, src + m, n - m
+    assert next(it, None) is None
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def _threaded_setup(n: int = 20_000) -> tuple[list[torch.Tensor], T.Described, list[int], int,
+                                              T.HostRegion]:
+    tensors = [torch.randn(n)]
+    d = T.describe(tensors)
+    offsets, total = packed_offsets(d.nbytes, d.aligns)
+    return tensors, d, offsets, total, T.HostRegion(total)
+
+
+def test_helper_error_propagates_to_the_caller() -> None:
+    tensors, d, offsets, total, region = _threaded_setup()
+    real = T._memmove
+    caller = threading.get_ident()
+    helper_entered = threading.Event()
+
+    class Boom(RuntimeError):
+        pass
+
+    def memmove(dst: int, src: int, n: int) -> Any:
+        if threading.get_ident() != caller:
+            helper_entered.set()
+            raise Boom("helper failed")
+        # Hold the caller back until a helper has taken a unit, so one surely fails.
+        helper_entered.wait(30)
+        return real(dst, src, n)
+
+    with mock.patch.object(T, "_memmove", memmove), unit_bytes(1024):
+        with pytest.raises(Boom, match="helper failed"):
+            T.pack_into(tensors, d, offsets, [(0, total)], region, threads=2, threshold=0)
+    # The helpers survive a failure: the next threaded pack works.
+    region.tensor.fill_(0)
+    with unit_bytes(1024):
+        T.pack_into(tensors, d, offsets, [(0, total)], region, threads=2, threshold=0)
+    check_placed(region.tensor.numpy().tobytes(), tensors, offsets, [(0, total)], None)
+    region.close()
+
+
+def test_caller_error_waits_for_helpers_before_raising() -> None:
+    tensors, d, offsets, total, region = _threaded_setup()
+    real = T._memmove
+    caller = threading.get_ident()
+    helper_in, caller_failing = threading.Event(), threading.Event()
+    lock = threading.Lock()
+    inside = [0]
+
+    def memmove(dst: int, src: int, n: int) -> Any:
+        if threading.get_ident() == caller:
+            helper_in.wait(30)
+            caller_failing.set()
+            raise KeyError("caller failed")
+        with lock:
+            inside[0] += 1
+        try:
+            helper_in.set()
+            caller_failing.wait(30)
+            threading.Event().wait(0.05)  # still writing when the caller fails
+            return real(dst, src, n)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    with mock.patch.object(T, "_memmove", memmove), unit_bytes(1024):
+        with pytest.raises(KeyError, match="caller failed"):
+            T.pack_into(tensors, d, offsets, [(0, total)], region, threads=2, threshold=0)
+        # pack_into returned only after the helper left the pool alone.
+        assert inside[0] == 0
+    region.close()
+
+
+def test_non_plain_tensor_error_propagates() -> None:
+    tensors = [torch.randn(20_000), torch.randn(30, 40).t()]
+    d = T.describe(tensors)
+    offsets, total = packed_offsets(d.nbytes, d.aligns)
+    region = T.HostRegion(total)
+
+    class Odd(torch.Tensor):
+        def contiguous(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            raise ValueError("cannot materialise")
+
+    tensors[1] = tensors[1].as_subclass(Odd)
+    with unit_bytes(1024), pytest.raises(ValueError, match="cannot materialise"):
+        T.pack_into(tensors, d, offsets, [(0, total)], region, threads=2, threshold=0)
+    region.close()
+
+
+# --------------------------------------------------------------------------- the pool
+
+
+def test_concurrent_callers_share_the_pool() -> None:
+    inputs = [build([("own", 5000, torch.float32), ("transposed", 300, torch.float64),
+                     ("adjacent", 900, torch.int16), ("adjacent", 900, torch.int16)], seed)
+              for seed in range(6)]
+    errors: list[BaseException] = []
+
+    def run(tensors: list[torch.Tensor]) -> None:
+        try:
+            for _ in range(5):
+                assert_same_pack(tensors, threads=3, chunk=512)
+        except BaseException as exc:
+            errors.append(exc)
+
+    workers = [threading.Thread(target=run, args=(t,)) for t in inputs]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert not any(w.is_alive() for w in workers)
+    assert errors == []
+
+
+def test_helpers_are_daemons_reused_and_renewed_after_fork() -> None:
+    assert_same_pack([torch.randn(10_000)], threads=4, chunk=1024)
+    pool = T._pack_pool
+    assert pool is not None
+    started = pool.helpers
+    assert started >= 3
+    assert_same_pack([torch.randn(10_000)], threads=4, chunk=1024)
+    assert T._pack_pool is pool and pool.helpers == started  # reused, none added
+    helpers = [t for t in threading.enumerate() if t.name.startswith("ray_rdt_pool-pack-")]
+    assert len(helpers) == started and all(t.daemon for t in helpers)
+    # A forked child inherits the pool object but none of its threads: a new pool.
+    with mock.patch.object(pool, "pid", -1):
+        assert_same_pack([torch.randn(10_000)], threads=2, chunk=1024)
+        assert T._pack_pool is not pool
+
+
+def test_import_starts_no_thread() -> None:
+    code = ("import threading, ray_rdt_pool.tensors as t; "
+            "assert t._pack_pool is None, 'pool at import'; "
+            "print(threading.active_count())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"
