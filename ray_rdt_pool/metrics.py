@@ -123,6 +123,11 @@ GAUGES: tuple[tuple[str, str, Callable[[TransportStats], float]], ...] = (
      lambda s: s.overflow_bytes),
     ("abandoned_transfers", "READs given up on whose memory waits for NIXL to end them.",
      lambda s: s.abandoned_transfers),
+    ("sender_leased_bytes",
+     "Bytes of freed objects whose pool blocks wait for same-node receivers' leases.",
+     lambda s: s.leased_bytes),
+    ("mapped_bytes", "Bytes of same-node senders' pools mapped here by live received views.",
+     lambda s: s.mapped_bytes),
 )
 
 #: Counters: (name without prefix, description, TransportStats field). Prometheus shows
@@ -154,6 +159,9 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
      "transfers_cut"),
     ("remote_agents_removed", "Sender agents removed (failed, idle, or to cut off a READ).",
      "remote_agents_removed"),
+    ("mapped_gets", "Gets served from a same-node sender's shared pool (no NIXL READ).",
+     "mapped_gets"),
+    ("reads_posted", "NIXL READs posted by this process.", "reads_posted"),
 )
 
 #: Histograms: (name without prefix, description), all with :data:`LATENCY_BUCKETS_S`.
