@@ -305,7 +305,10 @@ class Sender:
                     pack_into(tensors, d, local_offsets, p.blocks, region.mem,
                               [i for i in range(len(tensors)) if i not in conv])
                 else:
-                    pack_into(tensors, d, local_offsets, p.blocks, region.mem, copy_idx)
+                    cfg = self.config
+                    pack_into(tensors, d, local_offsets, p.blocks, region.mem, copy_idx,
+                              threads=cfg.pack_thread_count,
+                              threshold=cfg.pack_threshold_bytes)
             pack_s = time.perf_counter() - t_copy
             base = region.addr if region is not None else 0
             if pinned is None:
