@@ -1,9 +1,19 @@
 """Variants and the sender/receiver actors of the side-by-side benchmark.
 
 A :class:`Variant` says how one configuration moves tensors (object store, Ray's NIXL,
-Ray's NIXL pool, target buffers, our ``NIXL_POOL`` transport). :class:`Sender` and
-:class:`Receiver` are plain classes; the driver wraps them with ``ray.remote`` and the
-variant's options, so the same code measures every variant.
+Ray's NIXL pool, target buffers, our ``NIXL_POOL`` transport, TransferQueue).
+:class:`Sender` and :class:`Receiver` are plain classes; the driver wraps them with
+``ray.remote`` and the variant's options, so the same code measures every variant.
+
+Three ways of moving a workload:
+
+* one object (every workload but ``sync_stream``): :meth:`Sender.produce` /
+  :meth:`Receiver.consume` (``ray.put`` / ``ray.get``), or :meth:`Sender.tq_produce` /
+  :meth:`Receiver.tq_consume` for TransferQueue (``kv_batch_put`` / ``kv_batch_get``);
+* buckets (``sync_stream``): :meth:`Sender.stream_to` streams the weight set to the
+  receiver with at most :data:`~microbenchmarks._bench_workloads.STREAM_MAX_INFLIGHT`
+  buckets in flight: ours through ``WeightSender.stream``, Ray's variants with a loop of
+  ``ray.put`` per bucket and one receiver task per bucket (:meth:`Receiver.stream_bucket`).
 
 Timestamps that cross processes use ``time.monotonic()`` (CLOCK_MONOTONIC, one clock
 for the whole machine on Linux; all nodes of ``--nodes 2`` run on this machine).
@@ -23,11 +33,20 @@ import os
 import pickle
 import threading
 import time
+from collections import deque
 from typing import Any
 
 from microbenchmarks import _bench_workloads as W
 
 ZERO_COPY_ENV = "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"
+#: The TransferQueue release the ``transferqueue`` variant was written against (the
+#: ``bench`` extra in pyproject.toml pins it).
+TQ_VERSION = "0.1.11"
+#: Logical CPUs TransferQueue's own actors ask for: the controller and each of the
+#: SimpleStorage units are ``num_cpus=1`` actors (2 units by default).
+TQ_ACTOR_CPUS = 3
+#: Where :class:`Receiver` keeps its ``WeightReceiver`` for ``WeightSender.stream``.
+STREAM_RECEIVER_ATTR = "weight_receiver"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +60,8 @@ class Variant:
     ray_pool: bool = False
     target: bool = False
     ours: bool = False
+    #: TransferQueue (a third-party store with its own API; experience workloads only)
+    tq: bool = False
     summary: str = ""
 
     @property
@@ -60,10 +81,15 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("nixl_pool", "nixl_pool", ours=True, summary="ours: ray_rdt_pool NIXL_POOL"),
     Variant("nixl_pool_target", "nixl_pool", ours=True, target=True,
             summary="ours + set_target_for_ref"),
+    Variant("transferqueue", None, tq=True,
+            summary=f"TransferQueue {TQ_VERSION} (SimpleStorage): kv_batch_put of one "
+                    "TensorDict with a key per sample, kv_batch_get (experience workloads)"),
 )
 VARIANT_NAMES: tuple[str, ...] = tuple(v.name for v in VARIANTS)
-RAY_VARIANTS: tuple[str, ...] = tuple(v.name for v in VARIANTS if not v.ours)
+RAY_VARIANTS: tuple[str, ...] = tuple(v.name for v in VARIANTS if not (v.ours or v.tq))
 OUR_VARIANTS: tuple[str, ...] = tuple(v.name for v in VARIANTS if v.ours)
+#: Neither Ray's nor ours: compared with ours on its own line, never "best Ray".
+OTHER_VARIANTS: tuple[str, ...] = tuple(v.name for v in VARIANTS if v.tq)
 
 
 def variant_by_name(name: str) -> Variant:
@@ -87,6 +113,27 @@ def our_transport_unavailable_reason() -> str | None:
     reg = getattr(ray_rdt_pool, "register", None)
     if not callable(reg):
         return "ray_rdt_pool has no register() yet (transport not implemented)"
+    return None
+
+
+def transferqueue_unavailable_reason() -> str | None:
+    """Why the ``transferqueue`` variant cannot run here, or None when it can.
+
+    Looks the package up without importing it (its import pulls in tensordict, zmq and
+    its controller's Ray actors).
+    """
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("transfer_queue") is None:
+        return (f"package transferqueue is not installed (pip install -e '.[bench]', or "
+                f"pip install transferqueue=={TQ_VERSION})")
+    try:
+        version = importlib.metadata.version("transferqueue")
+    except importlib.metadata.PackageNotFoundError:
+        return "module transfer_queue is importable but the transferqueue distribution is not"
+    if version != TQ_VERSION:
+        return f"transferqueue {version} is installed; this variant is written for {TQ_VERSION}"
     return None
 
 
@@ -133,6 +180,156 @@ def _process_info(variant: Variant) -> dict[str, Any]:
     }
 
 
+class PutTimer:
+    """Sums the wall time of every ``ray.put`` made in this process while active.
+
+    A measurement hook for ``sync_stream``: the weights API calls ``ray.put`` once per
+    bucket inside ``WeightSender.stream``; Ray's variants call it in our own loop. Both
+    look ``ray.put`` up on the ``ray`` module at call time, so swapping the module
+    attribute for the duration of one stream times every bucket's put the same way for
+    every variant (nothing in Ray's code changes; the original is restored on exit).
+    """
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self.count = 0
+        self._orig: Any = None
+
+    def __enter__(self) -> PutTimer:
+        import ray
+
+        self._orig = orig = ray.put
+
+        def timed_put(*args: Any, **kwargs: Any) -> Any:
+            t = time.monotonic()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                self.total_s += time.monotonic() - t
+                self.count += 1
+
+        ray.put = timed_put
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import ray
+
+        ray.put = self._orig
+
+
+def install_transport_timer() -> dict[str, float] | None:
+    """Time spent inside our transport's own code in this process, summed.
+
+    Wraps, on this process's ``ray_rdt_pool`` runtime object (instance attributes, the
+    way the RDT store hooks above work; the package is not changed), ``put`` (what
+    Ray's ``ray.put`` calls to pack an object: layout, pool copy, metadata) into
+    ``put_s``, and ``fetch`` + ``wait`` (what ``ray.get`` calls to start the READ and
+    rebuild the tensors) into ``get_s``. What is left of a ``ray.put`` or ``ray.get``
+    call is Ray's own serializer and bookkeeping. Returns None, and times nothing, where
+    the runtime has no such methods.
+    """
+    try:
+        from ray_rdt_pool.transport import runtime
+
+        rt = runtime()
+    except Exception:
+        return None
+    names = {"put": "put_s", "fetch": "get_s", "wait": "get_s"}
+    if not all(callable(getattr(rt, n, None)) for n in names):
+        return None
+    acc = {"put_s": 0.0, "get_s": 0.0}
+
+    def timed(orig: Any, key: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t = time.monotonic()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                acc[key] += time.monotonic() - t
+        return call
+
+    for name, key in names.items():
+        setattr(rt, name, timed(getattr(rt, name), key))
+    return acc
+
+
+_TIMED_RECEIVER_CLS: Any = None
+
+
+def timed_weight_receiver(dest: dict[str, Any]) -> Any:
+    """A ``ray_rdt_pool.weights.WeightReceiver`` for ``dest`` that also records, per
+    stream, the seconds spent in its bucket loads and when the last bucket landed.
+
+    The subclass only wraps :meth:`load_stream_bucket` (what ``WeightSender.stream``
+    calls on the receiver for each bucket, through ``__ray_call__``); it is made on
+    first use so that importing this module never imports our package.
+    """
+    global _TIMED_RECEIVER_CLS
+    if _TIMED_RECEIVER_CLS is None:
+        from ray_rdt_pool.weights import WeightReceiver
+
+        class TimedWeightReceiver(WeightReceiver):
+            fetch_s = 0.0
+            last_loaded: float | None = None
+
+            def load_stream_bucket(self, session: str, k: int, box: list[Any],
+                                   spec: Any = None) -> Any:
+                t = time.monotonic()
+                reports = super().load_stream_bucket(session, k, box, spec)
+                now = time.monotonic()
+                self.fetch_s += now - t
+                if reports:  # [] when the bucket waits for an earlier one
+                    self.last_loaded = now
+                return reports
+
+        _TIMED_RECEIVER_CLS = TimedWeightReceiver
+    return _TIMED_RECEIVER_CLS(dest)
+
+
+def tq_batch(spec: W.WorkloadSpec, tensors: list[Any]) -> Any:
+    """The experience batch as the one TensorDict (batch size N) TransferQueue stores.
+
+    Batched layout: the field tensors as they are. Per-sample layout: each field's
+    per-sample tensors stacked (a copy; part of the put, since kv_batch_put takes a
+    batch and this is what a caller holding per-sample tensors has to do).
+    """
+    import torch
+    from tensordict import TensorDict
+
+    fields = [name for name, _dt, _seq in W.EXPERIENCE_FIELDS]
+    n = spec.sizes.exp_samples
+    if spec.name == "experience":
+        data = dict(zip(fields, tensors))
+    else:
+        k = len(fields)
+        data = {f: torch.stack(tensors[j::k]) for j, f in enumerate(fields)}
+    return TensorDict(data, batch_size=[n])
+
+
+def tq_unbatch(spec: W.WorkloadSpec, batch: Any) -> list[Any]:
+    """The tensors of a TensorDict from ``kv_batch_get`` in the workload's layout order.
+
+    TransferQueue stores samples one by one and returns a field of per-sample vectors as
+    a jagged nested tensor (scalars as a dense ``[N]`` tensor); this rebuilds the sent
+    list so its checksum can be compared with the sender's. It runs after the timed
+    get (like the checksum): how a consumer uses the batch is not the transport's cost.
+    """
+    import torch
+
+    n = spec.sizes.exp_samples
+    per_field: list[list[Any]] = []
+    for name, _dt, _seq in W.EXPERIENCE_FIELDS:
+        value = batch[name]
+        rows = list(value.unbind()) if value.is_nested else list(value.unbind(0))
+        if len(rows) != n:
+            raise ValueError(f"transferqueue returned {len(rows)} samples of {name}, "
+                             f"expected {n}")
+        per_field.append(rows)
+    if spec.name == "experience":
+        return [torch.stack(rows) for rows in per_field]
+    return [per_field[j][i] for i in range(n) for j in range(len(per_field))]
+
+
 class Sender:
     """Owns the workload's tensors and produces one object per transfer."""
 
@@ -141,15 +338,23 @@ class Sender:
         import torch
 
         self.variant = variant
+        self.spec: W.WorkloadSpec | None = None
         self.tensors: list[Any] | None = None
         self.bases: list[Any] = []
+        self.weight_sender: Any = None  # ours, sync_stream: a WeightSender
+        self.buckets: list[list[int]] = []  # Ray's variants, sync_stream: tensor indices
+        self.tq_keys: list[str] = []
+        self._tq_puts = 0
         self._lock = threading.Lock()
         self._last_obj_id: str | None = None
         self._last_meta: Any = None
         self._freed_at: dict[str, float] = {}
         self.registered: str | None = None
+        self._ours_time: dict[str, float] | None = None
+        self._stream_ours0 = 0.0  # our get time already counted by earlier streams
         if variant.ours:
             self.registered = register_ours(pool_bytes)
+            self._ours_time = install_transport_timer()
         if variant.ray_pool:
             ray.experimental.register_nixl_memory_pool(pool_bytes, torch.device("cpu"))
         if variant.rdt:
@@ -181,11 +386,24 @@ class Sender:
         return {**_process_info(self.variant), "registered": self.registered}
 
     def build(self, spec: W.WorkloadSpec, seed: int) -> dict[str, Any]:
+        self.spec = spec
         self.tensors, self.bases = W.build_tensors(spec, seed)
+        if spec.is_stream:
+            if self.variant.ours:
+                from ray_rdt_pool.weights import WeightSender
+
+                names = [name for name, _shape, _dt in W.named_layout(spec)]
+                self.weight_sender = WeightSender(dict(zip(names, self.tensors)),
+                                                  bucket_bytes=spec.bucket_bytes)
+            else:
+                self.buckets = W.stream_buckets(spec)
+        if self.variant.tq:
+            self.tq_keys = [f"sample-{i}" for i in range(spec.sizes.exp_samples)]
         return {"n_tensors": len(self.tensors)}
 
     def drop(self) -> None:
         self.tensors, self.bases = None, []
+        self.weight_sender, self.buckets, self.spec = None, [], None
         gc.collect()
 
     def refresh(self, step: int) -> dict[str, Any]:
@@ -201,17 +419,99 @@ class Sender:
         """``ray.put`` the tensor list; return the ref nested in a list, and timestamps."""
         import ray
 
+        ours0 = self._ours_time["put_s"] if self._ours_time else 0.0
         t_start = time.monotonic()
         if self.variant.transport is None:
             ref = ray.put(self.tensors)
         else:
             ref = ray.put(self.tensors, _tensor_transport=self.variant.transport)
         t_put = time.monotonic()
-        return [ref], {"s_start": t_start, "s_put_end": t_put}
+        out = {"s_start": t_start, "s_put_end": t_put}
+        if self._ours_time:
+            out["ours_put_s"] = self._ours_time["put_s"] - ours0
+        return [ref], out
 
     def produce_ret(self) -> list[Any]:
         """Return the tensor list from the method (task-argument path)."""
         return self.tensors  # type: ignore[return-value]
+
+    # -- sync_stream ------------------------------------------------------------------
+
+    def stream_to(self, receiver: Any, timeout_s: float) -> dict[str, Any]:
+        """Stream the weight set to ``receiver``, bucket by bucket, and return timings.
+
+        Ours: ``WeightSender.stream([receiver], max_inflight=2)`` (the receiver holds a
+        ``WeightReceiver`` at ``weight_receiver``). Ray's variants: the same buckets,
+        each ``ray.put`` with the variant's transport (or into the object store) and
+        handed to one ``receiver.stream_bucket`` task; at most two unacknowledged, so
+        the put of bucket k+1 overlaps the receiver's fetch of bucket k. ``put_s`` is
+        the sum of the bucket puts (:class:`PutTimer`).
+        """
+        import ray
+
+        assert self.spec is not None and self.tensors is not None, "build() first"
+        with self._lock:
+            self._freed_at.clear()
+        ours0 = self._ours_time["put_s"] if self._ours_time else 0.0
+        out: dict[str, Any] = {"s_start": time.monotonic()}
+        with PutTimer() as timer:
+            if self.variant.ours:
+                rep = self.weight_sender.stream([receiver], max_inflight=W.STREAM_MAX_INFLIGHT,
+                                                receiver_attr=STREAM_RECEIVER_ATTR,
+                                                timeout_s=timeout_s)
+                out.update(buckets=rep.buckets, pool_wait_s=rep.pool_wait_seconds,
+                           fallbacks=rep.fallbacks, peak_pool_used=rep.peak_pool_used)
+            else:
+                inflight: deque[Any] = deque()
+                for k, idx in enumerate(self.buckets):
+                    while len(inflight) >= W.STREAM_MAX_INFLIGHT:
+                        ray.get(inflight.popleft(), timeout=timeout_s)
+                    tensors = [self.tensors[i] for i in idx]
+                    if self.variant.transport is None:
+                        ref = ray.put(tensors)
+                    else:
+                        ref = ray.put(tensors, _tensor_transport=self.variant.transport)
+                    inflight.append(receiver.stream_bucket.remote(k, [ref]))
+                    del ref, tensors  # the receiver's task holds the ref now
+                while inflight:
+                    ray.get(inflight.popleft(), timeout=timeout_s)
+                out["buckets"] = len(self.buckets)
+        out.update(s_end=time.monotonic(), put_s=timer.total_s, puts=timer.count)
+        if self._ours_time:
+            out["ours_put_s"] = self._ours_time["put_s"] - ours0
+        with self._lock:
+            meta, self._last_meta = self._last_meta, None
+        out["meta_bytes"] = len(pickle.dumps(meta)) if meta is not None else None
+        return out
+
+    # -- TransferQueue ----------------------------------------------------------------
+
+    def tq_init(self) -> float:
+        """Start TransferQueue (controller and SimpleStorage units, owned by this actor)."""
+        import transfer_queue as tq
+
+        t = time.monotonic()
+        tq.init()
+        return time.monotonic() - t
+
+    def tq_close(self) -> None:
+        import transfer_queue as tq
+
+        tq.close()
+
+    def tq_produce(self) -> tuple[dict[str, Any], dict[str, float]]:
+        """``kv_batch_put`` the batch (one key per sample) into a fresh partition."""
+        import transfer_queue as tq
+
+        assert self.spec is not None and self.tensors is not None, "build() first"
+        self._tq_puts += 1
+        partition = f"bench-{self._tq_puts}"
+        t_start = time.monotonic()
+        tq.kv_batch_put(keys=self.tq_keys, partition_id=partition,
+                        fields=tq_batch(self.spec, self.tensors))
+        t_put = time.monotonic()
+        return ({"keys": self.tq_keys, "partition": partition},
+                {"s_start": t_start, "s_put_end": t_put})
 
     def wait_released(self, timeout_s: float) -> dict[str, Any]:
         """Wait until the last RDT object is freed here; report when, and its metadata size.
@@ -269,22 +569,51 @@ class Receiver:
         import torch  # noqa: F401  (imported now, not during the first timed transfer)
 
         self.variant = variant
+        self.spec: W.WorkloadSpec | None = None
         self.targets: list[Any] | None = None
         self.registered: str | None = None
+        # sync_stream: the receiver's weights (every variant lands the stream in them),
+        # ours through a WeightReceiver, Ray's per bucket (self.stream_dest[k]).
+        self.dest: list[Any] = []
+        self.weight_receiver: Any = None
+        self.stream_dest: list[list[Any]] = []
+        self._stream_fetch_s = 0.0
+        self._stream_last: float | None = None
+        self._stream_into_targets: bool | None = None
+        self._ours_time: dict[str, float] | None = None
+        self._stream_ours0 = 0.0  # our get time already counted by earlier streams
         if variant.ours:
             self.registered = register_ours(pool_bytes)
+            self._ours_time = install_transport_timer()
 
     def info(self) -> dict[str, Any]:
         return {**_process_info(self.variant), "registered": self.registered}
 
     def prepare(self, spec: W.WorkloadSpec) -> None:
-        """Pre-allocate target buffers (target variants only) and settle memory."""
-        self.targets = W.allocate_like_layout(spec) if self.variant.target else None
+        """Pre-allocate target buffers (target variants) or, for ``sync_stream``, the
+        receiver's weights (every variant), and settle memory."""
+        self.spec = spec
+        self.targets = None
+        if spec.is_stream:
+            self._stream_ours0 = self._ours_time["get_s"] if self._ours_time else 0.0
+            self.dest = W.allocate_like_layout(spec)
+            if self.variant.ours:
+                names = [name for name, _shape, _dt in W.named_layout(spec)]
+                self.weight_receiver = timed_weight_receiver(dict(zip(names, self.dest)))
+            else:
+                self.stream_dest = [[self.dest[i] for i in idx]
+                                    for idx in W.stream_buckets(spec)]
+        elif self.variant.target:
+            self.targets = W.allocate_like_layout(spec)
         gc.collect()
 
     def drop(self) -> None:
-        self.targets = None
+        self.targets, self.spec = None, None
+        self.dest, self.weight_receiver, self.stream_dest = [], None, []
         gc.collect()
+
+    def stats(self) -> dict[str, Any] | None:
+        return our_stats() if self.variant.ours else None
 
     def _finish(self, tensors: list[Any], t_got: float) -> dict[str, Any]:
         into_targets = None
@@ -300,6 +629,7 @@ class Receiver:
         """``ray.get`` the nested ref here (the fetch happens in this process)."""
         import ray
 
+        ours0 = self._ours_time["get_s"] if self._ours_time else 0.0
         t_start = time.monotonic()
         refs, sender_ts = produced
         ref = refs[0]
@@ -307,7 +637,10 @@ class Receiver:
             ray.experimental.set_target_for_ref(ref, self.targets)
         tensors = ray.get(ref)
         t_got = time.monotonic()
+        ours_get = self._ours_time["get_s"] - ours0 if self._ours_time else None
         out = self._finish(tensors, t_got)
+        if ours_get is not None:
+            out["ours_get_s"] = ours_get
         del tensors, ref, refs, produced
         out.update(sender_ts)
         out["r_start"] = t_start
@@ -320,5 +653,88 @@ class Receiver:
         out = self._finish(tensors, t_got)
         del tensors
         out["r_start"] = t_got
+        out["r_end"] = time.monotonic()
+        return out
+
+    # -- sync_stream ------------------------------------------------------------------
+
+    def stream_bucket(self, k: int, box: list[Any]) -> int:
+        """Ray's variants: land bucket ``k`` in the receiver's weights.
+
+        ``nixl_target`` reads straight into them (``set_target_for_ref``); the others
+        ``ray.get`` the bucket and ``copy_`` each tensor into its weight, as a weight
+        loader does.
+        """
+        import ray
+
+        t = time.monotonic()
+        ref = box[0]
+        dst = self.stream_dest[k]
+        if self.variant.target:
+            ray.experimental.set_target_for_ref(ref, dst)
+            got = ray.get(ref)
+            ok = len(got) == len(dst) and all(
+                a.data_ptr() == b.data_ptr() for a, b in zip(got, dst))
+            self._stream_into_targets = ok and self._stream_into_targets is not False
+        else:
+            got = ray.get(ref)
+            for d, g in zip(dst, got):
+                d.copy_(g)
+        del got, ref
+        box.clear()
+        now = time.monotonic()
+        self._stream_fetch_s += now - t
+        self._stream_last = now
+        return k
+
+    def stream_result(self) -> dict[str, Any]:
+        """After a stream: when the last bucket landed, the seconds spent receiving, and
+        the checksum of the receiver's weights (untimed). Resets the stream timers."""
+        if self.weight_receiver is not None:
+            rec = self.weight_receiver
+            t_got, fetch_s = rec.last_loaded, rec.fetch_s
+            rec.last_loaded, rec.fetch_s = None, 0.0
+        else:
+            t_got, fetch_s = self._stream_last, self._stream_fetch_s
+            self._stream_last, self._stream_fetch_s = None, 0.0
+        into = self._stream_into_targets
+        self._stream_into_targets = None
+        ours_get = None
+        if self._ours_time:
+            ours_get = self._ours_time["get_s"] - self._stream_ours0
+            self._stream_ours0 = self._ours_time["get_s"]
+        t = time.monotonic()
+        ck = W.checksum(self.dest)
+        return {"r_got": t_got, "fetch_s": fetch_s, "checksum": ck,
+                "checksum_s": time.monotonic() - t, "n_tensors": len(self.dest),
+                "into_targets": into, "ours_get_s": ours_get}
+
+    # -- TransferQueue ----------------------------------------------------------------
+
+    def tq_init(self) -> float:
+        """Attach to the TransferQueue the sender started (its client only)."""
+        import transfer_queue as tq
+
+        t = time.monotonic()
+        tq.init()
+        return time.monotonic() - t
+
+    def tq_consume(self, produced: tuple[dict[str, Any], dict[str, float]]) -> dict[str, Any]:
+        """``kv_batch_get`` the batch, verify it, then ``kv_clear`` it (timed as release)."""
+        import transfer_queue as tq
+
+        assert self.spec is not None, "prepare() first"
+        t_start = time.monotonic()
+        info, sender_ts = produced
+        batch = tq.kv_batch_get(keys=info["keys"], partition_id=info["partition"])
+        t_got = time.monotonic()
+        tensors = tq_unbatch(self.spec, batch)
+        out = self._finish(tensors, t_got)
+        del tensors, batch
+        out.update(sender_ts)
+        out["r_start"] = t_start
+        t = time.monotonic()
+        tq.kv_clear(keys=info["keys"], partition_id=info["partition"])
+        out["release_s"] = time.monotonic() - t
         out["r_end"] = time.monotonic()
         return out

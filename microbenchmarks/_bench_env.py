@@ -67,7 +67,7 @@ def collect_env() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "versions": {name: _version(name) for name in
                      ("ray", "torch", "nixl", "nixl-cu12", "nixl-cu13", "numpy",
-                      "ray-rdt-pool")},
+                      "ray-rdt-pool", "transferqueue", "tensordict")},
         "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
         "loadavg_start": loadavg(),
     }

@@ -16,8 +16,9 @@ from typing import Any
 #: Phases summarised in the tables, in column order (keys of a sample, in seconds).
 PHASES: tuple[str, ...] = ("put_s", "fetch_s", "e2e_s", "release_s")
 #: Extra phases kept in the JSON summary (not in the main table).
-EXTRA_PHASES: tuple[str, ...] = ("dispatch_s", "handoff_s", "sender_update_s",
-                                 "sender_checksum_s", "receiver_checksum_s")
+EXTRA_PHASES: tuple[str, ...] = ("put_get_s", "ours_put_s", "ours_get_s", "dispatch_s",
+                                 "handoff_s", "sender_update_s", "sender_checksum_s",
+                                 "receiver_checksum_s", "sender_stream_s", "pool_wait_s")
 _MEASURED = ("measured", "warm")
 _FIRST = ("warmup", "cold")
 
@@ -31,8 +32,13 @@ def _stat(values: Iterable[float | None]) -> dict[str, float] | None:
 
 def summarize(samples: Sequence[dict[str, Any]], payloads: dict[str, int],
               ray_variants: Sequence[str], our_variants: Sequence[str],
-              workload_order: Sequence[str], ray_pool: str = "nixl_pool_ray") -> dict[str, Any]:
-    """Per workload (in ``workload_order``): per-variant phase medians/minima, our speedups."""
+              workload_order: Sequence[str], ray_pool: str = "nixl_pool_ray",
+              other_variants: Sequence[str] = ()) -> dict[str, Any]:
+    """Per workload (in ``workload_order``): per-variant phase medians/minima, our speedups.
+
+    ``other_variants`` (neither Ray's nor ours, e.g. TransferQueue) never count as the
+    best Ray variant; our speedup over each is reported on its own.
+    """
     out: dict[str, Any] = {}
     present = {s["workload"] for s in samples}
     for workload in [w for w in workload_order if w in present]:
@@ -57,7 +63,8 @@ def summarize(samples: Sequence[dict[str, Any]], payloads: dict[str, int],
                 "into_targets": _all_or_none(s.get("into_targets") for s in mine),
             }
         out[workload] = {"variants": rows,
-                         "ratios": _ratios(rows, ray_variants, our_variants, ray_pool)}
+                         "ratios": _ratios(rows, ray_variants, our_variants, ray_pool,
+                                           other_variants)}
     return out
 
 
@@ -74,8 +81,9 @@ def _median_e2e(row: dict[str, Any] | None) -> float | None:
 
 
 def _ratios(rows: dict[str, Any], ray_variants: Sequence[str], our_variants: Sequence[str],
-            ray_pool: str) -> dict[str, Any]:
+            ray_pool: str, other_variants: Sequence[str] = ()) -> dict[str, Any]:
     ray_times = {v: t for v in ray_variants if (t := _median_e2e(rows.get(v))) is not None}
+    other_times = {v: t for v in other_variants if (t := _median_e2e(rows.get(v))) is not None}
     best = min(ray_times, key=ray_times.__getitem__) if ray_times else None
     res: dict[str, Any] = {
         "convention": "speedup = ray_e2e_median / our_e2e_median (>1: ours faster)",
@@ -91,6 +99,7 @@ def _ratios(rows: dict[str, Any], ray_variants: Sequence[str], our_variants: Seq
         res["speedup"][ours] = {
             "vs_best_ray": ray_times[best] / t if best else None,
             "vs_ray_pool": ray_times[ray_pool] / t if ray_pool in ray_times else None,
+            **{f"vs_{other}": ot / t for other, ot in other_times.items()},
         }
     return res
 
@@ -162,8 +171,10 @@ def format_ratios(ratios: dict[str, Any], unavailable: dict[str, str]) -> str:
             why = f"not available: {unavailable_reason}" if unavailable_reason else "no data"
             lines.append(f"  {ours:<17}n/a ({why})")
             continue
+        others = "".join(f", {_x(x)} vs {k[3:]}" for k, x in sp.items()
+                         if k not in ("vs_best_ray", "vs_ray_pool"))
         lines.append(f"  {ours:<17}{_x(sp['vs_best_ray'])} vs best Ray ({best}), "
-                     f"{_x(sp['vs_ray_pool'])} vs Ray's pool (nixl_pool_ray)")
+                     f"{_x(sp['vs_ray_pool'])} vs Ray's pool (nixl_pool_ray){others}")
     return "\n".join(lines)
 
 
@@ -187,7 +198,9 @@ def format_env(env: dict[str, Any]) -> str:
         f"machine: {env['cpu_model']}, {env['cores']} cores ({env['cores_usable']} usable), "
         f"{env['mem_total_gib']} GiB RAM, Linux {env['kernel']}",
         f"software: python {env['python']}, ray {v.get('ray')}, torch {v.get('torch')}, "
-        f"nixl {nixl}, numpy {v.get('numpy')}",
+        f"nixl {nixl}, numpy {v.get('numpy')}"
+        + (f", transferqueue {v['transferqueue']} (tensordict {v.get('tensordict')})"
+           if v.get("transferqueue") else ""),
         f"UCX {ucx.get('ucx_version', '?')}: UCX_TLS={tls}"
         f"; NIXL READ uses {'; '.join(ucx.get('read_protocols') or []) or 'n/a'}"
         f"; control messages over {', '.join(ucx.get('am_transports') or []) or 'n/a'}",
@@ -196,11 +209,211 @@ def format_env(env: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- floors
+
+
+def pipeline_floor_s(bucket_bytes: Sequence[int], pack_gbps: float, read_gbps: float) -> float:
+    """Least time to pack (copy into the pool) and transfer (READ) buckets in order, when
+    the pack of bucket k+1 may overlap the transfer of bucket k.
+
+    A two-stage pipeline: bucket k's transfer starts after its pack and after bucket
+    k-1's transfer. Its makespan is ``max over k of (pack of buckets 0..k + transfer of
+    buckets k..n-1)``; for equal buckets that is ``max(pack, transfer) + one bucket's
+    time in the faster stage``: the slower stage runs end to end, plus filling the
+    pipeline (the first bucket's pack) or draining it (the last bucket's transfer).
+    Bounded buffering (at most two buckets in flight) can only add to it.
+    """
+    pack = [b / (pack_gbps * 1e9) for b in bucket_bytes]
+    read = [b / (read_gbps * 1e9) for b in bucket_bytes]
+    best = prefix = 0.0
+    suffix = sum(read)
+    for p, t in zip(pack, read):
+        prefix += p
+        best = max(best, prefix + suffix)
+        suffix -= t
+    return best
+
+
+def weight_sync_floors(floor: dict[str, Any], payloads: dict[str, int],
+                       stream_bucket_bytes: Sequence[int] | None) -> dict[str, Any]:
+    """Floors of ``sync`` (pack, then READ) and ``sync_stream`` (pipelined) from the
+    memcpy and READ rates measured in the same run (``floor``: ``memcpy_gbps``,
+    ``read_gbps``); empty when either rate is missing."""
+    mc, rd = floor.get("memcpy_gbps"), floor.get("read_gbps")
+    if not mc or not rd:
+        return {}
+    out: dict[str, Any] = {}
+    for w in ("sync", "sync_stream"):
+        if w not in payloads:
+            continue
+        n = payloads[w]
+        pack, read = n / (mc * 1e9), n / (rd * 1e9)
+        # mapped_floor_s: the same node, where a receiver may map the sender's pool and
+        # no READ happens: sync's receiver then holds views of the pool (pack only), and
+        # sync_stream's receiver copies each bucket into its weights at memcpy speed.
+        if w == "sync":
+            out[w] = {"kind": "serial", "pack_s": pack, "transfer_s": read,
+                      "floor_s": pack + read, "mapped_floor_s": pack}
+        elif stream_bucket_bytes:
+            f = pipeline_floor_s(stream_bucket_bytes, mc, rd)
+            out[w] = {"kind": "pipelined", "pack_s": pack, "transfer_s": read,
+                      "bucket_s": f - max(pack, read), "floor_s": f,
+                      "mapped_floor_s": pipeline_floor_s(stream_bucket_bytes, mc, mc),
+                      "buckets": len(stream_bucket_bytes)}
+    return out
+
+
+def format_floors(floor: dict[str, Any], floors: dict[str, Any], summary: dict[str, Any],
+                  our_variants: Sequence[str]) -> str:
+    """The weight-sync floors and how close our e2e medians come to them."""
+    mib = floor.get("bytes", 0) / (1 << 20)
+    head = (f"== floor of this machine, measured in this run after the transfers "
+            f"(microbenchmarks.floor, {mib:.0f} MiB, median of {floor.get('reps', '?')}) ==")
+    lines = [head]
+    for key, what in (("memcpy_gbps", "memcpy, 1 thread, into a pre-faulted buffer (pack)"),
+                      ("read_gbps", "NIXL READ, 2 processes, progress thread off (transfer)")):
+        val = floor.get(key)
+        err = floor.get(key.replace("_gbps", "_error"))
+        lines.append(f"  {what:<58}" + (f"{val:6.2f} GB/s" if val else f"n/a ({err})"))
+    for w, f in floors.items():
+        ms = {k: v * 1e3 for k, v in f.items() if k.endswith("_s")}
+        if f["kind"] == "serial":
+            text = (f"pack {ms['pack_s']:.2f} + READ {ms['transfer_s']:.2f} "
+                    f"= {ms['floor_s']:.2f} ms")
+        else:
+            text = (f"max(pack {ms['pack_s']:.2f}, READ {ms['transfer_s']:.2f}) + one bucket "
+                    f"{ms['bucket_s']:.2f} = {ms['floor_s']:.2f} ms ({f['buckets']} buckets)")
+        lines.append(f"  {w:<12} floor: {text}")
+        mapped = ("pack alone (the receiver holds views of the mapped pool)"
+                  if f["kind"] == "serial" else "max(pack, copy into the weights) + one bucket")
+        lines.append(f"  {'':<12} same-node floor, receiver maps the sender's pool (no READ): "
+                     f"{mapped} = {ms['mapped_floor_s']:.2f} ms")
+        for ours in our_variants:
+            row = summary.get(w, {}).get("variants", {}).get(ours)
+            e2e = _median_e2e(row)
+            if e2e is not None:
+                lines.append(f"  {'':<12} {ours:<17}e2e {e2e * 1e3:.1f} ms = "
+                             f"x{e2e / f['floor_s']:.2f} of the floor, "
+                             f"x{e2e / f['mapped_floor_s']:.2f} of the same-node floor")
+    return "\n".join(lines)
+
+
+def stream_vs_sync(summary: dict[str, Any], order: Sequence[str]) -> dict[str, Any]:
+    """Per variant measured in both: plain ``sync`` e2e median / ``sync_stream``'s."""
+    out: dict[str, Any] = {}
+    if "sync" not in summary or "sync_stream" not in summary:
+        return out
+    for v in order:
+        a = _median_e2e(summary["sync"]["variants"].get(v))
+        b = _median_e2e(summary["sync_stream"]["variants"].get(v))
+        if a is not None and b is not None:
+            out[v] = {"sync_e2e_s": a, "sync_stream_e2e_s": b, "speedup": a / b}
+    return out
+
+
+def format_stream_vs_sync(cmp: dict[str, Any]) -> str:
+    lines = ["== sync_stream beside sync: the same weight set, streamed in buckets vs one "
+             "ray.put (e2e medians; speedup = sync / sync_stream) ==",
+             f"{'variant':<17}{'sync ms':>10}{'stream ms':>11}{'speedup':>9}"]
+    for v, c in cmp.items():
+        lines.append(f"{v:<17}{c['sync_e2e_s'] * 1e3:>10.1f}{c['sync_stream_e2e_s'] * 1e3:>11.1f}"
+                     f"{_x(c['speedup']):>9}")
+    return "\n".join(lines)
+
+
+def format_inside_ours(workload: str, summary: dict[str, Any],
+                       our_variants: Sequence[str]) -> str:
+    """Per our variant, the medians of put and fetch and the parts of them spent inside
+    ray_rdt_pool itself (its put; its fetch + wait); empty when not measured."""
+    lines = []
+    for v in our_variants:
+        row = summary.get(workload, {}).get("variants", {}).get(v)
+        if not row:
+            continue
+        ph = row["phases"]
+        if not (ph.get("ours_put_s") or ph.get("ours_get_s")):
+            continue
+
+        def ms(key: str, ph: dict[str, Any] = ph) -> str:
+            st = ph.get(key)
+            return _num(st and st["median"] * 1e3, ".1f")
+
+        lines.append(f"  {v:<17}put {ms('put_s')} ms, of which in ray_rdt_pool "
+                     f"{ms('ours_put_s')}; fetch {ms('fetch_s')} ms, of which in ray_rdt_pool "
+                     f"{ms('ours_get_s')}")
+    if lines:
+        lines.insert(0, f"  {workload}: time inside ray_rdt_pool (its put; its fetch + wait), "
+                        "medians")
+    return "\n".join(lines)
+
+
+#: Most the per-sample layout's put+get may cost against the batched one (our variants).
+EXPERIENCE_TARGET = 2.0
+
+
+def experience_put_get(summary: dict[str, Any], order: Sequence[str],
+                       our_variants: Sequence[str]) -> dict[str, Any]:
+    """Per variant: median put+get of ``experience`` (batched) and ``experience_samples``
+    (per sample), their ratio, and for ours whether it meets :data:`EXPERIENCE_TARGET`.
+
+    put+get is the sender's put call plus the receiver's get call, per repetition
+    (``put_get_s``; ``kv_batch_put`` + ``kv_batch_get`` for TransferQueue).
+    """
+    out: dict[str, Any] = {}
+    if "experience" not in summary or "experience_samples" not in summary:
+        return out
+    for v in order:
+        rows = [summary[w]["variants"].get(v) for w in ("experience", "experience_samples")]
+        stats = [r["phases"].get("put_get_s") if r and not r["errors"] else None for r in rows]
+        if stats[0] is None or stats[1] is None:
+            continue
+        b, p = stats[0]["median"], stats[1]["median"]
+        out[v] = {"batched_s": b, "per_sample_s": p, "ratio": p / b,
+                  "target": EXPERIENCE_TARGET if v in our_variants else None,
+                  "met": p / b <= EXPERIENCE_TARGET if v in our_variants else None}
+        # ours: how much of the put and of the get ran inside ray_rdt_pool itself
+        inside = {}
+        for label, row in zip(("batched", "per_sample"), rows):
+            for phase in ("ours_put_s", "ours_get_s"):
+                st = row["phases"].get(phase) if row else None
+                if st is not None:
+                    inside[f"{label}_{phase}"] = st["median"]
+        if inside:
+            out[v]["inside_ours"] = inside
+    return out
+
+
+def format_experience(cmp: dict[str, Any], n_batched: int, n_samples: int) -> str:
+    lines = [f"== experience: put+get of the per-sample layout ({n_samples:,} tensors) vs the "
+             f"batched one ({n_batched} tensors), medians; target for ours: <= "
+             f"{EXPERIENCE_TARGET:g}x ==",
+             f"{'variant':<17}{'batched ms':>12}{'per-sample ms':>15}{'ratio':>8}  target"]
+    for v, c in cmp.items():
+        target = "" if c["target"] is None else ("met" if c["met"] else "NOT met")
+        lines.append(f"{v:<17}{c['batched_s'] * 1e3:>12.1f}{c['per_sample_s'] * 1e3:>15.1f}"
+                     f"{_x(c['ratio']):>8}  {target}")
+    inside = {v: c["inside_ours"] for v, c in cmp.items() if c.get("inside_ours")}
+    if inside:
+        lines.append("  of which inside ray_rdt_pool (its put, and its fetch + wait under "
+                     "ray.get), medians in ms; the rest is Ray's serializer and bookkeeping:")
+        for v, d in inside.items():
+            parts = []
+            for label, what in (("batched", "batched"), ("per_sample", "per-sample")):
+                put, get = d.get(f"{label}_ours_put_s"), d.get(f"{label}_ours_get_s")
+                parts.append(f"{what} put {_num(put and put * 1e3, '.1f')} + get "
+                             f"{_num(get and get * 1e3, '.1f')}")
+            lines.append(f"  {v:<17}" + "; ".join(parts))
+    if not cmp:
+        lines.append("  n/a: put and get are not observable (--fetch arg) or a layout failed")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- chart
 
 _OUR_COLORS = {"nixl_pool": "#d62728", "nixl_pool_target": "#ff7f0e"}
 _RAY_COLORS = {"objstore": "#9e9e9e", "objstore_zc": "#616161", "nixl": "#1f77b4",
-               "nixl_pool_ray": "#17becf", "nixl_target": "#2ca02c"}
+               "nixl_pool_ray": "#17becf", "nixl_target": "#2ca02c",
+               "transferqueue": "#9467bd"}  # not Ray's, but drawn with them
 
 
 def write_plot(path: str, summary: dict[str, Any], order: Sequence[str],
@@ -212,7 +425,9 @@ def write_plot(path: str, summary: dict[str, Any], order: Sequence[str],
     import matplotlib.pyplot as plt
 
     workloads = list(summary)
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(13, 9), height_ratios=[3, 2])
+    # Wide enough that the "best Ray" tick labels of eight workloads do not overlap.
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(13.0, 2.1 * len(workloads)), 9),
+                                   height_ratios=[3, 2])
     variants = [v for v in order if any(v in summary[w]["variants"] for w in workloads)]
     width = 0.8 / max(1, len(variants))
     for i, v in enumerate(variants):

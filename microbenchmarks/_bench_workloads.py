@@ -6,6 +6,15 @@ to the actors); :func:`build_tensors` makes its tensors deterministically from a
 :func:`tensor_layout` gives their shapes and dtypes without allocating anything (the
 receiver uses it to pre-allocate target buffers), :func:`refresh` changes every byte
 in place between repetitions, and :func:`checksum` digests every byte of every tensor.
+
+Workload families:
+
+* one-shot tensor lists: ``big``, ``many``, ``views``, ``transformer``;
+* weight sync, repeated update + send steps of the transformer set: ``sync`` (one
+  ``ray.put`` of the whole set per step) and ``sync_stream`` (the same set streamed in
+  buckets, :func:`stream_buckets`, with at most two buckets in flight);
+* an RL experience batch (:data:`EXPERIENCE_FIELDS`): ``experience`` sends one tensor
+  per field, ``experience_samples`` one tensor per (sample, field), sample-major.
 """
 
 from __future__ import annotations
@@ -17,7 +26,32 @@ from typing import Any
 import numpy as np
 
 #: Workload names, in the order the CLI lists them.
-WORKLOADS: tuple[str, ...] = ("big", "many", "views", "transformer", "sync")
+WORKLOADS: tuple[str, ...] = ("big", "many", "views", "transformer", "sync", "sync_stream",
+                               "experience", "experience_samples")
+#: Workloads made of repeated update + send steps on the same actors (cold + warm steps).
+SYNC_WORKLOADS: tuple[str, ...] = ("sync", "sync_stream")
+#: The RL experience batch in its two layouts.
+EXPERIENCE_WORKLOADS: tuple[str, ...] = ("experience", "experience_samples")
+#: Fields of one RL experience sample: name, dtype, and whether it has a token axis
+#: (``[tokens]`` per sample) or is a scalar per sample (``rewards``).
+EXPERIENCE_FIELDS: tuple[tuple[str, str, bool], ...] = (
+    ("input_ids", "int64", True),
+    ("attention_mask", "int64", True),
+    ("old_log_probs", "float32", True),
+    ("advantages", "float32", True),
+    ("rewards", "float32", False),
+)
+#: Most packed bytes per bucket for ``sync_stream`` at the full size: the weights API's
+#: default (``ray_rdt_pool.weights.DEFAULT_BUCKET_BYTES``, not imported: the Ray variants
+#: must run without our package).
+STREAM_BUCKET_KIB_DEFAULT = 32 * 1024
+#: Max buckets in flight for ``sync_stream``: the pack (put) of bucket k+1 overlaps the
+#: transfer of bucket k.
+STREAM_MAX_INFLIGHT = 2
+#: Packed-layout alignment of a bucket's end, as in ``ray_rdt_pool.layout.BLOCK_ALIGN``
+#: (64 bytes). :func:`stream_buckets` needs it to cut the same buckets as the weights API
+#: (a test compares both).
+_BLOCK_ALIGN = 64
 
 _MASK64 = (1 << 64) - 1
 _MIB = 1 << 20
@@ -36,6 +70,9 @@ class Sizes:
     tf_layers: int = 16
     tf_vocab: int = 32_000
     sync_iters: int = 10
+    stream_bucket_kib: int = STREAM_BUCKET_KIB_DEFAULT
+    exp_samples: int = 1024
+    exp_tokens: int = 1024
 
 
 FULL_SIZES = Sizes()
@@ -46,6 +83,11 @@ QUICK_SIZES = Sizes(
     tf_hidden=384,
     tf_vocab=8_192,
     sync_iters=4,
+    # 66 MiB in 8 MiB buckets: about 9 buckets, enough for the pipeline to matter.
+    stream_bucket_kib=8 * 1024,
+    # 256 samples (6 MiB, 1,280 tensors per sample-major batch) keep the quick run short;
+    # the full run sends the specified 1,024 x 1,024-token batch (24 MiB, 5,120 tensors).
+    exp_samples=256,
 )
 
 
@@ -53,8 +95,8 @@ QUICK_SIZES = Sizes(
 class WorkloadSpec:
     """One workload: what to send and how many times.
 
-    ``iterations`` is 0 for repetition-based workloads; for ``sync`` it is the number of
-    in-place update + re-send steps (the first one is the cold step).
+    ``iterations`` is 0 for repetition-based workloads; for ``sync`` and ``sync_stream``
+    it is the number of in-place update + re-send steps (the first one is the cold step).
     """
 
     name: str
@@ -63,14 +105,28 @@ class WorkloadSpec:
 
     @property
     def is_sync(self) -> bool:
-        return self.name == "sync"
+        return self.name in SYNC_WORKLOADS
+
+    @property
+    def is_stream(self) -> bool:
+        """Sent bucket by bucket (``sync_stream``) rather than as one object."""
+        return self.name == "sync_stream"
+
+    @property
+    def is_experience(self) -> bool:
+        return self.name in EXPERIENCE_WORKLOADS
+
+    @property
+    def bucket_bytes(self) -> int:
+        """Most packed bytes per bucket of a streamed workload."""
+        return self.sizes.stream_bucket_kib * 1024
 
 
 def make_spec(name: str, sizes: Sizes) -> WorkloadSpec:
     """Return the spec of workload ``name`` at ``sizes``."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-    return WorkloadSpec(name, sizes, sizes.sync_iters if name == "sync" else 0)
+    return WorkloadSpec(name, sizes, sizes.sync_iters if name in SYNC_WORKLOADS else 0)
 
 
 def _transformer_layout(s: Sizes) -> list[tuple[str, tuple[int, ...], str]]:
@@ -103,16 +159,86 @@ def _transformer_layout(s: Sizes) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
-def tensor_layout(spec: WorkloadSpec) -> list[tuple[tuple[int, ...], str]]:
-    """Shapes and dtype names of the tensors the workload sends, in send order."""
+def _experience_layout(s: Sizes, per_sample: bool) -> list[tuple[str, tuple[int, ...], str]]:
+    """Names, shapes and dtypes of an RL experience batch of ``exp_samples`` samples.
+
+    Batched: one tensor per field, ``[N, tokens]`` (``rewards``: ``[N]``). Per sample:
+    one tensor per (sample, field) in sample-major order, ``[tokens]`` (``rewards``: a
+    0-d tensor), so consecutive tensors alternate in shape and dtype.
+    """
+    n, tok = s.exp_samples, s.exp_tokens
+    if not per_sample:
+        return [(name, (n, tok) if seq else (n,), dt) for name, dt, seq in EXPERIENCE_FIELDS]
+    return [(f"{i}.{name}", (tok,) if seq else (), dt)
+            for i in range(n) for name, dt, seq in EXPERIENCE_FIELDS]
+
+
+def named_layout(spec: WorkloadSpec) -> list[tuple[str, tuple[int, ...], str]]:
+    """Names, shapes and dtype names of the tensors the workload sends, in send order.
+
+    Names matter for ``sync_stream`` (the weights API sends a named state) and for the
+    experience batches (their fields); the other workloads get ``t<i>``.
+    """
     s = spec.sizes
     if spec.name == "big":
-        return [((s.big_mib * _MIB // 4,), "float32")]
-    if spec.name == "many":
-        return [((s.many_kib * 1024 // 4,), "float32")] * s.many_count
-    if spec.name == "views":
-        return [((s.views_cols,), "float32")] * s.views_rows
-    return [(shape, dt) for _, shape, dt in _transformer_layout(s)]
+        plain = [((s.big_mib * _MIB // 4,), "float32")]
+    elif spec.name == "many":
+        plain = [((s.many_kib * 1024 // 4,), "float32")] * s.many_count
+    elif spec.name == "views":
+        plain = [((s.views_cols,), "float32")] * s.views_rows
+    elif spec.is_experience:
+        return _experience_layout(s, spec.name == "experience_samples")
+    else:
+        return _transformer_layout(s)
+    return [(f"t{i}", shape, dt) for i, (shape, dt) in enumerate(plain)]
+
+
+def tensor_layout(spec: WorkloadSpec) -> list[tuple[tuple[int, ...], str]]:
+    """Shapes and dtype names of the tensors the workload sends, in send order."""
+    return [(shape, dt) for _, shape, dt in named_layout(spec)]
+
+
+def _align_up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def stream_buckets(spec: WorkloadSpec) -> list[list[int]]:
+    """Tensor indices of each bucket of a streamed workload, in order.
+
+    The weights API's rule (``ray_rdt_pool.weights.plan_layout``), reimplemented here
+    so that Ray's variants stream the very same buckets without importing our package:
+    tensors are packed in order, each at its dtype's alignment; a tensor that would take
+    the bucket's 64-byte-aligned end past ``bucket_bytes`` starts a new bucket; a tensor
+    larger than ``bucket_bytes`` gets a bucket of its own.
+    """
+    buckets: list[list[int]] = []
+    cur: list[int] = []
+    end = 0
+    for i, (shape, dt) in enumerate(tensor_layout(spec)):
+        size = _ITEMSIZE[dt]
+        n = _numel(shape) * size
+        if cur and _align_up(_align_up(end, size) + n, _BLOCK_ALIGN) > spec.bucket_bytes:
+            buckets.append(cur)
+            cur, end = [], 0
+        cur.append(i)
+        end = _align_up(end, size) + n
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def stream_bucket_bytes(spec: WorkloadSpec) -> list[int]:
+    """Payload bytes of each bucket of :func:`stream_buckets` (tensor bytes, no padding)."""
+    layout = tensor_layout(spec)
+    return [sum(_numel(layout[i][0]) * _ITEMSIZE[layout[i][1]] for i in idx)
+            for idx in stream_buckets(spec)]
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
 
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "uint8": 1}
@@ -120,13 +246,7 @@ _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8
 
 def payload_bytes(spec: WorkloadSpec) -> int:
     """Bytes of tensor data in one transfer of the workload."""
-    total = 0
-    for shape, dt in tensor_layout(spec):
-        n = 1
-        for dim in shape:
-            n *= dim
-        total += n * _ITEMSIZE[dt]
-    return total
+    return sum(_numel(shape) * _ITEMSIZE[dt] for shape, dt in tensor_layout(spec))
 
 
 def describe(spec: WorkloadSpec) -> str:
@@ -140,10 +260,24 @@ def describe(spec: WorkloadSpec) -> str:
     if spec.name == "views":
         return (f"{s.views_rows:,} row views of one {s.views_rows:,} x {s.views_cols} "
                 f"float32 weight ({mib:.1f} MiB)")
+    if spec.is_experience:
+        per_sample = spec.name == "experience_samples"
+        n = len(tensor_layout(spec))
+        how = (f"{n:,} tensors, one per (sample, field), sample-major" if per_sample
+               else f"{n} tensors, one per field")
+        return (f"RL batch of {s.exp_samples:,} samples x {s.exp_tokens:,} tokens: input_ids, "
+                f"attention_mask int64, old_log_probs, advantages float32, rewards float32 "
+                f"({mib:.1f} MiB; {how})")
     n = len(tensor_layout(spec))
     text = (f"{n} transformer tensors, bf16 matrices + fp32 norms/biases "
             f"(hidden {s.tf_hidden}, {s.tf_layers} layers, vocab {s.tf_vocab:,}; {mib:.1f} MiB)")
-    if spec.is_sync:
+    if spec.is_stream:
+        n_b = len(stream_buckets(spec))
+        kib = spec.sizes.stream_bucket_kib
+        size = f"{kib / 1024:g} MiB" if kib >= 1024 else f"{kib} KiB"
+        text = (f"{spec.iterations} update+stream steps of {text} in {n_b} buckets of at most "
+                f"{size}, {STREAM_MAX_INFLIGHT} in flight")
+    elif spec.is_sync:
         text = f"{spec.iterations} update+send steps of {text}"
     return text
 
@@ -224,17 +358,22 @@ def refresh(bases: Sequence[Any], step: int) -> None:
         words.add_(1 + step % 7)
 
 
-def _word_view(t: Any) -> np.ndarray:
-    """The raw bytes of a contiguous tensor as the widest integer words that tile them."""
-    if not t.is_contiguous():
-        t = t.contiguous()
-    raw = t.detach().reshape(-1).view(_torch_dtype("uint8")).numpy()
-    n = raw.nbytes
+def _words(raw: np.ndarray) -> np.ndarray:
+    """Raw bytes (uint8, last axis = one tensor's bytes) as the widest integer words that
+    tile one tensor's bytes (the width depends on the tensor, not on how many are stacked)."""
+    n = raw.shape[-1]
     if n % 4 == 0:
         return raw.view(np.int32)
     if n % 2 == 0:
         return raw.view(np.int16)
     return raw.view(np.int8)
+
+
+def _word_view(t: Any) -> np.ndarray:
+    """The raw bytes of a contiguous tensor as the widest integer words that tile them."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return _words(t.detach().reshape(-1).view(_torch_dtype("uint8")).numpy())
 
 
 def _digests(words: np.ndarray) -> np.ndarray:
@@ -256,36 +395,38 @@ def tensor_digest(t: Any) -> int:
     return int(_digests(w.reshape(1, -1))[0])
 
 
-#: Runs of at least this many same-shape, same-dtype tensors are digested stacked.
+#: Groups of at least this many same-shape, same-dtype tensors are digested stacked.
 _STACK_RUN = 8
+#: Most tensors stacked into one array (bounds the temporary copy).
+_STACK_MAX = 4096
 
 
 def checksum(tensors: Sequence[Any]) -> int:
     """Order-sensitive digest of a list of tensors (covers every byte of every tensor).
 
-    ``sum((i + 1) * tensor_digest(t_i)) mod 2**64``. Runs of same-shape tensors (many
-    small tensors, row views) are stacked into one array first so that 10,000 tensors
-    cost one pass instead of 10,000 small numpy calls; the result is identical.
+    ``sum((i + 1) * tensor_digest(t_i)) mod 2**64``. Tensors of the same shape and dtype
+    (many small tensors, row views, the per-sample experience fields, wherever they sit
+    in the list) are stacked into one array first, so that 10,000 tensors cost a few
+    passes instead of 10,000 small numpy calls; the result is identical.
     """
     import torch
 
-    n = len(tensors)
-    total = np.uint64(n)
+    total = np.uint64(len(tensors))
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel() > 0:  # an empty tensor's digest is 0
+            groups.setdefault((tuple(t.shape), t.dtype), []).append(i)
     with np.errstate(over="ignore"):
-        i = 0
-        while i < n:
-            t = tensors[i]
-            j = i + 1
-            while (j < n and j - i < 4096 and tensors[j].dtype == t.dtype
-                   and tensors[j].shape == t.shape):
-                j += 1
-            if j - i >= _STACK_RUN and t.numel() > 0:
-                stacked = torch.stack([x.reshape(-1) for x in tensors[i:j]])
-                digests = _digests(_word_view(stacked).reshape(j - i, -1))
-            else:
-                j = i + 1
-                digests = np.array([tensor_digest(t)], dtype=np.uint64)
-            weights = np.arange(i + 1, j + 1, dtype=np.uint64)
-            total = total + np.add.reduce(weights * digests, dtype=np.uint64)
-            i = j
+        for idx in groups.values():
+            for c in range(0, len(idx), _STACK_MAX):
+                chunk = idx[c:c + _STACK_MAX]
+                if len(chunk) >= _STACK_RUN:
+                    stacked = torch.stack([tensors[i].detach().reshape(-1) for i in chunk])
+                    raw = stacked.view(torch.uint8).numpy().reshape(len(chunk), -1)
+                    digests = _digests(_words(raw))
+                else:
+                    digests = np.array([tensor_digest(tensors[i]) for i in chunk],
+                                       dtype=np.uint64)
+                weights = np.asarray(chunk, dtype=np.uint64) + np.uint64(1)
+                total = total + np.add.reduce(weights * digests, dtype=np.uint64)
     return int(total)

@@ -31,6 +31,22 @@ fetched the tensors before calling it); ``put`` and ``fetch`` are not observable
 Every transfer is verified: the sender changes every word in place before each
 repetition and checksums its tensors; the receiver checksums what it got; a mismatch
 fails the run (exit status 2) naming the variant, workload and repetition.
+
+``sync_stream`` streams the ``sync`` weight set in buckets instead (ours:
+``WeightSender.stream(..., max_inflight=2)`` into a ``WeightReceiver`` over the
+receiver's weights; Ray's variants: the same buckets, one ``ray.put`` and one receiver
+task each, two in flight). ``e2e`` ends when the last bucket is in the receiver's
+weights; ``put`` and ``fetch`` are the bucket puts and loads, summed. After the run
+(Ray stopped) the memcpy and NIXL READ rates of :mod:`microbenchmarks.floor` are
+measured and give the floors of ``sync`` (pack + READ) and ``sync_stream``
+(max(pack, READ) + one bucket).
+
+``experience`` and ``experience_samples`` send one RL batch (batched: a tensor per
+field; per sample: a tensor per (sample, field)); the report compares their put+get.
+The ``transferqueue`` variant (package ``transferqueue``, the ``bench`` extra) moves
+them with TransferQueue's own KV API: ``kv_batch_put`` in the sender, ``kv_batch_get``
+in the receiver (``put``, ``fetch``), ``kv_clear`` after the checksum (``release``).
+Without the package it is reported as not available, and the rest runs.
 """
 
 from __future__ import annotations
@@ -51,8 +67,10 @@ from microbenchmarks import _bench_env as E
 from microbenchmarks import _bench_report as R
 from microbenchmarks import _bench_workloads as W
 from microbenchmarks._bench_actors import (
+    OTHER_VARIANTS,
     OUR_VARIANTS,
     RAY_VARIANTS,
+    TQ_ACTOR_CPUS,
     VARIANT_NAMES,
     ZERO_COPY_ENV,
     Receiver,
@@ -60,6 +78,7 @@ from microbenchmarks._bench_actors import (
     Variant,
     our_transport_unavailable_reason,
     register_ours,
+    transferqueue_unavailable_reason,
     variant_by_name,
 )
 
@@ -89,6 +108,7 @@ class Config:
     seed: int
     actor_logs: bool
     ucx_probe: bool
+    floor: bool
     json_path: str | None
     plot_path: str | None
     out_dir: str | None
@@ -114,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Side-by-side RDT benchmark: object store, Ray NIXL variants, NIXL_POOL.",
         epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="small sizes and few repetitions (80 to 120 s here with Ray start-up)")
+                   help="small sizes and few repetitions (2 to 4 minutes here with Ray start-up, "
+                        "depending on the load)")
     p.add_argument("--variants", default="all",
                    help=f"comma list of {', '.join(VARIANT_NAMES)} (default all)")
     p.add_argument("--workloads", default="all",
@@ -146,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--actor-logs", action="store_true", help="forward actor logs")
     p.add_argument("--no-ucx-probe", action="store_true",
                    help="skip the UCX protocol probe (a tiny NIXL READ in a subprocess)")
+    p.add_argument("--no-floor", action="store_true",
+                   help="skip the memcpy and NIXL READ floor measured after the transfers "
+                        "when sync or sync_stream ran (a few seconds)")
     p.add_argument("--json", metavar="PATH", help="write every sample and the summary")
     p.add_argument("--plot", metavar="PATH.png", help="write the chart")
     p.add_argument("--out", metavar="DIR",
@@ -176,7 +200,8 @@ def parse_config(argv: Sequence[str] | None) -> Config:
         idle_s=a.idle_s if a.idle_s is not None else (0.5 if a.quick else 1.0),
         timeout_s=a.timeout_s, release_timeout_s=min(30.0, a.timeout_s), pool_bytes=pool,
         object_store_bytes=a.object_store_mib * _MIB, seed=a.seed, actor_logs=a.actor_logs,
-        ucx_probe=not a.no_ucx_probe, json_path=a.json, plot_path=a.plot, out_dir=a.out)
+        ucx_probe=not a.no_ucx_probe, floor=not a.no_floor, json_path=a.json,
+        plot_path=a.plot, out_dir=a.out)
 
 
 def _round_up(n: int, k: int) -> int:
@@ -324,6 +349,17 @@ def make_pair(variant: Variant, cfg: Config) -> Pair:
     if cfg.nodes == 2 and infos["sender"]["node_id"] == infos["receiver"]["node_id"]:
         kill_pair(pair)
         raise BenchError(f"{variant.name}: sender and receiver landed on the same node")
+    if variant.tq:
+        # The sender starts TransferQueue (its controller and storage actors are the
+        # sender's children); only then can the receiver attach to it.
+        try:
+            infos["sender"]["tq_init_s"] = ray.get(pair.sender.tq_init.remote(),
+                                                   timeout=cfg.timeout_s)
+            infos["receiver"]["tq_init_s"] = ray.get(pair.receiver.tq_init.remote(),
+                                                     timeout=cfg.timeout_s)
+        except Exception:
+            kill_pair(pair)
+            raise
     return pair
 
 
@@ -331,6 +367,13 @@ def kill_pair(pair: Pair, wait_s: float = 20.0) -> None:
     """Kill both actors and wait until their processes are gone."""
     import ray
 
+    if pair.variant.tq:
+        # Stop TransferQueue's controller and storage actors cleanly; they would also go
+        # with the sender (their owner), but not before their sockets time out.
+        try:
+            ray.get(pair.sender.tq_close.remote(), timeout=30)
+        except Exception:
+            pass
     for h in (pair.sender, pair.receiver):
         try:
             ray.kill(h, no_restart=True)
@@ -359,9 +402,10 @@ class Runner:
         self.idle: dict[str, Any] = {}
         self._ours_registered = False
         order = [w for w in W.WORKLOADS if w in cfg.workloads]
-        # sync first, on fresh actors, so its first iteration is really cold.
-        self.workload_order = (["sync"] if "sync" in order else []) + [
-            w for w in order if w != "sync"]
+        # sync first, on fresh actors, so its first iteration is really cold; the streamed
+        # sync right after it, so the two weight-sync workloads run back to back.
+        first = [w for w in W.SYNC_WORKLOADS if w in order]
+        self.workload_order = first + [w for w in order if w not in first]
         self.specs = {w: W.make_spec(w, cfg.sizes) for w in self.workload_order}
         self.payloads = {w: W.payload_bytes(s) for w, s in self.specs.items()}
 
@@ -372,6 +416,13 @@ class Runner:
         so ``objstore`` would serialize rows x weight bytes for ``views``; past half the
         object store that cannot finish in a sane time (or at all).
         """
+        spec = self.specs[workload]
+        if variant.tq and not spec.is_experience:
+            return ("TransferQueue stores RL samples (kv_batch_put of a TensorDict, one key "
+                    "per sample): measured on the experience workloads only")
+        if variant.ours and variant.target and spec.is_stream:
+            return ("the weights API lands every bucket in the receiver's tensors itself "
+                    "(set_target_for_ref); that is the nixl_pool row")
         if variant.transport is None and not variant.zero_copy and workload == "views":
             s = self.cfg.sizes
             serialized = s.views_rows * s.views_rows * s.views_cols * 4
@@ -402,7 +453,18 @@ class Runner:
                 out[name] = ours_reason
             elif v.target and self.cfg.fetch == "arg":
                 out[name] = "set_target_for_ref needs the ray.get path (--fetch get)"
+            elif v.tq:
+                why = transferqueue_unavailable_reason()
+                if why is None and self.cfg.fetch == "arg":
+                    why = "TransferQueue has no task-argument path (--fetch get only)"
+                if why is not None:
+                    out[name] = why
         return out
+
+    def uses_transferqueue(self, unavailable: dict[str, str]) -> bool:
+        """Whether TransferQueue's actors will be started (they need logical CPUs)."""
+        return any(variant_by_name(n).tq and n not in unavailable for n in self.cfg.variants) \
+            and any(s.is_experience for s in self.specs.values())
 
     def _register_ours_in_driver(self) -> None:
         if not self._ours_registered:
@@ -414,15 +476,21 @@ class Runner:
     def transfer(self, pair: Pair, workload: str, rep: int, kind: str) -> dict[str, Any]:
         import ray
 
+        if self.specs[workload].is_stream:
+            return self.transfer_stream(pair, workload, rep, kind)
         cfg, v = self.cfg, pair.variant
         sample: dict[str, Any] = {"variant": v.name, "workload": workload, "rep": rep,
                                   "kind": kind, "payload_bytes": self.payloads[workload],
-                                  "fetch_path": cfg.fetch}
+                                  "fetch_path": "kv_batch_get" if v.tq else cfg.fetch}
         try:
             upd = ray.get(pair.sender.refresh.remote(rep), timeout=cfg.timeout_s)
             sample.update(sender_update_s=upd["update_s"], sender_checksum_s=upd["checksum_s"],
                           checksum_sender=upd["checksum"])
-            if cfg.fetch == "get":
+            if v.tq:
+                t0 = time.monotonic()
+                res = ray.get(pair.receiver.tq_consume.remote(pair.sender.tq_produce.remote()),
+                              timeout=cfg.timeout_s)
+            elif cfg.fetch == "get":
                 t0 = time.monotonic()
                 res = ray.get(pair.receiver.consume.remote(pair.sender.produce.remote()),
                               timeout=cfg.timeout_s)
@@ -442,10 +510,19 @@ class Runner:
                        f"{sample['error'].splitlines()[0][:300]}")
             return sample
         got = res["r_got"]
+        put_s = res["s_put_end"] - res["s_start"] if "s_start" in res else None
+        fetch_s = got - res["r_start"] if cfg.fetch == "get" or v.tq else None
+        if v.tq:
+            release_s = res["release_s"]  # kv_clear of the batch in the receiver
+        else:
+            release_s = (rel["freed_at"] - res["r_end"]) if rel["freed_at"] else None
         sample.update(
             e2e_s=got - t0,
-            put_s=res["s_put_end"] - res["s_start"] if "s_start" in res else None,
-            fetch_s=got - res["r_start"] if cfg.fetch == "get" else None,
+            put_s=put_s,
+            fetch_s=fetch_s,
+            # the sender's put and the receiver's get calls, with the hand-off between
+            # them left out (the per-sample vs batched target compares these)
+            put_get_s=put_s + fetch_s if put_s is not None and fetch_s is not None else None,
             dispatch_s=res["s_start"] - t0 if "s_start" in res else None,
             handoff_s=res["r_start"] - res["s_put_end"] if "s_put_end" in res else None,
             receiver_checksum_s=res["checksum_s"],
@@ -453,9 +530,12 @@ class Runner:
             n_tensors_received=res["n_tensors"],
             into_targets=res["into_targets"],
             meta_bytes=rel["meta_bytes"],
-            release_s=(rel["freed_at"] - res["r_end"]) if rel["freed_at"] else None,
+            release_s=release_s,
             release_timed_out=bool(v.rdt and rel["freed_at"] is None),
             gbps=self.payloads[workload] / (got - t0) / 1e9,
+            # ours: the parts of put and get spent inside ray_rdt_pool itself
+            ours_put_s=res.get("ours_put_s"),
+            ours_get_s=res.get("ours_get_s"),
         )
         if rel.get("stats") is not None:
             sample["sender_stats"] = rel["stats"]
@@ -474,6 +554,70 @@ class Runner:
                                "fetched into the target buffers")
         return sample
 
+    def transfer_stream(self, pair: Pair, workload: str, rep: int, kind: str
+                        ) -> dict[str, Any]:
+        """One ``sync_stream`` step: update the weights in place, stream them, verify.
+
+        ``e2e``: from the driver submitting the sender's stream to the moment the last
+        bucket was in the receiver's weights. ``put``: the sender's ``ray.put`` calls of
+        every bucket, summed; ``fetch``: the receiver's bucket loads, summed (they
+        overlap each other, so put + fetch may exceed e2e).
+        """
+        import ray
+
+        cfg, v = self.cfg, pair.variant
+        sample: dict[str, Any] = {"variant": v.name, "workload": workload, "rep": rep,
+                                  "kind": kind, "payload_bytes": self.payloads[workload],
+                                  "fetch_path": "stream"}
+        try:
+            upd = ray.get(pair.sender.refresh.remote(rep), timeout=cfg.timeout_s)
+            sample.update(sender_update_s=upd["update_s"], sender_checksum_s=upd["checksum_s"],
+                          checksum_sender=upd["checksum"])
+            t0 = time.monotonic()
+            snd = ray.get(pair.sender.stream_to.remote(pair.receiver, cfg.timeout_s),
+                          timeout=2 * cfg.timeout_s)
+            res = ray.get(pair.receiver.stream_result.remote(), timeout=cfg.timeout_s)
+            if res["r_got"] is None:
+                raise BenchError("the stream ended but the receiver loaded no bucket")
+        except Exception as exc:
+            sample["error"] = f"{type(exc).__name__}: {exc}"
+            sample["traceback"] = traceback.format_exc(limit=8)
+            self._fail(f"variant={v.name} workload={workload} rep={rep}: "
+                       f"{sample['error'].splitlines()[0][:300]}")
+            return sample
+        got = res["r_got"]
+        sample.update(
+            e2e_s=got - t0,
+            put_s=snd["put_s"],
+            fetch_s=res["fetch_s"],
+            dispatch_s=snd["s_start"] - t0,
+            sender_stream_s=snd["s_end"] - snd["s_start"],
+            receiver_checksum_s=res["checksum_s"],
+            checksum_receiver=res["checksum"],
+            n_tensors_received=res["n_tensors"],
+            into_targets=res["into_targets"],
+            meta_bytes=snd["meta_bytes"],
+            release_s=None,
+            buckets=snd["buckets"],
+            puts=snd["puts"],
+            gbps=self.payloads[workload] / (got - t0) / 1e9,
+        )
+        for key in ("pool_wait_s", "fallbacks", "peak_pool_used", "ours_put_s"):
+            if key in snd:
+                sample[key] = snd[key]
+        sample["ours_get_s"] = res.get("ours_get_s")
+        sample["checksum_ok"] = res["checksum"] == upd["checksum"]
+        if not sample["checksum_ok"]:
+            msg = (f"CHECKSUM MISMATCH variant={v.name} workload={workload} rep={rep}: "
+                   f"sender {upd['checksum']:#x}, receiver {res['checksum']:#x} "
+                   f"({res['n_tensors']} tensors in the receiver's weights)")
+            self.mismatches.append(msg)
+            self.progress.note(msg)
+        if res["into_targets"] is False:
+            self.progress.note(f"warning: {v.name}/{workload} rep {rep}: buckets were not "
+                               "fetched into the receiver's weights")
+        return sample
+
     # -- one workload on one pair ----------------------------------------------------
 
     def _setup_workload(self, pair: Pair, workload: str) -> None:
@@ -490,9 +634,11 @@ class Runner:
             ray.get([pair.sender.drop.remote(), pair.receiver.drop.remote()],
                     timeout=self.cfg.timeout_s)
             if pair.variant.ours:
-                stats = ray.get(pair.sender.stats.remote(), timeout=self.cfg.timeout_s)
-                self.variant_info[pair.variant.name].setdefault(
-                    "sender_stats_after", {})[workload] = stats
+                stats = ray.get([pair.sender.stats.remote(), pair.receiver.stats.remote()],
+                                timeout=self.cfg.timeout_s)
+                for role, st in zip(("sender", "receiver"), stats):
+                    self.variant_info[pair.variant.name].setdefault(
+                        f"{role}_stats_after", {})[workload] = st
         except Exception as exc:
             pair.broken = True
             self._fail(f"variant={pair.variant.name} workload={workload}: teardown failed: "
@@ -537,8 +683,20 @@ class Runner:
         else:
             self._run_interleaved(names)
 
+    def _measures_anything(self, name: str) -> bool:
+        """False when every selected workload skips this variant: no actors are started
+        for it (TransferQueue's start-up alone takes seconds)."""
+        v = variant_by_name(name)
+        return any(self.skip_reason(v, w) is None for w in self.workload_order)
+
     def _run_sequential(self, name: str) -> None:
         t_variant = time.monotonic()
+        if not self._measures_anything(name):
+            for workload in self.workload_order:
+                reason = self.skip_reason(variant_by_name(name), workload)
+                self.skipped.setdefault(workload, {})[name] = str(reason)
+                self.progress.advance(self.n_transfers(workload))
+            return
         pair = self._new_pair(name)
         self.variant_info[name]["actor_start_s"] = round(time.monotonic() - t_variant, 3)
         for workload in self.workload_order:
@@ -571,7 +729,14 @@ class Runner:
         self.variant_info[name]["wall_s"] = round(time.monotonic() - t_variant, 3)
 
     def _run_interleaved(self, names: list[str]) -> None:
-        pairs = {n: p for n in names if (p := self._new_pair(n)) is not None}
+        pairs = {n: p for n in names
+                 if self._measures_anything(n) and (p := self._new_pair(n)) is not None}
+        for n in names:
+            if n not in pairs and not self._measures_anything(n):
+                for workload in self.workload_order:
+                    self.skipped.setdefault(workload, {})[n] = str(
+                        self.skip_reason(variant_by_name(n), workload))
+                    self.progress.advance(self.n_transfers(workload))
         for workload in self.workload_order:
             active = {}
             for n, pair in pairs.items():
@@ -612,13 +777,17 @@ class Runner:
 # ----------------------------------------------------------------------------- cluster
 
 
-def start_ray(cfg: Config) -> Any:
-    """Start Ray (1 node, or a 2-node ``Cluster`` on this machine); return a stop function."""
+def start_ray(cfg: Config, min_cpus: int = 0) -> Any:
+    """Start Ray (1 node, or a 2-node ``Cluster`` on this machine); return a stop function.
+
+    ``min_cpus``: logical CPUs the cluster must offer at least (TransferQueue's actors ask
+    for one each; ours ask for none). Only Ray's scheduler sees the number.
+    """
     import logging
 
     import ray
 
-    ncpu = os.cpu_count() or 1
+    ncpu = max(os.cpu_count() or 1, min_cpus if cfg.nodes == 1 else (min_cpus + 1) // 2)
     common = {"log_to_driver": cfg.actor_logs, "logging_level": logging.WARNING}
     if cfg.nodes == 1:
         ray.init(address="local", num_cpus=ncpu, resources={"sender": 1000, "receiver": 1000},
@@ -657,6 +826,54 @@ def _title(cfg: Config, env: dict[str, Any], stamp: str) -> str:
             f"ray {env['versions'].get('ray')}")
 
 
+_STREAM_NOTE = (
+    "  sync_stream: put = the sender's ray.put of every bucket, summed; fetch = the "
+    "receiver's bucket loads, summed\n"
+    "  (they overlap: put + fetch may exceed e2e). Every variant lands the buckets in the "
+    "receiver's weights:\n"
+    "  ours through WeightReceiver (set_target_for_ref into them), nixl_target with "
+    "set_target_for_ref, the others ray.get + copy_.")
+
+
+def _path_label(cfg: Config, spec: W.WorkloadSpec) -> str:
+    """What the table header says about how the receiver got the data."""
+    if spec.is_stream:
+        return (f"stream, {W.STREAM_MAX_INFLIGHT} buckets in flight "
+                f"(ours: WeightSender.stream)")
+    if spec.is_experience and "transferqueue" in cfg.variants:
+        return f"{cfg.fetch}; transferqueue: kv_batch_put/kv_batch_get"
+    return cfg.fetch
+
+
+def measure_floor(runner: Runner, reps: int = 5) -> dict[str, Any]:
+    """memcpy and NIXL READ GB/s on this machine, now (Ray is down, our actors gone).
+
+    The same measurements as ``python -m microbenchmarks.floor`` (one thread copying into
+    a pre-faulted buffer; a READ between two processes with NIXL's progress thread off),
+    at the weight set's size (at most 256 MiB), so the sync floors use rates from the
+    same run. Failures are recorded, never raised: the floor is context, not a result.
+    """
+    from microbenchmarks import floor as F
+
+    w = next(w for w in W.SYNC_WORKLOADS if w in runner.specs)
+    nbytes = min(runner.payloads[w], 256 * _MIB) // _MIB * _MIB or _MIB
+    out: dict[str, Any] = {"bytes": nbytes, "reps": reps}
+    try:
+        m = F.measure_memcpy(nbytes, reps)
+        out["memcpy_gbps"] = m["prefaulted_gbps"]["median"]
+    except Exception as exc:
+        out["memcpy_error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        r = F.measure_nixl_read(nbytes, reps, prog_thread=False)
+        if r.get("checksum_ok") is False:
+            out["read_error"] = "checksum mismatch after the READ"
+        else:
+            out["read_gbps"] = r["gbps"]["median"]
+    except Exception as exc:
+        out["read_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_config(argv)
     wall0 = time.monotonic()
@@ -677,8 +894,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         progress.label("starting Ray")
         t = time.monotonic()
-        stop = start_ray(cfg)
+        min_cpus = TQ_ACTOR_CPUS if runner.uses_transferqueue(unavailable) else 0
+        stop = start_ray(cfg, min_cpus)
         env["ray_start_s"] = round(time.monotonic() - t, 2)
+        env["ray_min_logical_cpus"] = min_cpus
         t = time.monotonic()
         env["ucx"] = E.finish_ucx_probe(probe)  # done before any measurement starts
         env["ucx_probe_wait_s"] = round(time.monotonic() - t, 2)
@@ -690,20 +909,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if stop is not None:
             stop()
+    floor: dict[str, Any] = {}
+    if cfg.floor and any(s["workload"] in W.SYNC_WORKLOADS for s in runner.samples):
+        progress.label("floor")
+        floor = measure_floor(runner)
     progress.close()
     env["loadavg_end"] = E.loadavg()
     wall = time.monotonic() - wall0
 
     display = [w for w in W.WORKLOADS if w in runner.specs]
-    summary = R.summarize(runner.samples, runner.payloads, RAY_VARIANTS, OUR_VARIANTS, display)
+    summary = R.summarize(runner.samples, runner.payloads, RAY_VARIANTS, OUR_VARIANTS, display,
+                          other_variants=OTHER_VARIANTS)
+    stream_spec = runner.specs.get("sync_stream")
+    floors = R.weight_sync_floors(
+        floor, runner.payloads, W.stream_bucket_bytes(stream_spec) if stream_spec else None)
+    vs_sync = R.stream_vs_sync(summary, cfg.variants)
+    experience = R.experience_put_get(summary, cfg.variants, OUR_VARIANTS)
     print(_title(cfg, env, stamp))
     print(R.format_env(env))
     for w in display:
         if w in summary:
+            spec = runner.specs[w]
             print()
-            print(R.format_workload(w, W.describe(runner.specs[w]), summary[w], unavailable,
-                                    runner.skipped.get(w, {}), cfg.variants,
-                                    runner.specs[w].is_sync, cfg.fetch))
+            print(R.format_workload(w, W.describe(spec), summary[w], unavailable,
+                                    runner.skipped.get(w, {}), cfg.variants, spec.is_sync,
+                                    _path_label(cfg, spec)))
+            if spec.is_stream:
+                print(_STREAM_NOTE)
+            inside = R.format_inside_ours(w, summary, OUR_VARIANTS)
+            if inside and spec.is_stream:  # the experience workloads: in their own table
+                print(inside)
+        if w == "sync_stream" and vs_sync:
+            print()
+            print(R.format_stream_vs_sync(vs_sync))
+        if w == "sync_stream" and floor:
+            print()
+            print(R.format_floors(floor, floors, summary, OUR_VARIANTS))
+        if w == "experience_samples" and "experience" in summary and w in summary:
+            print()
+            print(R.format_experience(experience, len(W.tensor_layout(runner.specs["experience"])),
+                                      len(W.tensor_layout(spec))))
+    if floor and "sync_stream" not in summary:
+        print()
+        print(R.format_floors(floor, floors, summary, OUR_VARIANTS))
     if runner.idle:
         print()
         print(R.format_idle(runner.idle, cfg.idle_s))
@@ -720,6 +968,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "variants": {n: {**info, "idle_cpu": runner.idle.get(n)}
                      for n, info in runner.variant_info.items()},
         "summary": summary, "samples": runner.samples,
+        "floor": {**floor, "weight_sync": floors}, "sync_stream_vs_sync": vs_sync,
+        "experience_put_get": experience,
         "failures": runner.failures, "checksum_mismatches": runner.mismatches,
     }
     written = _write_outputs(cfg, result, summary, unavailable, _title(cfg, env, stamp), stamp)

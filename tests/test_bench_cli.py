@@ -2,12 +2,14 @@
 
 The end-to-end test runs the CLI as a subprocess in its smallest configuration against a
 real local Ray cluster with real NIXL, then checks the JSON: every available variant and
-every workload is there with verified checksums, and an unavailable variant says why.
-No timing is asserted. The other tests are pure and fast (checksums, config, ratios).
+every workload is there with verified checksums (or skipped with a reason), and an
+unavailable variant says why. No timing is asserted. The other tests are pure and fast
+(layouts, buckets, checksums, config, ratios, floors).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -20,10 +22,12 @@ import pytest
 from microbenchmarks import _bench_report as R
 from microbenchmarks import _bench_workloads as W
 from microbenchmarks._bench_actors import (
+    OTHER_VARIANTS,
     OUR_VARIANTS,
     RAY_VARIANTS,
     VARIANT_NAMES,
     our_transport_unavailable_reason,
+    transferqueue_unavailable_reason,
 )
 from microbenchmarks.bench import Progress, Runner, parse_config
 
@@ -31,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 TINY = ["--quick", "--reps", "1", "--warmup", "0", "--big-mib", "1", "--many-count", "10",
         "--many-kib", "4", "--views-rows", "50", "--views-cols", "16", "--tf-hidden", "32",
-        "--tf-layers", "2", "--tf-vocab", "64", "--sync-iters", "2", "--idle-s", "0.1",
-        "--no-ucx-probe"]
+        "--tf-layers", "2", "--tf-vocab", "64", "--sync-iters", "2", "--stream-bucket-kib",
+        "16", "--exp-samples", "6", "--exp-tokens", "8", "--idle-s", "0.1", "--no-ucx-probe"]
 
 
 @pytest.mark.ray
@@ -63,6 +67,14 @@ def test_cli_smallest_run_writes_complete_json(tmp_path: Path) -> None:
         assert info["actors"]["sender"]["zero_copy_active"] is (name == "objstore_zc")
         for workload in W.WORKLOADS:
             row = data["summary"][workload]["variants"].get(name)
+            skipped = data["workloads"][workload]["skipped"].get(name)
+            if skipped is not None:
+                # Only these pairs are skipped at the tiny sizes, and never silently.
+                assert (name, workload) in _SKIPPED_AT_TINY or (
+                    name == "transferqueue" and workload not in W.EXPERIENCE_WORKLOADS), \
+                    f"{name}/{workload} skipped: {skipped}"
+                assert skipped.strip() and row is None
+                continue
             assert row is not None, f"{name}/{workload} missing from the summary"
             assert row["checksums_ok"] is True, f"{name}/{workload}: {row}"
             assert row["n_measured"] >= 1
@@ -72,9 +84,220 @@ def test_cli_smallest_run_writes_complete_json(tmp_path: Path) -> None:
     for s in data["samples"]:
         assert s["checksum_ok"] is True, s
         assert s["checksum_sender"] == s["checksum_receiver"]
-    # The sync workload reports its cold iteration apart from the warm ones.
-    kinds = {s["kind"] for s in data["samples"] if s["workload"] == "sync"}
-    assert kinds == {"cold", "warm"}
+    # Both sync workloads report their cold iteration apart from the warm ones.
+    for workload in W.SYNC_WORKLOADS:
+        kinds = {s["kind"] for s in data["samples"] if s["workload"] == workload}
+        assert kinds == {"cold", "warm"}, workload
+    # sync_stream moved the same weight set in several buckets, each one ray.put.
+    n_buckets = len(W.stream_buckets(W.make_spec("sync_stream", _tiny_sizes())))
+    assert n_buckets > 2
+    for s in data["samples"]:
+        if s["workload"] == "sync_stream":
+            assert s["buckets"] == n_buckets and s["puts"] == n_buckets, s
+            assert s["put_s"] > 0 and s["fetch_s"] > 0
+    if ours_reason is None:
+        # The floor was measured, and the per-sample vs batched put+get is reported.
+        assert data["floor"]["memcpy_gbps"] > 0 and data["floor"]["read_gbps"] > 0
+        assert set(data["floor"]["weight_sync"]) == {"sync", "sync_stream"}
+        assert data["experience_put_get"]["nixl_pool"]["target"] == 2.0
+        assert "nixl_pool" in data["sync_stream_vs_sync"]
+    tq = data["variants"]["transferqueue"]
+    assert tq["available"] is (transferqueue_unavailable_reason() is None)
+    if tq["available"]:
+        for workload in W.EXPERIENCE_WORKLOADS:
+            assert data["summary"][workload]["variants"]["transferqueue"]["checksums_ok"]
+
+
+#: Variant/workload pairs the benchmark skips at the tiny sizes (with a reason).
+_SKIPPED_AT_TINY = {("nixl_pool_target", "sync_stream")}
+
+
+def _tiny_sizes() -> W.Sizes:
+    return parse_config(TINY).sizes
+
+
+def test_experience_layouts_at_full_size() -> None:
+    batched = W.make_spec("experience", W.FULL_SIZES)
+    samples = W.make_spec("experience_samples", W.FULL_SIZES)
+    n, tok = 1024, 1024
+    assert W.named_layout(batched) == [
+        ("input_ids", (n, tok), "int64"), ("attention_mask", (n, tok), "int64"),
+        ("old_log_probs", (n, tok), "float32"), ("advantages", (n, tok), "float32"),
+        ("rewards", (n,), "float32")]
+    # 25 MB: 24 bytes per token (8 + 8 + 4 + 4) plus a float32 reward per sample.
+    assert W.payload_bytes(batched) == n * tok * 24 + n * 4 == 25_169_920
+    layout = W.named_layout(samples)
+    assert len(layout) == 5 * n == 5120
+    assert W.payload_bytes(samples) == W.payload_bytes(batched)
+    fields = [(name, dt, seq) for name, dt, seq in W.EXPERIENCE_FIELDS]
+    for i in (0, 1, n - 1):  # sample-major: sample i's five fields, then sample i + 1's
+        for j, (name, dt, seq) in enumerate(fields):
+            assert layout[5 * i + j] == (f"{i}.{name}", (tok,) if seq else (), dt)
+    # Shape or dtype changes every one or two tensors: no long run of equal tensors that a
+    # transport could batch as one.
+    kinds = [(shape, dt) for _n, shape, dt in layout[:10]]
+    assert kinds[0] == kinds[1] != kinds[2] == kinds[3] != kinds[4] != kinds[5]
+    # --quick keeps the sample size but may shrink N.
+    assert W.QUICK_SIZES.exp_tokens == tok and W.QUICK_SIZES.exp_samples <= n
+
+
+def test_experience_samples_build_refresh_and_checksum() -> None:
+    import torch
+
+    sizes = W.Sizes(exp_samples=6, exp_tokens=8)
+    spec = W.make_spec("experience_samples", sizes)
+    tensors, bases = W.build_tensors(spec, seed=3)
+    assert [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors] == \
+        W.tensor_layout(spec)
+    assert tensors[4].dim() == 0  # rewards are 0-d tensors in this layout
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
+    ref = W.checksum(tensors)
+    # The grouped checksum equals its per-tensor definition with interleaved shapes.
+    expected = len(tensors)
+    for i, t in enumerate(tensors):
+        expected = (expected + (i + 1) * W.tensor_digest(t)) % (1 << 64)
+    assert ref == expected
+    # Swapping two same-shape tensors that are not neighbours changes it.
+    swapped = list(tensors)
+    swapped[0], swapped[5] = swapped[5], swapped[0]  # sample 0's and 1's input_ids
+    assert W.checksum(swapped) != ref
+    # One flipped bit in one 0-d reward changes it.
+    bad = [t.clone() for t in tensors]
+    bad[9].view(torch.int32).bitwise_xor_(1)
+    assert W.checksum(bad) != ref
+    W.refresh(bases, 0)
+    assert W.checksum(tensors) != ref
+
+
+def test_checksum_word_width_follows_each_tensor() -> None:
+    import torch
+
+    # 3 bf16 elements = 6 bytes per tensor: int16 words, even when 10 are stacked.
+    tensors = [torch.arange(3, dtype=torch.float32).add(i).to(torch.bfloat16) for i in range(10)]
+    expected = len(tensors)
+    for i, t in enumerate(tensors):
+        expected = (expected + (i + 1) * W.tensor_digest(t)) % (1 << 64)
+    assert W.checksum(tensors) == expected
+
+
+@pytest.mark.parametrize("kib", [4, 16, 32, 8 * 1024])
+def test_stream_buckets_match_the_weights_api(kib: int) -> None:
+    import torch
+
+    weights = pytest.importorskip("ray_rdt_pool.weights")
+    sizes = (W.QUICK_SIZES if kib >= 1024 else _tiny_sizes())
+    spec = W.make_spec("sync_stream", dataclasses.replace(sizes, stream_bucket_kib=kib))
+    # torch.empty does not touch the pages: the quick 66 MiB set costs nothing here.
+    state = {name: torch.empty(shape, dtype=getattr(torch, dt))
+             for name, shape, dt in W.named_layout(spec)}
+    layout, _groups = weights.plan_layout(state, bucket_bytes=spec.bucket_bytes)
+    names = list(state)
+    ours = [[names[i] for i in idx] for idx in W.stream_buckets(spec)]
+    assert ours == [list(b.names) for b in layout.buckets]
+    assert len(ours) > 1
+    assert sum(W.stream_bucket_bytes(spec)) == W.payload_bytes(spec)
+
+
+def test_pipeline_floor_is_max_stage_plus_one_bucket() -> None:
+    # 4 buckets of 1 GB; pack 2 GB/s (0.5 s each), READ 1 GB/s (1 s each).
+    assert R.pipeline_floor_s([10**9] * 4, 2.0, 1.0) == pytest.approx(4.0 + 0.5)
+    assert R.pipeline_floor_s([10**9] * 4, 1.0, 2.0) == pytest.approx(4.0 + 0.5)
+    assert R.pipeline_floor_s([10**9], 1.0, 1.0) == pytest.approx(2.0)  # nothing overlaps
+    # Unequal buckets: the worst split point k of pack(0..k) + READ(k..n-1). A 3 s bucket
+    # then a 1 s one: pack 3, READ 3 (the second pack hides under it), READ 1.
+    assert R.pipeline_floor_s([3 * 10**9, 10**9], 1.0, 1.0) == pytest.approx(3 + 3 + 1)
+    assert R.pipeline_floor_s([10**9, 3 * 10**9], 1.0, 1.0) == pytest.approx(1 + 3 + 3)
+    floors = R.weight_sync_floors({"memcpy_gbps": 2.0, "read_gbps": 1.0},
+                                  {"sync": 4 * 10**9, "sync_stream": 4 * 10**9}, [10**9] * 4)
+    assert floors["sync"]["floor_s"] == pytest.approx(2.0 + 4.0)  # one after the other
+    assert floors["sync_stream"]["floor_s"] == pytest.approx(4.5)
+    assert floors["sync_stream"]["bucket_s"] == pytest.approx(0.5)
+    # Same node, pool mapped: sync's floor is the pack; the stream's, pack then copy.
+    assert floors["sync"]["mapped_floor_s"] == pytest.approx(2.0)
+    assert floors["sync_stream"]["mapped_floor_s"] == pytest.approx(2.0 + 0.5)
+    assert R.weight_sync_floors({"memcpy_gbps": 2.0}, {"sync": 1}, None) == {}
+
+
+def _sample(variant: str, workload: str, **phases: float) -> dict:
+    return {"variant": variant, "workload": workload, "rep": 1, "kind": "measured",
+            "checksum_ok": True, **phases}
+
+
+def test_experience_put_get_ratio_and_target() -> None:
+    samples = [
+        _sample("nixl_pool", "experience", e2e_s=0.01, put_get_s=0.004),
+        _sample("nixl_pool", "experience_samples", e2e_s=0.02, put_get_s=0.007),
+        _sample("nixl_pool_target", "experience", e2e_s=0.01, put_get_s=0.004),
+        _sample("nixl_pool_target", "experience_samples", e2e_s=0.03, put_get_s=0.012),
+        _sample("nixl", "experience", e2e_s=0.02, put_get_s=0.01),
+        _sample("nixl", "experience_samples", e2e_s=0.9, put_get_s=0.8),
+    ]
+    order = list(W.EXPERIENCE_WORKLOADS)
+    summary = R.summarize(samples, {w: 1 for w in order}, RAY_VARIANTS, OUR_VARIANTS, order)
+    cmp = R.experience_put_get(summary, VARIANT_NAMES, OUR_VARIANTS)
+    assert cmp["nixl_pool"]["ratio"] == pytest.approx(1.75) and cmp["nixl_pool"]["met"] is True
+    assert cmp["nixl_pool_target"]["met"] is False
+    assert cmp["nixl"]["target"] is None and cmp["nixl"]["ratio"] == pytest.approx(80)
+    text = R.format_experience(cmp, 5, 5120)
+    assert "x1.75  met" in text and "NOT met" in text
+    # The part spent inside our package is shown when the samples carry it.
+    samples[0]["ours_put_s"], samples[1]["ours_put_s"] = 0.001, 0.002
+    summary = R.summarize(samples, {w: 1 for w in order}, RAY_VARIANTS, OUR_VARIANTS, order)
+    cmp = R.experience_put_get(summary, VARIANT_NAMES, OUR_VARIANTS)
+    assert cmp["nixl_pool"]["inside_ours"] == {"batched_ours_put_s": 0.001,
+                                               "per_sample_ours_put_s": 0.002}
+    assert "batched put 1.0 + get n/a; per-sample put 2.0" in R.format_experience(cmp, 5, 5120)
+
+
+def test_transferqueue_variant_is_optional_and_experience_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from microbenchmarks._bench_actors import variant_by_name
+
+    tq = variant_by_name("transferqueue")
+    assert tq.name in OTHER_VARIANTS and tq.name not in RAY_VARIANTS + OUR_VARIANTS
+    runner = Runner(parse_config(TINY), Progress(1, io.StringIO()))
+    for workload in W.WORKLOADS:
+        reason = runner.skip_reason(tq, workload)
+        assert (reason is None) is (workload in W.EXPERIENCE_WORKLOADS), workload
+    assert runner._measures_anything("transferqueue")
+    # Without an experience workload its actors (and TransferQueue) are never started.
+    no_exp = Runner(parse_config([*TINY, "--workloads", "big,sync"]), Progress(1, io.StringIO()))
+    assert not no_exp._measures_anything("transferqueue")
+    assert not no_exp.uses_transferqueue({})
+    # Missing package: unavailable with a reason that says how to install it; never an error.
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transfer_queue" else real(name, *a))
+    reason = transferqueue_unavailable_reason()
+    assert reason is not None and "pip install" in reason
+    unavailable = runner.availability()
+    assert unavailable["transferqueue"] == reason
+    assert not runner.uses_transferqueue(unavailable)
+
+
+@pytest.mark.parametrize("workload", W.EXPERIENCE_WORKLOADS)
+def test_transferqueue_batch_round_trip(workload: str) -> None:
+    """What kv_batch_put is given and what comes back from kv_batch_get (per-sample
+    vectors as a jagged nested tensor, scalars dense) map back to the sent list."""
+    import torch
+
+    pytest.importorskip("tensordict")
+    from tensordict import TensorDict
+
+    from microbenchmarks._bench_actors import tq_batch, tq_unbatch
+
+    spec = W.make_spec(workload, W.Sizes(exp_samples=5, exp_tokens=7))
+    tensors, _ = W.build_tensors(spec, seed=2)
+    batch = tq_batch(spec, tensors)
+    assert batch.batch_size == torch.Size([5])
+    assert batch["input_ids"].shape == (5, 7) and batch["rewards"].shape == (5,)
+    returned = TensorDict({
+        name: (torch.nested.as_nested_tensor(list(batch[name].unbind(0)), layout=torch.jagged)
+               if seq else batch[name].clone())
+        for name, _dt, seq in W.EXPERIENCE_FIELDS}, batch_size=[5])
+    assert W.checksum(tq_unbatch(spec, returned)) == W.checksum(tensors)
 
 
 def test_checksum_covers_every_byte_and_order() -> None:
@@ -138,3 +361,16 @@ def test_speedup_is_ray_time_over_our_time() -> None:
     assert ratios["speedup"]["nixl_pool"]["vs_ray_pool"] == pytest.approx(4.0)
     text = R.format_workload("big", "x", summary["big"], {}, {}, VARIANT_NAMES, False, "get")
     assert "x2.00 vs best Ray" in text
+
+
+def test_other_variant_is_never_best_ray() -> None:
+    samples = [_sample("objstore_zc", "experience", e2e_s=0.2),
+               _sample("transferqueue", "experience", e2e_s=0.05),
+               _sample("nixl_pool", "experience", e2e_s=0.1)]
+    summary = R.summarize(samples, {"experience": 10**8}, RAY_VARIANTS, OUR_VARIANTS,
+                          ["experience"], other_variants=OTHER_VARIANTS)
+    ratios = summary["experience"]["ratios"]
+    assert ratios["best_ray"] == "objstore_zc"
+    assert ratios["speedup"]["nixl_pool"]["vs_transferqueue"] == pytest.approx(0.5)
+    text = R.format_ratios(ratios, {})
+    assert "x0.50 vs transferqueue" in text
