@@ -185,7 +185,8 @@ class Receiver:
     def _drain_locked(self) -> None:
         while self._unmaps:
             host, slot, addr, length, nbytes = self._unmaps.popleft()
-            unmap(addr, length)  # first: no copy-on-write page outlives the lease
+            if length:  # 0: a copy through the shared view, nothing of ours to unmap
+                unmap(addr, length)  # first: no copy-on-write page outlives the lease
             self._unlease_locked(host, slot, nbytes)
         while self._arena_dead:
             device, key = self._arena_dead.popleft()
@@ -504,10 +505,7 @@ class Receiver:
         return host
 
     def _unlease_locked(self, host: MappedPool, slot: int, nbytes: int) -> None:
-        if host.counts is not None:  # closed (sender gone, or our shutdown): nothing to tell
-            host.unlease(slot)
-        else:
-            host.held -= 1
+        host.release_one(slot)
         self.mapped_bytes -= nbytes
 
     def _close_dead_hosts(self) -> None:
@@ -552,8 +550,13 @@ class Receiver:
             self._drain_locked()
             host.lease(slot)
             self.mapped_bytes += meta.total
+        copy_out = bool(targets) or f.selected is not None or self.config.same_node == "copy"
         try:
-            addr, length = host.map(spans, meta.total)
+            if copy_out and len(spans) == 1:
+                # A copy never writes the pool: read it through the shared read-only view.
+                addr, length = host.shared_view() + spans[0][1], 0
+            else:
+                addr, length = host.map(spans, meta.total)
         except OSError as e:
             with self.lock:
                 self._unlease_locked(host, slot, meta.total)

@@ -149,8 +149,9 @@ def test_other_nodes_overflow_and_off_use_nixl(world: World) -> None:
     assert (near2.stats().mapped_gets, near2.stats().reads_posted) == (0, 1)
 
 
-def test_a_fragmented_object_is_mapped_contiguously(world: World) -> None:
-    s, r = make(world, pool_bytes=16 * PAGE), make(world)
+@pytest.mark.parametrize("mode", ["map", "copy"])
+def test_a_fragmented_object_is_mapped_contiguously(world: World, mode: str) -> None:
+    s, r = make(world, pool_bytes=16 * PAGE), make(world, same_node=mode)
     # Fill the pool with four-page objects, free every other one: two free holes.
     keep = []
     for i in range(4):
@@ -189,3 +190,23 @@ def test_host_entries_are_validated() -> None:
                                                       4, 2).encode()):
         with pytest.raises(WireFormatError):
             HostInfo.decode(bad)
+
+
+def test_the_shared_view_outlives_a_close_until_the_last_copy_lease(world: World) -> None:
+    """Copies read through one read-only view of the pool; a handle closed (sender gone)
+    while a copy holds a lease keeps that view mapped until the lease ends."""
+    s, r = make(world), make(world, same_node="copy")
+    src = [torch.arange(5000, dtype=torch.int64)]
+    assert torch.equal(get(s, r, "a", src)[0], src[0])
+    host = r.receiver.hosts[s.agent_name]
+    assert host is not None
+    base = host.shared_view()
+    import ctypes
+
+    off = s.sender.sent["a"].blocks[0][0]
+    host.lease(0)
+    host.close()
+    assert ctypes.string_at(base + off, 16) == src[0][:2].numpy().tobytes()  # still mapped
+    host.release_one(0)
+    assert host.shared_view is not None and host.held == 0
+    assert host._shared == 0  # unmapped with the last lease
