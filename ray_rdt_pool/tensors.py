@@ -543,8 +543,11 @@ def pack_into(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[i
     byte is in place and re-raises a helper's failure. Otherwise the calling thread
     copies everything, as below.
     """
-    if threads > 1 and (sum(d.nbytes) if which is None
-                        else sum([d.nbytes[i] for i in which])) >= threshold:
+    # The blocks' total bounds the bytes to copy from above and costs next to nothing, so
+    # small objects pay no per-tensor sum for the threshold test.
+    if threads > 1 and (
+            blocks[0][1] if len(blocks) == 1 else sum([n for _, n in blocks])) >= threshold and (
+            sum(d.nbytes) if which is None else sum([d.nbytes[i] for i in which])) >= threshold:
         _pack_threaded(tensors, d, offsets, blocks, region,
                        range(len(d.nbytes)) if which is None else which, threads)
         return
