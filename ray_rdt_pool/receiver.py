@@ -231,18 +231,10 @@ class Receiver:
             # one copy, so read into the arena and copy out.
             f.copy_into = list(targets)
         arena = self._arena(device)
-        key = next(self._keys)
-        with self.lock:
-            self._drain_locked()
-            try:
-                (block,) = arena.alloc.allocate(key, total, max_blocks=1)
-            except PoolExhaustedError:
-                block = None
         dev_id = int(arena.mem.device_id)
-        if block is not None:
-            arena.populate(block[0] + block[1])
-            landing = Landing("arena", arena.addr + block[0], device, dev_id, arena, key,
-                              block[0])
+        found = self._arena_block(arena, device, total)
+        if found is not None:
+            landing = found
         else:
             import torch
 
@@ -621,19 +613,24 @@ class Receiver:
             block = landing.temp
         return rebuild(block, meta.runs, meta.run_starts())
 
-    def _local_landing(self, size: int) -> Landing:
-        """A host block for a copy out of a mapping: the arena, else a plain buffer."""
-        arena = self._arena("cpu")
+    def _arena_block(self, arena: Region, device: str, size: int) -> Landing | None:
+        """One contiguous block of ``arena`` as a landing, or None when it is full."""
         key = next(self._keys)
         with self.lock:
             self._drain_locked()
             try:
                 (block,) = arena.alloc.allocate(key, size, max_blocks=1)
             except PoolExhaustedError:
-                block = None
-        if block is not None:
-            arena.populate(block[0] + block[1])
-            return Landing("arena", arena.addr + block[0], "cpu", 0, arena, key, block[0])
+                return None
+        arena.populate(block[0] + block[1])
+        return Landing("arena", arena.addr + block[0], device, int(arena.mem.device_id),
+                       arena, key, block[0])
+
+    def _local_landing(self, size: int) -> Landing:
+        """A host block for a copy out of a mapping: the arena, else a plain buffer."""
+        found = self._arena_block(self._arena("cpu"), "cpu", size)
+        if found is not None:
+            return found
         import torch
 
         self.events.add("receive_fallbacks")

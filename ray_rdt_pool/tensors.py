@@ -18,7 +18,7 @@ import operator
 import os
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -484,25 +484,7 @@ def _pack_threaded(tensors: Sequence[torch.Tensor], d: Described, offsets: Seque
 
     moves: list[_Move] = []
     leftovers: list[int] = []
-    span_src = span_dst = span_len = 0
-    # The span rule of pack_into's one-thread loop; tests/test_pack.py checks both
-    # paths leave identical pools.
-    for i in idx:
-        n = nbytes[i]
-        if n == 0:
-            continue
-        if not plain[i]:
-            leftovers.append(i)
-            continue
-        src = ptrs[i]
-        dst = offsets[i]
-        if span_len and src == span_src + span_len and dst == span_dst + span_len:
-            span_len += n
-            continue
-        if span_len:
-            moves.extend(physical(span_dst, span_src, span_len))
-        span_src, span_dst, span_len = src, dst, n
-    if span_len:
+    for span_dst, span_src, span_len in _spans(idx, nbytes, ptrs, plain, offsets, leftovers):
         moves.extend(physical(span_dst, span_src, span_len))
 
     job = _PackJob(_pack_units(moves, _PACK_CHUNK))
@@ -523,6 +505,33 @@ def _pack_threaded(tensors: Sequence[torch.Tensor], d: Described, offsets: Seque
         job.close()
     if job.error is not None:
         raise job.error
+
+
+def _spans(idx: Iterable[int], nbytes: Sequence[int], ptrs: Sequence[int],
+           plain: Sequence[bool], offsets: Sequence[int], leftovers: list[int]
+           ) -> Iterator[tuple[int, int, int]]:
+    """The copies of a pack as ``(packed offset, source address, length)`` spans: runs of
+    tensors adjacent both in memory and in the packed space make one span. Tensors whose
+    bytes cannot be copied as they lie go to ``leftovers``; empty ones are skipped.
+    One rule for the one-thread and the threaded pack (tests/test_pack.py compares)."""
+    span_src = span_dst = span_len = 0
+    for i in idx:
+        n = nbytes[i]
+        if n == 0:
+            continue
+        if not plain[i]:
+            leftovers.append(i)
+            continue
+        src = ptrs[i]
+        dst = offsets[i]
+        if span_len and src == span_src + span_len and dst == span_dst + span_len:
+            span_len += n
+            continue
+        if span_len:
+            yield span_dst, span_src, span_len
+        span_src, span_dst, span_len = src, dst, n
+    if span_len:
+        yield span_dst, span_src, span_len
 
 
 def pack_into(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[int],
@@ -555,7 +564,6 @@ def pack_into(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[i
     bmap = None if len(blocks) == 1 else BlockMap(blocks)
     b0 = blocks[0][0] if blocks else 0
     nbytes, ptrs, plain = d.nbytes, d.ptrs, d.plain
-    span_src = span_dst = span_len = 0
     leftovers: list[int] = []
 
     def move(dst: int, src: int, n: int) -> None:
@@ -566,22 +574,8 @@ def pack_into(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[i
             _memmove(base + phys, src, m)
             src += m
 
-    for i in range(len(nbytes)) if which is None else which:
-        n = nbytes[i]
-        if n == 0:
-            continue
-        if not plain[i]:
-            leftovers.append(i)
-            continue
-        src = ptrs[i]
-        dst = offsets[i]
-        if span_len and src == span_src + span_len and dst == span_dst + span_len:
-            span_len += n
-            continue
-        if span_len:
-            move(span_dst, span_src, span_len)
-        span_src, span_dst, span_len = src, dst, n
-    if span_len:
+    for span_dst, span_src, span_len in _spans(range(len(nbytes)) if which is None else which,
+                                               nbytes, ptrs, plain, offsets, leftovers):
         move(span_dst, span_src, span_len)
 
     for i in leftovers:
