@@ -5,10 +5,20 @@ Measures, each on its own:
 * ``memcpy``: one thread, ``torch`` ``copy_`` of 256 MiB into a pre-faulted buffer (the
   copy a pool pays on the sender), and into a fresh ``torch.empty`` (what a receiver
   pays when it allocates a new buffer per transfer: 4 KiB page faults included).
+* ``memcpy_threads``: ``ctypes.memmove`` (it releases the GIL, as the pack copy does) of
+  256, 64 and 4 MiB by one thread against the same bytes split in two halves over two
+  threads, into an anonymous mapping whose pages are already faulted (the sender's pool
+  in steady state) and into a fresh one (page faults included). The two variants run
+  alternately, rep by rep, so load from other processes hits both alike.
 * ``nixl_read``: raw NIXL READ between two processes with buffers registered once and
   descriptors built once; only ``initialize_xfer`` + ``transfer`` + ``check_xfer_state``
   polling + ``release_xfer_handle`` is timed. With NIXL's progress thread off (the
   initiator drives progress) and on (what Ray's agent uses). Also a 4 KiB READ latency.
+* ``nixl_lanes``: the same READ by one agent against two agents of the initiator process
+  (each its own UCX context) reading one half each from two threads, raw (``two agents``)
+  and through ``ray_rdt_pool._nixl.NixlBackend(lanes=2)`` (``read lanes``: the split,
+  the lane thread and the composite handle included). The variants alternate rep by rep,
+  so load from other processes hits them alike.
 * ``serializer``: Ray's own per-tensor serialization cost for 10,000 small tensors, in a
   Ray actor: ``ray.put`` without RDT, the RDT placeholder path alone
   (``serialize_rdt_objects``), ``ray.put(_tensor_transport="nixl")`` in full, and the
@@ -73,6 +83,89 @@ def measure_memcpy(nbytes: int, reps: int) -> dict[str, Any]:
         torch.set_num_threads(threads)
     return {"bytes": nbytes, "prefaulted_gbps": _median_best(warm, True),
             "fresh_empty_gbps": _median_best(fresh, True)}
+
+
+def _split_copy(pool: Any, dst: int, src: int, n: int, threads: int) -> None:
+    """One memmove of ``n`` bytes cut into ``threads`` 64-byte-aligned parts.
+
+    The calling thread copies the first part and ``pool``'s workers the others, the way
+    a parallel pack does, so the figure includes waking them and waiting for them.
+    """
+    import ctypes
+
+    step = (-(-n // threads) + 63) // 64 * 64  # ceil(n / threads), 64-byte aligned
+    futures = [pool.submit(ctypes.memmove, dst + o, src + o, min(step, n - o))
+               for o in range(step, n, step)]
+    ctypes.memmove(dst, src, min(step, n))
+    for f in futures:
+        f.result()
+
+
+def measure_memcpy_threads(sizes: list[int], reps: int, threads: int = 2) -> dict[str, Any]:
+    """GB/s of one memmove on 1 thread against the same copy split over ``threads``.
+
+    Per size: into an anonymous mapping faulted beforehand (``prefaulted``) and into a
+    fresh mapping per rep (``fresh``: the first touch of every 4 KiB page is timed too).
+    The source is always faulted. Reps alternate which variant runs first.
+    ``*_ratio``: median GB/s with ``threads`` over median GB/s with one.
+    """
+    import ctypes
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    out: dict[str, Any] = {"threads": threads, "sizes": {}}
+    biggest = max(sizes)
+    src = torch.randint(0, 256, (biggest,), dtype=torch.uint8)
+    src_addr = src.data_ptr()
+    warm_map = mmap.mmap(-1, biggest, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    warm_buf = (ctypes.c_char * biggest).from_buffer(warm_map)
+    warm_addr = ctypes.addressof(warm_buf)
+    ctypes.memset(warm_addr, 1, biggest)  # fault every destination page
+    with ThreadPoolExecutor(max_workers=threads - 1) as pool:
+        _split_copy(pool, warm_addr, src_addr, biggest, threads)  # start the workers
+        for n in sizes:
+            # Small copies are fast: more reps keep the median meaningful.
+            n_reps = reps if n >= 16 * _MIB else reps * 10
+            samples: dict[str, list[float]] = {
+                f"{where}_{k}t": [] for where in ("prefaulted", "fresh") for k in (1, threads)}
+            # Pre-faulted reps first, all together: fresh mappings in between would evict
+            # the caches a 4 MiB copy otherwise stays in.
+            for rep in range(n_reps):
+                for k in ((1, threads) if rep % 2 == 0 else (threads, 1)):
+                    t = time.perf_counter()
+                    if k == 1:
+                        ctypes.memmove(warm_addr, src_addr, n)
+                    else:
+                        _split_copy(pool, warm_addr, src_addr, n, k)
+                    samples[f"prefaulted_{k}t"].append(n / (time.perf_counter() - t) / 1e9)
+            for rep in range(n_reps):
+                for k in ((1, threads) if rep % 2 == 0 else (threads, 1)):
+                    fresh = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                    buf = (ctypes.c_char * n).from_buffer(fresh)
+                    addr = ctypes.addressof(buf)
+                    t = time.perf_counter()
+                    if k == 1:
+                        ctypes.memmove(addr, src_addr, n)
+                    else:
+                        _split_copy(pool, addr, src_addr, n, k)
+                    samples[f"fresh_{k}t"].append(n / (time.perf_counter() - t) / 1e9)
+                    # Both ends: the first part is the caller's, the last a worker's.
+                    ok = all(ctypes.string_at(addr + o, 64) == ctypes.string_at(src_addr + o, 64)
+                             for o in (0, n - 64))
+                    del buf
+                    fresh.close()
+                    if not ok:
+                        raise AssertionError("threaded memcpy floor copied wrong bytes")
+            row: dict[str, Any] = {k: _median_best(v, True) for k, v in samples.items()}
+            for where in ("prefaulted", "fresh"):
+                row[f"{where}_ratio"] = (row[f"{where}_{threads}t"]["median"]
+                                         / row[f"{where}_1t"]["median"])
+            out["sizes"][n] = row
+    del warm_buf
+    warm_map.close()
+    return out
 
 
 # --------------------------------------------------------------------------- NIXL READ
@@ -156,6 +249,98 @@ def measure_nixl_read(nbytes: int, reps: int, prog_thread: bool,
         "small_read_us": _median_best([t * 1e6 for t in small]),
         "checksum_ok": ok,
     }
+
+
+def _read_halves(pool: Any, agents: list[Any], halves: list[tuple[Any, Any]],
+                 peers: list[str]) -> None:
+    """One READ cut in two: half 1 on ``pool``'s thread (agent 1), half 0 here (agent 0)."""
+    fut = pool.submit(_timed_reads, agents[1], *halves[1], peers[1], 1)
+    _timed_reads(agents[0], *halves[0], peers[0], 1)
+    fut.result()
+
+
+def measure_nixl_lanes(nbytes: int, reps: int) -> dict[str, Any]:
+    """GB/s of a READ of ``nbytes`` by one agent vs two agents (halves, two threads).
+
+    One target process (progress thread off, as the transport runs it); in this process
+    two raw agents that both register the destination and load the target, and a
+    ``NixlBackend`` with two lanes over its own destination. ``*_ratio``: median GB/s
+    over the one-agent median. Every variant's bytes are checked after the last rep.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from microbenchmarks._bench_workloads import checksum
+    from ray_rdt_pool._nixl import NixlBackend
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_read_target, args=(child, nbytes, False), daemon=True)
+    proc.start()
+    backend: NixlBackend | None = None
+    try:
+        agents = [_make_agent(f"floor-lane{k}-{os.getpid()}", False) for k in range(2)]
+        dst = torch.zeros(nbytes // 4, dtype=torch.int32)  # zero_ pre-faults
+        for a in agents:
+            a.register_memory(dst)
+        backend = NixlBackend(f"floor-lanes-{os.getpid()}", 0.005, lanes=2,
+                              split_bytes=1 << 20)
+        dst2 = torch.zeros(nbytes // 4, dtype=torch.int32)
+        backend.register(dst2.data_ptr(), nbytes, "DRAM", 0, lanes=True)
+        if not parent.poll(60):
+            raise TimeoutError("NIXL target process did not start within 60 s")
+        meta, addr, n, expected = parent.recv()
+        peers = [a.add_remote_agent(meta) for a in agents]
+        peer2 = backend.load_remote(meta)
+        full = (agents[0].get_xfer_descs([(dst.data_ptr(), n, 0)], "DRAM"),
+                agents[0].get_xfer_descs([(addr, n, 0)], "DRAM"))
+        h = n // 2
+        halves = [(a.get_xfer_descs([(dst.data_ptr() + k * h, h, 0)], "DRAM"),
+                   a.get_xfer_descs([(addr + k * h, h, 0)], "DRAM"))
+                  for k, a in enumerate(agents)]
+
+        def lanes_read() -> None:
+            assert backend is not None
+            x = backend.start_read([(dst2.data_ptr(), n, 0)], [(addr, n, 0)], peer2, "DRAM",
+                                   "DRAM", split=True)
+            while (s := backend.state(x)) == "PROC":
+                pass
+            backend.release(x)
+            if s != "DONE":
+                raise RuntimeError(f"split READ ended {s}")
+
+        samples: dict[str, list[float]] = {"one_agent": [], "two_agents": [],
+                                           "read_lanes": []}
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            runs: dict[str, Callable[[], Any]] = {
+                "one_agent": lambda: _timed_reads(agents[0], *full, peers[0], 1),
+                "two_agents": lambda: _read_halves(pool, agents, halves, peers),
+                "read_lanes": lanes_read,
+            }
+            for fn in runs.values():  # connect every agent, start the threads
+                fn()
+            order = list(runs)
+            for rep in range(reps):
+                for key in order[rep % 3:] + order[:rep % 3]:
+                    t = time.perf_counter()
+                    runs[key]()
+                    samples[key].append(nbytes / (time.perf_counter() - t) / 1e9)
+        ok = checksum([dst]) == expected and checksum([dst2]) == expected
+        parent.send("stop")
+    finally:
+        if backend is not None:
+            backend.close()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    out: dict[str, Any] = {"bytes": nbytes, "checksum_ok": ok}
+    for key, values in samples.items():
+        out[f"{key}_gbps"] = _median_best(values, True)
+    for key in ("two_agents", "read_lanes"):
+        out[f"{key}_ratio"] = (out[f"{key}_gbps"]["median"]
+                               / out["one_agent_gbps"]["median"])
+    return out
 
 
 # --------------------------------------------------------------------------- UCX probe
@@ -388,6 +573,15 @@ def format_report(res: dict[str, Any]) -> str:
                           ("fresh_empty_gbps", "into a fresh torch.empty")):
             rows.append((f"memcpy {mib} MiB, 1 thread, {what}",
                          f"{m[key]['median']:6.2f} GB/s  (best {m[key]['best']:.2f})"))
+    if "memcpy_threads" in res:
+        mt = res["memcpy_threads"]
+        k = mt["threads"]
+        for n, row in mt["sizes"].items():
+            for where, what in (("prefaulted", "pre-faulted"), ("fresh", "fresh")):
+                one, many = row[f"{where}_1t"], row[f"{where}_{k}t"]
+                rows.append((f"memcpy x{k} threads {int(n) // _MIB} MiB, {what} (memmove)",
+                             f"{many['median']:6.2f} GB/s vs 1 thread {one['median']:6.2f}"
+                             f"  = {row[f'{where}_ratio']:.2f}x"))
     for key in ("nixl_read_prog_off", "nixl_read_prog_on"):
         if key in res:
             r = res[key]
@@ -397,6 +591,15 @@ def format_report(res: dict[str, Any]) -> str:
                          f"{r['gbps']['median']:6.2f} GB/s  (best {r['gbps']['best']:.2f}){ok}"))
             rows.append((f"NIXL READ {r['small_bytes'] // 1024} KiB latency, {mode}",
                          f"{r['small_read_us']['median']:6.1f} us"))
+    if "nixl_lanes" in res:
+        r = res["nixl_lanes"]
+        ok = "" if r["checksum_ok"] else "  CHECKSUM MISMATCH"
+        one = r["one_agent_gbps"]["median"]
+        for key, what in (("two_agents", "two agents, halves on 2 threads"),
+                          ("read_lanes", "NixlBackend read lanes=2")):
+            rows.append((f"NIXL READ {r['bytes'] // _MIB} MiB, two lanes: {what}",
+                         f"{r[f'{key}_gbps']['median']:6.2f} GB/s vs 1 agent {one:6.2f}"
+                         f"  = {r[f'{key}_ratio']:.2f}x{ok}"))
     if "serializer" in res:
         s = res["serializer"]
         rows.append((f"Ray serializer, {s['count']:,} x {s['floats_per_tensor'] * 4} B "
@@ -442,9 +645,12 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"env": _env(), "config": vars(args)}
     if "memcpy" not in skip:
         res["memcpy"] = measure_memcpy(nbytes, args.reps)
+        res["memcpy_threads"] = measure_memcpy_threads(
+            sorted({nbytes, 64 * _MIB, 4 * _MIB}, reverse=True), args.reps)
     if "nixl" not in skip:
         res["nixl_read_prog_off"] = measure_nixl_read(nbytes, args.reps, prog_thread=False)
         res["nixl_read_prog_on"] = measure_nixl_read(nbytes, args.reps, prog_thread=True)
+        res["nixl_lanes"] = measure_nixl_lanes(nbytes, args.reps)
     if "serializer" not in skip:
         res["serializer"] = measure_serializer(args.small_count, args.small_floats,
                                                max(3, args.reps // 2))

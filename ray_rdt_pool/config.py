@@ -34,6 +34,10 @@ _SAME_NODE = ("map", "copy", "off")
 #: Most threads a pack copy uses when ``pack_threads`` is 0 (automatic).
 MAX_AUTO_PACK_THREADS = 4
 
+#: Most read lanes (NIXL agents) ``read_lanes`` may ask for; 0 picks min(cores, this).
+MAX_AUTO_READ_LANES = 2
+MAX_READ_LANES = 16
+
 
 @dataclass(frozen=True)
 class PoolConfig:
@@ -68,6 +72,11 @@ class PoolConfig:
         pack_threads: Threads that copy one large object into the pool; 0 picks the
             number of cores, at most :data:`MAX_AUTO_PACK_THREADS`.
         pack_threshold_bytes: Objects smaller than this are packed by one thread.
+        read_lanes: NIXL agents a receiver reads with; a READ into the receive arena of
+            at least ``read_split_bytes`` is cut into one part per lane, posted
+            concurrently (with UCX over cma each agent copies on its own thread). 0
+            picks min(cores, :data:`MAX_AUTO_READ_LANES`); 1 disables splitting.
+        read_split_bytes: The smallest READ that is split over the read lanes.
     """
 
     pool_bytes: int = DEFAULT_POOL_BYTES
@@ -82,7 +91,9 @@ class PoolConfig:
     registration_cache_bytes: int = DEFAULT_REGISTRATION_CACHE_BYTES
     same_node: str = "map"
     pack_threads: int = 0
-    pack_threshold_bytes: int = 16 << 20
+    pack_threshold_bytes: int = 32 << 20
+    read_lanes: int = 0
+    read_split_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
         for name in ("pool_bytes", "arena_bytes", "registration_cache_bytes"):
@@ -113,6 +124,18 @@ class PoolConfig:
                 f"pack_threshold_bytes must be a non-negative number of bytes, got "
                 f"{self.pack_threshold_bytes!r}"
             )
+        if isinstance(self.read_lanes, bool) or not isinstance(self.read_lanes, int) or (
+                not 0 <= self.read_lanes <= MAX_READ_LANES):
+            raise ConfigurationError(
+                f"read_lanes must be an int in [0, {MAX_READ_LANES}] (0: automatic, 1: no "
+                f"split READs), got {self.read_lanes!r}; pass e.g. read_lanes=2"
+            )
+        if isinstance(self.read_split_bytes, bool) or not isinstance(
+                self.read_split_bytes, int) or self.read_split_bytes <= 0:
+            raise ConfigurationError(
+                f"read_split_bytes must be a positive number of bytes, got "
+                f"{self.read_split_bytes!r}; pass e.g. read_split_bytes=8 << 20 (8 MiB)"
+            )
         if not (0 < self.progress_interval_s <= 1.0):
             raise ConfigurationError(
                 f"progress_interval_s must be in (0, 1] seconds, got {self.progress_interval_s!r}"
@@ -138,6 +161,13 @@ class PoolConfig:
         if self.pack_threads:
             return self.pack_threads
         return max(1, min(os.cpu_count() or 1, MAX_AUTO_PACK_THREADS))
+
+    @property
+    def read_lane_count(self) -> int:
+        """NIXL agents a receiver uses: ``read_lanes``, or the cores (capped) when 0."""
+        if self.read_lanes:
+            return self.read_lanes
+        return max(1, min(os.cpu_count() or 1, MAX_AUTO_READ_LANES))
 
     def with_overrides(self, **overrides: Any) -> PoolConfig:
         """Return a copy with ``overrides`` applied; unknown names raise ConfigurationError."""
@@ -171,6 +201,11 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "RAY_RDT_POOL_PACK_THREADS": ("pack_threads", "threads per large pack copy (0: automatic)"),
     "RAY_RDT_POOL_PACK_THRESHOLD": (
         "pack_threshold_bytes", "objects below this size pack on one thread (K, M, G allowed)"),
+    "RAY_RDT_POOL_READ_LANES": (
+        "read_lanes", "NIXL agents a receiver reads with (0: automatic, 1: no split READs)"),
+    "RAY_RDT_POOL_READ_SPLIT": (
+        "read_split_bytes", "READs of at least this size are split over the read lanes "
+        "(K, M, G allowed)"),
 }
 
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

@@ -162,6 +162,8 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("mapped_gets", "Gets served from a same-node sender's shared pool (no NIXL READ).",
      "mapped_gets"),
     ("reads_posted", "NIXL READs posted by this process.", "reads_posted"),
+    ("split_reads", "READs split over several read lanes (NIXL agents) that copy in parallel.",
+     "split_reads"),
 )
 
 #: Histograms: (name without prefix, description), all with :data:`LATENCY_BUCKETS_S`.

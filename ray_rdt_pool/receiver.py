@@ -199,7 +199,8 @@ class Receiver:
             arena = self.arenas.get(device)
         if arena is None:
             arena = self.registry.new_region(self.config.arena_capacity, device,
-                                             f"{device} receive arena", self.config.prefault)
+                                             f"{device} receive arena", self.config.prefault,
+                                             lanes=True)
             with self.lock:
                 if device in self.arenas:  # another thread won the race
                     extra, arena = arena, self.arenas[device]
@@ -691,7 +692,8 @@ class Receiver:
                 f.ndescs = len(local)
                 handle = self._backend().start_read(local, remote, meta.agent,
                                                     MEM_TYPE[landing.device],
-                                                    MEM_TYPE[meta.device])
+                                                    MEM_TYPE[meta.device],
+                                                    split=landing.kind == "arena")
             except BaseException:
                 # Nothing was posted: the landing and the lease can go back at once.
                 if landing is not None:

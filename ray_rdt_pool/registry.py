@@ -176,8 +176,12 @@ class Registry:
         if deregistered:
             self.reset_version = self.version
 
-    def _register(self, addr: int, nbytes: int, mem: str, dev: int) -> Any:
-        handle = self._backend().register(addr, nbytes, mem, dev)
+    def _register(self, addr: int, nbytes: int, mem: str, dev: int, lanes: bool = False
+                  ) -> Any:
+        # lanes: register with every read lane of the backend (one handle for all).
+        backend = self._backend()
+        handle = (backend.register(addr, nbytes, mem, dev, lanes=True) if lanes
+                  else backend.register(addr, nbytes, mem, dev))
         self._c.add("registrations")
         self._changed(False)
         return handle
@@ -214,11 +218,13 @@ class Registry:
     # -- regions --------------------------------------------------------------------------
 
     def new_region(self, capacity: int, device: str, name: str, prefault: bool,
-                   shared: bool = False) -> Region:
+                   shared: bool = False, lanes: bool = False) -> Region:
         """Create and register a region; the caller owns it until :meth:`drop_region`.
 
         ``shared``: host memory in a memfd that same-node receivers may map (the sender
-        pool); falls back to private memory where a memfd cannot be made."""
+        pool); falls back to private memory where a memfd cannot be made. ``lanes``:
+        register it with every read lane of the backend (the receive arenas, which
+        large READs land in in parallel parts); one registration all the same."""
         mem: Any = None
         if shared and device == "cpu" and self._region_factory is _default_region:
             try:
@@ -233,7 +239,7 @@ class Registry:
         region = Region(mem, name)
         with self._lock:
             region.handle = self._register(region.addr, mem.nbytes, region.mem_type,
-                                           int(mem.device_id))
+                                           int(mem.device_id), lanes=lanes)
             self.regions += 1
         return region
 

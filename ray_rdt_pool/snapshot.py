@@ -85,6 +85,8 @@ class TransportStats:
     mapped_gets: int = 0
     #: NIXL READs posted by this process
     reads_posted: int = 0
+    #: of those, READs split over several read lanes (NIXL agents) and posted concurrently
+    split_reads: int = 0
     #: receiver: objects of same-node senders mapped here whose views are alive (each
     #: holds a lease on its sender's block), and their bytes
     mapped_objects: int = 0

@@ -193,7 +193,7 @@ class Runtime:
     created on first use; until then ``configure()`` may still replace the runtime.
     """
 
-    def __init__(self, config: PoolConfig, backend_factory: Callable[[str, float], Any]
+    def __init__(self, config: PoolConfig, backend_factory: Callable[..., Any]
                  | None = None, directory: Any = None,
                  region_factory: Callable[[int, str, bool], Any] | None = None,
                  node_id: Callable[[], str | None] | None = None) -> None:
@@ -238,7 +238,13 @@ class Runtime:
                                     "(ray_rdt_pool.shutdown()); start a new process to use it")
             if self._backend is None:
                 name = _nixl.new_agent_name()
-                b = self._backend_factory(name, self.config.progress_interval_s)
+                cfg = self.config
+                # Read lanes: extra NIXL agents for concurrent parts of large READs.
+                b = self._backend_factory(
+                    name, cfg.progress_interval_s, lanes=cfg.read_lane_count,
+                    split_bytes=cfg.read_split_bytes,
+                    on_split=lambda: self.events.add("split_reads"),
+                    post_timeout_s=cfg.fetch_timeout_s)
                 add_tick = getattr(b, "add_tick", None)
                 if add_tick is not None:
                     add_tick(self.receiver.reap)
@@ -363,6 +369,7 @@ class Runtime:
             registration_evictions=c["registration_evictions"],
             mapped_gets=c["mapped_gets"],
             reads_posted=c["reads_posted"],
+            split_reads=c["split_reads"],
             mapped_objects=rc["mapped_objects"],
             mapped_bytes=rc["mapped_bytes"],
             leased_objects=l_objs,

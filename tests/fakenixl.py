@@ -13,6 +13,11 @@ discipline. It models what real NIXL may do, not what is convenient:
 * ``release_errors`` makes releasing even an ended handle raise (errors on release).
 * Loading an agent's metadata again *merges* its sections, as NIXL does; only
   ``remove_remote`` drops them, and it ends every READ from that agent with ERR.
+* Read lanes: a backend made with ``lanes=K > 1`` decides to split a READ as the real
+  one does (``split=True`` and at least ``split_bytes``) and then calls ``on_split``,
+  but still moves the bytes as one READ with one handle, so every fault above applies
+  unchanged. A split READ into memory not registered with ``lanes=True`` is a violation
+  (the extra lanes could not write there).
 
 Violations the transport must never commit are collected in ``World.violations``: a
 READ touching memory not registered (locally) or not loaded (remotely), and a late write
@@ -55,8 +60,10 @@ class World:
     #: remote agents removed while READs from them were in flight (a deliberate cut-off)
     cuts: list[str] = field(default_factory=list)
 
-    def factory(self, name: str, interval: float) -> FakeBackend:
-        b = FakeBackend(self, name)
+    def factory(self, name: str, interval: float, lanes: int = 1,
+                split_bytes: int = 8 << 20, on_split: Any = None,
+                **_ignored: Any) -> FakeBackend:
+        b = FakeBackend(self, name, lanes=lanes, split_bytes=split_bytes, on_split=on_split)
         self.agents[name] = b
         return b
 
@@ -81,9 +88,15 @@ class World:
 class FakeBackend:
     """Implements ray_rdt_pool._nixl.Backend by memmove inside one process."""
 
-    def __init__(self, world: World, name: str) -> None:
+    def __init__(self, world: World, name: str, lanes: int = 1, split_bytes: int = 8 << 20,
+                 on_split: Any = None) -> None:
         self.world = world
         self.name = name
+        self.lanes = lanes
+        self.split_bytes = split_bytes
+        self.on_split = on_split
+        self.lane_handles: set[int] = set()  # registrations made with lanes=True
+        self.splits = 0  # READs that the real backend would have split
         self.lock = threading.RLock()
         self._ids = itertools.count(1)
         self.regions: dict[int, tuple[int, int]] = {}
@@ -93,14 +106,17 @@ class FakeBackend:
         self.registrations = 0
         self.ticks: list[Any] = []
 
-    def register(self, addr: int, nbytes: int, mem: str, dev: int) -> Any:
+    def register(self, addr: int, nbytes: int, mem: str, dev: int, lanes: bool = False) -> Any:
         h = next(self._ids)
         self.regions[h] = (addr, nbytes)
+        if lanes:
+            self.lane_handles.add(h)
         self.registrations += 1
         return h
 
     def deregister(self, handle: Any) -> None:
         del self.regions[handle]
+        self.lane_handles.discard(handle)
 
     def add_tick(self, fn: Any) -> None:
         self.ticks.append(fn)
@@ -136,7 +152,7 @@ class FakeBackend:
         return any(a <= addr and addr + n <= a + m for a, m in regions)
 
     def start_read(self, local: Any, remote: Any, remote_name: str, local_mem: str,
-                   remote_mem: str) -> Any:
+                   remote_mem: str, split: bool = False) -> Any:
         if remote_name not in self.loaded:
             raise RuntimeError(f"NIXL_ERR_NOT_FOUND: remote agent {remote_name} not loaded")
         for a, n, _ in local:
@@ -145,6 +161,15 @@ class FakeBackend:
         for a, n, _ in remote:
             if not self._inside(a, n, self.loaded[remote_name]):
                 raise RuntimeError(f"NIXL_ERR_NOT_FOUND: remote desc {a:#x}+{n}")
+        if split and self.lanes > 1 and sum(n for _a, n, _d in local) >= self.split_bytes:
+            laned = [self.regions[h] for h in self.lane_handles]
+            for a, n, _ in local:
+                if not self._inside(a, n, laned):
+                    self.world.violations.append(
+                        f"split READ into {a:#x}+{n}, not registered with every lane")
+            self.splits += 1
+            if self.on_split is not None:
+                self.on_split()
         h = next(self._ids)
         x = self.xfers[h] = _Xfer(list(local), list(remote), remote_name)
         if self.world.mode == "DONE":

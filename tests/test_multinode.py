@@ -52,7 +52,9 @@ def _restore(previous: bytes | None) -> None:
 def cluster() -> Iterator[Any]:
     from ray.cluster_utils import Cluster
 
-    env = {**DEFAULT_ENV, "RAY_RDT_POOL_BYTES": "96M", "RAY_RDT_POOL_ARENA_BYTES": "96M"}
+    # Two read lanes whatever the core count: large READs here are split over two agents.
+    env = {**DEFAULT_ENV, "RAY_RDT_POOL_BYTES": "96M", "RAY_RDT_POOL_ARENA_BYTES": "96M",
+           "RAY_RDT_POOL_READ_LANES": "2"}
     saved = dict(os.environ)
     for k, v in env.items():
         os.environ[k] = v
@@ -104,6 +106,11 @@ class Sender:
     @ray.method(tensor_transport="nixl_pool")
     def make(self, seed: int):
         return object_set(seed)
+
+    def put_big(self, seed: int):
+        t = [torch.randint(-(2**31), 2**31 - 1, (BIG_BYTES // 4,), dtype=torch.int32,
+                           generator=torch.Generator().manual_seed(seed))]
+        return [ray.put(t, _tensor_transport="nixl_pool")], digest(t)
 
     def stats(self):
         return ray_rdt_pool.stats()
@@ -159,6 +166,20 @@ def test_object_set_round_trips_across_nodes_by_ray_get(pair):
 def test_object_set_round_trips_across_nodes_as_a_task_argument(pair):
     s, r = pair
     assert ray.get(r.take.remote(s.make.remote(2))) == digest(object_set(2))
+
+
+def test_a_32_mib_object_is_read_in_two_lanes_byte_exact(pair):
+    s, r = pair
+    before = ray.get(r.stats.remote())
+    for seed in (11, 12):
+        refs, expected = ray.get(s.put_big.remote(seed))
+        assert ray.get(r.get.remote(refs)) == expected
+        del refs
+    st = ray.get(r.stats.remote())
+    # Each READ was cut over the two read lanes (RAY_RDT_POOL_READ_LANES=2), not one agent.
+    assert st.split_reads - before.split_reads == 2
+    assert st.reads_posted - before.reads_posted == 2
+    assert st.transfer_errors == 0 and st.receive_fallbacks == 0
 
 
 def test_memory_comes_back_on_both_nodes(pair):
