@@ -152,8 +152,16 @@ def describe(tensors: Sequence[Any], *, allow_cuda: bool = False) -> Described:
     if any(dt.is_complex for dt in set(dts)):
         plain = [p and not t.is_conj() for p, t in zip(plain, tensors)]
     device = None if not tensors else ("cpu" if tensors[0].is_cpu else "cuda")
-    return Described(list(map(_SHAPE, tensors)), dtypes, nbytes, aligns,
-                     list(map(Tensor.data_ptr, tensors)), plain, device)
+    # ``t.shape`` builds a torch.Size per call (about 1.2 us, more than all the other
+    # attributes together); 0-d and 1-d shapes follow from the size and the dtype.
+    ndims = list(map(Tensor.dim, tensors))
+    if max(ndims, default=0) <= 1:
+        shapes: list[tuple[int, ...]] = [(n // a,) if k else ()
+                                         for n, a, k in zip(nbytes, aligns, ndims)]
+    else:
+        shapes = list(map(_SHAPE, tensors))
+    return Described(shapes, dtypes, nbytes, aligns, list(map(Tensor.data_ptr, tensors)),
+                     plain, device)
 
 
 _IS_CPU = operator.attrgetter("is_cpu")
