@@ -436,6 +436,15 @@ class Runner:
         spec = self.specs[workload]
         return spec.iterations if spec.is_sync else self.cfg.warmup + self.cfg.reps
 
+    def _failed_sample(self, sample: dict[str, Any], exc: Exception, variant: str,
+                       workload: str, rep: int) -> dict[str, Any]:
+        """Record a repetition that raised: the error on the sample, and a run failure."""
+        sample["error"] = f"{type(exc).__name__}: {exc}"
+        sample["traceback"] = traceback.format_exc(limit=8)
+        self._fail(f"variant={variant} workload={workload} rep={rep}: "
+                   f"{sample['error'].splitlines()[0][:300]}")
+        return sample
+
     def _fail(self, text: str) -> None:
         self.failures.append(text)
         self.progress.note("FAIL: " + text)
@@ -504,11 +513,7 @@ class Runner:
             rel = ray.get(pair.sender.wait_released.remote(cfg.release_timeout_s),
                           timeout=cfg.timeout_s + cfg.release_timeout_s)
         except Exception as exc:
-            sample["error"] = f"{type(exc).__name__}: {exc}"
-            sample["traceback"] = traceback.format_exc(limit=8)
-            self._fail(f"variant={v.name} workload={workload} rep={rep}: "
-                       f"{sample['error'].splitlines()[0][:300]}")
-            return sample
+            return self._failed_sample(sample, exc, v.name, workload, rep)
         got = res["r_got"]
         put_s = res["s_put_end"] - res["s_start"] if "s_start" in res else None
         fetch_s = got - res["r_start"] if cfg.fetch == "get" or v.tq else None
@@ -580,11 +585,7 @@ class Runner:
             if res["r_got"] is None:
                 raise BenchError("the stream ended but the receiver loaded no bucket")
         except Exception as exc:
-            sample["error"] = f"{type(exc).__name__}: {exc}"
-            sample["traceback"] = traceback.format_exc(limit=8)
-            self._fail(f"variant={v.name} workload={workload} rep={rep}: "
-                       f"{sample['error'].splitlines()[0][:300]}")
-            return sample
+            return self._failed_sample(sample, exc, v.name, workload, rep)
         got = res["r_got"]
         sample.update(
             e2e_s=got - t0,
