@@ -679,10 +679,20 @@ def _extra_regions(st: dict[str, Any], base: dict[str, Any]) -> int:
 
 
 def _held(st: dict[str, Any], field: str) -> int:
-    """What ``st`` holds of ``field`` beyond what Ray's store keeps for cancelled tasks."""
-    ray_held = {"arena_used": st.get("held_by_ray_bytes", 0),
-                "arena_live_blocks": st.get("held_by_ray_objects", 0)}.get(field, 0)
-    return int(st[field]) - ray_held
+    """What ``st`` holds of ``field`` beyond what Ray's store keeps for cancelled tasks.
+
+    A received object Ray keeps holds an arena block, or, mapped from a same-node
+    sender, a lease: received bytes and objects are counted over both, under the arena
+    fields, and ``mapped_objects`` adds nothing of its own."""
+    if field == "arena_used":
+        return (int(st["arena_used"]) + int(st.get("mapped_bytes", 0))
+                - int(st.get("held_by_ray_bytes", 0)))
+    if field == "arena_live_blocks":
+        return (int(st["arena_live_blocks"]) + int(st.get("mapped_objects", 0))
+                - int(st.get("held_by_ray_objects", 0)))
+    if field == "mapped_objects":
+        return 0
+    return int(st[field])
 
 
 def process_gone(pid: int) -> bool:
