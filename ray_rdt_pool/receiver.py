@@ -162,6 +162,9 @@ class Receiver:
         # Object mappings whose views died: (pool, slot, address, length, bytes); appended
         # by deleters from any thread, unmapped and unleased under the lock.
         self._unmaps: deque[tuple[MappedPool, int, int, int, int]] = deque()
+        # Leases this process holds (object mappings whose views live, copies running),
+        # counted here: a sender's handle is dropped when it exits, its leases are not.
+        self.mapped_objects = 0
         self.mapped_bytes = 0
         self.registry = registry
         self.events = events
@@ -499,6 +502,7 @@ class Receiver:
 
     def _unlease_locked(self, host: MappedPool, slot: int, nbytes: int) -> None:
         host.release_one(slot)
+        self.mapped_objects -= 1
         self.mapped_bytes -= nbytes
 
     def _close_dead_hosts(self) -> None:
@@ -542,6 +546,7 @@ class Receiver:
         with self.lock:
             self._drain_locked()
             host.lease(slot)
+            self.mapped_objects += 1
             self.mapped_bytes += meta.total
         copy_out = bool(targets) or f.selected is not None or self.config.same_node == "copy"
         try:
@@ -880,7 +885,7 @@ class Receiver:
         with self.lock:
             self._drain_locked()
             return {
-                "mapped_objects": sum(h.held for h in self.hosts.values() if h is not None),
+                "mapped_objects": self.mapped_objects,
                 "mapped_bytes": self.mapped_bytes,
                 "abandoned": sum(t.abandoned for t in self.outstanding.values()),
                 "pending_aborts": len(self.pending_aborts),

@@ -210,3 +210,22 @@ def test_the_shared_view_outlives_a_close_until_the_last_copy_lease(world: World
     host.release_one(0)
     assert host.shared_view is not None and host.held == 0
     assert host._shared == 0  # unmapped with the last lease
+
+
+def test_leases_of_a_dropped_sender_handle_still_count_until_the_views_die(world: World
+                                                                          ) -> None:
+    """When a sender exits, the receiver drops its handle (``_close_dead_hosts``); views
+    mapped from it stay valid and stay counted in ``mapped_objects`` until they die."""
+    s, r = make(world), make(world)
+    kept = get(s, r, "a", [torch.arange(3000, dtype=torch.int32)])
+    host = r.receiver.hosts[s.agent_name]
+    assert host is not None
+    r.receiver.hosts[s.agent_name] = None  # what the housekeeping does for a dead sender
+    host.close()
+    st = r.stats()
+    assert (st.mapped_objects, st.mapped_bytes) == (1, 12032)
+    assert int(kept[0][-1]) == 2999  # the mapping outlives the handle
+    del kept
+    settle(r)
+    st = r.stats()
+    assert (st.mapped_objects, st.mapped_bytes) == (0, 0)
