@@ -436,6 +436,17 @@ class Runner:
         spec = self.specs[workload]
         return spec.iterations if spec.is_sync else self.cfg.warmup + self.cfg.reps
 
+    def _check_sum(self, sample: dict[str, Any], variant: str, workload: str, rep: int,
+                   upd: dict[str, Any], res: dict[str, Any], where: str) -> None:
+        """Compare the receiver's checksum with the sender's; record a mismatch."""
+        sample["checksum_ok"] = res["checksum"] == upd["checksum"]
+        if not sample["checksum_ok"]:
+            msg = (f"CHECKSUM MISMATCH variant={variant} workload={workload} rep={rep}: "
+                   f"sender {upd['checksum']:#x}, receiver {res['checksum']:#x} "
+                   f"({res['n_tensors']} tensors {where})")
+            self.mismatches.append(msg)
+            self.progress.note(msg)
+
     def _failed_sample(self, sample: dict[str, Any], exc: Exception, variant: str,
                        workload: str, rep: int) -> dict[str, Any]:
         """Record a repetition that raised: the error on the sample, and a run failure."""
@@ -544,13 +555,7 @@ class Runner:
         )
         if rel.get("stats") is not None:
             sample["sender_stats"] = rel["stats"]
-        sample["checksum_ok"] = res["checksum"] == upd["checksum"]
-        if not sample["checksum_ok"]:
-            msg = (f"CHECKSUM MISMATCH variant={v.name} workload={workload} rep={rep}: "
-                   f"sender {upd['checksum']:#x}, receiver {res['checksum']:#x} "
-                   f"({res['n_tensors']} tensors received)")
-            self.mismatches.append(msg)
-            self.progress.note(msg)
+        self._check_sum(sample, v.name, workload, rep, upd, res, "received")
         if v.rdt and rel["freed_at"] is None:
             self.progress.note(f"warning: {v.name}/{workload} rep {rep}: object not freed "
                                f"within {cfg.release_timeout_s:.0f} s (release n/a)")
@@ -607,13 +612,7 @@ class Runner:
             if key in snd:
                 sample[key] = snd[key]
         sample["ours_get_s"] = res.get("ours_get_s")
-        sample["checksum_ok"] = res["checksum"] == upd["checksum"]
-        if not sample["checksum_ok"]:
-            msg = (f"CHECKSUM MISMATCH variant={v.name} workload={workload} rep={rep}: "
-                   f"sender {upd['checksum']:#x}, receiver {res['checksum']:#x} "
-                   f"({res['n_tensors']} tensors in the receiver's weights)")
-            self.mismatches.append(msg)
-            self.progress.note(msg)
+        self._check_sum(sample, v.name, workload, rep, upd, res, "in the receiver's weights")
         if res["into_targets"] is False:
             self.progress.note(f"warning: {v.name}/{workload} rep {rep}: buckets were not "
                                "fetched into the receiver's weights")
