@@ -1,8 +1,14 @@
-"""GPU benchmark: nixl_pool against Ray's built-in nixl (with and without its pool) on CUDA.
+"""GPU benchmark: nixl_pool against Ray's built-in transports on CUDA.
 
-Two actors share one GPU (num_gpus=0.5 each); with two or more GPUs a second run places
-them on different GPUs. Each variant runs alone (its actors are the only ones alive).
-Every transfer is checked by a checksum computed on both sides.
+Two actors share one GPU (num_gpus=0.5 each). Each variant runs alone (its actors are
+the only ones alive). Every transfer is checked by a checksum computed on both sides.
+
+Variants: ``nixl_pool`` (ours, CUDA pools; on one node the receiver opens the sender's
+pool through CUDA IPC and copies device to device), ``nixl_pool_read`` (ours with
+``same_node="off"``: a NIXL READ), Ray's ``nixl`` without and with its memory pool
+(``nixl``, ``nixl_pool_ray``) and Ray's ``cuda_ipc`` (zero copy: the receiver's tensors
+*are* the sender's, so it is no snapshot; a sender that changes its tensors after the
+put changes what the receiver sees).
 
     python -m microbenchmarks.bench_gpu --json gpu.json            # on a GPU machine
     python -m microbenchmarks.bench_gpu --device cpu --quick       # smoke run anywhere
@@ -23,7 +29,8 @@ import torch
 
 import ray_rdt_pool
 
-VARIANTS = ("nixl_pool", "nixl", "nixl_pool_ray")
+VARIANTS = ("nixl_pool", "nixl_pool_read", "nixl", "nixl_pool_ray", "cuda_ipc")
+OURS = ("nixl_pool", "nixl_pool_read")
 
 
 def workloads(quick: bool) -> dict[str, list[tuple[tuple[int, ...], str]]]:
@@ -59,15 +66,16 @@ def checksum(ts: list[torch.Tensor]) -> float:
 
 
 def make_actors(variant: str, device: str, gpus: float, pool_bytes: int) -> tuple[Any, Any]:
-    transport = "nixl_pool" if variant == "nixl_pool" else "nixl"
+    transport = {"cuda_ipc": "cuda_ipc"}.get(variant, "nixl_pool" if variant in OURS
+                                                else "nixl")
 
     @ray.remote(num_gpus=gpus, enable_tensor_transport=True)
     class Sender:
         def __init__(self) -> None:
             ray_rdt_pool.register()
-            if variant == "nixl_pool":
+            if variant in OURS:
                 ray_rdt_pool.configure(pool_bytes=pool_bytes, arena_bytes=pool_bytes,
-                                       device=device)
+                                       device=device, same_node=_same_node(variant))
             if variant == "nixl_pool_ray":
                 ray.experimental.register_nixl_memory_pool(pool_bytes, torch.device(device))
             self.ts: list[torch.Tensor] = []
@@ -87,9 +95,9 @@ def make_actors(variant: str, device: str, gpus: float, pool_bytes: int) -> tupl
     class Receiver:
         def __init__(self) -> None:
             ray_rdt_pool.register()
-            if variant == "nixl_pool":
+            if variant in OURS:
                 ray_rdt_pool.configure(pool_bytes=pool_bytes, arena_bytes=pool_bytes,
-                                       device=device)
+                                       device=device, same_node=_same_node(variant))
 
         def get(self, refs: list[Any]) -> tuple[float, float]:
             t0 = time.perf_counter()
@@ -99,7 +107,15 @@ def make_actors(variant: str, device: str, gpus: float, pool_bytes: int) -> tupl
             dt = time.perf_counter() - t0
             return dt, checksum(out)
 
+        def counters(self) -> dict[str, int]:
+            s = ray_rdt_pool.stats()
+            return {"mapped_gets": s.mapped_gets, "reads_posted": s.reads_posted}
+
     return Sender.remote(), Receiver.remote()
+
+
+def _same_node(variant: str) -> str:
+    return "off" if variant == "nixl_pool_read" else "map"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -131,6 +147,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results["samples"][f"{variant}/{name}"] = {
                 "e2e_s": e2e, "put_s": puts, "get_s": gets, "median_e2e_s": med}
             print(f"{variant:14s} {name:12s} e2e median {med * 1e3:8.1f} ms", flush=True)
+        if variant in OURS:
+            results.setdefault("counters", {})[variant] = ray.get(r.counters.remote())
+            print(f"{variant:14s} receiver counters {results['counters'][variant]}")
         ray.kill(s)
         ray.kill(r)
         time.sleep(1)
@@ -139,7 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ours = results["samples"].get(f"nixl_pool/{name}")
         if not ours:
             continue
-        for other in ("nixl", "nixl_pool_ray"):
+        for other in ("nixl_pool_read", "nixl", "nixl_pool_ray", "cuda_ipc"):
             theirs = results["samples"].get(f"{other}/{name}")
             if theirs:
                 ratio = theirs["median_e2e_s"] / ours["median_e2e_s"]

@@ -40,7 +40,6 @@ receiver lock. Imports no Ray.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import itertools
 import logging
 import threading
@@ -58,7 +57,14 @@ from ray_rdt_pool.errors import (
 )
 from ray_rdt_pool.merge import merge_descriptors
 from ray_rdt_pool.registry import MEM_TYPE, Directory, RegEntry, Region, Registry
-from ray_rdt_pool.shared import PAGE, HostInfo, MappedPool, mappable_spans, unmap
+from ray_rdt_pool.shared import (
+    PAGE,
+    HostInfo,
+    MappedPool,
+    NotVisibleError,
+    mappable_spans,
+    unmap,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -80,7 +86,6 @@ MAX_HOSTS = 1024
 #: Aborts remembered for fetches that have not started (bounded; see Receiver.abort).
 MAX_PENDING_ABORTS = 1024
 _FINISHED_IDS = 4096
-_memmove = ctypes.memmove
 _HOUSEKEEPING_S = 1.0
 
 
@@ -161,7 +166,7 @@ class Receiver:
         self.hosts: OrderedDict[str, MappedPool | None] = OrderedDict()
         # Object mappings whose views died: (pool, slot, address, length, bytes); appended
         # by deleters from any thread, unmapped and unleased under the lock.
-        self._unmaps: deque[tuple[MappedPool, int, int, int, int]] = deque()
+        self._unmaps: deque[_Unmap] = deque()
         # Leases this process holds (object mappings whose views live, copies running),
         # counted here: a sender's handle is dropped when it exits, its leases are not.
         self.mapped_objects = 0
@@ -480,8 +485,12 @@ class Receiver:
         if blob is not None:
             try:
                 info = HostInfo.decode(blob)
-                if info.node_id == node:
+                if info.node_id == node and not (info.cuda is not None
+                                                 and not _cuda_available()):
                     host = MappedPool(info)
+            except NotVisibleError as e:
+                logger.debug("same-node sender %s: %s; its objects are read with NIXL",
+                             agent, e)
             except (OSError, RdtPoolError) as e:
                 logger.warning("cannot map the pool of same-node sender %s (%s); its objects "
                                "are read with NIXL", agent, e)
@@ -522,10 +531,12 @@ class Receiver:
         the lease drops at once. False when the object cannot be mapped (another node,
         overflow or ``register_memory()`` memory, no access): then NIXL reads it."""
         meta = f.meta
-        if self.config.same_node == "off" or meta.device != "cpu" or device != "cpu":
+        if self.config.same_node == "off" or meta.device != device:
+            return False
+        if targets and any(t.device.type != device for t in targets):
             return False
         host = self._host(meta.agent)
-        if host is None:
+        if host is None or (host.cuda is not None) != (device == "cuda"):
             return False
         if not host.alive():
             # Its memory would still be readable through our descriptors, but Ray holds
@@ -548,9 +559,21 @@ class Receiver:
             host.lease(slot)
             self.mapped_objects += 1
             self.mapped_bytes += meta.total
-        copy_out = bool(targets) or f.selected is not None or self.config.same_node == "copy"
+        # CUDA memory opened through IPC cannot be mapped copy-on-write: views of it would
+        # let one receiver's in-place write change what every later receiver reads, so a
+        # CUDA object is always copied out (one device-to-device copy) and the lease drops
+        # at once.
+        copy_out = (bool(targets) or f.selected is not None or device == "cuda"
+                    or self.config.same_node == "copy")
+        dev_id = 0
         try:
-            if copy_out and len(spans) == 1:
+            if device == "cuda":
+                # CUDA IPC: the sender's pool is opened once; an object is an offset in it.
+                if len(spans) != 1:
+                    raise OSError("a CUDA object spans several blocks")
+                _d, dev_id, addr = host.device_addr(spans[0][1])
+                length = 0
+            elif copy_out and len(spans) == 1:
                 # A copy never writes the pool: read it through the shared read-only view.
                 addr, length = host.shared_view() + spans[0][1], 0
             else:
@@ -561,9 +584,9 @@ class Receiver:
             logger.warning("mapping object %s of same-node sender %s failed (%s); reading "
                            "it with NIXL", f.obj_id, meta.agent, e)
             return False
-        release = (host, slot, addr, length, meta.total)
+        release: _Unmap = (host, slot, addr, length, meta.total)
         try:
-            f.tensors = self._from_mapping(f, addr, release, targets)
+            f.tensors = self._from_mapping(f, addr, release, targets, device, dev_id)
         finally:
             with self.lock:
                 self._drain_locked()
@@ -577,31 +600,34 @@ class Receiver:
             ev.observer.on_fetch(ev.source, meta.total, time.perf_counter() - f.t_start)
         return True
 
-    def _from_mapping(self, f: Fetch, addr: int, release: tuple[MappedPool, int, int, int, int],
-                      targets: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
-        from ray_rdt_pool.tensors import device_block, rebuild, unpack_into
+    def _from_mapping(self, f: Fetch, addr: int, release: _Unmap,
+                      targets: Sequence[torch.Tensor] | None, device: str, dev_id: int
+                      ) -> list[torch.Tensor]:
+        from ray_rdt_pool.tensors import copy_bytes, device_block, rebuild, unpack_into
 
         meta = f.meta
         unmaps = self._unmaps
-        if self.config.same_node == "map" and f.selected is None and not targets:
+        if (self.config.same_node == "map" and device == "cpu" and f.selected is None
+                and not targets):
             # From here the block owns the mapping: its deleter releases it, even if the
             # rebuild below fails.
             block = device_block(addr, meta.total, "cpu", 0, lambda: unmaps.append(release))
             return rebuild(block, meta.runs, meta.run_starts())
-        # One copy out of the mapping; the mapping (and its lease) goes right after.
+        # One copy out of the mapping (finished before returning); the mapping and its
+        # lease go right after.
         sel = f.selected
         landing: Landing | None = None
         try:
             if targets:
-                unpack_into(targets, meta.tensor_offsets(), addr, meta.total, "cpu", 0)
+                unpack_into(targets, meta.tensor_offsets(), addr, meta.total, device, dev_id)
                 return list(targets)
             size = meta.total if sel is None else sel.total
-            landing = self._local_landing(size)
+            landing = self._local_landing(size, device)
             if sel is None:
-                _memmove(landing.addr, addr, meta.total)
+                copy_bytes([(landing.addr, addr, meta.total)], device, dev_id)
             else:
-                for lo, p, n in sel.runs:
-                    _memmove(landing.addr + lo, addr + p, n)
+                copy_bytes([(landing.addr + lo, addr + p, n) for lo, p, n in sel.runs],
+                           device, dev_id)
         except BaseException:
             if landing is not None:
                 self.release_landing(landing)
@@ -614,7 +640,8 @@ class Receiver:
         landing.released = True  # ownership passes to the views
         if landing.kind == "arena":
             dead, key = self._arena_dead, (landing.device, landing.key)
-            block = device_block(landing.addr, size, "cpu", 0, lambda: dead.append(key))
+            block = device_block(landing.addr, size, device, landing.device_id,
+                                 lambda: dead.append(key))
         else:
             block = landing.temp
         return rebuild(block, meta.runs, meta.run_starts())
@@ -632,16 +659,18 @@ class Receiver:
         return Landing("arena", arena.addr + block[0], device, int(arena.mem.device_id),
                        arena, key, block[0])
 
-    def _local_landing(self, size: int) -> Landing:
-        """A host block for a copy out of a mapping: the arena, else a plain buffer."""
-        found = self._arena_block(self._arena("cpu"), "cpu", size)
+    def _local_landing(self, size: int, device: str = "cpu") -> Landing:
+        """A block for a copy out of a mapping: the arena of ``device``, else a plain
+        buffer (no NIXL registration: nothing reads into it remotely)."""
+        arena = self._arena(device)
+        found = self._arena_block(arena, device, size)
         if found is not None:
             return found
         import torch
 
         self.events.add("receive_fallbacks")
-        buf = torch.empty(size, dtype=torch.uint8)
-        return Landing("temp", buf.data_ptr(), "cpu", 0, temp=buf)
+        buf = torch.empty(size, dtype=torch.uint8, device=arena.mem.torch_device)
+        return Landing("temp", buf.data_ptr(), device, int(arena.mem.device_id), temp=buf)
 
     # -- fetch / wait ---------------------------------------------------------------------
 
@@ -906,6 +935,11 @@ class Receiver:
             self.abandon(t)
         for p in peers:
             self._remove_peer(p, cut=True)
+
+
+#: A mapping whose views died: (pool, slot, address, length, bytes); see
+#: ``Receiver._unmaps``.
+_Unmap = tuple[MappedPool, int, int, int, int]
 
 
 def _cuda_available() -> bool:

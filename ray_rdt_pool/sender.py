@@ -150,15 +150,33 @@ class Sender:
 
     def _share(self, pool: Region) -> None:
         """Make a shared pool reachable for same-node receivers: its lease table, and
-        the directory entry they look up (published before any object names the pool)."""
-        from ray_rdt_pool.shared import HostInfo, LeaseTable, SharedHostRegion, process_start
+        the directory entry they look up (published before any object names the pool).
+        A host pool is shared as its memfd; a CUDA pool through CUDA IPC."""
+        from ray_rdt_pool.shared import (
+            HostInfo,
+            LeaseTable,
+            SharedHostRegion,
+            export_cuda_pool,
+            process_start,
+        )
+        from ray_rdt_pool.tensors import CudaRegion
 
         mem = pool.mem
         node = self._node_id()
-        if not isinstance(mem, SharedHostRegion) or node is None or self._directory is None:
+        if node is None or self._directory is None or self.config.same_node == "off":
+            return
+        cuda = None
+        if isinstance(mem, CudaRegion):
+            try:
+                cuda = export_cuda_pool(mem.tensor)
+            except OSError as e:
+                logger.warning("%s; same-node receivers will read this sender's CUDA pool "
+                               "with NIXL", e)
+                return
+        elif not isinstance(mem, SharedHostRegion):
             return
         try:
-            table = LeaseTable(mem.nbytes // mem.align)
+            table = LeaseTable(-(-mem.nbytes // mem.align))
         except OSError as e:
             logger.warning("no lease table for same-node receivers (%s); they will read "
                            "this sender's pool with NIXL", e)
@@ -167,8 +185,12 @@ class Sender:
         if start is None:
             table.close()
             return
-        info = HostInfo(node, os.getpid(), start, mem.fd, mem.ino, pool.addr, mem.nbytes,
-                        table.fd, table.ino, table.rows, table.slots)
+        if cuda is None:
+            fd, ino = mem.fd, mem.ino
+        else:
+            fd, ino = 0, 0  # no descriptor: receivers open the pool with its IPC handle
+        info = HostInfo(node, os.getpid(), start, fd, ino, pool.addr, mem.nbytes,
+                        table.fd, table.ino, table.rows, table.slots, cuda)
         try:
             self._directory.publish_host(self._agent_name(), info.encode())
         except Exception:

@@ -53,13 +53,13 @@ from ray_rdt_pool.tensors import HostRegion
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "HOST_INFO_VERSION", "PAGE", "HostInfo", "LeaseTable", "MappedPool", "SharedHostRegion",
-    "mappable_spans",
+    "HOST_INFO_VERSION", "PAGE", "CudaExport", "HostInfo", "LeaseTable", "MappedPool",
+    "NotVisibleError", "SharedHostRegion", "export_cuda_pool", "mappable_spans",
 ]
 
 PAGE = mmap.PAGESIZE
 #: Version of the directory entry a sender publishes for same-node receivers.
-HOST_INFO_VERSION = 1
+HOST_INFO_VERSION = 2
 #: Receiver processes one sender's lease table holds at once; more fall back to NIXL.
 LEASE_ROWS = 128
 _MAGIC = 0x52445450_4C534531  # "RDTPLSE1"
@@ -101,8 +101,56 @@ def process_start(pid: int) -> int | None:
 
 
 @dataclass(frozen=True)
+class CudaExport:
+    """How a same-node receiver opens a sender's CUDA pool through CUDA IPC.
+
+    The fields are those of torch's IPC export of the pool's storage (``_share_cuda_``):
+    the allocation's IPC handle, the pool's size and offset inside it, torch's shared
+    reference counter (which keeps the sender's allocation alive while a receiver has it
+    open) and the event the opener waits on. ``uuid`` names the physical GPU, since each
+    process numbers only the GPUs it sees.
+    """
+
+    uuid: str
+    handle: bytes
+    size: int
+    offset: int
+    ref_handle: bytes
+    ref_offset: int
+    event_handle: bytes
+    event_sync: bool
+
+    def items(self) -> list[Any]:
+        return [self.uuid, self.handle, self.size, self.offset, self.ref_handle,
+                self.ref_offset, self.event_handle, self.event_sync]
+
+    @staticmethod
+    def parse(items: Any) -> CudaExport:
+        if not isinstance(items, list) or len(items) != 8:
+            raise WireFormatError("same-node CUDA entry must be a list of 8 items")
+        uuid, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = items
+        if not isinstance(uuid, str) or not 0 < len(uuid) <= 128:
+            raise WireFormatError("same-node CUDA entry has no valid GPU uuid")
+        for b in (handle, ref_handle, event_handle):
+            if not isinstance(b, bytes) or len(b) > 1024:
+                raise WireFormatError("same-node CUDA entry handles must be bytes (<= 1 KiB)")
+        if not handle:
+            raise WireFormatError("same-node CUDA entry has an empty IPC handle")
+        for x in (size, offset, ref_offset):
+            if type(x) is not int or not 0 <= x < 1 << 63:
+                raise WireFormatError("same-node CUDA entry sizes must be non-negative ints")
+        if type(event_sync) is not bool:
+            raise WireFormatError("same-node CUDA entry event flag must be a bool")
+        return CudaExport(uuid, handle, size, offset, ref_handle, ref_offset, event_handle,
+                          event_sync)
+
+
+@dataclass(frozen=True)
 class HostInfo:
-    """How a same-node receiver finds a sender's shared pool and lease table."""
+    """How a same-node receiver finds a sender's shared pool and lease table.
+
+    A host pool is a memfd (``pool_fd``/``pool_ino``); a CUDA pool has ``cuda`` instead
+    (its descriptor fields are 0)."""
 
     node_id: str
     pid: int
@@ -115,13 +163,14 @@ class HostInfo:
     table_ino: int
     rows: int
     slots: int
+    cuda: CudaExport | None = None
 
     def encode(self) -> bytes:
         return bytes(msgpack.packb([HOST_INFO_VERSION, self.node_id, self.pid, self.start,
                                     self.pool_fd,
                                     self.pool_ino, self.pool_base, self.pool_bytes,
                                     self.table_fd, self.table_ino, self.rows, self.slots,
-                                    PAGE]))
+                                    PAGE, None if self.cuda is None else self.cuda.items()]))
 
     @staticmethod
     def decode(data: bytes) -> HostInfo:
@@ -130,23 +179,85 @@ class HostInfo:
             items = msgpack.unpackb(data, raw=False, strict_map_key=True)
         except Exception as e:
             raise WireFormatError(f"same-node entry is not valid msgpack: {e}") from e
-        if not isinstance(items, list) or len(items) != 13:
-            raise WireFormatError("same-node entry must be a list of 13 items")
+        if not isinstance(items, list) or not items:
+            raise WireFormatError("same-node entry must be a list of 14 items")
         if items[0] != HOST_INFO_VERSION:
             raise WireFormatError(
                 f"same-node entry version {items[0]!r}, this process reads version "
                 f"{HOST_INFO_VERSION}; run the same ray_rdt_pool version on every process")
+        if len(items) != 14:
+            raise WireFormatError("same-node entry must be a list of 14 items")
         node_id = items[1]
         if not isinstance(node_id, str) or not 0 < len(node_id) <= 256:
             raise WireFormatError("same-node entry has no valid node id")
-        ints = items[2:]
+        ints = items[2:13]
         if not all(type(x) is int and 0 <= x < 1 << 63 for x in ints):
             raise WireFormatError("same-node entry fields must be non-negative ints")
         pid, start, pfd, pino, base, nbytes, tfd, tino, rows, slots, page = ints
         if page != PAGE or nbytes % PAGE or base % PAGE or not 0 < rows <= 254 or (
                 slots * PAGE < nbytes):
             raise WireFormatError("same-node entry describes an impossible pool or table")
-        return HostInfo(node_id, pid, start, pfd, pino, base, nbytes, tfd, tino, rows, slots)
+        cuda = None if items[13] is None else CudaExport.parse(items[13])
+        if cuda is not None and cuda.size < nbytes:
+            raise WireFormatError("same-node CUDA entry: its storage is smaller than the pool")
+        return HostInfo(node_id, pid, start, pfd, pino, base, nbytes, tfd, tino, rows, slots,
+                        cuda)
+
+
+def export_cuda_pool(tensor: Any) -> CudaExport:
+    """The CUDA IPC export of a sender's pool tensor (it must start its storage).
+
+    Raises OSError (the caller falls back to NIXL for same-node receivers) where torch
+    cannot export it, e.g. memory from another allocator."""
+    import torch
+
+    storage = tensor.untyped_storage()
+    try:
+        dev, handle, size, offset, ref_handle, ref_offset, ev, ev_sync = (
+            storage._share_cuda_())
+        uuid = str(torch.cuda.get_device_properties(int(dev)).uuid)
+    except Exception as e:  # torch raises RuntimeError/TypeError of its own kinds
+        raise OSError(f"CUDA IPC export of the pool failed: {e}") from e
+    return CudaExport(uuid, bytes(handle), int(size), int(offset), bytes(ref_handle or b""),
+                      int(ref_offset or 0), bytes(ev or b""), bool(ev_sync))
+
+
+class _CudaMapping:
+    """A receiver's opening of a sender's CUDA pool (one per sender, via torch's IPC
+    cache): the storage and the pool's device address in this process."""
+
+    def __init__(self, cuda: CudaExport, pool_bytes: int) -> None:
+        import torch
+
+        index = _visible_index(cuda.uuid)
+        if index is None:
+            raise NotVisibleError("the sender's GPU is not visible in this process")
+        if index != torch.cuda.current_device():
+            raise NotVisibleError(f"the sender's GPU is cuda:{index}, this process lands "
+                              f"objects on cuda:{torch.cuda.current_device()}")
+        try:
+            self.storage = torch.UntypedStorage._new_shared_cuda(
+                index, cuda.handle, cuda.size, cuda.offset, cuda.ref_handle,
+                cuda.ref_offset, cuda.event_handle, cuda.event_sync)
+        except Exception as e:
+            raise OSError(f"opening the sender's CUDA pool failed: {e}") from e
+        if self.storage.nbytes() < pool_bytes:
+            raise OSError("the sender's CUDA pool is smaller than published")
+        self.index = index
+        self.base = int(self.storage.data_ptr())
+
+
+class NotVisibleError(OSError):
+    """The sender's GPU is not this process's landing GPU: NIXL reads its objects."""
+
+
+def _visible_index(uuid: str) -> int | None:
+    import torch
+
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+            return i
+    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -292,7 +403,8 @@ def mappable_spans(segments: Sequence[tuple[int, int, int]], total: int, info: H
 
 class MappedPool:
     """A receiver's handle on one same-node sender's pool: the pool and lease table
-    descriptors, the table mapping, and the row this process claimed.
+    descriptors, the table mapping, and the row this process claimed. For a CUDA pool,
+    the CUDA IPC opening of the pool instead of its descriptor (``cuda``).
 
     The counts of the row change only under the receiver's lock (one writer)."""
 
@@ -304,13 +416,18 @@ class MappedPool:
         self._shared = 0
         self._drop_shared = False
         self.counts: Any = None
+        self.cuda: _CudaMapping | None = None
         self._table: mmap.mmap | None = None
         try:
-            self.pool_fd = _open_peer_fd(info.pid, info.pool_fd, info.pool_ino, os.O_RDONLY)
+            if info.cuda is not None:
+                self.cuda = _CudaMapping(info.cuda, info.pool_bytes)
+            else:
+                self.pool_fd = _open_peer_fd(info.pid, info.pool_fd, info.pool_ino,
+                                             os.O_RDONLY)
             self.table_fd = _open_peer_fd(info.pid, info.table_fd, info.table_ino, os.O_RDWR)
             size = PAGE + page_up(info.rows * info.slots * 4)
             if os.fstat(self.table_fd).st_size < size or (
-                    os.fstat(self.pool_fd).st_size < info.pool_bytes):
+                    self.pool_fd >= 0 and os.fstat(self.pool_fd).st_size < info.pool_bytes):
                 raise OSError("the shared pool or lease table is smaller than published")
             self._table = mmap.mmap(self.table_fd, size, flags=mmap.MAP_SHARED, prot=_PROT_RW)
             header = np.frombuffer(self._table, dtype=np.uint64, count=PAGE // 8)
@@ -383,7 +500,17 @@ class MappedPool:
         if self._shared:
             unmap(self._shared, self.info.pool_bytes)
             self._shared = 0
+        # The CUDA opening goes too: torch closes the IPC handle with its last storage.
+        self.cuda = None
         self._drop_shared = False
+
+    def device_addr(self, offset: int) -> tuple[str, int, int]:
+        """(device type, device index, address) of pool ``offset`` in this process, for
+        views and copies of a CUDA pool (valid while a lease is held)."""
+        cuda = self.cuda
+        if cuda is None:
+            raise OSError("the sender's CUDA pool is closed")
+        return "cuda", cuda.index, cuda.base + offset
 
     def map(self, spans: Sequence[tuple[int, int, int]], total: int) -> tuple[int, int]:
         """Map an object's spans privately, contiguous in this address space; returns

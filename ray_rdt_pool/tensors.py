@@ -255,7 +255,12 @@ class CudaRegion:
 
     Memory from ``expandable_segments`` cannot be registered for RDMA, so that allocator
     setting is refused up front with the fix, instead of failing inside NIXL.
+
+    Blocks are whole 4 KiB pages, as in a shared host pool: same-node receivers lease a
+    sender's CUDA pool by page (see ``shared``).
     """
+
+    align = 4096
 
     def __init__(self, nbytes: int) -> None:
         import os
@@ -276,7 +281,7 @@ class CudaRegion:
             raise ConfigurationError(
                 "device='cuda' was configured but this process sees no CUDA device; "
                 "configure device='cpu' or give the actor a GPU (num_gpus=1)")
-        self.nbytes = nbytes
+        self.nbytes = nbytes = -(-nbytes // self.align) * self.align
         self.device_id = torch.cuda.current_device()
         self.torch_device = f"cuda:{self.device_id}"
         self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
@@ -699,12 +704,30 @@ def unpack_into(targets: Sequence[torch.Tensor], offsets: Sequence[int], base: i
     import torch
 
     block = device_block(base, total, device, device_id, None)
-    for t, off in zip(targets, offsets):
-        n = t.numel() * t.element_size()
-        if n:
-            t.copy_(block[off:off + n].view(t.dtype).view(t.shape))
+    with torch.no_grad():  # a requires_grad Parameter is a fine target
+        for t, off in zip(targets, offsets):
+            n = t.numel() * t.element_size()
+            if n:
+                t.copy_(block[off:off + n].view(t.dtype).view(t.shape))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def copy_bytes(moves: Sequence[tuple[int, int, int]], device: str, device_id: int) -> None:
+    """Copy ``(destination, source, bytes)`` ranges within one device's memory, finished
+    before returning: memmove on the host, torch copies on this thread's stream (then
+    synchronised) on CUDA."""
+    if device == "cpu":
+        for dst, src, n in moves:
+            _memmove(dst, src, n)
+        return
+    import torch
+
+    for dst, src, n in moves:
+        if n:
+            device_block(dst, n, device, device_id, None).copy_(
+                device_block(src, n, device, device_id, None))
+    torch.cuda.current_stream(device_id).synchronize()
 
 
 def empty_like_run_list(runs: Sequence[TensorRun], device: str = "cpu") -> list[torch.Tensor]:

@@ -189,3 +189,145 @@ def test_real_ray_round_trip_between_actors_on_one_gpu():
         assert ray.get(r.get_on_cpu.remote(refs)) == expected
     finally:
         ray.shutdown()
+
+
+# ---------------------------------------------------------------------------------------
+# Same node, CUDA pool: CUDA IPC instead of a NIXL READ
+# ---------------------------------------------------------------------------------------
+
+
+def test_cuda_ipc_entry_round_trips_and_rejects_malformed_fields():
+    """The directory entry of a CUDA pool (no device needed: it is bytes and ints)."""
+    from ray_rdt_pool.errors import WireFormatError
+    from ray_rdt_pool.shared import PAGE, CudaExport, HostInfo
+
+    cuda = CudaExport("GPU-1234", b"\x01" * 64, PAGE * 8, 0, b"/torch_1", 16, b"\x02" * 64,
+                      True)
+    good = HostInfo("n", 1, 2, 0, 0, PAGE, PAGE * 8, 5, 6, 4, 8, cuda)
+    assert HostInfo.decode(good.encode()) == good
+    bad = [
+        CudaExport("GPU-1234", b"", PAGE * 8, 0, b"", 0, b"", True),  # no IPC handle
+        CudaExport("GPU-1234", b"\x01", PAGE * 4, 0, b"", 0, b"", True),  # storage < pool
+        CudaExport("", b"\x01", PAGE * 8, 0, b"", 0, b"", True),  # no uuid
+        CudaExport("GPU-1234", b"\x01" * 2000, PAGE * 8, 0, b"", 0, b"", True),  # huge
+        CudaExport("GPU-1234", b"\x01", PAGE * 8, 0, b"", 0, b"", 1),  # type: ignore[arg-type]
+    ]
+    for c in bad:
+        with pytest.raises(WireFormatError):
+            HostInfo.decode(HostInfo("n", 1, 2, 0, 0, PAGE, PAGE * 8, 5, 6, 4, 8, c).encode())
+
+
+def _ipc_actors():
+    import ray
+
+    from tests.raycluster import digest
+
+    @ray.remote(num_gpus=0.25, enable_tensor_transport=True)
+    class S:
+        def __init__(self):
+            ray_rdt_pool.register()
+
+        def put(self, seed, n=1 << 20):
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            base = torch.randn(256, 64, device="cuda", generator=g)
+            ts = [torch.randn(n, device="cuda", generator=g),
+                  torch.randn(128, 128, device="cuda", generator=g).to(torch.bfloat16),
+                  torch.arange(1000, device="cuda") * (seed + 1),
+                  base.t(), base[3], torch.tensor(7.5 + seed, device="cuda")]
+            return [ray.put(ts, _tensor_transport="nixl_pool")], digest(ts)
+
+        def stats(self):
+            s = ray_rdt_pool.stats()
+            return s.pool_used, s.leased_objects, s.live_objects
+
+    @ray.remote(num_gpus=0.25, enable_tensor_transport=True)
+    class R:
+        def __init__(self, same_node):
+            ray_rdt_pool.register()
+            ray_rdt_pool.configure(same_node=same_node)
+
+        def get(self, refs, scribble=False):
+            out = ray.get(refs[0])
+            assert all(t.is_cuda for t in out)
+            d = digest(out)
+            if scribble:  # a receiver that writes into what it got
+                for t in out:
+                    t.fill_(3)
+                torch.cuda.synchronize()
+            s = ray_rdt_pool.stats()
+            return d, s.mapped_gets, s.reads_posted, s.mapped_objects
+
+        def get_on_cpu(self, refs):
+            ray.experimental.set_target_device_for_ref(refs[0], "cpu")
+            out = ray.get(refs[0])
+            assert not any(t.is_cuda for t in out)
+            return digest(out)
+
+    return S, R
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_same_node_cuda_pool_is_read_through_cuda_ipc():
+    """Two actors on one GPU, CUDA pools: a get makes no NIXL READ (one device-to-device
+    copy out of the sender's pool, opened through CUDA IPC), the result is private (a
+    receiver's writes reach nobody else), leases drop at once, and nothing leaks."""
+    import time
+
+    import ray
+
+    from tests.raycluster import start_ray
+
+    start_ray({"RAY_RDT_POOL_DEVICE": "cuda", "RAY_RDT_POOL_SAME_NODE": "map"}, num_gpus=1)
+    try:
+        S, R = _ipc_actors()
+        s, r1, r2, r3 = S.remote(), R.remote("map"), R.remote("copy"), R.remote("off")
+        refs, expected = ray.get(s.put.remote(0))
+        d1, mapped, reads, held = ray.get(r1.get.remote(refs, True))
+        assert d1 == expected and (mapped, reads, held) == (1, 0, 0)
+        d2, mapped, reads, _ = ray.get(r2.get.remote(refs))
+        assert d2 == expected and (mapped, reads) == (1, 0)  # r1's writes stayed in r1
+        d3, mapped, reads, _ = ray.get(r3.get.remote(refs))
+        assert d3 == expected and (mapped, reads) == (0, 1)  # same_node=off: a NIXL READ
+        assert ray.get(r1.get_on_cpu.remote(refs)) == expected  # a READ into host memory
+        assert ray.get(s.stats.remote())[1] == 0  # copies leave no lease behind
+        del refs
+        for i in range(1, 41):  # reuse of freed blocks: every get sees its own object
+            refs, expected = ray.get(s.put.remote(i, 1 << (10 + i % 8)))
+            d, mapped, reads, held = ray.get(r1.get.remote(refs))
+            assert d == expected and held == 0, i
+            del refs
+        assert (mapped, reads) == (41, 0)
+        deadline = time.monotonic() + 20
+        while ray.get(s.stats.remote()) != (0, 0, 0) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ray.get(s.stats.remote()) == (0, 0, 0)  # every block back in the pool
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_check_sanity_cuda_ipc_export_opens_in_another_process():
+    """The torch calls the CUDA IPC path rests on, in a child process (a process cannot
+    open its own IPC handle)."""
+    import subprocess
+    import sys
+
+    from ray_rdt_pool.shared import export_cuda_pool
+
+    t = torch.arange(1 << 20, dtype=torch.int32, device="cuda")
+    exp = export_cuda_pool(t.view(torch.uint8))
+    torch.cuda.synchronize()
+    code = (
+        "import sys, torch\n"
+        "from ray_rdt_pool.shared import CudaExport, _CudaMapping\n"
+        f"c = CudaExport({exp.uuid!r}, {exp.handle!r}, {exp.size}, {exp.offset}, "
+        f"{exp.ref_handle!r}, {exp.ref_offset}, {exp.event_handle!r}, {exp.event_sync})\n"
+        "m = _CudaMapping(c, 4 << 20)\n"
+        "x = torch.empty(0, dtype=torch.uint8, device='cuda').set_(m.storage).view(torch.int32)\n"
+        "assert torch.equal(x.cpu(), torch.arange(1 << 20, dtype=torch.int32)), 'bytes differ'\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
