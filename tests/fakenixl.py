@@ -40,6 +40,10 @@ class _Xfer:
     remote_name: str
     state: str = "PROC"
     released: bool = False
+    devices: tuple[str, str] = ("cpu", "cpu")  # (local, remote): memmove reaches host only
+
+
+_DEVICE = {"DRAM": "cpu", "VRAM": "cuda"}
 
 
 @dataclass
@@ -171,7 +175,8 @@ class FakeBackend:
             if self.on_split is not None:
                 self.on_split()
         h = next(self._ids)
-        x = self.xfers[h] = _Xfer(list(local), list(remote), remote_name)
+        x = self.xfers[h] = _Xfer(list(local), list(remote), remote_name,
+                                  devices=(_DEVICE[local_mem], _DEVICE[remote_mem]))
         if self.world.mode == "DONE":
             self.complete(h)
         elif self.world.mode == "ERR":
@@ -185,9 +190,21 @@ class FakeBackend:
             return
         if x.released:
             self.world.violations.append(f"READ {h} completed after its handle was released")
-        for (la, n, _), (ra, m, _) in zip(x.local, x.remote):
-            assert n == m
-            ctypes.memmove(la, ra, n)
+        import torch
+
+        # Without a GPU, tests that fake a "cuda" arena back it with host memory.
+        if x.devices == ("cpu", "cpu") or not torch.cuda.is_available():
+            for (la, n, _), (ra, m, _) in zip(x.local, x.remote):
+                assert n == m
+                ctypes.memmove(la, ra, n)
+        else:  # device memory on either side (the gpu tests): a torch copy
+            from ray_rdt_pool.tensors import device_block
+
+            (ld, rd) = x.devices
+            for (la, n, li), (ra, m, ri) in zip(x.local, x.remote):
+                assert n == m
+                device_block(la, n, ld, li, None).copy_(device_block(ra, m, rd, ri, None))
+            torch.cuda.synchronize()
         x.state = "DONE"
 
     def fail(self, h: int) -> None:
