@@ -147,6 +147,8 @@ def test_copy_into_cuda_parameters_that_require_grad():
 @pytest.mark.gpu
 @needs_gpu
 def test_real_ray_round_trip_between_actors_on_one_gpu():
+    import time
+
     import ray
 
     from tests.raycluster import digest, start_ray
@@ -173,7 +175,10 @@ def test_real_ray_round_trip_between_actors_on_one_gpu():
             def get(self, refs):
                 out = ray.get(refs[0])
                 assert all(t.is_cuda for t in out)
-                return digest(out), ray_rdt_pool.stats().arena_used
+                return digest(out)
+
+            def arena_used(self):
+                return ray_rdt_pool.stats().arena_used
 
             def get_on_cpu(self, refs):
                 ray.experimental.set_target_device_for_ref(refs[0], "cpu")
@@ -183,8 +188,11 @@ def test_real_ray_round_trip_between_actors_on_one_gpu():
 
         s, r = S.remote(), R.remote()
         refs, expected = ray.get(s.put.remote())
-        got, arena_used = ray.get(r.get.remote(refs))
-        assert got == expected and arena_used == 0  # views died with the method's frame
+        assert ray.get(r.get.remote(refs)) == expected
+        deadline = time.monotonic() + 10  # views died with the method's frame: the
+        while ray.get(r.arena_used.remote()) and time.monotonic() < deadline:  # block
+            time.sleep(0.1)  # comes back on the receiver's next progress tick
+        assert ray.get(r.arena_used.remote()) == 0
         assert ray.get(r.get_on_cpu.remote(refs)) == expected
     finally:
         ray.shutdown()

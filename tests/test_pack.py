@@ -96,7 +96,9 @@ def scatter_blocks(total: int, cuts: Sequence[int], gaps: Sequence[int],
 
 
 def logical_bytes(t: torch.Tensor) -> bytes:
-    c = t.resolve_conj().resolve_neg().contiguous()
+    t = t.resolve_conj().resolve_neg()
+    # A fresh tensor has standard strides (.contiguous() may keep odd ones for size-1 dims).
+    c = torch.empty(t.shape, dtype=t.dtype).copy_(t)
     return c.view(-1).view(torch.uint8).numpy().tobytes() if c.numel() else b""
 
 
@@ -442,3 +444,83 @@ def test_import_starts_no_thread() -> None:
                          timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"
+
+
+# ------------------------------------------------------- pack_torch: strided group copies
+
+
+def _torch_pack(tensors: list[torch.Tensor], which: Sequence[int] | None = None,
+                grouped: bool = True) -> tuple[bytes, list[int]]:
+    """pack_torch into a filled block; with ``grouped=False`` every group is one tensor
+    (the per-tensor reference the grouped copy must match byte for byte)."""
+    d = T.describe(tensors)
+    offsets, total = packed_offsets(d.nbytes, d.aligns)
+    block = torch.full((total + 128,), FILL, dtype=torch.uint8)
+    if grouped:
+        T.pack_torch(tensors, d, offsets, block, which)
+    else:
+        with mock.patch.object(T, "_strided_groups",
+                               lambda ts, d, offs, idx: ((i, 1, 0, 0) for i in idx)):
+            T.pack_torch(tensors, d, offsets, block, which)
+    return block.numpy().tobytes(), offsets
+
+
+def _row_views(kind: str, rows: int, cols: int, dtype: torch.dtype, seed: int
+               ) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    base = _values(rows * cols * 2 + 7, dtype, g)
+    m = base[3:3 + rows * cols].view(rows, cols)
+    if kind == "rows":
+        return list(m.unbind(0))
+    if kind == "cols":  # strided rows of the transpose
+        return list(m.t().unbind(0))
+    if kind == "every_other":
+        return [m[i] for i in range(0, rows, 2)]
+    if kind == "blocks":  # 2-d views stepping through a 3-d tensor
+        return list(base[:rows * cols * 2].view(rows, 2, cols).unbind(0))
+    if kind == "overlapping":  # windows sharing bytes: reading them twice is fine
+        return [base[i:i + cols] for i in range(rows)]
+    if kind == "conj" and dtype.is_complex:
+        return [r.conj() for r in m.unbind(0)]
+    return [m[i].clone() for i in range(rows)]  # separate storages: no group
+
+
+def test_row_views_are_one_group_and_land_like_single_copies() -> None:
+    ts = _row_views("rows", 1000, 16, torch.float32, 0)
+    d = T.describe(ts)
+    offsets, _total = packed_offsets(d.nbytes, d.aligns)
+    groups = list(T._strided_groups(ts, d, offsets, range(len(ts))))
+    assert [(g[0], g[1]) for g in groups] == [(0, 1000)]
+    got, offs = _torch_pack(ts)
+    assert got == _torch_pack(ts, grouped=False)[0]
+    check_placed(got, ts, offs, [(0, len(got))], None)
+
+
+def test_groups_break_at_another_storage_shape_or_step() -> None:
+    a = _row_views("rows", 4, 8, torch.float32, 1)
+    b = _row_views("clones", 3, 8, torch.float32, 2)  # 3 storages
+    c = _row_views("rows", 5, 4, torch.float32, 3)  # another shape
+    e = _row_views("every_other", 6, 8, torch.float32, 4)  # another step
+    ts = a + b + c + e
+    d = T.describe(ts)
+    offsets, _total = packed_offsets(d.nbytes, d.aligns)
+    sizes = [g[1] for g in T._strided_groups(ts, d, offsets, range(len(ts)))]
+    assert sizes == [4, 1, 1, 1, 5, 3]
+    assert _torch_pack(ts)[0] == _torch_pack(ts, grouped=False)[0]
+
+
+@RELAXED
+@given(parts=st.lists(st.tuples(
+    st.sampled_from(["rows", "cols", "every_other", "blocks", "overlapping", "conj",
+                     "clones"]),
+    st.integers(1, 40), st.integers(1, 33), st.sampled_from(DTYPES)), min_size=1, max_size=6),
+    seed=st.integers(0, 2**16), subset=st.booleans())
+def test_grouped_pack_torch_matches_per_tensor_copies(
+        parts: list[tuple[str, int, int, torch.dtype]], seed: int, subset: bool) -> None:
+    ts: list[torch.Tensor] = []
+    for k, (kind, rows, cols, dtype) in enumerate(parts):
+        ts += _row_views(kind, rows, cols, dtype, seed + k)
+    which = list(range(0, len(ts), 2)) if subset else None
+    got, offs = _torch_pack(ts, which)
+    assert got == _torch_pack(ts, which, grouped=False)[0]
+    check_placed(got, ts, offs, [(0, len(got))], which)
