@@ -338,3 +338,69 @@ def test_gpu_check_sanity_cuda_ipc_export_opens_in_another_process():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_weight_sync_between_gpu_actors_streams_and_publishes_exactly():
+    """The weights API on CUDA pools, one GPU: into live CUDA tensors, into a
+    load_weights callable, and with a dim-0 selection (half of each tensor); every byte
+    checked on the host, and same-node gets made no NIXL READ."""
+    import ray
+
+    from ray_rdt_pool.weights import WeightReceiver, WeightSender, sync
+    from tests.raycluster import start_ray
+
+    start_ray({"RAY_RDT_POOL_DEVICE": "cuda", "RAY_RDT_POOL_SAME_NODE": "map"}, num_gpus=1)
+    try:
+        @ray.remote(num_gpus=0.25, enable_tensor_transport=True)
+        class Node:
+            def __init__(self):
+                ray_rdt_pool.register()
+
+            def trainer(self, seed):
+                g = torch.Generator(device="cuda").manual_seed(seed)
+                self.state = {f"l{i}.w": torch.randn(512, 256, device="cuda", generator=g)
+                              for i in range(8)}
+                self.state["l0.b"] = torch.randn(256, device="cuda", generator=g).to(
+                    torch.bfloat16)
+                self.weight_sender = WeightSender(self.state, bucket_bytes=1 << 20)
+                return {k: v.cpu() for k, v in self.state.items()}
+
+            def receiver(self, shapes, kind):
+                self.got = {}
+                if kind == "dest":
+                    self.state = {k: torch.zeros(s, dtype=d, device="cuda")
+                                  for k, (s, d) in shapes.items()}
+                    self.weight_receiver = WeightReceiver(self.state)
+                    return
+
+                def load(items):
+                    for name, t in items:
+                        assert t.is_cuda
+                        self.got[name] = t.cpu().clone()
+                sel = (lambda name, shape: (slice(0, shape[0] // 2),)) if kind == "half" \
+                    else None
+                self.weight_receiver = WeightReceiver(load_weights=load, select=sel)
+
+            def result(self):
+                s = ray_rdt_pool.stats()
+                got = self.got or {k: v.cpu() for k, v in self.state.items()}
+                return got, s.mapped_gets, s.reads_posted
+
+        tr, r1, r2, r3 = (Node.remote() for _ in range(4))
+        for version, mode in enumerate(("stream", "publish"), start=1):
+            want = ray.get(tr.trainer.remote(version))
+            shapes = {k: (tuple(v.shape), v.dtype) for k, v in want.items()}
+            ray.get([r1.receiver.remote(shapes, "dest"), r2.receiver.remote(shapes, "load"),
+                     r3.receiver.remote(shapes, "half")])
+            sync(tr, [r1, r2, r3], mode=mode, max_inflight=2, version=version)
+            for r, part in ((r1, None), (r2, None), (r3, "half")):
+                got, mapped, reads = ray.get(r.result.remote())
+                assert set(got) == set(want), mode
+                for k, w in want.items():
+                    w = w[: w.shape[0] // 2] if part else w
+                    assert got[k].dtype == w.dtype and torch.equal(got[k], w), (mode, k)
+                assert mapped > 0 and reads == 0, (mode, mapped, reads)
+    finally:
+        ray.shutdown()
