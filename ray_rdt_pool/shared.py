@@ -28,6 +28,14 @@ Lifetimes, one owner each:
   table mapping and its row) and every object mapping: created and released by the
   receiver. An object mapping is unmapped *before* its lease is dropped, so copy-on-write
   pages never outlive the lease and a reused block is never seen through old pages.
+  Its CUDA opening (``_CudaMapping``) lives as long as the handle, or until the last
+  lease when the handle is closed with leases held.
+
+CUDA pools. A sender whose pool is CUDA memory publishes torch's CUDA IPC export of it
+(:class:`CudaExport`) instead of a descriptor; a receiver whose landing GPU is that GPU
+opens it once (:class:`MappedPool` ``.cuda``) and copies each object out of it, device to
+device, under a lease held only for the copy: IPC memory cannot be mapped copy-on-write,
+so views of it would not be private.
 
 Threads: the sender's lease checks run on ``_ray_system`` (``garbage_collect``) and on
 the progress thread; a receiver changes its row only under its receiver lock.
