@@ -151,8 +151,9 @@ def run_variant(name: str, layout: Layout, args: argparse.Namespace) -> dict[str
     total = layout_bytes(layout)
     bucket = args.bucket_mib * MIB
     pool = {"pool-publish": total + 64 * MIB, "ray-nixl": 64 * MIB}.get(name, 2 * bucket)
-    trainer = Node.remote(layout, 0, pool, bucket)
-    receivers = [Node.remote(layout, 100 + i, pool, bucket) for i in range(args.receivers)]
+    trainer = _placed(Node, args, "trainer").remote(layout, 0, pool, bucket)
+    receivers = [_placed(Node, args, "receiver").remote(layout, 100 + i, pool, bucket)
+                 for i in range(args.receivers)]
     actors = [trainer, *receivers]
     ray.get([a.ready.remote() for a in actors])
     times: list[float] = []
@@ -402,8 +403,7 @@ def run_engine_variant(name: str, shape: dict[str, int], args: argparse.Namespac
     wire = "bfloat16" if name == "wire-bf16-to-bf16" else None
     rdt = "bfloat16" if name.startswith("wire-") else "float32"
     # --nodes 2: the trainer on the head node, the receivers on a second Ray node.
-    tr = HFNode.options(resources={"trainer": 1}) if args.nodes == 2 else HFNode
-    rc = HFNode.options(resources={"receiver": 1}) if args.nodes == 2 else HFNode
+    tr, rc = _placed(HFNode, args, "trainer"), _placed(HFNode, args, "receiver")
     trainer = tr.remote(shape, 0, pool, arena, bucket, kind="trainer", wire=wire)
     if name == "pool-stream-tp2":
         receivers = [rc.remote(shape, 100 + i, pool, arena, bucket, kind="tp", rank=i)
@@ -489,29 +489,7 @@ def engine_suite(args: argparse.Namespace, command: str) -> int:
           f"{args.bucket_mib} MiB, receiver arena {args.arena_mib} MiB; {os.cpu_count()} CPUs, "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
     ray_rdt_pool.register()
-    cluster, previous = None, None
-    if args.nodes == 2:
-        # Two Ray nodes on this machine (as tests/test_multinode.py): separate raylets and
-        # object stores; NIXL moves the bytes between the processes.
-        from pathlib import Path
-
-        from ray.cluster_utils import Cluster
-
-        current = Path("/tmp/ray/ray_current_cluster")
-        previous = current.read_bytes() if current.exists() else None
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 2, "resources": {"trainer": 1}, "include_dashboard": False})
-        # Cluster records its address there; put it back so no other process joins ours.
-        if previous is None:
-            current.unlink(missing_ok=True)
-        else:
-            current.write_bytes(previous)
-        cluster.add_node(num_cpus=2, resources={"receiver": args.receivers})
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
-    else:
-        ray.init(address="local", include_dashboard=False, logging_level="warning",
-                 log_to_driver=False)
+    cluster = _start_ray(args)
     results = []
     try:
         for i, v in enumerate(variants):
@@ -521,9 +499,7 @@ def engine_suite(args: argparse.Namespace, command: str) -> int:
                   f"{r['warm_median_s'] * 1e3:8.1f} ms  load {r['loadavg_after'][0]:.1f}  "
                   f"ok={r['checksums_ok']}", flush=True)
     finally:
-        ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
+        _stop_ray(cluster)
     if results:
         print(f"\nmodel: {results[0]['params'] / 1e6:.1f}M params, "
               f"{results[0]['bytes'] / MIB:.1f} MiB fp32")
@@ -588,6 +564,45 @@ def engine_suite(args: argparse.Namespace, command: str) -> int:
     return 1 if bad else 0
 
 
+def _start_ray(args: argparse.Namespace) -> Any:
+    """One local Ray node, or (``--nodes 2``) two Ray nodes on this machine as
+    tests/test_multinode.py makes them: separate raylets and object stores, so NIXL moves
+    the bytes. The trainer's node has the resource ``trainer``, the receivers' node
+    ``receiver``. Returns the Cluster to shut down (None for one node)."""
+    if args.nodes != 2:
+        ray.init(address="local", include_dashboard=False, logging_level="warning",
+                 log_to_driver=False)
+        return None
+    from pathlib import Path
+
+    from ray.cluster_utils import Cluster
+
+    current = Path("/tmp/ray/ray_current_cluster")
+    previous = current.read_bytes() if current.exists() else None
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"trainer": 1}, "include_dashboard": False})
+    # Cluster records its address there; put it back so no other process joins ours.
+    if previous is None:
+        current.unlink(missing_ok=True)
+    else:
+        current.write_bytes(previous)
+    cluster.add_node(num_cpus=2, resources={"receiver": args.receivers})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
+    return cluster
+
+
+def _stop_ray(cluster: Any) -> None:
+    ray.shutdown()
+    if cluster is not None:
+        cluster.shutdown()
+
+
+def _placed(cls: Any, args: argparse.Namespace, role: str) -> Any:
+    """``cls`` on the trainer's or the receivers' node with ``--nodes 2``."""
+    return cls.options(resources={role: 1}) if args.nodes == 2 else cls
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="weight sync: nixl_pool vs Ray's nixl")
     p.add_argument("--quick", action="store_true", help="about 64 MiB instead of 500 MiB")
@@ -603,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-size", choices=tuple(HF_SIZES), default="full",
                    help="engine suite: Llama size (full ~100M params / ~400 MB fp32)")
     p.add_argument("--nodes", type=int, choices=(1, 2), default=1,
-                   help="engine suite: 2 puts the receivers on a second Ray node "
+                   help="2 puts the receivers on a second Ray node "
                         "(ray.cluster_utils.Cluster on this machine)")
     p.add_argument("--arena-mib", type=int, default=64,
                    help="engine suite: receivers' receive arena in MiB (default 64)")
@@ -637,10 +652,10 @@ def main(argv: list[str] | None = None) -> int:
                           *(sys.argv[1:] if argv is None else argv)])
     print(f"command: {command}")
     print(f"weight set: {len(layout)} tensors, {total / MIB:.1f} MiB; {args.receivers} "
-          f"receivers, {args.syncs} syncs, buckets of {args.bucket_mib} MiB; "
-          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+          f"receivers, {args.syncs} syncs, buckets of {args.bucket_mib} MiB; {args.nodes} "
+          f"Ray node(s); {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
     ray_rdt_pool.register()
-    ray.init(address="local", include_dashboard=False, logging_level="warning")
+    cluster = _start_ray(args)
     results = []
     try:
         for v in variants:
@@ -649,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {v:19s} cold {r['cold_s'] * 1e3:8.1f} ms  warm median "
                   f"{r['warm_median_s'] * 1e3:8.1f} ms  ok={r['checksums_ok']}", flush=True)
     finally:
-        ray.shutdown()
+        _stop_ray(cluster)
 
     base = next((r for r in results if r["variant"] == "ray-nixl"), None)
     print()
@@ -663,6 +678,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['warm_min_s']:7.3f} {r['gbps']:6.2f} {peak:>12s} "
               f"{'' if ratio is None else f'{ratio:.2f}x':>11s}")
     by = {r["variant"]: r for r in results}
+    if base and "pool-stream" in by:
+        want = 1.5 if args.nodes == 1 else 1.2
+        sp = base["warm_median_s"] / by["pool-stream"]["warm_median_s"]
+        print(f"strongest Ray form (ray-nixl by reference) / pool-stream: {sp:.2f}x "
+              f"(target >= {want}x on {args.nodes} node(s): "
+              f"{'MET' if sp >= want else 'MISSED'})")
     if "pool-stream" in by and "pool-stream-serial" in by:
         gain = by["pool-stream-serial"]["warm_median_s"] / by["pool-stream"]["warm_median_s"]
         print(f"pipelining (max_inflight 2 vs 1): {gain:.2f}x")
