@@ -147,6 +147,7 @@ class Fetch:
         self.copy_into: list[torch.Tensor] | None = None
         self.targets: list[torch.Tensor] | None = None
         self.selected: Selection | None = None  # a partial READ (fetch_selected)
+        self.selection: Sequence[Any] | None = None  # its slices, as the caller gave them
         self.tensors: list[torch.Tensor] = []
         self.t_start = time.perf_counter()
         self.ndescs = 0
@@ -563,8 +564,7 @@ class Receiver:
         # let one receiver's in-place write change what every later receiver reads, so a
         # CUDA object is always copied out (one device-to-device copy) and the lease drops
         # at once.
-        copy_out = (bool(targets) or f.selected is not None or device == "cuda"
-                    or self.config.same_node == "copy")
+        copy_out = bool(targets) or device == "cuda" or self.config.same_node == "copy"
         dev_id = 0
         try:
             if device == "cuda":
@@ -607,12 +607,17 @@ class Receiver:
 
         meta = f.meta
         unmaps = self._unmaps
-        if (self.config.same_node == "map" and device == "cpu" and f.selected is None
-                and not targets):
+        if self.config.same_node == "map" and device == "cpu" and not targets:
             # From here the block owns the mapping: its deleter releases it, even if the
             # rebuild below fails.
             block = device_block(addr, meta.total, "cpu", 0, lambda: unmaps.append(release))
-            return rebuild(block, meta.runs, meta.run_starts())
+            out = rebuild(block, meta.runs, meta.run_starts())
+            if f.selection is None:
+                return out
+            # A selection is a view of the selected part: only its pages are touched (the
+            # mapping faults pages in on first use), and nothing is copied.
+            return [t if s is None else t[s if isinstance(s, tuple) else (s,)]
+                    for t, s in zip(out, f.selection)]
         # One copy out of the mapping (finished before returning); the mapping and its
         # lease go right after.
         sel = f.selected
@@ -684,6 +689,7 @@ class Receiver:
         f = Fetch(obj_id, meta)
         if selection is not None:
             f.selected = selection_plan(meta, selection)
+            f.selection = selection
             if f.selected.total == 0:
                 import torch
 

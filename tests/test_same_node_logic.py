@@ -113,20 +113,45 @@ def test_free_returns_at_once_and_a_full_pool_waits_for_no_lease(world: World) -
 def test_copy_mode_targets_and_selection_copy_once_and_keep_no_lease(world: World) -> None:
     s = make(world)
     src = [torch.randn(64, 33), torch.arange(10, dtype=torch.int16)]
+    sel = [(slice(2, 5), slice(1, 4)), None]
     r = make(world, same_node="copy")
     got = get(s, r, "a", src)
     assert all(torch.equal(a, b) for a, b in zip(got, src))
     st = r.stats()
     assert st.mapped_gets == 1 and st.reads_posted == 0 and st.mapped_objects == 0
     assert st.arena_used > 0  # the copy lives in the receiver's arena
+    part = get(s, r, "s", src, sel=sel)
+    assert torch.equal(part[0], src[0][2:5, 1:4]) and torch.equal(part[1], src[1])
+    assert r.stats().mapped_objects == 0  # copy mode: the selection is a copy too
     r2 = make(world)
     targets = [torch.empty_like(t) for t in src]
     out = get(s, r2, "b", src, targets=targets)
     assert out[0] is targets[0] and torch.equal(targets[0], src[0])
-    part = get(s, r2, "c", src, sel=[(slice(2, 5), slice(1, 4)), None])
-    assert torch.equal(part[0], src[0][2:5, 1:4]) and torch.equal(part[1], src[1])
     settle(r2)
     assert r2.stats().mapped_objects == 0 and r2.stats().reads_posted == 0
+
+
+def test_a_mapped_selection_is_a_leased_view_of_the_selected_part(world: World) -> None:
+    """map mode: fetch_selected hands out views of the mapping (no copy, only the
+    selected pages touched); they hold the lease until they die, and writing into them
+    changes nothing for the sender."""
+    s, r = make(world), make(world)
+    src = [torch.randn(64, 33), torch.arange(10, dtype=torch.int16), torch.randn(8, 4)]
+    part = get(s, r, "c", src, sel=[(slice(2, 5), slice(1, 4)), None, (slice(4, 8),)])
+    assert torch.equal(part[0], src[0][2:5, 1:4]) and torch.equal(part[1], src[1])
+    assert torch.equal(part[2], src[2][4:])
+    st = r.stats()
+    assert (st.mapped_gets, st.reads_posted, st.mapped_objects) == (1, 0, 1)
+    assert st.arena_used == 0  # nothing was copied
+    assert st.bytes_received == 3 * 3 * 4 + 10 * 2 + 4 * 4 * 4  # the selected bytes
+    part[0].fill_(-1)
+    pool = s.sender.pool
+    off = s.sender.sent["c"].blocks[0][0]
+    assert torch.equal(pool.mem.tensor[off:off + 64 * 33 * 4].view(torch.float32)
+                       .view(64, 33), src[0])  # private: the sender's bytes are unchanged
+    del part
+    settle(r)
+    assert r.stats().mapped_objects == 0
 
 
 def test_other_nodes_overflow_and_off_use_nixl(world: World) -> None:
