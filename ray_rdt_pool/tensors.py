@@ -787,6 +787,42 @@ def _dl_deleter(managed: Any) -> None:
         entry[2]()
 
 
+def freeze_blocks_at_exit() -> None:
+    """At interpreter exit: blocks still alive stop calling back into Python.
+
+    A block's deleter is a Python callback. Tensors that outlive this point are freed
+    while the interpreter tears itself down (module globals cleared first, the runtime
+    later), or after it, from C++ destructors; a Python callback then raises inside
+    finalization or crashes the process. So each live block's deleter becomes a C
+    function that does nothing (``getpid`` ignores the pointer it is passed), and its
+    DLPack record is kept alive for good, since torch reads the deleter when it frees
+    the storage. Nothing is lost: the callbacks return leases and arena blocks of a
+    process that is exiting. Runs from ``atexit`` (registered by the transport before
+    its ``shutdown``, so after it).
+    """
+    addr = ctypes.cast(ctypes.CDLL(None).getpid, ctypes.c_void_p).value
+    if addr is None:
+        return
+    noop = _DELETER(addr)
+    for managed, _shape, _on_free in list(_live_blocks.values()):
+        managed.deleter = noop
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(managed))  # never freed: see above
+    _live_blocks.clear()
+
+
+_exit_hook_installed = False
+
+
+def install_exit_hook() -> None:
+    """Register :func:`freeze_blocks_at_exit` with ``atexit`` once per process."""
+    global _exit_hook_installed
+    if not _exit_hook_installed:
+        import atexit
+
+        atexit.register(freeze_blocks_at_exit)
+        _exit_hook_installed = True
+
+
 def device_block(addr: int, nbytes: int, device: str, device_id: int,
                  on_free: Callable[[], None] | None) -> torch.Tensor:
     """A uint8 tensor over raw memory ``[addr, addr+nbytes)`` whose storage is just that.

@@ -491,6 +491,9 @@ def runtime() -> Runtime:
             except Exception:
                 logger.debug("metrics unavailable", exc_info=True)
             if not _atexit_registered:
+                from ray_rdt_pool.tensors import install_exit_hook
+
+                install_exit_hook()  # atexit runs it last: after shutdown below
                 atexit.register(shutdown)
                 _atexit_registered = True
         return _runtime

@@ -64,3 +64,33 @@ def test_shutdown_stops_the_thread_and_removes_the_agent_key() -> None:
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["threads"] == [] and out["key"] is False and out["kept"] == 4
     assert "shut down" in out["after"], out
+
+
+_BLOCKS_AT_EXIT = (
+    "import sys, torch\n"
+    "from ray_rdt_pool import tensors\n"
+    "buf = torch.zeros(1 << 20, dtype=torch.uint8)\n"
+    "class Holder:\n"
+    "    pass\n"
+    "h = Holder()\n"
+    "h.self = h  # a cycle: collected late in finalization, after module globals\n"
+    "h.views = [tensors.device_block(buf.data_ptr() + 64 * i, 64, 'cpu', 0,\n"
+    "                                lambda: sys.stderr.write('called\\n'))[:8]\n"
+    "           for i in range(1000)]\n"
+    "m = torch.nn.Module()\n"
+    "m.register_buffer('b', tensors.device_block(buf.data_ptr(), 128, 'cpu', 0,\n"
+    "                                            lambda: sys.stderr.write('called\\n')))\n"
+    "if sys.argv[1] == 'hook':\n"
+    "    tensors.install_exit_hook()\n"
+)
+
+
+def test_blocks_alive_at_exit_make_no_python_calls_during_finalization() -> None:
+    """Received views still alive at exit used to run their Python deleter while the
+    interpreter tore itself down ("Exception ignored on calling ctypes callback"; after
+    finalization, a crash). With the exit hook the transport installs, they do not."""
+    p = run(["-c", _BLOCKS_AT_EXIT, "hook"], timeout=60)
+    assert p.returncode == 0 and p.stderr == "", p.stderr[-2000:]
+    # The control: without the hook the same script does call back during finalization.
+    p = run(["-c", _BLOCKS_AT_EXIT, "none"], timeout=60)
+    assert "ctypes callback" in p.stderr, p.stderr[-2000:]
