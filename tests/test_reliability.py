@@ -527,7 +527,18 @@ def test_receiver_killed_during_fetch_sender_frees_and_keeps_serving(send, recv)
 
 
 @pytest.mark.parametrize("form", ["ray_get", "task_argument"])
-def test_owner_drops_every_ref_while_fetch_in_flight(recv, form):
+def test_owner_drops_every_ref_while_fetch_in_flight(recv, form, monkeypatch):
+    """The driver drops its last ref while the receiver's READ is held by SIGSTOP.
+
+    task_argument: ``recv`` is an out-of-order actor, so the driver's ``.remote()`` first
+    waits, up to ``ORDER_WAIT_S``, for the transfer to be done before it sends the task
+    (ray_rdt_pool.transport._transfers_before_their_tasks). A held READ is not done, so
+    with the default ORDER_WAIT_S (10 s, equal to FETCH_TIMEOUT_S) ``.remote()`` returned
+    only some 20 ms before the READ timed out, and the in-flight check raced that timeout.
+    A short wait here lets ``.remote()`` return while the READ is still held.
+    """
+    if form == "task_argument":
+        monkeypatch.setattr("ray_rdt_pool.transport.ORDER_WAIT_S", 1.0)
     s = Sender.remote()  # recv meets it for the first time: its READ can be held
     sbase = stats(s)
     ref = s.make.remote(11, 8 << 20)
