@@ -145,7 +145,12 @@ def test_sender_killed_before_fetch(recv):
         ray.get(recv.take.remote(ref), timeout=60)
 
 
-def test_sender_killed_during_fetch(recv):
+def test_sender_killed_during_fetch(recv, monkeypatch):
+    # recv is an out-of-order actor: .remote() waits up to ORDER_WAIT_S for the transfer
+    # before it sends the task. The READ is held (SIGSTOP), so with the default (10 s,
+    # longer than this module's 8 s fetch timeout) the kill came after the fetch had
+    # already timed out; a short wait kills the sender while its READ is in flight.
+    monkeypatch.setattr("ray_rdt_pool.transport.ORDER_WAIT_S", 1.0)
     s = Sender.remote()
     ref = s.make.remote(5, 4 << 20)
     made(ref)
