@@ -8,6 +8,11 @@ Threads: every function runs on its caller's thread. The one exception is a larg
 ``pack_into`` with ``threads`` > 1, which shares its memmoves with daemon helper threads
 of this module, started by the first such call (none at import) and idle, blocked on a
 queue, in between.
+
+Blocks over raw memory (:func:`device_block`): their DLPack records live in this module
+until torch frees the storage and calls the deleter, from whatever thread drops the last
+view. At interpreter exit, :func:`freeze_blocks_at_exit` turns the deleters of blocks still
+alive into a C no-op, so nothing calls back into Python while the interpreter tears down.
 """
 
 from __future__ import annotations
