@@ -219,6 +219,9 @@ def export_cuda_pool(tensor: Any) -> CudaExport:
     cannot export it, e.g. memory from another allocator."""
     import torch
 
+    if tensor.storage_offset() != 0 or tensor.data_ptr() % PAGE:
+        # Receivers find the pool at the start of the storage they open, in pages.
+        raise OSError("the CUDA pool does not start a page-aligned storage")
     storage = tensor.untyped_storage()
     try:
         dev, handle, size, offset, ref_handle, ref_offset, ev, ev_sync = (
