@@ -85,6 +85,18 @@ def measure_memcpy(nbytes: int, reps: int) -> dict[str, Any]:
             "fresh_empty_gbps": _median_best(fresh, True)}
 
 
+def _copy_gbps(pool: Any, dst: int, src: int, n: int, k: int) -> float:
+    """GB/s of one copy of ``n`` bytes: one memmove, or split over ``k`` threads."""
+    import ctypes
+
+    t = time.perf_counter()
+    if k == 1:
+        ctypes.memmove(dst, src, n)
+    else:
+        _split_copy(pool, dst, src, n, k)
+    return n / (time.perf_counter() - t) / 1e9
+
+
 def _split_copy(pool: Any, dst: int, src: int, n: int, threads: int) -> None:
     """One memmove of ``n`` bytes cut into ``threads`` 64-byte-aligned parts.
 
@@ -134,23 +146,14 @@ def measure_memcpy_threads(sizes: list[int], reps: int, threads: int = 2) -> dic
             # the caches a 4 MiB copy otherwise stays in.
             for rep in range(n_reps):
                 for k in ((1, threads) if rep % 2 == 0 else (threads, 1)):
-                    t = time.perf_counter()
-                    if k == 1:
-                        ctypes.memmove(warm_addr, src_addr, n)
-                    else:
-                        _split_copy(pool, warm_addr, src_addr, n, k)
-                    samples[f"prefaulted_{k}t"].append(n / (time.perf_counter() - t) / 1e9)
+                    samples[f"prefaulted_{k}t"].append(
+                        _copy_gbps(pool, warm_addr, src_addr, n, k))
             for rep in range(n_reps):
                 for k in ((1, threads) if rep % 2 == 0 else (threads, 1)):
                     fresh = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
                     buf = (ctypes.c_char * n).from_buffer(fresh)
                     addr = ctypes.addressof(buf)
-                    t = time.perf_counter()
-                    if k == 1:
-                        ctypes.memmove(addr, src_addr, n)
-                    else:
-                        _split_copy(pool, addr, src_addr, n, k)
-                    samples[f"fresh_{k}t"].append(n / (time.perf_counter() - t) / 1e9)
+                    samples[f"fresh_{k}t"].append(_copy_gbps(pool, addr, src_addr, n, k))
                     # Both ends: the first part is the caller's, the last a worker's.
                     ok = all(ctypes.string_at(addr + o, 64) == ctypes.string_at(src_addr + o, 64)
                              for o in (0, n - 64))
