@@ -541,10 +541,7 @@ class Runner:
             put_get_s=put_s + fetch_s if put_s is not None and fetch_s is not None else None,
             dispatch_s=res["s_start"] - t0 if "s_start" in res else None,
             handoff_s=res["r_start"] - res["s_put_end"] if "s_put_end" in res else None,
-            receiver_checksum_s=res["checksum_s"],
-            checksum_receiver=res["checksum"],
-            n_tensors_received=res["n_tensors"],
-            into_targets=res["into_targets"],
+            **_receiver_fields(res),
             meta_bytes=rel["meta_bytes"],
             release_s=release_s,
             release_timed_out=bool(v.rdt and rel["freed_at"] is None),
@@ -598,10 +595,7 @@ class Runner:
             fetch_s=res["fetch_s"],
             dispatch_s=snd["s_start"] - t0,
             sender_stream_s=snd["s_end"] - snd["s_start"],
-            receiver_checksum_s=res["checksum_s"],
-            checksum_receiver=res["checksum"],
-            n_tensors_received=res["n_tensors"],
-            into_targets=res["into_targets"],
+            **_receiver_fields(res),
             meta_bytes=snd["meta_bytes"],
             release_s=None,
             buckets=snd["buckets"],
@@ -1011,6 +1005,12 @@ def _write_outputs(cfg: Config, result: dict[str, Any], summary: dict[str, Any],
                 written.append(os.path.join(cfg.out_dir, name))
     return written
 
+
+
+def _receiver_fields(res: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a sample that the receiver's result reports, whatever the workload."""
+    return {"receiver_checksum_s": res["checksum_s"], "checksum_receiver": res["checksum"],
+            "n_tensors_received": res["n_tensors"], "into_targets": res["into_targets"]}
 
 if __name__ == "__main__":
     sys.exit(main())
