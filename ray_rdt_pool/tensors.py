@@ -6,8 +6,8 @@ functions on both sides, so the byte layout of an object is decided in one place
 
 Threads: every function runs on its caller's thread. The one exception is a large
 ``pack_into`` with ``threads`` > 1, which shares its memmoves with daemon helper threads
-of this module, started by the first such call (none at import) and idle, blocked on a
-queue, in between.
+of this module, started by the first such call (none at import), idle, blocked on a
+queue, in between, and stopped by :func:`stop_pack_helpers` (the transport's shutdown).
 
 Blocks over raw memory (:func:`device_block`): their DLPack records live in this module
 until torch frees the storage and calls the deleter, from whatever thread drops the last
@@ -392,7 +392,8 @@ class _PackJob:
 
 
 class _PackPool:
-    """The daemon helper threads of threaded packs: started on demand, never stopped.
+    """The daemon helper threads of threaded packs: started on demand, stopped by
+    :func:`stop_pack_helpers` (the transport's ``shutdown``).
 
     An idle helper blocks in ``SimpleQueue.get`` (no CPU, no polling); each queued item is
     one helper's share of one job.
@@ -400,8 +401,9 @@ class _PackPool:
 
     def __init__(self) -> None:
         self.pid = os.getpid()  # a forked child inherits this object but not its threads
-        self.jobs: queue.SimpleQueue[_PackJob] = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[_PackJob | None] = queue.SimpleQueue()
         self.helpers = 0
+        self.threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     def submit(self, job: _PackJob, helpers: int) -> None:
@@ -419,14 +421,28 @@ class _PackPool:
                 except RuntimeError:
                     break
                 self.helpers += 1
+                self.threads.append(t)
             helpers = min(helpers, self.helpers)
         for _ in range(helpers):
             self.jobs.put(job)
 
     def _serve(self) -> None:
-        """A helper thread's whole life: one share of one job at a time."""
+        """A helper thread's whole life: one share of one job at a time, until None."""
         while True:
-            self.jobs.get().help()
+            job = self.jobs.get()
+            if job is None:
+                return
+            job.help()
+
+    def stop(self, timeout: float) -> None:
+        """End every helper once the shares queued before this are done."""
+        with self._lock:
+            threads, self.threads = self.threads, []
+            self.helpers = 0
+        for _ in threads:
+            self.jobs.put(None)
+        for t in threads:
+            t.join(timeout)
 
 
 _pack_pool: _PackPool | None = None
@@ -443,6 +459,16 @@ def _get_pack_pool() -> _PackPool:
             if pool is None or pool.pid != os.getpid():
                 pool = _pack_pool = _PackPool()
     return pool
+
+
+def stop_pack_helpers(timeout: float = 5.0) -> None:
+    """Stop this process's pack helper threads (none is left running); a later threaded
+    pack starts new ones. Called by the transport's ``shutdown``."""
+    global _pack_pool
+    with _pack_pool_lock:
+        pool, _pack_pool = _pack_pool, None
+    if pool is not None and pool.pid == os.getpid():
+        pool.stop(timeout)
 
 
 def _pack_units(moves: Sequence[_Move], chunk: int) -> list[list[_Move]]:

@@ -508,6 +508,9 @@ def shutdown() -> None:
         rt = _runtime
     if rt is not None:
         rt.shutdown()
+    from ray_rdt_pool.tensors import stop_pack_helpers
+
+    stop_pack_helpers()
 
 
 _pack_as = threading.local()

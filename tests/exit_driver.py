@@ -32,6 +32,22 @@ class Sender:
                         _tensor_transport="nixl_pool")]
 
 
+def _start_pack_helpers() -> int:
+    """A threaded pack copy in this process (the helpers a large put starts); returns
+    how many pack helper threads run afterwards."""
+    from ray_rdt_pool import tensors as T
+    from ray_rdt_pool.layout import packed_offsets
+
+    src = [torch.randn(4 << 20)]  # 16 MiB: several 4 MiB units, so helpers start
+    d = T.describe(src)
+    offsets, total = packed_offsets(d.nbytes, d.aligns)
+    region = T.HostRegion(total)
+    T.pack_into(src, d, offsets, [(0, total)], region, None, threads=3, threshold=0)
+    assert torch.equal(region.tensor[:total].view(torch.float32), src[0])
+    region.close()
+    return sum(t.name.startswith("ray_rdt_pool-pack-") for t in threading.enumerate())
+
+
 def main(mode: str) -> None:
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=128 << 20,
@@ -47,6 +63,7 @@ def main(mode: str) -> None:
         from ray.experimental.internal_kv import _internal_kv_get
 
         name = ray_rdt_pool.stats().agent_name
+        helpers = _start_pack_helpers()
         ray_rdt_pool.shutdown()
         ray_rdt_pool.shutdown()
         threads = [t.name for t in threading.enumerate() if t.name.startswith("ray_rdt_pool")]
@@ -57,7 +74,7 @@ def main(mode: str) -> None:
         except Exception as e:  # Ray wraps the transport's error
             after = f"{type(e).__name__}: {e}"
         print(json.dumps({"threads": threads, "key": key is not None, "after": after,
-                          "kept": len(keep)}))
+                          "kept": len(keep), "helpers_before": helpers}))
     sys.stdout.flush()
 
 

@@ -62,6 +62,7 @@ def test_shutdown_stops_the_thread_and_removes_the_agent_key() -> None:
     p = run(["-m", "tests.exit_driver", "shutdown"])
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["helpers_before"] >= 1  # pack helpers ran, and shutdown stopped them too
     assert out["threads"] == [] and out["key"] is False and out["kept"] == 4
     assert "shut down" in out["after"], out
 

@@ -524,3 +524,16 @@ def test_grouped_pack_torch_matches_per_tensor_copies(
     got, offs = _torch_pack(ts, which)
     assert got == _torch_pack(ts, which, grouped=False)[0]
     check_placed(got, ts, offs, [(0, len(got))], which)
+
+
+def test_stop_pack_helpers_ends_every_helper_and_a_later_pack_starts_new_ones() -> None:
+    assert_same_pack([torch.randn(10_000)], threads=4, chunk=1024)
+    pool = T._pack_pool
+    assert pool is not None
+    threads = list(pool.threads)
+    assert len(threads) == pool.helpers >= 3 and all(t.is_alive() for t in threads)
+    T.stop_pack_helpers()
+    assert not [t for t in threads if t.is_alive()]
+    assert T._pack_pool is None
+    assert_same_pack([torch.randn(10_000)], threads=3, chunk=1024)  # new helpers
+    assert T._pack_pool is not None and T._pack_pool.helpers >= 2
