@@ -164,6 +164,8 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("reads_posted", "NIXL READs posted by this process.", "reads_posted"),
     ("split_reads", "READs split over several read lanes (NIXL agents) that copy in parallel.",
      "split_reads"),
+    ("source_reads", "Weight-stream buckets copied straight out of a same-node sender's memory.",
+     "source_reads"),
 )
 
 #: Histograms: (name without prefix, description), all with :data:`LATENCY_BUCKETS_S`.

@@ -42,10 +42,11 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,7 +63,10 @@ from ray_rdt_pool.shared import (
     HostInfo,
     MappedPool,
     NotVisibleError,
+    SourceProcess,
     mappable_spans,
+    peer_reader,
+    probe_source,
     unmap,
 )
 
@@ -677,6 +681,87 @@ class Receiver:
         buf = torch.empty(size, dtype=torch.uint8, device=arena.mem.torch_device)
         return Landing("temp", buf.data_ptr(), device, int(arena.mem.device_id), temp=buf)
 
+    # -- source reads (the weights API's stream) -------------------------------------------
+
+    def can_read_source(self, src: SourceProcess) -> bool:
+        """Whether tensors of ``src`` can be read straight out of its memory: it runs on
+        this Ray node, ``same_node`` is not ``"off"`` here, and a read of its probe
+        succeeds (the kernel may forbid reading another process)."""
+        if self.config.same_node == "off" or not isinstance(src, SourceProcess):
+            return False
+        node = self._node_id()
+        return node is not None and node == src.node and probe_source(src)
+
+    def read_source(self, src: SourceProcess, tensors: Sequence[tuple[int, tuple[int, ...],
+                                                                      str]],
+                    selection: Sequence[Any] | None = None,
+                    targets: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Copy tensors, given as ``(address, shape, dtype name)`` in ``src``, out of that
+        process's memory: into ``targets`` (contiguous CPU tensors of exactly those
+        sizes), or else into a block of the receive arena whose views are returned (a
+        temporary buffer when the arena is full), only the ``selection`` of each if given
+        (as :func:`plan_selection`). One copy, no NIXL. Runs on the calling thread and
+        up to ``read_lanes - 1`` pack helpers for ``read_split_bytes`` or more.
+
+        Raises TransferError when the source process is gone or the kernel refuses a
+        read (nothing is returned; a target may hold part of the bytes), and
+        InvalidInputError for targets that do not match.
+        """
+        from ray_rdt_pool.tensors import copy_moves
+        from ray_rdt_pool.wire import DTYPES
+
+        sizes = []
+        for _addr, shape, dt in tensors:
+            if dt not in DTYPES:
+                raise InvalidInputError(f"unknown dtype {dt!r} in a source read")
+            sizes.append(math.prod(shape) * DTYPES[dt][1])
+        landing: Landing | None = None
+        sel: Selection | None = None
+        if targets is not None:
+            if len(targets) != len(tensors) or selection is not None:
+                raise InvalidInputError(
+                    f"{len(targets)} targets for {len(tensors)} source tensors (and no "
+                    "selection): pass one contiguous CPU target per tensor")
+            for i, (t, n) in enumerate(zip(targets, sizes)):
+                if t.device.type != "cpu" or not t.is_contiguous() or t.nbytes != n:
+                    raise InvalidInputError(
+                        f"target {i} ({tuple(t.shape)}, {t.dtype}, {t.device}) cannot hold "
+                        f"source tensor {i} ({n} bytes): pass a contiguous CPU tensor of "
+                        "that size")
+            moves = [(t.data_ptr(), addr, n)
+                     for t, (addr, _s, _d), n in zip(targets, tensors, sizes) if n]
+        else:
+            sel = plan_selection([(shape, dt) for _a, shape, dt in tensors],
+                                 [addr for addr, _s, _d in tensors],
+                                 selection if selection is not None else [None] * len(tensors))
+            landing = self._local_landing(sel.total)
+            moves = [(landing.addr + lo, addr, n) for lo, addr, n in sel.runs]
+        nbytes = sum(n for _d, _s, n in moves)
+        cfg = self.config
+        threads = cfg.read_lane_count if nbytes >= cfg.read_split_bytes else 1
+        try:
+            if not src.alive():
+                raise OSError(3, f"process {src.pid} has exited")
+            copy_moves(moves, threads, peer_reader(src.pid))
+        except OSError as e:
+            if landing is not None:
+                self.release_landing(landing)
+            self.events.error("err")
+            raise TransferError(
+                f"reading {nbytes} bytes of {len(tensors)} tensor(s) out of sender process "
+                f"{src.pid} failed ({e}); it has probably exited. Sync again from a live "
+                "sender") from e
+        except BaseException:
+            if landing is not None:
+                self.release_landing(landing)
+            raise
+        self.events.add("source_reads")
+        self.events.add("bytes_received", nbytes)
+        if targets is not None:
+            return list(targets)
+        assert landing is not None and sel is not None
+        return self._rebuild_selected(landing, sel)
+
     # -- fetch / wait ---------------------------------------------------------------------
 
     def fetch(self, obj_id: str, meta: WireMeta, device_hint: str | None,
@@ -1004,18 +1089,25 @@ class Selection:
 
 def selection_plan(meta: WireMeta, selection: Sequence[Any]) -> Selection:
     """Plan a READ of only the selected part of each tensor (see transport.fetch_selected)."""
-    from ray_rdt_pool.layout import packed_offsets
-    from ray_rdt_pool.wire import DTYPES
-
     if len(selection) != meta.num_tensors:
         raise InvalidInputError(
             f"{len(selection)} selections for an object of {meta.num_tensors} tensors; pass "
             "one (a tuple of slices, or None) per tensor")
+    return plan_selection(meta.shapes_dtypes(), meta.tensor_offsets(), selection)
+
+
+def plan_selection(shapes_dtypes: Iterable[tuple[tuple[int, ...], str]],
+                   bases: Sequence[int], selection: Sequence[Any]) -> Selection:
+    """:func:`selection_plan` for tensors whose bytes start at ``bases`` (packed offsets
+    of a pool object, or addresses in a source process): the runs read from there."""
+    from ray_rdt_pool.layout import packed_offsets
+    from ray_rdt_pool.wire import DTYPES
+
     shapes: list[tuple[int, ...]] = []
     dtypes: list[str] = []
     rel: list[list[tuple[int, int]]] = []
     items: list[int] = []
-    for i, ((shape, dt), sel) in enumerate(zip(meta.shapes_dtypes(), selection)):
+    for i, ((shape, dt), sel) in enumerate(zip(shapes_dtypes, selection)):
         item = DTYPES[dt][1]
         out, runs = _byte_runs(i, shape, item, sel)
         shapes.append(out)
@@ -1025,7 +1117,7 @@ def selection_plan(meta: WireMeta, selection: Sequence[Any]) -> Selection:
     sizes = [sum(n for _o, n in r) for r in rel]
     offsets, total = packed_offsets(sizes, items)
     runs_out: list[tuple[int, int, int]] = []
-    for off, base, runs in zip(offsets, meta.tensor_offsets(), rel):
+    for off, base, runs in zip(offsets, bases, rel):
         pos = off
         for o, n in runs:
             runs_out.append((pos, base + o, n))

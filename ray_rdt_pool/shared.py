@@ -62,7 +62,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "HOST_INFO_VERSION", "PAGE", "CudaExport", "HostInfo", "LeaseTable", "MappedPool",
-    "NotVisibleError", "SharedHostRegion", "export_cuda_pool", "mappable_spans",
+    "NotVisibleError", "SharedHostRegion", "SourceProcess", "export_cuda_pool",
+    "mappable_spans", "peer_reader", "probe_source", "this_process",
 ]
 
 PAGE = mmap.PAGESIZE
@@ -581,3 +582,84 @@ def _open_peer_fd(pid: int, fd: int, ino: int, flags: int) -> int:
         os.close(got)
         raise OSError(f"/proc/{pid}/fd/{fd} is not the published shared pool")
     return got
+
+
+# ---------------------------------------------------------------------------------------
+# Source reads: a same-node receiver copies straight out of the sender process's memory
+# (``process_vm_readv``, the kernel's cross-memory attach, the same mechanism UCX's cma
+# transport uses). Used by the weights API's stream, which keeps the source tensors alive
+# and unchanged until every receiver acknowledged their bucket.
+# ---------------------------------------------------------------------------------------
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_libc.process_vm_readv.restype = ctypes.c_ssize_t
+_libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                                   ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+
+_probe: ctypes.Array[ctypes.c_char] | None = None
+
+
+@dataclass(frozen=True)
+class SourceProcess:
+    """Who a same-node receiver reads from: the sender's Ray node, pid and start time
+    (a pid alone may be reused), and a probe: ``len(probe)`` bytes at ``probe_addr`` in
+    the sender that a receiver reads once to learn whether the kernel lets it."""
+
+    node: str
+    pid: int
+    start: int
+    probe_addr: int
+    probe: bytes
+
+    def alive(self) -> bool:
+        return process_start(self.pid) == self.start
+
+
+def this_process(node: str) -> SourceProcess | None:
+    """This process as a source (None if its start time cannot be read). The probe is
+    16 random bytes allocated once per process and never freed."""
+    global _probe
+    start = process_start(os.getpid())
+    if start is None:
+        return None
+    if _probe is None:
+        _probe = ctypes.create_string_buffer(os.urandom(16), 16)
+    return SourceProcess(node, os.getpid(), start, ctypes.addressof(_probe), _probe.raw)
+
+
+def peer_reader(pid: int) -> Any:
+    """A ``copy(dst, src, n)`` that reads ``n`` bytes at address ``src`` of process ``pid``
+    into ``dst`` of this one. Raises OSError when the kernel refuses (the process is
+    gone, the range is not mapped there, or reading another process is not permitted),
+    so a bad address can never crash this process."""
+    readv = _libc.process_vm_readv
+
+    def copy(dst: int, src: int, n: int) -> None:
+        while n > 0:
+            local = _IoVec(dst, n)
+            remote = _IoVec(src, n)
+            got = readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+            if got <= 0:
+                err = ctypes.get_errno() if got < 0 else 0
+                raise OSError(err, f"reading {n} bytes of process {pid} at {src:#x} failed: "
+                                   f"{os.strerror(err) if err else 'nothing read'}")
+            dst, src, n = dst + got, src + got, n - got
+
+    return copy
+
+
+def probe_source(src: SourceProcess) -> bool:
+    """Whether this process may read ``src``'s memory (a read of its probe matches)."""
+    if len(src.probe) == 0 or len(src.probe) > 64 or not src.alive():
+        return False
+    buf = ctypes.create_string_buffer(len(src.probe))
+    try:
+        peer_reader(src.pid)(ctypes.addressof(buf), src.probe_addr, len(src.probe))
+    except OSError as e:
+        logger.debug("cannot read process %d's memory: %s", src.pid, e)
+        return False
+    return buf.raw == src.probe

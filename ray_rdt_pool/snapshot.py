@@ -87,6 +87,9 @@ class TransportStats:
     reads_posted: int = 0
     #: of those, READs split over several read lanes (NIXL agents) and posted concurrently
     split_reads: int = 0
+    #: receiver: buckets of a weights stream copied straight out of a same-node sender's
+    #: memory (no pool, no NIXL READ); their bytes count in ``bytes_received``
+    source_reads: int = 0
     #: receiver: objects of same-node senders mapped here whose views are alive (each
     #: holds a lease on its sender's block), and their bytes
     mapped_objects: int = 0

@@ -330,10 +330,13 @@ class _PackJob:
     another job finds this one closed later and drops it, so it never delays the caller.
     """
 
-    __slots__ = ("_active", "_closed", "_idle", "_lock", "_next", "error", "stopped", "units")
+    __slots__ = ("_active", "_closed", "_copy", "_idle", "_lock", "_next", "error", "stopped",
+                 "units")
 
-    def __init__(self, units: list[list[_Move]]) -> None:
+    def __init__(self, units: list[list[_Move]],
+                 copy: Callable[[int, int, int], Any] = _memmove) -> None:
         self.units = units
+        self._copy = copy  # memmove, or a read from another process (releases the GIL)
         self._next = 0  # index of the next unit to take
         self._lock = threading.Lock()
         self._active = 0  # helpers inside work()
@@ -346,6 +349,7 @@ class _PackJob:
         """Copy units until none is left or the job stopped (caller and helpers)."""
         units = self.units
         lock = self._lock
+        copy = self._copy
         while True:
             with lock:
                 i = self._next
@@ -353,7 +357,7 @@ class _PackJob:
                     return
                 self._next = i + 1
             for dst, src, n in units[i]:
-                _memmove(dst, src, n)  # releases the GIL: the threads copy in parallel
+                copy(dst, src, n)  # releases the GIL: the threads copy in parallel
 
     def help(self) -> None:
         """One helper's share (helper thread): never raises, failures go to ``error``."""
@@ -531,16 +535,41 @@ def _pack_threaded(tensors: Sequence[torch.Tensor], d: Described, offsets: Seque
     for span_dst, span_src, span_len in _spans(idx, nbytes, ptrs, plain, offsets, leftovers):
         moves.extend(physical(span_dst, span_src, span_len))
 
-    job = _PackJob(_pack_units(moves, _PACK_CHUNK))
-    helpers = min(threads - 1, len(job.units) - 1, _PACK_MAX_HELPERS)
-    if helpers > 0:
-        _get_pack_pool().submit(job, helpers)
-    try:
+    def materialise() -> None:
         for i in leftovers:
             # As in the one-thread path: torch materialises the logical values.
             t = tensors[i].resolve_conj().resolve_neg().contiguous()
             for dst, src, n in physical(offsets[i], t.data_ptr(), nbytes[i]):
                 _memmove(dst, src, n)
+
+    _run_moves(moves, threads, _memmove, materialise)
+
+
+def copy_moves(moves: Sequence[_Move], threads: int,
+               copy: Callable[[int, int, int], Any] = _memmove) -> None:
+    """Run ``copy(dst, src, n)`` over ``moves`` on up to ``threads`` threads (the calling
+    thread and pack helpers), cut into units of a few MiB; returns once every unit is
+    done and no helper is inside any more, and re-raises the first failure of any
+    thread. ``copy`` must release the GIL for the threads to overlap (``memmove`` and
+    ``process_vm_readv`` through ctypes do)."""
+    if threads <= 1 or len(moves) == 0:
+        for dst, src, n in moves:
+            copy(dst, src, n)
+        return
+    _run_moves(moves, threads, copy, None)
+
+
+def _run_moves(moves: Sequence[_Move], threads: int, copy: Callable[[int, int, int], Any],
+               first: Callable[[], None] | None) -> None:
+    """The threaded copy of :func:`copy_moves`; ``first`` runs on the calling thread
+    while the helpers start (the pack's torch materialisations)."""
+    job = _PackJob(_pack_units(moves, _PACK_CHUNK), copy)
+    helpers = min(threads - 1, len(job.units) - 1, _PACK_MAX_HELPERS)
+    if helpers > 0:
+        _get_pack_pool().submit(job, helpers)
+    try:
+        if first is not None:
+            first()
         job.work()
     except BaseException:
         job.stop()  # helpers finish the unit in hand and take no other

@@ -45,6 +45,8 @@ from ray_rdt_pool.wire import WireMeta, decode
 if TYPE_CHECKING:
     import torch
 
+    from ray_rdt_pool.shared import SourceProcess
+
 logger = logging.getLogger(__name__)
 
 TRANSPORT = "NIXL_POOL"
@@ -370,6 +372,7 @@ class Runtime:
             mapped_gets=c["mapped_gets"],
             reads_posted=c["reads_posted"],
             split_reads=c["split_reads"],
+            source_reads=c["source_reads"],
             mapped_objects=rc["mapped_objects"],
             mapped_bytes=rc["mapped_bytes"],
             leased_objects=l_objs,
@@ -568,6 +571,30 @@ def fetch_selected(ref: ray.ObjectRef, selection: Sequence[tuple[slice, ...] | N
         if tmeta is None:
             raise TimeoutError(f"the metadata of {ref} did not arrive within {wait}s")
     return runtime().fetch_selected(obj_id, _as_pool_meta(tmeta), selection, timeout_s)
+
+
+def source_process() -> SourceProcess | None:
+    """This process as a source of direct reads by same-node receivers (the weights
+    API's stream), or None outside a Ray worker or driver, or where ``same_node`` is
+    ``"off"``."""
+    from ray_rdt_pool.shared import this_process
+
+    node = _ray_node_id()
+    if node is None or runtime().config.same_node == "off":
+        return None
+    return this_process(node)
+
+
+def can_read_source(src: SourceProcess) -> bool:
+    """Receiver side of :func:`source_process`: see ``Receiver.can_read_source``."""
+    return runtime().receiver.can_read_source(src)
+
+
+def read_source(src: SourceProcess, tensors: Sequence[tuple[int, tuple[int, ...], str]],
+                selection: Sequence[Any] | None = None,
+                targets: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Copy tensors out of a same-node source process: see ``Receiver.read_source``."""
+    return runtime().receiver.read_source(src, tensors, selection, targets)
 
 
 def _check_selection_count(selection: Sequence[Any], n: int) -> None:
@@ -804,15 +831,18 @@ __all__ = [
     "NixlPoolTransport",
     "PoolTransportMetadata",
     "Runtime",
+    "can_read_source",
     "configure",
     "deregister_memory",
     "fetch_selected",
     "pack_as",
+    "read_source",
     "register",
     "register_memory",
     "runtime",
     "set_cuda_stream",
     "shutdown",
+    "source_process",
     "stats",
 ]
 

@@ -61,6 +61,8 @@ if TYPE_CHECKING:
     from ray import ObjectRef
     from ray.actor import ActorHandle
 
+    from ray_rdt_pool.shared import SourceProcess
+
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "RECEIVER_ATTR",
@@ -81,6 +83,7 @@ __all__ = [
     "MissingWeightsError",
     "SelectError",
     "ShapeMismatchError",
+    "SourceBucket",
     "SourceExhaustedError",
     "StaleVersionError",
     "StreamReport",
@@ -595,6 +598,27 @@ class BucketLayout:
     aliases: tuple[tuple[str, str], ...] = ()
 
 
+@dataclass(frozen=True)
+class SourceBucket:
+    """A stream bucket that same-node receivers copy straight out of the sender's
+    tensors instead of a pool object: the sender process and, per tensor of the bucket
+    (in object order), the address of its first byte there. Shapes and dtypes come from
+    the layout each receiver validated, so a receiver never reads more than the layout
+    says. The sender keeps the tensors alive and does not return from ``stream()``
+    before every receiver acknowledged the bucket."""
+
+    source: SourceProcess
+    addrs: tuple[int, ...]
+
+
+def _source_readable(tensors: Sequence[torch.Tensor], entries: Sequence[TensorEntry]) -> bool:
+    """Can receivers copy these bytes as they lie (CPU, contiguous, no lazy bit, no
+    wire-dtype conversion)? Otherwise the bucket goes through the pool."""
+    return len(tensors) == len(entries) and all(
+        t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+        and _dtype_str(t.dtype) == e.dtype for t, e in zip(tensors, entries))
+
+
 @dataclass
 class _Packed:
     spec: BucketLayout
@@ -718,6 +742,9 @@ class StreamReport:
     fallbacks: int  #: fallback registrations during the stream (0 by design)
     pool_wait_seconds: float  #: time spent waiting for the pool to free a bucket
     loads: tuple[LoadReport, ...] = ()
+    #: buckets every receiver copied straight out of the sender's tensors (same node,
+    #: ``source_reads``): no pool, no NIXL READ; the others went through the pool
+    source_read_buckets: int = 0
 
 
 @dataclass(frozen=True)
@@ -798,14 +825,17 @@ class WeightSender:
 
     def __init__(self, source: Source | None = None, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 wire_dtype: WireDtype = None) -> None:
+                 wire_dtype: WireDtype = None, source_reads: bool = True) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) \
                 or bucket_bytes <= 0:
             raise InvalidInputError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if not isinstance(source_reads, bool):
+            raise InvalidInputError(f"source_reads must be True or False, got {source_reads!r}")
         _check_wire_dtype(wire_dtype)
         self.source = source
         self.bucket_bytes = bucket_bytes
         self.wire_dtype = wire_dtype
+        self.source_reads = source_reads
         self.version = 0
         self._spent = False  # a one-shot (iterator) source was consumed
 
@@ -998,9 +1028,19 @@ class WeightSender:
         session = f"{os.getpid()}-{v}-{uuid.uuid4().hex[:8]}"
         deadline_s = float(timeout_s)
 
-        begins = [r.__ray_call__.remote(_remote_begin, receiver_attr, session, layout, v)
+        src_proc: SourceProcess | None = None
+        if self.source_reads:
+            from ray_rdt_pool.transport import source_process
+
+            src_proc = source_process()
+        begins = [r.__ray_call__.remote(_remote_begin, receiver_attr, session, layout, v,
+                                        src_proc)
                   for r in receivers]
-        skipped = _get_all(begins, deadline_s, "validating the layout on the receivers")
+        began = _get_all(begins, deadline_s, "validating the layout on the receivers")
+        skipped = [sk for sk, _ok in began]
+        # Source reads only when every receiver can: a bucket is then never packed.
+        direct = src_proc is not None and all(ok for _sk, ok in began)
+        direct_buckets = 0
 
         st0 = _stats()
         fallbacks0 = st0.fallbacks
@@ -1010,20 +1050,23 @@ class WeightSender:
         # blocks Ray has not garbage-collected yet.
         samples: list[int] = []
         held: list[tuple[str, int]] = []  # lazy: (object id, bytes) of the buckets put
-        inflight: deque[list[Any]] = deque()
+        # Per bucket in flight: the receivers' acks, and for a source-read bucket its
+        # tensors, kept alive (and so unmoved) until every receiver has copied them.
+        inflight: deque[tuple[list[Any], list[torch.Tensor] | None]] = deque()
         acked: list[list[BucketReport]] = [[] for _ in receivers]
         wait_s = 0.0
         k = 0
         try:
             while True:
                 while len(inflight) >= max_inflight:
-                    _collect(inflight.popleft(), acked, deadline_s)
+                    _collect(inflight.popleft()[0], acked, deadline_s)
                 if layout is None:
                     # Lazy: pull the next bucket's tensors only once a full bucket fits,
                     # and once Ray's RDT store let go of the source tensors of the buckets
                     # freed from the pool (Ray frees the pool blocks just before that).
-                    lim = min(capacity, used0 + max_inflight * max(bb, biggest))
-                    wait_s += _wait_for_pool(min(bb, capacity), lim, capacity, deadline_s)
+                    if not direct:
+                        lim = min(capacity, used0 + max_inflight * max(bb, biggest))
+                        wait_s += _wait_for_pool(min(bb, capacity), lim, capacity, deadline_s)
                     wait_s += _wait_for_ray_store(held, (max_inflight - 1) * max(bb, biggest),
                                                   deadline_s)
                 item = next(items, None)
@@ -1035,23 +1078,32 @@ class WeightSender:
                     assert spec is not None
                     raise _too_big(spec.bucket, capacity)
                 biggest = max(biggest, nbytes)
-                limit = min(capacity, used0 + max_inflight * max(bb, biggest))
-                wait_s += _wait_for_pool(nbytes, limit, capacity, deadline_s)
-                box = [_put_bucket(tensors, entries)]
-                if layout is None:
-                    held.append((box[0].hex(), nbytes))
-                tensors.clear()  # the pool holds the snapshot; drop the source's tensors
+                keep: list[torch.Tensor] | None = None
+                box: list[Any]
+                if direct and _source_readable(tensors, entries):
+                    assert src_proc is not None
+                    box = [SourceBucket(src_proc, tuple(t.data_ptr() for t in tensors))]
+                    keep = tensors
+                    direct_buckets += 1
+                else:
+                    limit = min(capacity, used0 + max_inflight * max(bb, biggest))
+                    wait_s += _wait_for_pool(nbytes, limit, capacity, deadline_s)
+                    box = [_put_bucket(tensors, entries)]
+                    if layout is None:
+                        held.append((box[0].hex(), nbytes))
+                    tensors.clear()  # the pool holds the snapshot; drop the source's tensors
                 del tensors
                 try:
                     samples.append(int(_stats().pool_used))
-                    inflight.append([r.__ray_call__.remote(_remote_bucket, receiver_attr,
-                                                           session, k, box, spec)
-                                     for r in receivers])
+                    inflight.append(([r.__ray_call__.remote(_remote_bucket, receiver_attr,
+                                                            session, k, box, spec)
+                                      for r in receivers], keep))
                 finally:
                     box.clear()  # the tasks hold the ref now; ours must not pin the pool
+                    del keep
                 k += 1
             while inflight:
-                _collect(inflight.popleft(), acked, deadline_s)
+                _collect(inflight.popleft()[0], acked, deadline_s)
             if layout is None or not layout.buckets:
                 skipped = _get_all(
                     [r.__ray_call__.remote(_remote_finish, receiver_attr, session, k)
@@ -1059,10 +1111,10 @@ class WeightSender:
         except BaseException as e:
             # Let the receivers finish (or fail) what they hold so every ref drains, then
             # have them drop the stream (and any bucket they hold out of order).
-            pending = [a for acks in inflight for a in acks]
+            pending = [a for acks, _keep in inflight for a in acks]
             if pending:
                 ray.wait(pending, num_returns=len(pending), timeout=deadline_s)
-                for acks in inflight:
+                for acks, _keep in inflight:
                     for i, a in enumerate(acks):
                         try:
                             acked[i].extend(ray.get(a, timeout=0))
@@ -1089,7 +1141,7 @@ class WeightSender:
             seconds=time.perf_counter() - t0, pool_capacity=capacity,
             peak_pool_used=max(samples, default=0), pool_used_samples=tuple(samples),
             fallbacks=int(_stats().fallbacks - fallbacks0), pool_wait_seconds=wait_s,
-            loads=loads)
+            loads=loads, source_read_buckets=direct_buckets)
 
 
 def _too_big(b: Bucket, capacity: int) -> PoolExhaustedError:
@@ -1238,6 +1290,8 @@ class BucketPlan:
     #: slice skips a tensor nobody takes), or None: the bucket is read whole. ``nbytes``
     #: is then the selected bytes.
     select: list[Selection | None] | None = None
+    #: the bucket's manifest entries in object order (what a source read copies)
+    entries: list[TensorEntry] = field(default_factory=list)
 
 
 @dataclass
@@ -1577,7 +1631,8 @@ class WeightReceiver:
                 if any(w is not None for w in wanted) or not all(taken):
                     select = [w if ok else _skip(e) for w, ok, e in zip(wanted, taken, entries)]
                     land = False
-            plan = BucketPlan(b.index, b.nbytes, list(dests) if land else None)  # type: ignore
+            plan = BucketPlan(b.index, b.nbytes, list(dests) if land else None,  # type: ignore
+                              entries=entries)
             if select is not None:
                 plan.select = select
                 plan.nbytes = sum(
@@ -1613,7 +1668,10 @@ class WeightReceiver:
         t0 = time.perf_counter()
         direct = plan.targets is not None
         src: list[torch.Tensor]
-        if plan.select is not None:
+        if isinstance(ref, SourceBucket):
+            got = self._read_source(plan, ref)
+            src = got
+        elif plan.select is not None:
             from ray_rdt_pool import transport
 
             got = transport.fetch_selected(ref, plan.select)
@@ -1661,6 +1719,29 @@ class WeightReceiver:
             batch.clear()
         del got, src
         return BucketReport(plan.index, plan.nbytes, direct, time.perf_counter() - t0)
+
+    @staticmethod
+    def _read_source(plan: BucketPlan, sb: SourceBucket) -> list[torch.Tensor]:
+        """Copy bucket ``plan.index`` straight out of the sender's tensors: into the
+        destination tensors when it lands directly, else into the receive arena (only
+        the selected part of each tensor with ``select``)."""
+        from ray_rdt_pool.transport import read_source
+
+        entries = plan.entries
+        if len(sb.addrs) != len(entries):
+            raise WeightSyncError(
+                f"bucket {plan.index} arrived with {len(sb.addrs)} source addresses for "
+                f"{len(entries)} tensors; the sender and this receiver disagree on the layout")
+        tensors = [(a, e.shape, e.dtype) for a, e in zip(sb.addrs, entries)]
+        return read_source(sb.source, tensors, plan.select, plan.targets)
+
+    def can_read_source(self, source: SourceProcess) -> bool:
+        """Whether this receiver can copy stream buckets straight out of ``source`` (the
+        sender's process): same Ray node, ``same_node`` not ``"off"`` here, and the
+        kernel lets it read that process (see docs/weight-sync.md)."""
+        from ray_rdt_pool.transport import can_read_source
+
+        return can_read_source(source)
 
     def load(self, manifest: Manifest, *, release: bool = True) -> LoadReport:
         """Validate, then load every bucket of ``manifest`` in order, in place.
@@ -1875,8 +1956,11 @@ def _find(actor: Any, attr: str, cls: type) -> Any:
 
 
 def _remote_begin(actor: Any, attr: str, session: str, layout: WeightLayout | None,
-                  version: int) -> int:
-    return _find(actor, attr, WeightReceiver).begin_stream(session, layout, version)
+                  version: int, source: SourceProcess | None = None) -> tuple[int, bool]:
+    """Begin a stream on a receiver: (tensors it skips, whether it can read ``source``)."""
+    rec = _find(actor, attr, WeightReceiver)
+    skipped = rec.begin_stream(session, layout, version)
+    return skipped, source is not None and rec.can_read_source(source)
 
 
 def _remote_bucket(actor: Any, attr: str, session: str, k: int, box: list[ObjectRef],
