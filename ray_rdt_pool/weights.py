@@ -1059,7 +1059,7 @@ class WeightSender:
         try:
             while True:
                 while len(inflight) >= max_inflight:
-                    _collect(inflight.popleft()[0], acked, deadline_s)
+                    _retire(inflight, acked, deadline_s)
                 if layout is None:
                     # Lazy: pull the next bucket's tensors only once a full bucket fits,
                     # and once Ray's RDT store let go of the source tensors of the buckets
@@ -1103,7 +1103,7 @@ class WeightSender:
                     del keep
                 k += 1
             while inflight:
-                _collect(inflight.popleft()[0], acked, deadline_s)
+                _retire(inflight, acked, deadline_s)
             if layout is None or not layout.buckets:
                 skipped = _get_all(
                     [r.__ray_call__.remote(_remote_finish, receiver_attr, session, k)
@@ -1188,6 +1188,18 @@ def _collect(acks: list[Any], acked: list[list[BucketReport]], timeout_s: float)
     ray.wait(acks, num_returns=len(acks), timeout=timeout_s)
     for i, reps in enumerate(_get_all(acks, timeout_s, "waiting for receivers to load a bucket")):
         acked[i].extend(reps)  # a receiver may load buckets that arrived early with this one
+
+
+def _retire(inflight: deque[tuple[list[Any], list[torch.Tensor] | None]],
+            acked: list[list[BucketReport]], timeout_s: float) -> None:
+    """Wait for the oldest bucket in flight on every receiver, then drop it. Its acks are
+    collected before it leaves ``inflight``: a source-read bucket's tensors must outlive
+    the receivers' reads. The list is emptied, not just dropped, since the lazy bucket
+    iterator still refers to it until it has made the next bucket's tensors."""
+    _collect(inflight[0][0], acked, timeout_s)
+    _acks, kept = inflight.popleft()
+    if kept is not None:
+        kept.clear()
 
 
 def _wait_for_pool(nbytes: int, limit: int, capacity: int, timeout_s: float) -> float:

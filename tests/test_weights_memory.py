@@ -90,7 +90,7 @@ def _setup(node: Any) -> None:
 
 
 def _stream_measured(node: Any, receivers: list[Any], lazy: bool, version: int,
-                     max_inflight: int) -> dict[str, Any]:
+                     max_inflight: int, source_reads: bool = True) -> dict[str, Any]:
     """Stream the model from a just-in-time source; return the RSS figures."""
     samples: list[int] = []
     stop = threading.Event()
@@ -110,7 +110,7 @@ def _stream_measured(node: Any, receivers: list[Any], lazy: bool, version: int,
             return just_in_time()
         return {name: p.clone() for name, p in node.model.items()}  # all at once
 
-    sender = WeightSender(source, bucket_bytes=BUCKET)
+    sender = WeightSender(source, bucket_bytes=BUCKET, source_reads=source_reads)
     thread = threading.Thread(target=sampler, daemon=True)
     base = rss()
     thread.start()
@@ -122,7 +122,7 @@ def _stream_measured(node: Any, receivers: list[Any], lazy: bool, version: int,
     samples.append(rss())
     return {"base": base, "peak": max(samples), "samples": len(samples),
             "buckets": rep.buckets, "peak_pool": rep.peak_pool_used,
-            "fallbacks": rep.fallbacks}
+            "fallbacks": rep.fallbacks, "source_read": rep.source_read_buckets}
 
 
 def _check_received(node: Any) -> bool:
@@ -133,16 +133,21 @@ def _check_received(node: Any) -> bool:
 VERSION = iter(range(1, 1000))
 
 
+@pytest.mark.parametrize("source_reads", [True, False], ids=["source-reads", "pool"])
 @pytest.mark.parametrize("max_inflight", [1, 2])
-def test_lazy_source_peak_rss(actors: dict[str, Any], max_inflight: int) -> None:
+def test_lazy_source_peak_rss(actors: dict[str, Any], max_inflight: int,
+                              source_reads: bool) -> None:
     """Peak RSS growth of the trainer during a lazy stream: at most ``max_inflight``
-    buckets plus one tensor (one bucket plus one tensor with ``max_inflight=1``)."""
+    buckets plus one tensor (one bucket plus one tensor with ``max_inflight=1``), whether
+    the receiver (on the trainer's node) reads the source tensors themselves until each
+    bucket is acknowledged, or the buckets go through the pool."""
     tr, r1 = actors["trainer"], actors["r1"]
+    args = (max_inflight, source_reads)
     for _ in range(2):  # warm-up: agents, pool, arena, registrations, Ray's first calls
-        call(tr, _stream_measured, [r1], True, next(VERSION), max_inflight)
-    lazy = [call(tr, _stream_measured, [r1], True, next(VERSION), max_inflight)
+        call(tr, _stream_measured, [r1], True, next(VERSION), *args)
+    lazy = [call(tr, _stream_measured, [r1], True, next(VERSION), *args)
             for _ in range(3)]
-    eager = call(tr, _stream_measured, [r1], False, next(VERSION), max_inflight)
+    eager = call(tr, _stream_measured, [r1], False, next(VERSION), *args)
     assert call(r1, _check_received)
     bound = max_inflight * BUCKET + TENSOR + MARGIN
     growth = [m["peak"] - m["base"] for m in lazy]
@@ -154,6 +159,8 @@ def test_lazy_source_peak_rss(actors: dict[str, Any], max_inflight: int) -> None
           f"{lazy[0]['samples']} samples, peak pool {lazy[0]['peak_pool'] / MIB:.2f} MiB")
     for m in lazy:
         assert m["fallbacks"] == 0 and m["buckets"] == N_TENSORS * TENSOR // BUCKET
+        assert m["source_read"] == (m["buckets"] if source_reads else 0)
+        assert (m["peak_pool"] == 0) == source_reads
         assert m["samples"] > N_TENSORS
     # A transport that holds more than it should holds it in every stream; the process's
     # other allocations (Ray's task traffic) now and then push one stream past the margin
