@@ -1,0 +1,392 @@
+"""Source reads: a weights stream whose receivers share the trainer's Ray node copies each
+bucket straight out of the trainer's tensors (``process_vm_readv``), with no pool copy and
+no NIXL READ.
+
+What is promised (docs/weight-sync.md, "Source reads"): the bytes are exact; the trainer
+keeps a bucket's tensors alive until every receiver has acknowledged it, and does not
+return before; a bucket that cannot be read as it lies (a strided view, a wire-dtype
+conversion) and every bucket of a stream with any receiver that cannot read the trainer
+(another node, ``same_node="off"``, a kernel that forbids it) go through the pool as
+before; a read of a process that is gone is a typed ``TransferError``, never a crash, and
+leaks no arena block.
+
+The first group needs no Ray: the reader against a forked child process, and the
+receiver runtime (with the fake NIXL of tests.fakenixl, which this path never calls)
+reading this process. The Ray group shares one cluster.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from ray import cloudpickle
+
+import ray_rdt_pool
+from ray_rdt_pool.config import PoolConfig
+from ray_rdt_pool.errors import InvalidInputError, TransferError
+from ray_rdt_pool.shared import SourceProcess, peer_reader, probe_source, this_process
+from ray_rdt_pool.tensors import copy_moves
+from ray_rdt_pool.transport import Runtime
+from ray_rdt_pool.weights import WeightReceiver, WeightSender, plan_layout, sync
+from tests.fakenixl import World
+from tests.raycluster import actor_cluster, call, wait_drained
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _dt(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _spec(*ts: torch.Tensor) -> list[tuple[int, tuple[int, ...], str]]:
+    return [(t.data_ptr(), tuple(t.shape), _dt(t)) for t in ts]
+
+
+# ---------------------------------------------------------------------------------------
+# No Ray
+# ---------------------------------------------------------------------------------------
+
+
+def test_peer_reader_reads_another_process_and_fails_cleanly() -> None:
+    data = os.urandom(1 << 20)
+    r, w = os.pipe()
+    r2, w2 = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: hold the bytes until told to exit
+        try:
+            buf = ctypes.create_string_buffer(data, len(data))
+            os.write(w, ctypes.addressof(buf).to_bytes(8, "little"))
+            os.read(r2, 1)
+        finally:
+            os._exit(0)
+    try:
+        addr = int.from_bytes(os.read(r, 8), "little")
+        out = ctypes.create_string_buffer(len(data))
+        read = peer_reader(pid)
+        copy_moves([(ctypes.addressof(out), addr, len(data))], 1, read)
+        assert out.raw == data
+        # a range not mapped in the child: an OSError, no crash
+        with pytest.raises(OSError):
+            read(ctypes.addressof(out), 8, 4096)
+    finally:
+        os.write(w2, b"x")
+        os.waitpid(pid, 0)
+    with pytest.raises(OSError):  # the child is gone
+        peer_reader(pid)(ctypes.addressof(out), addr, 16)
+
+
+def test_probe_accepts_only_the_published_bytes() -> None:
+    me = this_process("node-a")
+    assert me is not None and me.alive() and probe_source(me)
+    assert not probe_source(SourceProcess("node-a", me.pid, me.start, me.probe_addr,
+                                          bytes(16)))  # other bytes at that address
+    assert not probe_source(SourceProcess("node-a", me.pid, me.start + 1, me.probe_addr,
+                                          me.probe))  # the pid of another process
+    assert not probe_source(SourceProcess("node-a", me.pid, me.start, me.probe_addr, b""))
+
+
+def test_copy_moves_on_threads_copies_everything_and_reraises() -> None:
+    src = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    seen: set[str] = set()
+
+    def copy(d: int, s: int, n: int) -> None:
+        seen.add(threading.current_thread().name)
+        ctypes.memmove(d, s, n)
+
+    step = 3 << 20  # moves of odd sizes, cut into units by copy_moves
+    moves = [(dst.data_ptr() + o, src.data_ptr() + o, min(step, src.numel() - o))
+             for o in range(0, src.numel(), step)]
+    copy_moves(moves, 2, copy)
+    assert torch.equal(dst, src)
+    assert len(seen) == 2  # the caller and one helper
+
+    calls = 0
+
+    def failing(d: int, s: int, n: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise OSError(14, "bad address")
+        ctypes.memmove(d, s, n)
+
+    with pytest.raises(OSError, match="bad address"):
+        copy_moves(moves, 2, failing)
+
+
+@pytest.fixture()
+def receiver() -> Iterator[Runtime]:
+    rt = Runtime(PoolConfig(pool_bytes=1 << 20, arena_bytes=4 << 20, metrics=False,
+                            read_split_bytes=1 << 20),
+                 backend_factory=World().factory, directory=World(), node_id=lambda: "n1")
+    yield rt
+    rt.shutdown()
+
+
+def test_receiver_reads_whole_selected_and_into_targets(receiver: Runtime) -> None:
+    rt = receiver
+    me = this_process("n1")
+    assert me is not None and rt.receiver.can_read_source(me)
+    a, b, c = torch.randn(300, 40), torch.arange(1000), torch.tensor(3.5)
+    big = torch.randn(1 << 19)  # 2 MiB: split over two threads (read_split_bytes 1 MiB)
+    out = rt.receiver.read_source(me, _spec(a, b, c, big))
+    assert all(torch.equal(x, y) for x, y in zip(out, (a, b, c, big)))
+    assert rt.stats().arena_used > 0 and rt.stats().source_reads == 1
+    assert rt.stats().bytes_received == a.nbytes + b.nbytes + c.nbytes + big.nbytes
+    del out
+    gc.collect()
+    rt.receiver._drain_locked()
+    assert rt.stats().arena_used == 0  # the block returned with its views
+
+    sel = [(slice(10, 20), slice(5, 9)), (slice(100, 200),), None, (slice(0, 0),)]
+    out = rt.receiver.read_source(me, _spec(a, b, c, big), sel)
+    assert torch.equal(out[0], a[10:20, 5:9]) and torch.equal(out[1], b[100:200])
+    assert torch.equal(out[2], c) and out[3].numel() == 0
+    assert rt.stats().bytes_received - (a.nbytes + b.nbytes + c.nbytes + big.nbytes) == (
+        10 * 4 * 4 + 100 * 8 + 4)
+    del out
+
+    targets = [torch.empty_like(a), torch.empty_like(b), torch.empty_like(c)]
+    got = rt.receiver.read_source(me, _spec(a, b, c), targets=targets)
+    assert all(g is t for g, t in zip(got, targets))
+    assert all(torch.equal(x, y) for x, y in zip(targets, (a, b, c)))
+
+
+def test_receiver_refuses_bad_targets_and_dead_sources(receiver: Runtime) -> None:
+    rt = receiver
+    me = this_process("n1")
+    assert me is not None
+    a = torch.randn(64, 64)
+    with pytest.raises(InvalidInputError, match="cannot hold"):
+        rt.receiver.read_source(me, _spec(a), targets=[torch.empty(64, 63)])
+    with pytest.raises(InvalidInputError, match="cannot hold"):
+        rt.receiver.read_source(me, _spec(a), targets=[torch.empty(64, 64).t()])
+    gone = SourceProcess("n1", me.pid, me.start + 1, me.probe_addr, me.probe)
+    errors = rt.stats().transfer_errors
+    with pytest.raises(TransferError, match="has probably exited"):
+        rt.receiver.read_source(gone, _spec(a))
+    assert rt.stats().transfer_errors == errors + 1
+    rt.receiver._drain_locked()
+    assert rt.stats().arena_used == 0 and rt.stats().source_reads == 0  # nothing leaked
+    # a bad address inside a live source: the kernel refuses, still a typed error
+    with pytest.raises(TransferError):
+        rt.receiver.read_source(me, [(8, (1024,), "float32")])
+    rt.receiver._drain_locked()
+    assert rt.stats().arena_used == 0
+
+
+def test_who_may_read_a_source() -> None:
+    me = this_process("n1")
+    assert me is not None
+    for node, same_node, ok in (("n1", "map", True), ("n1", "copy", True),
+                                ("n1", "off", False), ("n2", "map", False)):
+        rt = Runtime(PoolConfig(pool_bytes=1 << 20, arena_bytes=1 << 20, metrics=False,
+                                same_node=same_node),
+                     backend_factory=World().factory, directory=World(),
+                     node_id=lambda n=node: n)  # type: ignore[misc]
+        assert rt.receiver.can_read_source(me) is ok, (node, same_node)
+        rt.shutdown()
+
+
+def test_sender_option_is_checked() -> None:
+    with pytest.raises(InvalidInputError, match="source_reads"):
+        WeightSender({}, source_reads=1)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------
+# Real Ray and NIXL: one node
+# ---------------------------------------------------------------------------------------
+
+ENV = {"RAY_RDT_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "8M",
+       "RAY_RDT_POOL_METRICS": "0"}
+BUCKET = 64 << 10
+
+
+def make_state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"w{i}": torch.randn(96, 64 + i, generator=g) for i in range(12)} | {
+        "ids": torch.randint(0, 1 << 40, (5000,), generator=g)}
+
+
+@pytest.fixture(scope="module")
+def actors() -> Iterator[dict[str, Any]]:
+    import ray
+
+    ray_rdt_pool.register()
+
+    @ray.remote(enable_tensor_transport=True)
+    class Node:
+        def __init__(self) -> None:
+            torch.set_num_threads(1)
+
+    threaded = ray.remote(enable_tensor_transport=True, max_concurrency=4)(
+        Node.__ray_metadata__.modified_class)
+    off = Node.options(runtime_env={"env_vars": {"RAY_RDT_POOL_SAME_NODE": "off"}})
+    with actor_cluster(ENV, {"trainer": Node, "r1": Node, "r2": threaded, "off": off},
+                       setup_hook=True) as nodes:
+        yield nodes
+
+
+def _set_sender(node: Any, seed: int, lazy: bool = False, **opts: Any) -> None:
+    node.state = make_state(seed)
+    if lazy:  # new tensors made just in time, dropped by the sender after their bucket
+        src: Any = lambda: ((k, v.clone()) for k, v in node.state.items())  # noqa: E731
+    else:
+        src = node.state
+    node.weight_sender = WeightSender(src, bucket_bytes=BUCKET, **opts)
+
+
+def _set_receiver(node: Any, seed: int, **opts: Any) -> None:
+    node.state = make_state(seed)
+    node.weight_receiver = WeightReceiver(node.state, **opts)
+
+
+def _state(node: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in node.state.items()}
+
+
+def _stats(node: Any) -> Any:
+    return ray_rdt_pool.stats()
+
+
+def _mutate(node: Any) -> None:
+    with torch.no_grad():
+        for v in node.state.values():
+            v.add_(1)
+
+
+def assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("lazy", [False, True], ids=["mapping", "lazy"])
+def test_stream_reads_the_trainers_tensors(actors: dict[str, Any], lazy: bool) -> None:
+    tr, r1, r2 = actors["trainer"], actors["r1"], actors["r2"]
+    call(tr, _set_sender, 1, lazy)
+    for r in (r1, r2):
+        call(r, _set_receiver, 2)
+    before = {n: call(a, _stats) for n, a in (("tr", tr), ("r1", r1), ("r2", r2))}
+    for _step in range(3):
+        rep = sync(tr, [r1, r2], mode="stream", max_inflight=2)
+        assert rep.stream is not None
+        assert rep.stream.source_read_buckets == rep.buckets > 3
+        assert rep.stream.peak_pool_used == 0
+        want = call(tr, _state)
+        assert_equal(call(r1, _state), want)
+        assert_equal(call(r2, _state), want)  # threaded: buckets may arrive out of order
+        call(tr, _mutate)  # the next step's weights; stream() returned, so this is safe
+    after = {n: call(a, _stats) for n, a in (("tr", tr), ("r1", r1), ("r2", r2))}
+    assert after["tr"].objects_put == before["tr"].objects_put  # nothing was packed
+    for n in ("r1", "r2"):
+        assert after[n].source_reads - before[n].source_reads == 3 * rep.buckets
+        assert after[n].reads_posted == before[n].reads_posted
+        assert after[n].mapped_gets == before[n].mapped_gets
+        assert after[n].arena_used == 0
+    wait_drained(tr)
+
+
+@pytest.mark.ray
+def test_stream_falls_back_to_the_pool(actors: dict[str, Any]) -> None:
+    tr, r1, off = actors["trainer"], actors["r1"], actors["off"]
+    # the sender turned it off
+    call(tr, _set_sender, 3, source_reads=False)
+    call(r1, _set_receiver, 4)
+    mapped = call(r1, _stats).mapped_gets
+    rep = sync(tr, [r1], mode="stream")
+    assert rep.stream is not None and rep.stream.source_read_buckets == 0
+    assert call(r1, _stats).mapped_gets - mapped == rep.buckets
+    assert_equal(call(r1, _state), call(tr, _state))
+    # one receiver with same_node="off": every bucket goes through the pool, for both
+    call(tr, _set_sender, 5)
+    call(r1, _set_receiver, 6)
+    call(off, _set_receiver, 6)
+    rep = sync(tr, [r1, off], mode="stream")
+    assert rep.stream is not None and rep.stream.source_read_buckets == 0
+    assert call(off, _stats).source_reads == 0 and call(off, _stats).reads_posted > 0
+    want = call(tr, _state)
+    assert_equal(call(r1, _state), want)
+    assert_equal(call(off, _state), want)
+    wait_drained(tr)
+
+
+def _set_mixed_sender(node: Any) -> None:
+    node.state = make_state(7)
+    node.state["w3"] = torch.randn(64, 96).t()  # a strided view: packed, not read as it lies
+    node.weight_sender = WeightSender(node.state, bucket_bytes=BUCKET)
+
+
+def _set_mixed_receiver(node: Any) -> None:
+    node.state = make_state(8)
+    node.state["w3"] = torch.zeros(96, 64)
+    node.weight_receiver = WeightReceiver(node.state)
+
+
+@pytest.mark.ray
+def test_only_buckets_that_lie_as_sent_are_read_in_place(actors: dict[str, Any]) -> None:
+    tr, r1 = actors["trainer"], actors["r1"]
+    call(tr, _set_mixed_sender)
+    call(r1, _set_mixed_receiver)
+    rep = sync(tr, [r1], mode="stream")
+    assert rep.stream is not None and rep.stream.source_read_buckets == rep.buckets - 1
+    assert_equal(call(r1, _state), call(tr, _state))
+    # a wire dtype converts in the pack: the buckets it converts go through the pool,
+    # the one of integers only (sent as they are) is read in place
+    call(tr, _set_sender, 9, wire_dtype=torch.bfloat16)
+    call(r1, _set_receiver, 10)
+    layout, _groups = plan_layout(make_state(9), BUCKET, torch.bfloat16)
+    as_is = {b.index for b in layout.buckets} - {
+        e.bucket for e in layout.entries if e.dtype == "bfloat16"}
+    assert 0 < len(as_is) < len(layout.buckets)
+    rep = sync(tr, [r1], mode="stream")
+    assert rep.stream is not None and rep.stream.source_read_buckets == len(as_is)
+    want = {k: v.to(torch.bfloat16).to(v.dtype) if v.is_floating_point() else v
+            for k, v in call(tr, _state).items()}
+    assert_equal(call(r1, _state), want)
+    wait_drained(tr)
+
+
+def _set_loader_receiver(node: Any) -> None:
+    node.loaded = {}
+
+    def load_weights(batch: Any) -> None:
+        for name, t in batch:
+            node.loaded[name] = t.clone()
+
+    def select(name: str, shape: tuple[int, ...]) -> Any:
+        if name == "ids":
+            return (slice(1000, 3000),)
+        return (slice(0, shape[0] // 2), slice(8, 40))  # rows and columns: strided runs
+
+    node.weight_receiver = WeightReceiver(load_weights=load_weights, select=select)
+
+
+def _loaded(node: Any) -> dict[str, torch.Tensor]:
+    return dict(node.loaded)
+
+
+@pytest.mark.ray
+def test_selected_parts_go_to_the_loader(actors: dict[str, Any]) -> None:
+    tr, r1 = actors["trainer"], actors["r1"]
+    call(tr, _set_sender, 11)
+    call(r1, _set_loader_receiver)
+    received = call(r1, _stats).bytes_received
+    rep = sync(tr, [r1], mode="stream")
+    assert rep.stream is not None and rep.stream.source_read_buckets == rep.buckets
+    state = call(tr, _state)
+    want = {k: v[1000:3000] if k == "ids" else v[: v.shape[0] // 2, 8:40]
+            for k, v in state.items()}
+    assert_equal(call(r1, _loaded), want)
+    assert call(r1, _stats).bytes_received - received == sum(v.nbytes for v in want.values())
+    assert call(r1, _stats).arena_used == 0  # the loader's views were the arena's
+    wait_drained(tr)
