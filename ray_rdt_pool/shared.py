@@ -37,6 +37,13 @@ opens it once (:class:`MappedPool` ``.cuda``) and copies each object out of it, 
 device, under a lease held only for the copy: IPC memory cannot be mapped copy-on-write,
 so views of it would not be private.
 
+Source reads. The weights API's stream may skip the pool when its receivers share the
+sender's node: a receiver copies a bucket straight out of the sender process
+(``process_vm_readv``) through :func:`peer_reader`, after :func:`probe_source` showed it
+may. Nothing here owns the tensors read: the stream keeps them alive until every receiver
+acknowledged their bucket. The 16-byte probe (:func:`this_process`) is allocated once per
+process and never freed.
+
 Threads: the sender's lease checks run on ``_ray_system`` (``garbage_collect``) and on
 the progress thread; a receiver changes its row only under its receiver lock.
 Imports no torch, Ray or NIXL at module level.

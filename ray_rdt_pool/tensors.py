@@ -532,7 +532,8 @@ def _pack_threaded(tensors: Sequence[torch.Tensor], d: Described, offsets: Seque
 
     moves: list[_Move] = []
     leftovers: list[int] = []
-    for span_dst, span_src, span_len in _spans(idx, nbytes, ptrs, plain, offsets, leftovers):
+    for span_dst, span_src, span_len in _all_spans(idx, nbytes, ptrs, plain, offsets,
+                                                   leftovers):
         moves.extend(physical(span_dst, span_src, span_len))
 
     def materialise() -> None:
@@ -607,6 +608,52 @@ def _spans(idx: Iterable[int], nbytes: Sequence[int], ptrs: Sequence[int],
         yield span_dst, span_src, span_len
 
 
+#: Objects with at least this many tensors find their spans with numpy (one pass over
+#: arrays) rather than a Python step per tensor; below it numpy's fixed cost is larger.
+_VECTOR_SPANS = 256
+
+
+def _span_lists(idx: Sequence[int] | None, nbytes: Sequence[int], ptrs: Sequence[int],
+                plain: Sequence[bool], offsets: Sequence[int], leftovers: list[int]
+                ) -> tuple[list[int], list[int], list[int]]:
+    """:func:`_spans` as three lists (packed offsets, source addresses, lengths), found
+    with numpy: the same spans in the same order (tests/test_pack.py holds it)."""
+    import numpy as np
+
+    nb = np.array(nbytes, dtype=np.int64)
+    src = np.array(ptrs, dtype=np.int64)
+    dst = np.array(offsets, dtype=np.int64)
+    ok = np.array(plain, dtype=np.bool_)
+    pos = np.arange(len(nb)) if idx is None else np.array(idx, dtype=np.int64)
+    if idx is not None:
+        nb, src, dst, ok = nb[pos], src[pos], dst[pos], ok[pos]
+    some = nb > 0
+    leftovers.extend(pos[some & ~ok].tolist())
+    keep = some & ok
+    nb, src, dst = nb[keep], src[keep], dst[keep]
+    if not len(nb):
+        return [], [], []
+    joins = np.zeros(len(nb), dtype=np.bool_)
+    ends = nb[:-1]
+    joins[1:] = (src[1:] == src[:-1] + ends) & (dst[1:] == dst[:-1] + ends)
+    starts = np.flatnonzero(~joins)
+    return (dst[starts].tolist(), src[starts].tolist(),
+            np.add.reduceat(nb, starts).tolist())
+
+
+def _all_spans(idx: Sequence[int] | None, nbytes: Sequence[int], ptrs: Sequence[int],
+               plain: Sequence[bool], offsets: Sequence[int], leftovers: list[int]
+               ) -> Iterable[tuple[int, int, int]]:
+    """The spans of a pack, by :func:`_span_lists` for many tensors, else :func:`_spans`."""
+    if isinstance(idx, range) and idx == range(len(nbytes)):
+        idx = None
+    n = len(nbytes) if idx is None else len(idx)
+    if n >= _VECTOR_SPANS:
+        return zip(*_span_lists(idx, nbytes, ptrs, plain, offsets, leftovers))
+    return _spans(range(len(nbytes)) if idx is None else idx, nbytes, ptrs, plain, offsets,
+                  leftovers)
+
+
 def pack_into(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[int],
               blocks: Sequence[tuple[int, int]], region: HostRegion,
               which: Sequence[int] | None = None, *, threads: int = 1,
@@ -647,9 +694,14 @@ def pack_into(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[i
             _memmove(base + phys, src, m)
             src += m
 
-    for span_dst, span_src, span_len in _spans(range(len(nbytes)) if which is None else which,
-                                               nbytes, ptrs, plain, offsets, leftovers):
-        move(span_dst, span_src, span_len)
+    spans = _all_spans(which, nbytes, ptrs, plain, offsets, leftovers)
+    if bmap is None:
+        at = base + b0
+        for span_dst, span_src, span_len in spans:
+            _memmove(at + span_dst, span_src, span_len)
+    else:
+        for span_dst, span_src, span_len in spans:
+            move(span_dst, span_src, span_len)
 
     for i in leftovers:
         # Strided, conjugated or negated views: let torch materialise the logical

@@ -12,7 +12,11 @@ one actor to many, on top of the ``nixl_pool`` transport. See docs/weight-sync.m
   any number of receivers may load. :meth:`WeightSender.stream` instead drives the
   receivers bucket by bucket with at most ``max_inflight`` buckets outstanding, and
   never puts a bucket before the pool has room for it, so a model larger than the pool
-  syncs with bounded sender memory and no fallback registrations. ``wire_dtype`` sends
+  syncs with bounded sender memory and no fallback registrations. When every receiver
+  shares the trainer's Ray node, a stream sends buckets as :class:`SourceBucket`
+  addresses instead, and the receivers copy them straight out of the trainer's tensors
+  (``source_reads``; the tensors are kept until every receiver acknowledged their
+  bucket, and ``stream()`` returns only after that). ``wire_dtype`` sends
   tensors in another dtype (e.g. fp32 as bf16), converted by the pack copy itself
   (``transport.pack_as``).
 * **Receiver** (inside an inference actor): :class:`WeightReceiver` (or the one-shot
@@ -816,9 +820,14 @@ class WeightSender:
             cast to their destination dtypes. A conversion down the casting order
             (float -> int, complex -> real) raises :class:`WireDtypeError` before the
             bucket is put. A tied tensor is sent once, as its first name decides.
+        source_reads: Let :meth:`stream` skip the pool when every receiver runs on this
+            Ray node and may read this process: each receiver then copies the buckets
+            straight out of the source tensors, which must not change while ``stream()``
+            runs (see docs/weight-sync.md, "Source reads"). ``False``: always the pool.
 
-    Each publish or stream snapshots the state (the pool copy is made at ``ray.put``),
-    so the trainer may keep training as soon as the call returns. ``version`` is the
+    Each publish snapshots the state (the pool copy is made at ``ray.put``), and a stream
+    returns only after every receiver loaded every bucket, so either way the trainer may
+    keep training as soon as the call returns. ``version`` is the
     version of the last successful publish or stream (0 before any); a call without
     ``version=`` uses ``version + 1``.
     """
@@ -982,6 +991,12 @@ class WeightSender:
         without room, so there is no fallback registration. With ``max_inflight >= 2``
         packing bucket ``k+1`` overlaps the receivers' reads of bucket ``k``;
         ``max_inflight=1`` serialises them (no pipelining).
+
+        Source reads (``source_reads=True`` and every receiver on this Ray node, able to
+        read this process): a bucket whose tensors lie as they are sent is not put at
+        all; the receivers get its tensors' addresses and copy them out of this process,
+        and the tensors are kept until every receiver acknowledged the bucket. Other
+        buckets of the stream go through the pool as above.
 
         Raises ``PoolExhaustedError`` if a bucket cannot fit the pool at all (up front
         for a module or mapping, at that bucket for a lazy source),
@@ -1392,6 +1407,8 @@ class _Stream:
         default_factory=dict)
     failed: str | None = None
     draining: bool = False
+    #: the sender process this receiver accepted source-read buckets from, if any
+    source: SourceProcess | None = None
 
 
 class WeightReceiver:
@@ -1674,13 +1691,18 @@ class WeightReceiver:
 
     # -- loading --
 
-    def _load_bucket(self, plan: BucketPlan, ref: ObjectRef) -> BucketReport:
+    def _load_bucket(self, plan: BucketPlan, ref: ObjectRef | SourceBucket,
+                     source: SourceProcess | None = None) -> BucketReport:
         import ray
 
         t0 = time.perf_counter()
         direct = plan.targets is not None
         src: list[torch.Tensor]
         if isinstance(ref, SourceBucket):
+            if source is None or ref.source != source:
+                raise WeightSyncError(
+                    f"bucket {plan.index} names a source process this receiver did not "
+                    "accept for the stream; only WeightSender.stream sends such buckets")
             got = self._read_source(plan, ref)
             src = got
         elif plan.select is not None:
@@ -1746,6 +1768,18 @@ class WeightReceiver:
                 f"{len(entries)} tensors; the sender and this receiver disagree on the layout")
         tensors = [(a, e.shape, e.dtype) for a, e in zip(sb.addrs, entries)]
         return read_source(sb.source, tensors, plan.select, plan.targets)
+
+    def accept_source(self, session: str, source: SourceProcess) -> bool:
+        """For stream ``session`` (just begun): accept buckets read straight out of
+        ``source`` if :meth:`can_read_source`; buckets naming any other process are
+        refused."""
+        ok = self.can_read_source(source)
+        with self._state:
+            st = self._stream
+            if st is None or st.session != session:
+                return False
+            st.source = source if ok else None
+        return ok
 
     def can_read_source(self, source: SourceProcess) -> bool:
         """Whether this receiver can copy stream buckets straight out of ``source`` (the
@@ -1894,10 +1928,11 @@ class WeightReceiver:
             if done:
                 self._commit(st.version)
 
-    def _stream_one(self, st: _Stream, k: int, ref: ObjectRef, spec: BucketLayout | None
+    def _stream_one(self, st: _Stream, k: int, ref: ObjectRef | SourceBucket,
+                    spec: BucketLayout | None
                     ) -> BucketReport:
         if st.plan is not None:
-            return self._load_bucket(st.plan.buckets[k], ref)
+            return self._load_bucket(st.plan.buckets[k], ref, st.source)
         assert spec is not None
         if spec.bucket.index != k:
             raise WeightSyncError(f"bucket {k} arrived with the layout of bucket "
@@ -1912,7 +1947,8 @@ class WeightReceiver:
         self._raise(problems, f"bucket {k} was not written; bucket(s) {_ranges(range(k))} "
                               f"were, and the version stays {self._version}")
         layout = WeightLayout(spec.entries, (spec.bucket,), spec.aliases)
-        rep = self._load_bucket(self._plan_buckets(layout, resolved, selections)[0], ref)
+        rep = self._load_bucket(self._plan_buckets(layout, resolved, selections)[0], ref,
+                                st.source)
         st.claimed, st.skipped = claimed, st.skipped + skipped
         return rep
 
@@ -1972,7 +2008,7 @@ def _remote_begin(actor: Any, attr: str, session: str, layout: WeightLayout | No
     """Begin a stream on a receiver: (tensors it skips, whether it can read ``source``)."""
     rec = _find(actor, attr, WeightReceiver)
     skipped = rec.begin_stream(session, layout, version)
-    return skipped, source is not None and rec.can_read_source(source)
+    return skipped, source is not None and rec.accept_source(session, source)
 
 
 def _remote_bucket(actor: Any, attr: str, session: str, k: int, box: list[ObjectRef],

@@ -308,6 +308,60 @@ def test_units_cover_every_move_once(moves: list[tuple[int, int]], chunk: int) -
     assert next(it, None) is None
 
 
+@RELAXED
+@given(items=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 64), st.booleans(),
+                                st.integers(0, 2)), max_size=60),
+       data=st.data())
+def test_vector_spans_equal_the_per_tensor_walk(items: list[tuple[int, int, bool, int]],
+                                                 data: Any) -> None:
+    """The numpy span finder (objects of many tensors) gives the one-by-one walk's spans
+    and leftovers, in order: sizes (0 included), plain or not, and sources/destinations
+    that continue the previous tensor or jump (so spans join and break everywhere)."""
+    nbytes, ptrs, plain, offsets = [], [], [], []
+    src, dst = 1 << 30, 0
+    for jump, n, ok, dst_jump in items:
+        src += jump * 8  # 0: continues the previous tensor's bytes
+        dst += dst_jump * 8
+        nbytes.append(n)
+        ptrs.append(src)
+        plain.append(ok)
+        offsets.append(dst)
+        src += n
+        dst += n
+    idx = data.draw(st.none() | st.lists(st.sampled_from(range(len(items))), unique=True)
+                    if items else st.none())
+    walk_left: list[int] = []
+    walk = list(T._spans(range(len(items)) if idx is None else idx, nbytes, ptrs, plain,
+                         offsets, walk_left))
+    vec_left: list[int] = []
+    vec = list(zip(*T._span_lists(idx, nbytes, ptrs, plain, offsets, vec_left)))
+    assert vec == walk and vec_left == walk_left
+
+
+def test_many_tensors_take_the_vector_path_and_pack_the_same() -> None:
+    g = torch.Generator().manual_seed(3)
+    tensors = []
+    for i in range(3 * T._VECTOR_SPANS):  # alternating shapes and dtypes, some views
+        if i % 3 == 0:
+            tensors.append(torch.randn(17, generator=g))
+        elif i % 3 == 1:
+            tensors.append(torch.randint(0, 9, (5,), generator=g))
+        else:
+            tensors.append(torch.randn(8, 4, generator=g).t())  # not plain: a leftover
+    d = T.describe(tensors)
+    offsets, total = packed_offsets(d.nbytes, d.aligns)
+    with mock.patch.object(T, "_span_lists", wraps=T._span_lists) as vec:
+        region = T.HostRegion(total)
+        T.pack_into(tensors, d, offsets, [(0, total)], region)
+    assert vec.call_count == 1
+    got = torch.frombuffer(region._map, dtype=torch.uint8, count=total)
+    for t, off in zip(tensors, offsets):
+        raw = t.contiguous().view(-1).view(torch.uint8)
+        assert torch.equal(got[off:off + raw.numel()], raw)
+    del got
+    region.close()
+
+
 # --------------------------------------------------------------------------- failures
 
 

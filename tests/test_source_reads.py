@@ -35,7 +35,14 @@ from ray_rdt_pool.errors import InvalidInputError, TransferError
 from ray_rdt_pool.shared import SourceProcess, peer_reader, probe_source, this_process
 from ray_rdt_pool.tensors import copy_moves
 from ray_rdt_pool.transport import Runtime
-from ray_rdt_pool.weights import WeightReceiver, WeightSender, plan_layout, sync
+from ray_rdt_pool.weights import (
+    SourceBucket,
+    WeightReceiver,
+    WeightSender,
+    WeightSyncError,
+    plan_layout,
+    sync,
+)
 from tests.fakenixl import World
 from tests.raycluster import actor_cluster, call, wait_drained
 
@@ -194,6 +201,39 @@ def test_who_may_read_a_source() -> None:
                      node_id=lambda n=node: n)  # type: ignore[misc]
         assert rt.receiver.can_read_source(me) is ok, (node, same_node)
         rt.shutdown()
+
+
+def test_receiver_reads_only_the_source_it_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SourceBucket is loaded only within a stream whose receiver accepted that very
+    process at its start; any other process named in a bucket fails the stream before a
+    byte is read."""
+    me = this_process("n1")
+    assert me is not None
+    src = {"a": torch.randn(10, 10), "b": torch.arange(7)}
+    dest = {k: torch.zeros_like(v) for k, v in src.items()}
+    rec = WeightReceiver(dest)
+    layout, _groups = plan_layout(src, 1 << 20)
+    sb = SourceBucket(me, tuple(src[e.name].data_ptr() for e in layout.entries))
+
+    rec.begin_stream("s1", layout, 1)  # nobody accepted a source for s1
+    with pytest.raises(WeightSyncError, match="did not accept"):
+        rec.load_stream_bucket("s1", 0, [sb])
+    assert all(not d.any() for d in dest.values())
+
+    monkeypatch.setattr(WeightReceiver, "can_read_source", lambda self, s: True)
+    rec.begin_stream("s2", layout, 1)
+    assert not rec.accept_source("s1", me)  # not the stream in progress
+    assert rec.accept_source("s2", me)
+    other = SourceProcess(me.node, me.pid, me.start, me.probe_addr + 1, me.probe)
+    with pytest.raises(WeightSyncError, match="did not accept"):
+        rec.load_stream_bucket("s2", 0, [SourceBucket(other, sb.addrs)])
+    assert all(not d.any() for d in dest.values())
+
+    rec.begin_stream("s3", layout, 1)
+    assert rec.accept_source("s3", me)
+    reports = rec.load_stream_bucket("s3", 0, [sb])
+    assert [r.direct for r in reports] == [True] and rec.version == 1
+    assert all(torch.equal(dest[k], v) for k, v in src.items())
 
 
 def test_sender_option_is_checked() -> None:
