@@ -65,7 +65,7 @@ from ray_rdt_pool.shared import (
     NotVisibleError,
     SourceProcess,
     mappable_spans,
-    peer_reader,
+    peer_batch_reader,
     probe_source,
     unmap,
 )
@@ -742,7 +742,7 @@ class Receiver:
         try:
             if not src.alive():
                 raise OSError(3, f"process {src.pid} has exited")
-            copy_moves(moves, threads, peer_reader(src.pid))
+            copy_moves(moves, threads, batch=peer_batch_reader(src.pid))
         except OSError as e:
             if landing is not None:
                 self.release_landing(landing)

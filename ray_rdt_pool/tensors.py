@@ -330,13 +330,15 @@ class _PackJob:
     another job finds this one closed later and drops it, so it never delays the caller.
     """
 
-    __slots__ = ("_active", "_closed", "_copy", "_idle", "_lock", "_next", "error", "stopped",
-                 "units")
+    __slots__ = ("_active", "_batch", "_closed", "_copy", "_idle", "_lock", "_next", "error",
+                 "stopped", "units")
 
     def __init__(self, units: list[list[_Move]],
-                 copy: Callable[[int, int, int], Any] = _memmove) -> None:
+                 copy: Callable[[int, int, int], Any] = _memmove,
+                 batch: Callable[[Sequence[_Move]], Any] | None = None) -> None:
         self.units = units
         self._copy = copy  # memmove, or a read from another process (releases the GIL)
+        self._batch = batch  # or one call per unit (vectored reads of another process)
         self._next = 0  # index of the next unit to take
         self._lock = threading.Lock()
         self._active = 0  # helpers inside work()
@@ -350,12 +352,16 @@ class _PackJob:
         units = self.units
         lock = self._lock
         copy = self._copy
+        batch = self._batch
         while True:
             with lock:
                 i = self._next
                 if self.stopped or i >= len(units):
                     return
                 self._next = i + 1
+            if batch is not None:
+                batch(units[i])
+                continue
             for dst, src, n in units[i]:
                 copy(dst, src, n)  # releases the GIL: the threads copy in parallel
 
@@ -547,24 +553,30 @@ def _pack_threaded(tensors: Sequence[torch.Tensor], d: Described, offsets: Seque
 
 
 def copy_moves(moves: Sequence[_Move], threads: int,
-               copy: Callable[[int, int, int], Any] = _memmove) -> None:
+               copy: Callable[[int, int, int], Any] = _memmove,
+               batch: Callable[[Sequence[_Move]], Any] | None = None) -> None:
     """Run ``copy(dst, src, n)`` over ``moves`` on up to ``threads`` threads (the calling
     thread and pack helpers), cut into units of a few MiB; returns once every unit is
     done and no helper is inside any more, and re-raises the first failure of any
-    thread. ``copy`` must release the GIL for the threads to overlap (``memmove`` and
+    thread. ``batch``, if given, copies a whole unit (a list of moves) in one call
+    instead. Either must release the GIL for the threads to overlap (``memmove`` and
     ``process_vm_readv`` through ctypes do)."""
     if threads <= 1 or len(moves) == 0:
+        if batch is not None:
+            batch(moves)
+            return
         for dst, src, n in moves:
             copy(dst, src, n)
         return
-    _run_moves(moves, threads, copy, None)
+    _run_moves(moves, threads, copy, None, batch)
 
 
 def _run_moves(moves: Sequence[_Move], threads: int, copy: Callable[[int, int, int], Any],
-               first: Callable[[], None] | None) -> None:
+               first: Callable[[], None] | None,
+               batch: Callable[[Sequence[_Move]], Any] | None = None) -> None:
     """The threaded copy of :func:`copy_moves`; ``first`` runs on the calling thread
     while the helpers start (the pack's torch materialisations)."""
-    job = _PackJob(_pack_units(moves, _PACK_CHUNK), copy)
+    job = _PackJob(_pack_units(moves, _PACK_CHUNK), copy, batch)
     helpers = min(threads - 1, len(job.units) - 1, _PACK_MAX_HELPERS)
     if helpers > 0:
         _get_pack_pool().submit(job, helpers)

@@ -32,7 +32,13 @@ from ray import cloudpickle
 import ray_rdt_pool
 from ray_rdt_pool.config import PoolConfig
 from ray_rdt_pool.errors import InvalidInputError, TransferError
-from ray_rdt_pool.shared import SourceProcess, peer_reader, probe_source, this_process
+from ray_rdt_pool.shared import (
+    SourceProcess,
+    peer_batch_reader,
+    peer_reader,
+    probe_source,
+    this_process,
+)
 from ray_rdt_pool.tensors import copy_moves
 from ray_rdt_pool.transport import Runtime
 from ray_rdt_pool.weights import (
@@ -83,6 +89,16 @@ def test_peer_reader_reads_another_process_and_fails_cleanly() -> None:
         # a range not mapped in the child: an OSError, no crash
         with pytest.raises(OSError):
             read(ctypes.addressof(out), 8, 4096)
+        # vectored: 3,000 short runs every 300 bytes (three system calls), then the same
+        # with one bad run in the middle, which raises
+        batch = peer_batch_reader(pid)
+        runs = [(ctypes.addressof(out) + 100 * i, addr + 300 * i, 100) for i in range(3000)]
+        ctypes.memset(out, 0, len(data))
+        batch(runs)
+        want = b"".join(data[300 * i:300 * i + 100] for i in range(3000))
+        assert out.raw[:300_000] == want
+        with pytest.raises(OSError):
+            batch([*runs[:1500], (ctypes.addressof(out), 8, 100), *runs[1500:]])
     finally:
         os.write(w2, b"x")
         os.waitpid(pid, 0)
