@@ -322,7 +322,8 @@ class Sender:
                 elif converted:  # one contiguous block: torch converts, memmove the rest
                     (off, length), = p.blocks
                     pack_torch(tensors, d, local_offsets, region.mem.tensor[off:off + length],
-                               converted)
+                               converted, threads=self.config.pack_thread_count,
+                               threshold=self.config.pack_threshold_bytes)
                     conv = set(converted)
                     pack_into(tensors, d, local_offsets, p.blocks, region.mem,
                               [i for i in range(len(tensors)) if i not in conv])

@@ -576,7 +576,12 @@ def _run_moves(moves: Sequence[_Move], threads: int, copy: Callable[[int, int, i
                batch: Callable[[Sequence[_Move]], Any] | None = None) -> None:
     """The threaded copy of :func:`copy_moves`; ``first`` runs on the calling thread
     while the helpers start (the pack's torch materialisations)."""
-    job = _PackJob(_pack_units(moves, _PACK_CHUNK), copy, batch)
+    _run_job(_PackJob(_pack_units(moves, _PACK_CHUNK), copy, batch), threads, first)
+
+
+def _run_job(job: _PackJob, threads: int, first: Callable[[], None] | None = None) -> None:
+    """Run ``job`` on the calling thread and up to ``threads - 1`` helpers; returns once
+    no helper is inside it, re-raising the first failure of any thread."""
     helpers = min(threads - 1, len(job.units) - 1, _PACK_MAX_HELPERS)
     if helpers > 0:
         _get_pack_pool().submit(job, helpers)
@@ -977,7 +982,8 @@ def device_block(addr: int, nbytes: int, device: str, device_id: int,
 
 
 def pack_torch(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[int],
-               block: torch.Tensor, which: Sequence[int] | None = None) -> None:
+               block: torch.Tensor, which: Sequence[int] | None = None, *, threads: int = 1,
+               threshold: int = _PACK_THRESHOLD) -> None:
     """Copy tensors into one device block with a single batched torch op.
 
     Used where memmove cannot reach (CUDA memory) and for tensors converted to another
@@ -989,6 +995,11 @@ def pack_torch(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[
     Consecutive tensors that are evenly spaced views of one storage (the rows of a
     matrix, say), landing evenly spaced in the block, are copied as one strided tensor:
     10,000 row views cost one copy, not 10,000 (see :func:`_strided_groups`).
+
+    Threads: on a CPU block with ``threads`` > 1 and at least ``threshold`` bytes to
+    write, the copies are cut into pieces of a few MiB along their first dimension and
+    run on the calling thread and pack helpers (torch releases the GIL while it copies;
+    a dtype conversion runs at a fraction of memcpy speed, so it gains the most).
     """
     import torch
 
@@ -1011,9 +1022,40 @@ def pack_torch(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[
                                     (dst_step // item, *_contiguous_strides(tuple(t.shape)))))
         srcs.append(t.as_strided((k, *t.shape), (src_step // item, *t.stride()),
                                  t.storage_offset()))
-    if dsts:
-        with torch.no_grad():  # bytes only: never record autograd history on the pool
-            torch._foreach_copy_(dsts, srcs)
+    if not dsts:
+        return
+    if threads > 1 and block.device.type == "cpu" and sum(
+            t.nbytes for t in dsts) >= threshold:
+        _copy_pieces(dsts, srcs, threads)
+        return
+    with torch.no_grad():  # bytes only: never record autograd history on the pool
+        torch._foreach_copy_(dsts, srcs)
+
+
+def _copy_pieces(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor],
+                 threads: int) -> None:
+    """``dst.copy_(src)`` for each pair, cut along dim 0 into pieces of about
+    ``_PACK_CHUNK`` destination bytes, on up to ``threads`` threads (caller)."""
+    import torch
+
+    pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for dst, src in zip(dsts, srcs):
+        rows = dst.shape[0] if dst.dim() else 0
+        per_row = dst.nbytes // rows if rows else 0
+        step = max(1, _PACK_CHUNK // per_row) if per_row else 0
+        if rows < 2 or step >= rows:
+            pieces.append((dst, src))
+            continue
+        for a in range(0, rows, step):
+            pieces.append((dst[a:a + step], src[a:a + step]))
+
+    def copy(unit: Sequence[_Move]) -> None:
+        with torch.no_grad():  # per thread: grad mode is thread-local
+            for i, _, _ in unit:
+                dst, src = pieces[i]
+                dst.copy_(src)
+
+    _run_job(_PackJob([[(i, 0, 0)] for i in range(len(pieces))], batch=copy), threads)
 
 
 def _strided_groups(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[int],

@@ -362,6 +362,31 @@ def test_many_tensors_take_the_vector_path_and_pack_the_same() -> None:
     region.close()
 
 
+@RELAXED
+@given(specs=st.lists(SPEC, min_size=1, max_size=10), seed=st.integers(0, 2**16),
+       to=st.sampled_from([torch.bfloat16, torch.float16, torch.float64]),
+       threads=st.integers(2, 4))
+def test_threaded_converting_pack_is_byte_identical(
+        specs: list[tuple[str, int, torch.dtype]], seed: int, to: torch.dtype,
+        threads: int) -> None:
+    """``pack_torch`` cut into pieces on several threads (dtype conversions, strided
+    sources, row groups) leaves the block of the one-call copy, byte for byte."""
+    tensors = [t for t in build(specs, seed) if not t.is_complex()]
+    d = T.describe(tensors)
+    for i, t in enumerate(tensors):
+        if t.is_floating_point():
+            d.dtypes[i] = T.dtype_name(to)
+            d.nbytes[i] = t.numel() * to.itemsize
+            d.aligns[i] = to.itemsize
+    offsets, total = packed_offsets(d.nbytes, d.aligns)
+    one = torch.full((total,), FILL, dtype=torch.uint8)
+    many = one.clone()
+    T.pack_torch(tensors, d, offsets, one)
+    with unit_bytes(256):  # pieces of a few rows each
+        T.pack_torch(tensors, d, offsets, many, threads=threads, threshold=0)
+    assert torch.equal(one, many)
+
+
 # --------------------------------------------------------------------------- failures
 
 
