@@ -460,7 +460,8 @@ class Sender:
                                                 receiver_attr=STREAM_RECEIVER_ATTR,
                                                 timeout_s=timeout_s)
                 out.update(buckets=rep.buckets, pool_wait_s=rep.pool_wait_seconds,
-                           fallbacks=rep.fallbacks, peak_pool_used=rep.peak_pool_used)
+                           fallbacks=rep.fallbacks, peak_pool_used=rep.peak_pool_used,
+                           source_read_buckets=rep.source_read_buckets)
             else:
                 inflight: deque[Any] = deque()
                 for k, idx in enumerate(self.buckets):

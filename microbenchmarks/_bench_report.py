@@ -256,10 +256,13 @@ def weight_sync_floors(floor: dict[str, Any], payloads: dict[str, int],
                       "floor_s": pack + read, "mapped_floor_s": pack}
         elif stream_bucket_bytes:
             f = pipeline_floor_s(stream_bucket_bytes, mc, rd)
+            # source_read_s: the same node with source reads, where the receiver copies
+            # the trainer's tensors once, at cma speed (what the READ rate measures), on
+            # one thread; ours uses two for large buckets, so it may come in under it.
             out[w] = {"kind": "pipelined", "pack_s": pack, "transfer_s": read,
                       "bucket_s": f - max(pack, read), "floor_s": f,
                       "mapped_floor_s": pipeline_floor_s(stream_bucket_bytes, mc, mc),
-                      "buckets": len(stream_bucket_bytes)}
+                      "source_read_s": read, "buckets": len(stream_bucket_bytes)}
     return out
 
 
@@ -288,6 +291,10 @@ def format_floors(floor: dict[str, Any], floors: dict[str, Any], summary: dict[s
                   if f["kind"] == "serial" else "max(pack, copy into the weights) + one bucket")
         lines.append(f"  {'':<12} same-node floor, receiver maps the sender's pool (no READ): "
                      f"{mapped} = {ms['mapped_floor_s']:.2f} ms")
+        if "source_read_s" in ms:
+            lines.append(f"  {'':<12} same node, source reads (one copy out of the trainer, "
+                         f"no pack): one thread at READ speed = {ms['source_read_s']:.2f} ms "
+                         "(ours reads large buckets on two)")
         for ours in our_variants:
             row = summary.get(w, {}).get("variants", {}).get(ours)
             e2e = _median_e2e(row)

@@ -36,10 +36,12 @@ fails the run (exit status 2) naming the variant, workload and repetition.
 ``WeightSender.stream(..., max_inflight=2)`` into a ``WeightReceiver`` over the
 receiver's weights; Ray's variants: the same buckets, one ``ray.put`` and one receiver
 task each, two in flight). ``e2e`` ends when the last bucket is in the receiver's
-weights; ``put`` and ``fetch`` are the bucket puts and loads, summed. After the run
+weights; ``put`` and ``fetch`` are the bucket puts and loads, summed. On one node our
+receivers copy the buckets straight out of the trainer's tensors (source reads: no put,
+``source_read_buckets`` in the samples). After the run
 (Ray stopped) the memcpy and NIXL READ rates of :mod:`microbenchmarks.floor` are
 measured and give the floors of ``sync`` (pack + READ) and ``sync_stream``
-(max(pack, READ) + one bucket).
+(max(pack, READ) + one bucket; with source reads, one cma copy).
 
 ``experience`` and ``experience_samples`` send one RL batch (batched: a tensor per
 field; per sample: a tensor per (sample, field)); the report compares their put+get.
@@ -602,7 +604,8 @@ class Runner:
             puts=snd["puts"],
             gbps=self.payloads[workload] / (got - t0) / 1e9,
         )
-        for key in ("pool_wait_s", "fallbacks", "peak_pool_used", "ours_put_s"):
+        for key in ("pool_wait_s", "fallbacks", "peak_pool_used", "ours_put_s",
+                    "source_read_buckets"):
             if key in snd:
                 sample[key] = snd[key]
         sample["ours_get_s"] = res.get("ours_get_s")

@@ -369,10 +369,10 @@ class FailingReceiver(WeightReceiver):
 
     fail_at = 2
 
-    def _load_bucket(self, plan: Any, ref: Any) -> Any:
+    def _load_bucket(self, plan: Any, ref: Any, *rest: Any) -> Any:
         if plan.index == self.fail_at:
             raise RuntimeError(f"injected failure on bucket {plan.index}")
-        return super()._load_bucket(plan, ref)
+        return super()._load_bucket(plan, ref, *rest)
 
 
 def _setup_failing(node: Any, state: dict[str, torch.Tensor]) -> None:
