@@ -224,7 +224,8 @@ def install_transport_timer() -> dict[str, float] | None:
     way the RDT store hooks above work; the package is not changed), ``put`` (what
     Ray's ``ray.put`` calls to pack an object: layout, pool copy, metadata) into
     ``put_s``, and ``fetch`` + ``wait`` (what ``ray.get`` calls to start the READ and
-    rebuild the tensors) into ``get_s``. What is left of a ``ray.put`` or ``ray.get``
+    rebuild the tensors) and the receiver's ``read_source`` (a weights stream's source
+    reads) into ``get_s``. What is left of a ``ray.put`` or ``ray.get``
     call is Ray's own serializer and bookkeeping. Returns None, and times nothing, where
     the runtime has no such methods.
     """
@@ -250,6 +251,10 @@ def install_transport_timer() -> dict[str, float] | None:
 
     for name, key in names.items():
         setattr(rt, name, timed(getattr(rt, name), key))
+    # A weights stream on one node reads buckets straight out of the trainer instead.
+    read = getattr(rt.receiver, "read_source", None)
+    if callable(read):
+        rt.receiver.read_source = timed(read, "get_s")
     return acc
 
 
