@@ -130,6 +130,21 @@ def actor_cluster(env: dict[str, str], classes: dict[str, Any], *, setup_hook: b
         ray.shutdown()
 
 
+def node_class(**options: Any) -> Any:
+    """A bare actor class (RDT enabled, one torch thread) for tests that run everything
+    inside it through :func:`call`; ``options`` go to ``ray.remote`` (e.g.
+    ``max_concurrency``)."""
+
+    @ray.remote(enable_tensor_transport=True, **options)
+    class Node:
+        def __init__(self) -> None:
+            import torch
+
+            torch.set_num_threads(1)
+
+    return Node
+
+
 def _stats_of(actor: Any) -> Any:
     import ray_rdt_pool
 

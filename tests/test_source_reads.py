@@ -50,7 +50,7 @@ from ray_rdt_pool.weights import (
     sync,
 )
 from tests.fakenixl import World
-from tests.raycluster import actor_cluster, call, wait_drained
+from tests.raycluster import actor_cluster, call, node_class, wait_drained
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -274,17 +274,9 @@ def make_state(seed: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def actors() -> Iterator[dict[str, Any]]:
-    import ray
-
     ray_rdt_pool.register()
-
-    @ray.remote(enable_tensor_transport=True)
-    class Node:
-        def __init__(self) -> None:
-            torch.set_num_threads(1)
-
-    threaded = ray.remote(enable_tensor_transport=True, max_concurrency=4)(
-        Node.__ray_metadata__.modified_class)
+    Node = node_class()
+    threaded = node_class(max_concurrency=4)
     off = Node.options(runtime_env={"env_vars": {"RAY_RDT_POOL_SAME_NODE": "off"}})
     with actor_cluster(ENV, {"trainer": Node, "r1": Node, "r2": threaded, "off": off},
                        setup_hook=True) as nodes:

@@ -45,7 +45,7 @@ from ray import cloudpickle
 
 import ray_rdt_pool
 from ray_rdt_pool.weights import WeightReceiver, WeightSender
-from tests.raycluster import actor_cluster, call
+from tests.raycluster import actor_cluster, call, node_class
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.ray
@@ -67,15 +67,8 @@ def rss() -> int:
 
 @pytest.fixture(scope="module")
 def actors() -> Iterator[dict[str, Any]]:
-    import ray
-
     ray_rdt_pool.register()
-
-    @ray.remote(enable_tensor_transport=True)
-    class Node:
-        def __init__(self) -> None:
-            torch.set_num_threads(1)
-
+    Node = node_class()
     with actor_cluster(ENV, {"trainer": Node, "r1": Node}, setup_hook=True,
                        log_to_driver=False) as nodes:
         for n in nodes.values():

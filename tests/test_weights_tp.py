@@ -40,7 +40,7 @@ from ray_rdt_pool.weights import (
     plan_layout,
     sync,
 )
-from tests.raycluster import actor_cluster, call
+from tests.raycluster import actor_cluster, call, node_class
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -421,16 +421,8 @@ VERSION = itertools.count(1)  # receivers outlive senders: versions keep countin
 
 @pytest.fixture(scope="module")
 def actors() -> Iterator[dict[str, Any]]:
-    import ray
-
     ray_rdt_pool.register()
-
-    @ray.remote(enable_tensor_transport=True)
-    class Node:
-        def __init__(self) -> None:
-            torch.set_num_threads(1)
-
-    with actor_cluster(ENV, dict.fromkeys(("trainer", "r0", "r1"), Node),
+    with actor_cluster(ENV, dict.fromkeys(("trainer", "r0", "r1"), node_class()),
                        setup_hook=True) as nodes:
         yield nodes
 
