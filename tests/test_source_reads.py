@@ -22,6 +22,7 @@ import gc
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -437,4 +438,43 @@ def test_selected_parts_go_to_the_loader(actors: dict[str, Any]) -> None:
     assert_equal(call(r1, _loaded), want)
     assert call(r1, _stats).bytes_received - received == sum(v.nbytes for v in want.values())
     assert call(r1, _stats).arena_used == 0  # the loader's views were the arena's
+    wait_drained(tr)
+
+
+def _set_slow_receiver(node: Any, seed: int) -> None:
+    node.state = make_state(seed)
+
+    def load_weights(batch: Any) -> None:
+        time.sleep(0.2)  # an engine busy loading: the stream is mid-way for a while
+        for name, t in batch:
+            node.state[name].copy_(t)
+
+    node.weight_receiver = WeightReceiver(load_weights=load_weights)
+
+
+def _stream_to(node: Any, receivers: list[Any]) -> Any:
+    return node.weight_sender.stream(receivers, timeout_s=60)
+
+
+@pytest.mark.ray
+def test_receiver_killed_during_a_source_read_stream(actors: dict[str, Any]) -> None:
+    """The trainer's stream fails with Ray's error, holds nothing afterwards (no pool
+    object, no kept tensors), and streams again to a live receiver."""
+    import ray
+
+    tr, r1 = actors["trainer"], actors["r1"]
+    victim = node_class().remote()
+    call(victim, _set_slow_receiver, 15)
+    call(tr, _set_sender, 16)
+    ref = tr.__ray_call__.remote(_stream_to, [victim])
+    time.sleep(1.0)  # begun, and a few buckets into its loads
+    ray.kill(victim)
+    with pytest.raises(ray.exceptions.RayTaskError) as err:  # not a timeout: a failure
+        ray.get(ref, timeout=120)
+    assert isinstance(err.value.cause, ray.exceptions.RayActorError), err.value
+    assert call(tr, _stats).pool_used == 0
+    call(r1, _set_receiver, 17)
+    rep = sync(tr, [r1], mode="stream")
+    assert rep.stream is not None and rep.stream.source_read_buckets == rep.buckets
+    assert_equal(call(r1, _state), call(tr, _state))
     wait_drained(tr)
