@@ -162,6 +162,9 @@ class Registry:
         self.version = 0
         self.reset_version = 0
         self._published = -1  # the version last written to the directory (_publish_lock)
+        # ...and the directory session it went to: a driver that calls ray.shutdown() and
+        # ray.init() again talks to a new, empty GCS, where it must publish anew.
+        self._published_session: object = None
         # Storage cache, in LRU order (least recent first); changed under _lock.
         self._entries: OrderedDict[Key, RegEntry] = OrderedDict()
         self._cached_bytes = 0  # bytes of unpinned entries
@@ -203,16 +206,19 @@ class Registry:
 
         Cheap when nothing changed. The GCS write runs outside the state lock.
         """
-        if self._published == self.version:
+        session = getattr(self.directory, "session", None)
+        now = session() if session is not None else None
+        if self._published == self.version and self._published_session == now:
             return self._published
         with self._publish_lock:
             with self._lock:
                 version, reset = self.version, self.reset_version
-                if self._published == version:
+                if self._published == version and self._published_session == now:
                     return version
                 md = self._backend().metadata()
             self.directory.publish(agent_name, version, reset, md)
             self._published = version
+            self._published_session = now
             return version
 
     # -- regions --------------------------------------------------------------------------

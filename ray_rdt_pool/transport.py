@@ -131,6 +131,12 @@ class PoolTransportMetadata(TensorTransportMetadata):
 class KVDirectory:
     """Agent metadata, published once per registration change, read once per peer."""
 
+    @staticmethod
+    def session() -> object:
+        """Which Ray connection the store belongs to: a new ``ray.init`` in this process
+        (after ``ray.shutdown``) reaches a new GCS, so what was published must be again."""
+        return getattr(getattr(ray._private.worker, "_global_node", None), "session_name", None)
+
     def publish(self, name: str, version: int, reset_version: int, md: bytes) -> None:
         from ray.experimental.internal_kv import _internal_kv_put
 

@@ -6,6 +6,10 @@ some views still alive), then leave the interpreter without any clean-up call: t
 
 ``python -m tests.exit_driver shutdown``: the same, then call ``ray_rdt_pool.shutdown()``
 and print what it left behind as one JSON line.
+
+``python -m tests.exit_driver restart``: the driver sends an object to an actor, then
+``ray.shutdown()`` and ``ray.init()`` again in the same process, and sends again to a new
+actor; prints the two sums the actors computed as one JSON line.
 """
 
 from __future__ import annotations
@@ -32,6 +36,34 @@ class Sender:
                         _tensor_transport="nixl_pool")]
 
 
+@ray.remote(enable_tensor_transport=True)
+class Receiver:
+    def __init__(self) -> None:
+        ray_rdt_pool.register()  # before its first get (Ray registers it asynchronously)
+
+    def total(self, box: list[ray.ObjectRef]) -> float:
+        return float(ray.get(box[0])[0].sum())
+
+
+def restart() -> None:
+    """Send from the driver across a Ray restart in this process: the new cluster's GCS
+    is empty, so the driver's agent must publish its metadata there again."""
+    totals = []
+    for k in range(2):
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=128 << 20,
+                 runtime_env={"env_vars": {"RAY_RDT_POOL_METRICS": "0",
+                                           "RAY_RDT_POOL_FETCH_TIMEOUT_S": "15"}})
+        r = Receiver.remote()
+        ref = ray.put([torch.arange(1000, dtype=torch.float32) + k],
+                      _tensor_transport="nixl_pool")
+        totals.append(ray.get(r.total.remote([ref]), timeout=90))
+        del ref
+        ray.kill(r)
+        ray.shutdown()
+    print(json.dumps({"totals": totals}))
+
+
 def _start_pack_helpers() -> int:
     """A threaded pack copy in this process (the helpers a large put starts); returns
     how many pack helper threads run afterwards."""
@@ -49,6 +81,11 @@ def _start_pack_helpers() -> int:
 
 
 def main(mode: str) -> None:
+    if mode == "restart":
+        ray_rdt_pool.configure(pool_bytes=16 << 20, arena_bytes=16 << 20, metrics=False)
+        restart()
+        sys.stdout.flush()
+        return
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=128 << 20,
              runtime_env={"env_vars": {"RAY_RDT_POOL_BYTES": "16M",

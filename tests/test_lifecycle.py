@@ -67,6 +67,17 @@ def test_shutdown_stops_the_thread_and_removes_the_agent_key() -> None:
     assert "shut down" in out["after"], out
 
 
+@pytest.mark.ray
+def test_driver_sends_again_after_a_ray_restart() -> None:
+    """``ray.shutdown()`` then ``ray.init()`` in one driver: its transport outlives the
+    first cluster, and its agent's metadata must reach the second cluster's (empty) GCS,
+    or an actor there waits for it and fails."""
+    p = run(["-m", "tests.exit_driver", "restart"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["totals"] == [499500.0, 500500.0], out
+
+
 _BLOCKS_AT_EXIT = (
     "import sys, torch\n"
     "from ray_rdt_pool import tensors\n"
