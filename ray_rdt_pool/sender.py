@@ -14,7 +14,10 @@ Where an object goes (one placement each, decided under the sender lock):
   overflow region: host (or device) memory registered for the purpose and freed with the
   last object in it. Still a snapshot. ``strict=True`` raises ``PoolExhaustedError``
   instead;
-* either of those **mixed** with by-reference tensors of ``register_memory()`` storages.
+* either of those **mixed** with by-reference tensors of ``register_memory()`` storages;
+* **by reference** (``put_by_reference``, the weights API's stream across nodes): no
+  placement at all; the tensors' storages are registered through the storage cache and
+  the caller keeps them unchanged until it frees the object.
 
 Ownership: this module creates the pool and the overflow regions (through the registry,
 which registers them) and is the only place that frees their blocks. A block may be
@@ -364,6 +367,53 @@ class Sender:
         if ev.observer is not None:
             ev.observer.on_put(ev.source, total, time.perf_counter() - t_start, pack_s,
                                p.overflow)
+        return meta, wire
+
+    def put_by_reference(self, obj_id: str, tensors: Sequence[torch.Tensor]
+                         ) -> tuple[WireMeta, bytes]:
+        """Send ``tensors`` as they lie, with no copy: each storage is registered through
+        the registry's storage cache (a miss registers it; the entry holds the storage)
+        and one use of it is held until :meth:`free`. Not a snapshot: the caller keeps
+        the tensors unchanged until every receiver has read them (the weights API's
+        stream does, until its acknowledgements). Every tensor must be copyable as it
+        lies (contiguous, no lazy conjugate or negation bit), else InvalidInputError."""
+        from ray_rdt_pool.errors import InvalidInputError
+        from ray_rdt_pool.tensors import describe
+
+        d = describe(tensors, allow_cuda=True)
+        if not all(d.plain):
+            i = d.plain.index(False)
+            raise InvalidInputError(
+                f"tensor {i} cannot be sent by reference (not contiguous, or a lazy "
+                "conjugate or negation); send a contiguous copy, or use a snapshot put")
+        runs = runs_from(d.shapes, d.dtypes)
+        offsets, total = run_offsets(runs)
+        entries: list[RegEntry] = []
+        try:
+            for t, n in zip(tensors, d.nbytes):
+                if n:
+                    entries.append(self.registry.acquire(t))
+            segments = merge_segments([(off, ptr, n) for off, ptr, n
+                                       in zip(offsets, d.ptrs, d.nbytes) if n])
+            version = self.registry.publish(self._agent_name())
+            meta = WireMeta(self._agent_name(), version, d.device or "cpu",
+                            _device_index(tensors), total, runs, tuple(segments))
+            wire = encode(meta)
+            p = Placement(obj_id, None, (), 0, False, pinned=entries)
+            with self.lock:
+                old = self.sent.pop(obj_id, None)
+                if old is not None and self._held(old):
+                    self.leased[old.key] = old
+                    old = None
+                self.sent[obj_id] = p
+        except BaseException:
+            for e in entries:
+                self.registry.release(e)
+            raise
+        if old is not None:
+            self._release(old)
+        self.events.add("objects_put")
+        self.events.add("zero_copy_tensors", len(entries))
         return meta, wire
 
     def _pinned_entries(self, d: Described, pool_device: str) -> list[RegEntry | None] | None:

@@ -603,6 +603,63 @@ def read_source(src: SourceProcess, tensors: Sequence[tuple[int, tuple[int, ...]
     return runtime().receiver.read_source(src, tensors, selection, targets)
 
 
+# ---------------------------------------------------------------------------------------
+# Owned objects: pool objects that never become Ray objects (the weights API's stream)
+# ---------------------------------------------------------------------------------------
+
+
+def put_owned(obj_id: str, tensors: Sequence[torch.Tensor],
+              convert: Mapping[int, torch.dtype] | None = None) -> tuple[bytes, str]:
+    """Snapshot ``tensors`` into the pool as object ``obj_id`` and return its wire bytes
+    and device type, with no Ray object behind it: the caller hands the wire bytes to
+    the receivers itself and must call :func:`free_owned` once no receiver will read it
+    any more (Ray's ``garbage_collect`` never runs for it). ``obj_id`` must not clash
+    with a Ray object ID (the weights stream prefixes ``ws:``). ``convert`` as for
+    :func:`pack_as`. Same packing, placement and lease rules as ``ray.put``.
+    """
+    if not tensors:
+        raise InvalidInputError("put_owned() needs at least one tensor")
+    rt = runtime()
+    rt.backend()
+    _meta, wire = rt.sender.put(obj_id, tensors, convert)
+    return wire, tensors[0].device.type
+
+
+def put_owned_by_reference(obj_id: str, tensors: Sequence[torch.Tensor]
+                           ) -> tuple[bytes, str]:
+    """:func:`put_owned` with no copy: receivers READ ``tensors`` where they lie (their
+    storages registered through the storage cache, a use held until
+    :func:`free_owned`). Not a snapshot: the caller keeps them unchanged until every
+    receiver has read them."""
+    if not tensors:
+        raise InvalidInputError("put_owned_by_reference() needs at least one tensor")
+    rt = runtime()
+    rt.backend()
+    _meta, wire = rt.sender.put_by_reference(obj_id, tensors)
+    return wire, tensors[0].device.type
+
+
+def free_owned(obj_id: str) -> bool:
+    """Return an object of :func:`put_owned` (at once, or when the last same-node lease
+    on it drops). False if it is unknown (already freed)."""
+    return runtime().sender.free(obj_id)
+
+
+def fetch_owned(obj_id: str, wire: bytes, device: str | None,
+                targets: Sequence[torch.Tensor] | None = None,
+                selection: Sequence[Any] | None = None,
+                timeout_s: float | None = None) -> list[torch.Tensor]:
+    """Receiver side of :func:`put_owned`: decode (and validate) ``wire``, then map,
+    READ or copy the object exactly as a ``ray.get`` of a ``nixl_pool`` object would,
+    into ``targets`` when given, or only ``selection`` (see :func:`fetch_selected`).
+    Blocks until the bytes are in place; raises what a fetch raises."""
+    rt = runtime()
+    pmeta = PoolTransportMetadata(tensor_meta=[], tensor_device=device, wire=wire)
+    if selection is not None:
+        return rt.fetch_selected(obj_id, pmeta, selection, timeout_s)
+    return rt.wait(rt.fetch(obj_id, pmeta, targets), timeout_s)
+
+
 def _check_selection_count(selection: Sequence[Any], n: int) -> None:
     if len(selection) != n:
         raise InvalidInputError(f"{len(selection)} selections for an object of {n} tensors; "

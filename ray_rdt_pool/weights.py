@@ -573,13 +573,19 @@ def _bucket_spec(k: int, group: Sequence[tuple[str, torch.Tensor, torch.dtype]],
                         tuple(aliases))
 
 
+def _conversions(tensors: Sequence[torch.Tensor], entries: Sequence[TensorEntry]
+                 ) -> dict[int, torch.dtype]:
+    """``id(tensor)`` -> the wire dtype, for the tensors whose entry names another dtype."""
+    return {id(t): e.torch_dtype for t, e in zip(tensors, entries)
+            if _dtype_str(t.dtype) != e.dtype}
+
+
 def _put_bucket(tensors: list[torch.Tensor], entries: Sequence[TensorEntry]) -> ObjectRef:
     """``ray.put`` one bucket; tensors whose entry names another dtype are converted by
     the pack copy itself (``transport.pack_as``), not by a separate cast."""
     import ray
 
-    convert = {id(t): e.torch_dtype for t, e in zip(tensors, entries)
-               if _dtype_str(t.dtype) != e.dtype}
+    convert = _conversions(tensors, entries)
     if not convert:
         return ray.put(tensors, _tensor_transport=_transport())
     from ray_rdt_pool.transport import pack_as
@@ -613,6 +619,44 @@ class SourceBucket:
 
     source: SourceProcess
     addrs: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PoolBucket:
+    """A stream bucket packed into the sender's pool as an object the stream owns, not
+    a Ray object: its id, versioned wire metadata and device type. Receivers map, READ
+    or copy it through the transport (``transport.fetch_owned``) with no Ray object
+    round trip; the sender frees it once every receiver acknowledged the bucket, or,
+    when the stream fails, once the receivers finished or were told to drop it."""
+
+    obj_id: str
+    wire: bytes
+    device: str
+
+
+def _pack_bucket(obj_id: str, tensors: list[torch.Tensor],
+                 entries: Sequence[TensorEntry]) -> PoolBucket:
+    """Pack one stream bucket into the pool (a snapshot, as ``ray.put`` makes); tensors
+    whose entry names another dtype are converted by the pack copy itself."""
+    from ray_rdt_pool.transport import put_owned
+
+    wire, device = put_owned(obj_id, tensors, _conversions(tensors, entries) or None)
+    return PoolBucket(obj_id, wire, device)
+
+
+def _reference_bucket(obj_id: str, tensors: list[torch.Tensor]) -> PoolBucket:
+    """A stream bucket receivers READ where its tensors lie (no pack): the sender keeps
+    them, unchanged, until every receiver acknowledged it, then frees ``obj_id``."""
+    from ray_rdt_pool.transport import put_owned_by_reference
+
+    wire, device = put_owned_by_reference(obj_id, tensors)
+    return PoolBucket(obj_id, wire, device)
+
+
+def _registration_cache_bytes() -> int:
+    from ray_rdt_pool.transport import runtime
+
+    return int(runtime().config.registration_cache_bytes)
 
 
 def _source_readable(tensors: Sequence[torch.Tensor], entries: Sequence[TensorEntry]) -> bool:
@@ -749,6 +793,9 @@ class StreamReport:
     #: buckets every receiver copied straight out of the sender's tensors (same node,
     #: ``source_reads``): no pool, no NIXL READ; the others went through the pool
     source_read_buckets: int = 0
+    #: buckets receivers READ over NIXL straight from the sender's tensors (a module or
+    #: mapping, receivers not all able to read in place): no pack, no pool
+    reference_buckets: int = 0
 
 
 @dataclass(frozen=True)
@@ -1056,6 +1103,12 @@ class WeightSender:
         # Source reads only when every receiver can: a bucket is then never packed.
         direct = src_proc is not None and all(ok for _sk, ok in began)
         direct_buckets = 0
+        # Otherwise, for a module or mapping, receivers READ the tensors where they lie
+        # over NIXL (their storages stay registered in the storage cache between syncs,
+        # so the metadata does not change), when the cache may hold them all.
+        by_ref = (self.source_reads and not direct and layout is not None
+                  and layout.total_bytes <= _registration_cache_bytes())
+        ref_buckets = 0
 
         st0 = _stats()
         fallbacks0 = st0.fallbacks
@@ -1064,10 +1117,11 @@ class WeightSender:
         # buckets' worth of the pool, counting buckets that were acknowledged but whose
         # blocks Ray has not garbage-collected yet.
         samples: list[int] = []
-        held: list[tuple[str, int]] = []  # lazy: (object id, bytes) of the buckets put
-        # Per bucket in flight: the receivers' acks, and for a source-read bucket its
-        # tensors, kept alive (and so unmoved) until every receiver has copied them.
-        inflight: deque[tuple[list[Any], list[torch.Tensor] | None]] = deque()
+        # Per bucket in flight: the receivers' acks, for a source-read bucket its tensors,
+        # kept alive (and so unmoved) until every receiver has copied them, and for a
+        # pool bucket its object id, freed only then.
+        inflight: deque[_InFlight] = deque()
+        owned: str | None = None  # a pool bucket packed but not yet in ``inflight``
         acked: list[list[BucketReport]] = [[] for _ in receivers]
         wait_s = 0.0
         k = 0
@@ -1075,15 +1129,10 @@ class WeightSender:
             while True:
                 while len(inflight) >= max_inflight:
                     _retire(inflight, acked, deadline_s)
-                if layout is None:
-                    # Lazy: pull the next bucket's tensors only once a full bucket fits,
-                    # and once Ray's RDT store let go of the source tensors of the buckets
-                    # freed from the pool (Ray frees the pool blocks just before that).
-                    if not direct:
-                        lim = min(capacity, used0 + max_inflight * max(bb, biggest))
-                        wait_s += _wait_for_pool(min(bb, capacity), lim, capacity, deadline_s)
-                    wait_s += _wait_for_ray_store(held, (max_inflight - 1) * max(bb, biggest),
-                                                  deadline_s)
+                if layout is None and not direct:
+                    # Lazy: pull the next bucket's tensors only once a full bucket fits.
+                    lim = min(capacity, used0 + max_inflight * max(bb, biggest))
+                    wait_s += _wait_for_pool(min(bb, capacity), lim, capacity, deadline_s)
                 item = next(items, None)
                 if item is None:
                     break
@@ -1100,21 +1149,26 @@ class WeightSender:
                     box = [SourceBucket(src_proc, tuple(t.data_ptr() for t in tensors))]
                     keep = tensors
                     direct_buckets += 1
+                elif by_ref and _source_readable(tensors, entries):
+                    owned = f"ws:{session}/{k}"
+                    box = [_reference_bucket(owned, tensors)]
+                    keep = tensors
+                    ref_buckets += 1
                 else:
                     limit = min(capacity, used0 + max_inflight * max(bb, biggest))
                     wait_s += _wait_for_pool(nbytes, limit, capacity, deadline_s)
-                    box = [_put_bucket(tensors, entries)]
-                    if layout is None:
-                        held.append((box[0].hex(), nbytes))
+                    owned = f"ws:{session}/{k}"
+                    box = [_pack_bucket(owned, tensors, entries)]
                     tensors.clear()  # the pool holds the snapshot; drop the source's tensors
                 del tensors
                 try:
                     samples.append(int(_stats().pool_used))
                     inflight.append(([r.__ray_call__.remote(_remote_bucket, receiver_attr,
                                                             session, k, box, spec)
-                                      for r in receivers], keep))
+                                      for r in receivers], keep, owned))
+                    owned = None
                 finally:
-                    box.clear()  # the tasks hold the ref now; ours must not pin the pool
+                    box.clear()
                     del keep
                 k += 1
             while inflight:
@@ -1126,10 +1180,10 @@ class WeightSender:
         except BaseException as e:
             # Let the receivers finish (or fail) what they hold so every ref drains, then
             # have them drop the stream (and any bucket they hold out of order).
-            pending = [a for acks, _keep in inflight for a in acks]
+            pending = [a for acks, _keep, _oid in inflight for a in acks]
             if pending:
                 ray.wait(pending, num_returns=len(pending), timeout=deadline_s)
-                for acks, _keep in inflight:
+                for acks, _keep, _oid in inflight:
                     for i, a in enumerate(acks):
                         try:
                             acked[i].extend(ray.get(a, timeout=0))
@@ -1138,6 +1192,9 @@ class WeightSender:
             aborts = [r.__ray_call__.remote(_remote_abort, receiver_attr, session)
                       for r in receivers]
             ray.wait(aborts, num_returns=len(aborts), timeout=min(deadline_s, 30.0))
+            # Only now: a receiver still loading a bucket reads its pool block.
+            _free_owned([oid for _acks, _keep, oid in inflight] + [owned])
+            inflight.clear()
             if isinstance(e, DuplicateNameError):
                 applied = sorted(set.intersection(*[{r.bucket for r in a} for a in acked]))
                 raise DuplicateNameError(
@@ -1156,7 +1213,7 @@ class WeightSender:
             seconds=time.perf_counter() - t0, pool_capacity=capacity,
             peak_pool_used=max(samples, default=0), pool_used_samples=tuple(samples),
             fallbacks=int(_stats().fallbacks - fallbacks0), pool_wait_seconds=wait_s,
-            loads=loads, source_read_buckets=direct_buckets)
+            loads=loads, source_read_buckets=direct_buckets, reference_buckets=ref_buckets)
 
 
 def _too_big(b: Bucket, capacity: int) -> PoolExhaustedError:
@@ -1205,16 +1262,32 @@ def _collect(acks: list[Any], acked: list[list[BucketReport]], timeout_s: float)
         acked[i].extend(reps)  # a receiver may load buckets that arrived early with this one
 
 
-def _retire(inflight: deque[tuple[list[Any], list[torch.Tensor] | None]],
-            acked: list[list[BucketReport]], timeout_s: float) -> None:
+#: A stream bucket in flight: the receivers' acks, a source-read bucket's tensors, and a
+#: pool bucket's object id.
+_InFlight = tuple[list[Any], list[torch.Tensor] | None, str | None]
+
+
+def _free_owned(obj_ids: Sequence[str | None]) -> None:
+    from ray_rdt_pool.transport import free_owned
+
+    for oid in obj_ids:
+        if oid is not None:
+            free_owned(oid)
+
+
+def _retire(inflight: deque[_InFlight], acked: list[list[BucketReport]],
+            timeout_s: float) -> None:
     """Wait for the oldest bucket in flight on every receiver, then drop it. Its acks are
-    collected before it leaves ``inflight``: a source-read bucket's tensors must outlive
-    the receivers' reads. The list is emptied, not just dropped, since the lazy bucket
-    iterator still refers to it until it has made the next bucket's tensors."""
+    collected before it leaves ``inflight``: a source-read bucket's tensors and a pool
+    bucket's block must outlive the receivers' reads (a receiver's failure leaves it in
+    ``inflight`` for the caller's clean-up). The list is emptied, not just dropped, since
+    the lazy bucket iterator still refers to it until it has made the next bucket's
+    tensors."""
     _collect(inflight[0][0], acked, timeout_s)
-    _acks, kept = inflight.popleft()
+    _acks, kept, oid = inflight.popleft()
     if kept is not None:
         kept.clear()
+    _free_owned([oid])
 
 
 def _wait_for_pool(nbytes: int, limit: int, capacity: int, timeout_s: float) -> float:
@@ -1244,28 +1317,6 @@ def _wait_for_pool(nbytes: int, limit: int, capacity: int, timeout_s: float) -> 
             f"the next bucket needs {fmt_bytes(nbytes)}; other objects hold the pool "
             "(drop their refs) or a receiver is stuck")
     return time.monotonic() - t0
-
-
-def _wait_for_ray_store(held: list[tuple[str, int]], limit: int, timeout_s: float) -> float:
-    """Block until the buckets in ``held`` that Ray's RDT store still keeps (with their
-    source tensors: the object's primary copy) total at most ``limit`` bytes; drop the
-    others from ``held``. Ray pops an object from its store right after the transport's
-    ``garbage_collect`` frees its pool blocks, so this waits for that short gap only.
-    Returns the seconds waited."""
-    import ray
-
-    store = ray._private.worker.global_worker.rdt_manager.rdt_store
-    t0 = time.monotonic()
-    while True:
-        held[:] = [(o, n) for o, n in held if store.has_object(o)]
-        if sum(n for _o, n in held) <= limit:
-            return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout_s:
-            raise WeightSyncTimeoutError(
-                f"for {timeout_s}s Ray kept {len(held)} bucket(s) of this stream whose "
-                f"pool blocks were freed ({fmt_bytes(sum(n for _o, n in held))}, more than "
-                f"{fmt_bytes(limit)}); a receiver is stuck or a ref is still held")
-        time.sleep(0.0005)
 
 
 def _summarise(version: int, reports: Sequence[BucketReport], skipped: int = 0) -> LoadReport:
@@ -1691,7 +1742,7 @@ class WeightReceiver:
 
     # -- loading --
 
-    def _load_bucket(self, plan: BucketPlan, ref: ObjectRef | SourceBucket,
+    def _load_bucket(self, plan: BucketPlan, ref: ObjectRef | SourceBucket | PoolBucket,
                      source: SourceProcess | None = None) -> BucketReport:
         import ray
 
@@ -1705,6 +1756,14 @@ class WeightReceiver:
                     "accept for the stream; only WeightSender.stream sends such buckets")
             got = self._read_source(plan, ref)
             src = got
+        elif isinstance(ref, PoolBucket):
+            from ray_rdt_pool.transport import fetch_owned
+
+            # Targets are written in place (or copied into on first sight), as a get
+            # with set_target_for_ref would.
+            got = fetch_owned(ref.obj_id, ref.wire, ref.device,
+                              plan.targets if plan.select is None else None, plan.select)
+            src = got if plan.select is not None or plan.targets is None else plan.targets
         elif plan.select is not None:
             from ray_rdt_pool import transport
 
@@ -1928,7 +1987,7 @@ class WeightReceiver:
             if done:
                 self._commit(st.version)
 
-    def _stream_one(self, st: _Stream, k: int, ref: ObjectRef | SourceBucket,
+    def _stream_one(self, st: _Stream, k: int, ref: ObjectRef | SourceBucket | PoolBucket,
                     spec: BucketLayout | None
                     ) -> BucketReport:
         if st.plan is not None:

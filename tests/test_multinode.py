@@ -5,7 +5,7 @@ the bytes over UCX between the two processes (TCP loopback for the handshake, cm
 data), not through either object store. No network namespaces: the point is that sender and
 receiver are scheduled on different Ray nodes and nothing in the transport assumes one node
 (the agent metadata travels through the GCS key-value store, the object metadata through the
-owner). Custom resources pin the sender to the head ({"sender": 1}) and the receiver to the
+owner). Custom resources pin the sender to the head ({"sender": ...}) and the receiver to the
 worker node ({"receiver": 1}).
 """
 
@@ -21,6 +21,7 @@ import ray
 import torch
 
 import ray_rdt_pool
+from ray_rdt_pool.weights import WeightReceiver, WeightSender
 from ray_rdt_pool.wire import DTYPES
 from tests.raycluster import DEFAULT_ENV, all_dtype_tensors, digest, wait_for
 
@@ -63,12 +64,12 @@ def cluster() -> Iterator[Any]:
     previous = CURRENT_CLUSTER.read_bytes() if CURRENT_CLUSTER.exists() else None
     node_args = {"num_cpus": 4, "object_store_memory": 200 << 20}
     c = Cluster(initialize_head=True, head_node_args={
-        **node_args, "resources": {"sender": 1}, "include_dashboard": False})
+        **node_args, "resources": {"sender": 4}, "include_dashboard": False})
     # Cluster wrote its address there; undo it at once, so that other test runs sharing this
     # machine keep starting clusters of their own instead of joining this one.
     _restore(previous)
     try:
-        c.add_node(**node_args, resources={"receiver": 1})
+        c.add_node(**node_args, resources={"receiver": 4})
         c.wait_for_nodes()
         ray.init(address=c.address, runtime_env={"env_vars": env}, log_to_driver=False)
         ray_rdt_pool.register()
@@ -193,3 +194,74 @@ def test_memory_comes_back_on_both_nodes(pair):
     rst = wait_for(lambda: (x := ray.get(r.stats.remote())).arena_used == 0 and x, timeout=60)
     assert rst.arena_live_blocks == 0 and rst.transfers_in_flight == 0
     assert rst.nixl_registrations == 1  # the arena, registered once for every object
+
+
+# ---------------------------------------------------------------------------------------
+# The weights API's stream across the two nodes
+# ---------------------------------------------------------------------------------------
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    """Matrices of two dtypes, a vector, integers, and one strided view (packed)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {f"layer{i}.w": torch.randn(256, 512, generator=g) for i in range(6)}
+    out |= {f"layer{i}.b": torch.randn(512, generator=g).to(torch.bfloat16) for i in range(6)}
+    out["ids"] = torch.randint(0, 1 << 40, (20000,), generator=g)
+    out["proj.t"] = torch.randn(300, 200, generator=g).t()
+    return out
+
+
+@ray.remote(enable_tensor_transport=True, resources={"sender": 1})
+class Trainer:
+    def __init__(self) -> None:
+        ray_rdt_pool.register()
+        self.state = weights(1)
+        self.weight_sender = WeightSender(self.state, bucket_bytes=1 << 20)
+
+    def step(self) -> None:
+        with torch.no_grad():
+            for v in self.state.values():
+                v.add_(3)
+
+    def stream(self, receivers: list[Any]) -> Any:
+        return self.weight_sender.stream(receivers), ray_rdt_pool.stats()
+
+    def digest(self) -> list[int]:
+        return digest(list(self.state.values()))
+
+
+@ray.remote(enable_tensor_transport=True, resources={"receiver": 1})
+class Engine:
+    def __init__(self) -> None:
+        ray_rdt_pool.register()
+        self.state = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in weights(2).items()}
+        self.weight_receiver = WeightReceiver(self.state)
+
+    def digest(self) -> list[int]:
+        return digest(list(self.state.values()))
+
+    def stats(self) -> Any:
+        return ray_rdt_pool.stats()
+
+
+def test_weight_stream_across_nodes_reads_the_trainers_tensors_by_reference(cluster):
+    """Buckets that lie as they are sent are READ where they lie (no pack, no pool), the
+    strided one is packed; every step is exact, the trainer holds nothing once stream()
+    returns, and a warm step registers nothing and reloads no metadata."""
+    tr, en = Trainer.remote(), Engine.remote()
+    try:
+        seen = []
+        for _step in range(3):
+            rep, st = ray.get(tr.stream.remote([en]))
+            assert rep.source_read_buckets == 0  # another node: never read in place
+            assert 0 < rep.reference_buckets == rep.buckets - 1
+            assert st.live_objects == 0 and st.pool_used == 0
+            assert ray.get(en.digest.remote()) == ray.get(tr.digest.remote())
+            est = ray.get(en.stats.remote())
+            assert est.mapped_gets == 0 and est.transfer_errors == 0
+            seen.append((st.nixl_registrations, est.remote_metadata_loads))
+            ray.get(tr.step.remote())
+        assert seen[1] == seen[2], seen
+    finally:
+        ray.kill(tr)
+        ray.kill(en)

@@ -6,9 +6,10 @@ What is promised (docs/weight-sync.md, "Source reads"): the bytes are exact; the
 keeps a bucket's tensors alive until every receiver has acknowledged it, and does not
 return before; a bucket that cannot be read as it lies (a strided view, a wire-dtype
 conversion) and every bucket of a stream with any receiver that cannot read the trainer
-(another node, ``same_node="off"``, a kernel that forbids it) go through the pool as
-before; a read of a process that is gone is a typed ``TransferError``, never a crash, and
-leaks no arena block.
+(another node, ``same_node="off"``, a kernel that forbids it) go through NIXL: read by
+reference from the trainer's tensors for a module or mapping, through the pool otherwise
+(tests/test_multinode.py streams across two nodes); a read of a process that is gone is a
+typed ``TransferError``, never a crash, and leaks no arena block.
 
 The first group needs no Ray: the reader against a forked child process, and the
 receiver runtime (with the fake NIXL of tests.fakenixl, which this path never calls)
@@ -356,13 +357,17 @@ def test_stream_falls_back_to_the_pool(actors: dict[str, Any]) -> None:
     assert rep.stream is not None and rep.stream.source_read_buckets == 0
     assert call(r1, _stats).mapped_gets - mapped == rep.buckets
     assert_equal(call(r1, _state), call(tr, _state))
-    # one receiver with same_node="off": every bucket goes through the pool, for both
+    # one receiver with same_node="off": no bucket is read in place; both receivers READ
+    # the trainer's tensors by reference over NIXL (a mapping source), nothing is packed
     call(tr, _set_sender, 5)
     call(r1, _set_receiver, 6)
     call(off, _set_receiver, 6)
+    reads = call(r1, _stats).reads_posted
     rep = sync(tr, [r1, off], mode="stream")
     assert rep.stream is not None and rep.stream.source_read_buckets == 0
+    assert rep.stream.reference_buckets == rep.buckets and rep.stream.peak_pool_used == 0
     assert call(off, _stats).source_reads == 0 and call(off, _stats).reads_posted > 0
+    assert call(r1, _stats).reads_posted - reads == rep.buckets  # not mappable: READ
     want = call(tr, _state)
     assert_equal(call(r1, _state), want)
     assert_equal(call(off, _state), want)
@@ -478,3 +483,72 @@ def test_receiver_killed_during_a_source_read_stream(actors: dict[str, Any]) -> 
     assert rep.stream is not None and rep.stream.source_read_buckets == rep.buckets
     assert_equal(call(r1, _state), call(tr, _state))
     wait_drained(tr)
+
+
+# ---------------------------------------------------------------------------------------
+# Receivers that cannot read in place: by reference over NIXL, or through the pool
+# ---------------------------------------------------------------------------------------
+
+
+def _set_failing_receiver(node: Any, seed: int, bucket: int) -> None:
+    node.state = make_state(seed)
+    node.calls = 0
+
+    def load_weights(batch: Any) -> None:
+        node.calls += 1
+        if node.calls == bucket + 1:
+            raise RuntimeError("engine refused the bucket")
+        for name, t in batch:
+            node.state[name].copy_(t)
+
+    node.weight_receiver = WeightReceiver(load_weights=load_weights)
+
+
+@pytest.mark.ray
+def test_stream_by_reference_reads_each_step_and_registers_once(
+        actors: dict[str, Any]) -> None:
+    """A receiver that cannot read the trainer in place READs its tensors where they lie:
+    every step exact, nothing packed, the trainer holds no object once stream() returns,
+    and warm steps make no registration and no metadata reload."""
+    tr, off = actors["trainer"], actors["off"]
+    call(tr, _set_sender, 21)
+    call(off, _set_receiver, 22)
+    seen = []
+    for _step in range(3):
+        before = call(tr, _stats)
+        rep = sync(tr, [off], mode="stream")
+        after = call(tr, _stats)
+        assert rep.stream is not None
+        assert rep.stream.reference_buckets == rep.buckets > 3
+        assert rep.stream.peak_pool_used == 0 and rep.stream.source_read_buckets == 0
+        assert after.bytes_packed == before.bytes_packed
+        assert after.live_objects == 0  # each bucket freed at its acknowledgement
+        assert_equal(call(off, _state), call(tr, _state))
+        seen.append((after.nixl_registrations, call(off, _stats).remote_metadata_loads))
+        call(tr, _mutate)
+    assert seen[1] == seen[2], seen  # warm: the same registrations, the same metadata
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("how", ["reference", "pool"])
+def test_failed_bucket_leaves_the_trainer_holding_nothing(actors: dict[str, Any],
+                                                          how: str) -> None:
+    """A receiver's loader fails at bucket 2: the stream raises it, and right after, the
+    trainer's pool and object table are as before (by reference or packed alike)."""
+    import ray
+
+    tr, off = actors["trainer"], actors["off"]
+    lazy = how == "pool"  # a lazy source is packed: its tensors are made just in time
+    call(tr, _set_sender, 23, lazy)
+    call(off, _set_failing_receiver, 24, 2)
+    with pytest.raises(ray.exceptions.RayTaskError, match="engine refused the bucket"):
+        sync(tr, [off], mode="stream")
+    st = call(tr, _stats)
+    assert st.live_objects == 0 and st.pool_used == 0, st
+    call(off, _set_receiver, 25)
+    rep = sync(tr, [off], mode="stream")
+    assert rep.stream is not None
+    assert (rep.stream.reference_buckets == rep.buckets) is (how == "reference")
+    assert (rep.stream.reference_buckets == 0) is (how == "pool")
+    assert_equal(call(off, _state), call(tr, _state))
+    assert call(tr, _stats).live_objects == 0
