@@ -221,13 +221,13 @@ def install_transport_timer() -> dict[str, float] | None:
     """Time spent inside our transport's own code in this process, summed.
 
     Wraps, on this process's ``ray_rdt_pool`` runtime object (instance attributes, the
-    way the RDT store hooks above work; the package is not changed), ``put`` (what
-    Ray's ``ray.put`` calls to pack an object: layout, pool copy, metadata) into
-    ``put_s``, and ``fetch`` + ``wait`` (what ``ray.get`` calls to start the READ and
-    rebuild the tensors) and the receiver's ``read_source`` (a weights stream's source
-    reads) into ``get_s``. What is left of a ``ray.put`` or ``ray.get``
-    call is Ray's own serializer and bookkeeping. Returns None, and times nothing, where
-    the runtime has no such methods.
+    way the RDT store hooks above work; the package is not changed), the sender's
+    ``put`` and ``put_by_reference`` (what Ray's ``ray.put`` and a weights stream call
+    to lay out, copy into the pool and describe an object) into ``put_s``, and ``fetch``
+    + ``wait`` (what ``ray.get`` calls to start the READ and rebuild the tensors) and the
+    receiver's ``read_source`` (a weights stream's source reads) into ``get_s``. What is
+    left of a ``ray.put`` or ``ray.get`` call is Ray's own serializer and bookkeeping.
+    Returns None, and times nothing, where the runtime has no such methods.
     """
     try:
         from ray_rdt_pool.transport import runtime
@@ -238,6 +238,10 @@ def install_transport_timer() -> dict[str, float] | None:
     names = {"put": "put_s", "fetch": "get_s", "wait": "get_s"}
     if not all(callable(getattr(rt, n, None)) for n in names):
         return None
+    sender = rt.sender
+    # The pack itself, wherever it is called from: ray.put (through Runtime.put) or a
+    # weights stream (owned objects: Sender.put, or Sender.put_by_reference with no copy).
+    names.pop("put")
     acc = {"put_s": 0.0, "get_s": 0.0}
 
     def timed(orig: Any, key: str) -> Any:
@@ -251,6 +255,9 @@ def install_transport_timer() -> dict[str, float] | None:
 
     for name, key in names.items():
         setattr(rt, name, timed(getattr(rt, name), key))
+    for name in ("put", "put_by_reference"):
+        if callable(getattr(sender, name, None)):
+            setattr(sender, name, timed(getattr(sender, name), "put_s"))
     # A weights stream on one node reads buckets straight out of the trainer instead.
     read = getattr(rt.receiver, "read_source", None)
     if callable(read):
@@ -466,7 +473,8 @@ class Sender:
                                                 timeout_s=timeout_s)
                 out.update(buckets=rep.buckets, pool_wait_s=rep.pool_wait_seconds,
                            fallbacks=rep.fallbacks, peak_pool_used=rep.peak_pool_used,
-                           source_read_buckets=rep.source_read_buckets)
+                           source_read_buckets=rep.source_read_buckets,
+                           reference_buckets=rep.reference_buckets)
             else:
                 inflight: deque[Any] = deque()
                 for k, idx in enumerate(self.buckets):
@@ -485,6 +493,8 @@ class Sender:
         out.update(s_end=time.monotonic(), put_s=timer.total_s, puts=timer.count)
         if self._ours_time:
             out["ours_put_s"] = self._ours_time["put_s"] - ours0
+            if self.variant.ours:  # no ray.put: a stream packs (or describes) buckets itself
+                out["put_s"] = out["ours_put_s"]
         with self._lock:
             meta, self._last_meta = self._last_meta, None
         out["meta_bytes"] = len(pickle.dumps(meta)) if meta is not None else None

@@ -38,7 +38,8 @@ receiver's weights; Ray's variants: the same buckets, one ``ray.put`` and one re
 task each, two in flight). ``e2e`` ends when the last bucket is in the receiver's
 weights; ``put`` and ``fetch`` are the bucket puts and loads, summed. On one node our
 receivers copy the buckets straight out of the trainer's tensors (source reads: no put,
-``source_read_buckets`` in the samples). After the run
+``source_read_buckets`` in the samples), across nodes they READ them by reference
+(``reference_buckets``; ``put`` is then the time spent describing them). After the run
 (Ray stopped) the memcpy and NIXL READ rates of :mod:`microbenchmarks.floor` are
 measured and give the floors of ``sync`` (pack + READ) and ``sync_stream``
 (max(pack, READ) + one bucket; with source reads, one cma copy).
@@ -605,7 +606,7 @@ class Runner:
             gbps=self.payloads[workload] / (got - t0) / 1e9,
         )
         for key in ("pool_wait_s", "fallbacks", "peak_pool_used", "ours_put_s",
-                    "source_read_buckets"):
+                    "source_read_buckets", "reference_buckets"):
             if key in snd:
                 sample[key] = snd[key]
         sample["ours_get_s"] = res.get("ours_get_s")
@@ -824,7 +825,8 @@ def _title(cfg: Config, env: dict[str, Any], stamp: str) -> str:
 
 
 _STREAM_NOTE = (
-    "  sync_stream: put = the sender's ray.put of every bucket, summed; fetch = the "
+    "  sync_stream: put = the sender's ray.put of every bucket (ours: its own pack, or the "
+    "description of a bucket read in place or by reference), summed; fetch = the "
     "receiver's bucket loads, summed\n"
     "  (they overlap: put + fetch may exceed e2e). Every variant lands the buckets in the "
     "receiver's weights:\n"

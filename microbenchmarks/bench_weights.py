@@ -159,6 +159,8 @@ def run_variant(name: str, layout: Layout, args: argparse.Namespace) -> dict[str
     times: list[float] = []
     peak = 0
     waits: list[float] = []
+    by_ref: list[int] = []  # per stream: buckets READ by reference (no pack)
+    in_place: list[int] = []  # per stream: buckets read in place (same node)
     direct = True
     try:
         for _ in range(args.syncs):
@@ -176,6 +178,8 @@ def run_variant(name: str, layout: Layout, args: argparse.Namespace) -> dict[str
                 direct = direct and all(ld.direct_buckets == ld.buckets for ld in rep.loads)
                 if rep.stream is not None:
                     waits.append(rep.stream.pool_wait_seconds)
+                    by_ref.append(rep.stream.reference_buckets)
+                    in_place.append(rep.stream.source_read_buckets)
                     assert rep.stream.fallbacks == 0, rep.stream
             times.append(time.perf_counter() - t0)
         want = ray.get(trainer.checksum.remote())
@@ -194,7 +198,8 @@ def run_variant(name: str, layout: Layout, args: argparse.Namespace) -> dict[str
         "pool_capacity": None if name == "ray-nixl" else st["pool_capacity"],
         "fallbacks": st["fallbacks"], "direct": direct if name != "ray-nixl" else True,
         "pool_wait_median_s": statistics.median(waits) if waits else None,
-        "checksums_ok": ok, "times_s": times, "loadavg_after": list(os.getloadavg()),
+        "checksums_ok": ok, "times_s": times, "reference_buckets": by_ref,
+        "source_read_buckets": in_place, "loadavg_after": list(os.getloadavg()),
     }
 
 

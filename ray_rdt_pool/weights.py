@@ -11,14 +11,16 @@ one actor to many, on top of the ``nixl_pool`` transport. See docs/weight-sync.m
   :class:`Manifest` (names, shapes, dtypes, bucket membership and the bucket refs) that
   any number of receivers may load. :meth:`WeightSender.stream` instead drives the
   receivers bucket by bucket with at most ``max_inflight`` buckets outstanding, and
-  never puts a bucket before the pool has room for it, so a model larger than the pool
-  syncs with bounded sender memory and no fallback registrations. When every receiver
-  shares the trainer's Ray node, a stream sends buckets as :class:`SourceBucket`
-  addresses instead, and the receivers copy them straight out of the trainer's tensors
-  (``source_reads``; the tensors are kept until every receiver acknowledged their
-  bucket, and ``stream()`` returns only after that). ``wire_dtype`` sends
-  tensors in another dtype (e.g. fp32 as bf16), converted by the pack copy itself
-  (``transport.pack_as``).
+  never packs a bucket before the pool has room for it, so a model larger than the pool
+  syncs with bounded sender memory and no fallback registrations; its buckets are pool
+  objects the stream owns (:class:`PoolBucket`, no Ray object), freed at the receivers'
+  acknowledgements. When every receiver shares the trainer's Ray node, a stream sends
+  buckets as :class:`SourceBucket` addresses instead, and the receivers copy them
+  straight out of the trainer's tensors; otherwise a module's buckets go by reference,
+  READ over NIXL from the trainer's tensors (``source_reads``; the tensors are kept until
+  every receiver acknowledged their bucket, and ``stream()`` returns only after that).
+  ``wire_dtype`` sends tensors in another dtype (e.g. fp32 as bf16), converted by the
+  pack copy itself.
 * **Receiver** (inside an inference actor): :class:`WeightReceiver` (or the one-shot
   :func:`load_manifest`) validates the whole layout against its destination first
   (names after mapping, shapes, dtype casting rule) and raises a
@@ -867,10 +869,13 @@ class WeightSender:
             cast to their destination dtypes. A conversion down the casting order
             (float -> int, complex -> real) raises :class:`WireDtypeError` before the
             bucket is put. A tied tensor is sent once, as its first name decides.
-        source_reads: Let :meth:`stream` skip the pool when every receiver runs on this
-            Ray node and may read this process: each receiver then copies the buckets
-            straight out of the source tensors, which must not change while ``stream()``
-            runs (see docs/weight-sync.md, "Source reads"). ``False``: always the pool.
+        source_reads: Let :meth:`stream` skip the pool: when every receiver runs on
+            this Ray node and may read this process, each receiver copies the buckets
+            straight out of the source tensors; otherwise, for a module or mapping, each
+            receiver READs them by reference over NIXL (their storages stay registered
+            in the transport's storage cache). Either way the source tensors must not
+            change while ``stream()`` runs (see docs/weight-sync.md, "Source reads" and
+            "By reference across nodes"). ``False``: always the pool.
 
     Each publish snapshots the state (the pool copy is made at ``ray.put``), and a stream
     returns only after every receiver loaded every bucket, so either way the trainer may
@@ -1023,34 +1028,34 @@ class WeightSender:
         ``strict`` missing tensors are found after the last bucket.
 
         Then for each bucket: wait until fewer than ``max_inflight`` buckets are
-        unacknowledged and the pool has room for it, ``ray.put`` it, and ask every
-        receiver to load it (``__ray_call__``); the local ref is dropped at once, so the
-        pool blocks return when the receivers are done with it. "Room" means the pool
-        has the bucket's bytes free and this stream's pool use (``pool_used`` beyond
-        what was in use when the stream began) stays within
-        ``max_inflight * bucket_bytes``, so acknowledged buckets whose blocks Ray has not
-        garbage-collected yet still count. A lazy source is only pulled for the next
-        bucket once there is room for a full bucket, and the sender drops its tensors as
-        soon as their bucket is packed; Ray's RDT store keeps a put's tensors until the
-        bucket is freed, so beyond the model and the pool the sync holds at most
-        ``max_inflight`` buckets of source tensors (in the pool, or being filled) plus
-        one tensor. No bucket is ever put
-        without room, so there is no fallback registration. With ``max_inflight >= 2``
-        packing bucket ``k+1`` overlaps the receivers' reads of bucket ``k``;
-        ``max_inflight=1`` serialises them (no pipelining).
+        unacknowledged and the pool has room for it, pack it into the pool as an object
+        this stream owns (:class:`PoolBucket`: not a Ray object, so no object-store round
+        trip), and ask every receiver to load it (``__ray_call__``); the object is freed
+        once every receiver acknowledged it. "Room" means the pool has the bucket's bytes
+        free and this stream's pool use (``pool_used`` beyond what was in use when the
+        stream began) stays within ``max_inflight * bucket_bytes``. A lazy source is only
+        pulled for the next bucket once there is room for a full bucket, and the sender
+        drops its tensors as soon as their bucket is packed, so beyond the model and the
+        pool the sync holds at most ``max_inflight`` buckets of source tensors plus one
+        tensor. No bucket is ever packed without room, so there is no fallback
+        registration. With ``max_inflight >= 2`` packing bucket ``k+1`` overlaps the
+        receivers' reads of bucket ``k``; ``max_inflight=1`` serialises them.
 
-        Source reads (``source_reads=True`` and every receiver on this Ray node, able to
-        read this process): a bucket whose tensors lie as they are sent is not put at
-        all; the receivers get its tensors' addresses and copy them out of this process,
-        and the tensors are kept until every receiver acknowledged the bucket. Other
-        buckets of the stream go through the pool as above.
+        ``source_reads=True`` skips the pack for a bucket whose tensors lie as they are
+        sent, and keeps its tensors until every receiver acknowledged it: with every
+        receiver on this Ray node and able to read this process, the receivers get the
+        tensors' addresses and copy them out of this process (:class:`SourceBucket`);
+        otherwise, for a module or mapping whose bytes fit the storage cache
+        (``registration_cache_bytes``), they READ them by reference over NIXL. Other
+        buckets go through the pool as above.
 
         Raises ``PoolExhaustedError`` if a bucket cannot fit the pool at all (up front
         for a module or mapping, at that bucket for a lazy source),
         :class:`WeightSyncTimeoutError` if pool space or acks take longer than
         ``timeout_s``, :class:`DuplicateNameError` if a lazy source repeats a name,
         and re-raises a receiver's error (its other buckets still drain). On any error
-        the receivers are told to drop the stream, so no bucket stays pinned.
+        the receivers are told to drop the stream, then the sender frees every bucket
+        it still holds, so no bucket stays pinned.
         """
         import ray
 
