@@ -8,7 +8,12 @@ variant's actors are killed first: idle NIXL agents burn CPU on a small machine)
 * ``pool-stream``: :func:`ray_rdt_pool.weights.sync`, streaming, ``max_inflight=2``
   (packing bucket k+1 overlaps the receivers' reads of bucket k); the sender pool holds
   two buckets only, far less than the model.
-* ``pool-stream-serial``: the same with ``max_inflight=1`` (pipelining off).
+* ``pool-stream-packed``: the same with ``WeightSender(source_reads=False)``: every
+  bucket is packed into the pool (a snapshot) and read from there, as for a lazy source.
+  ``pool-stream`` instead reads the trainer's tensors in place on one node and by
+  reference across nodes (no pack).
+* ``pool-stream-serial``: the same as ``pool-stream`` with ``max_inflight=1``
+  (pipelining off).
 * ``pool-publish``: every bucket put at once, then both receivers load the manifest;
   the pool holds the whole model.
 * ``ray-nixl``: Ray's own ``nixl`` transport, the best way we know: per sync the
@@ -65,7 +70,8 @@ import torch
 import ray_rdt_pool
 from ray_rdt_pool.weights import WeightReceiver, WeightSender, sync
 
-VARIANTS = ("pool-stream", "pool-stream-serial", "pool-publish", "ray-nixl")
+VARIANTS = ("pool-stream", "pool-stream-packed", "pool-stream-serial", "pool-publish",
+            "ray-nixl")
 MIB = 1 << 20
 
 Layout = list[tuple[str, tuple[int, ...], torch.dtype]]
@@ -101,13 +107,15 @@ def build(layout: Layout, seed: int) -> dict[str, torch.Tensor]:
 class Node:
     """A trainer or a receiver; one process each."""
 
-    def __init__(self, layout: Layout, seed: int, pool_bytes: int, bucket_bytes: int) -> None:
+    def __init__(self, layout: Layout, seed: int, pool_bytes: int, bucket_bytes: int,
+                 source_reads: bool = True) -> None:
         ray_rdt_pool.register()
         ray_rdt_pool.configure(pool_bytes=pool_bytes, arena_bytes=64 * MIB)
         torch.set_num_threads(1)
         self.state = build(layout, seed)
         self.tensors = list(self.state.values())
-        self.weight_sender = WeightSender(self.state, bucket_bytes=bucket_bytes)
+        self.weight_sender = WeightSender(self.state, bucket_bytes=bucket_bytes,
+                                          source_reads=source_reads)
         self.weight_receiver = WeightReceiver(self.state)
 
     def ready(self) -> int:
@@ -151,7 +159,8 @@ def run_variant(name: str, layout: Layout, args: argparse.Namespace) -> dict[str
     total = layout_bytes(layout)
     bucket = args.bucket_mib * MIB
     pool = {"pool-publish": total + 64 * MIB, "ray-nixl": 64 * MIB}.get(name, 2 * bucket)
-    trainer = _placed(Node, args, "trainer").remote(layout, 0, pool, bucket)
+    trainer = _placed(Node, args, "trainer").remote(layout, 0, pool, bucket,
+                                                    source_reads=name != "pool-stream-packed")
     receivers = [_placed(Node, args, "receiver").remote(layout, 100 + i, pool, bucket)
                  for i in range(args.receivers)]
     actors = [trainer, *receivers]

@@ -552,3 +552,47 @@ def test_failed_bucket_leaves_the_trainer_holding_nothing(actors: dict[str, Any]
     assert (rep.stream.reference_buckets == 0) is (how == "pool")
     assert_equal(call(off, _state), call(tr, _state))
     assert call(tr, _stats).live_objects == 0
+
+
+def _replace_tensor(node: Any, name: str) -> None:
+    """A new tensor (new storage) under ``name``, as an optimizer that reallocates would."""
+    node.state[name] = torch.randn(node.state[name].shape)  # the sender reads this dict
+
+
+@pytest.mark.ray
+def test_stream_by_reference_follows_a_replaced_tensor(actors: dict[str, Any]) -> None:
+    """A tensor replaced between syncs (a new storage) is registered once more and read
+    from its new memory; the others stay registered."""
+    tr, off = actors["trainer"], actors["off"]
+    call(tr, _set_sender, 26)
+    call(off, _set_receiver, 27)
+    sync(tr, [off], mode="stream")
+    regs = call(tr, _stats).nixl_registrations
+    call(tr, _replace_tensor, "w5")
+    rep = sync(tr, [off], mode="stream")
+    assert rep.stream is not None and rep.stream.reference_buckets == rep.buckets
+    assert call(tr, _stats).nixl_registrations == regs + 1
+    assert_equal(call(off, _state), call(tr, _state))
+
+
+@pytest.mark.ray
+def test_state_larger_than_the_registration_cache_is_packed() -> None:
+    """A trainer whose storage cache cannot hold the whole state packs every bucket (a
+    by-reference sync would register and evict the same storages every time)."""
+    import ray
+
+    small = node_class().options(
+        runtime_env={"env_vars": {**ENV, "RAY_RDT_POOL_REG_CACHE_BYTES": "64K"}}).remote()
+    off = node_class().options(
+        runtime_env={"env_vars": {**ENV, "RAY_RDT_POOL_SAME_NODE": "off"}}).remote()
+    try:
+        call(small, _set_sender, 28)
+        call(off, _set_receiver, 29)
+        rep = sync(small, [off], mode="stream")
+        assert rep.stream is not None
+        assert rep.stream.reference_buckets == 0 and rep.stream.source_read_buckets == 0
+        assert_equal(call(off, _state), call(small, _state))
+        assert call(small, _stats).live_objects == 0
+    finally:
+        ray.kill(small)
+        ray.kill(off)
