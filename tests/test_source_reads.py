@@ -462,22 +462,30 @@ def _stream_to(node: Any, receivers: list[Any]) -> Any:
 
 
 @pytest.mark.ray
-def test_receiver_killed_during_a_source_read_stream(actors: dict[str, Any]) -> None:
+@pytest.mark.parametrize("path", ["in place", "by reference", "packed"])
+def test_receiver_killed_during_a_stream(actors: dict[str, Any], path: str) -> None:
     """The trainer's stream fails with Ray's error, holds nothing afterwards (no pool
-    object, no kept tensors), and streams again to a live receiver."""
+    object, no kept tensors, no use of a registration), and streams again to a live
+    receiver: for buckets read in place, by reference over NIXL, or packed."""
     import ray
 
     tr, r1 = actors["trainer"], actors["r1"]
-    victim = node_class().remote()
+    env = {**ENV, "RAY_RDT_POOL_SAME_NODE": "off" if path != "in place" else "map"}
+    victim = node_class().options(runtime_env={"env_vars": env}).remote()
     call(victim, _set_slow_receiver, 15)
-    call(tr, _set_sender, 16)
+    call(tr, _set_sender, 16, path == "packed")  # a lazy source is packed
+    before = call(tr, _stats)
     ref = tr.__ray_call__.remote(_stream_to, [victim])
     time.sleep(1.0)  # begun, and a few buckets into its loads
     ray.kill(victim)
     with pytest.raises(ray.exceptions.RayTaskError) as err:  # not a timeout: a failure
         ray.get(ref, timeout=120)
     assert isinstance(err.value.cause, ray.exceptions.RayActorError), err.value
-    assert call(tr, _stats).pool_used == 0
+    st = call(tr, _stats)
+    assert st.pool_used == 0 and st.live_objects == 0, st
+    packed = st.bytes_packed > before.bytes_packed
+    by_ref = st.zero_copy_tensors > before.zero_copy_tensors
+    assert (packed, by_ref) == (path == "packed", path == "by reference"), path
     call(r1, _set_receiver, 17)
     rep = sync(tr, [r1], mode="stream")
     assert rep.stream is not None and rep.stream.source_read_buckets == rep.buckets
