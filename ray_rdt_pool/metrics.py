@@ -138,7 +138,8 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("objects_freed", "Objects whose pool blocks were returned (garbage_collect).",
      "objects_freed"),
     ("bytes_packed", "Bytes copied into the sender pool.", "bytes_packed"),
-    ("zero_copy_tensors", "Tensors sent from register_memory() storage without a copy.",
+    ("zero_copy_tensors", "Tensors sent without a copy (register_memory(), by-reference "
+     "stream buckets).",
      "zero_copy_tensors"),
     ("fallbacks", "Objects the pool could not hold, copied into overflow memory.",
      "fallbacks"),
