@@ -40,7 +40,7 @@ import bisect
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ray_rdt_pool.allocator import BlockAllocator
@@ -339,6 +339,19 @@ class Registry:
                 self._drop(entry)
                 return True
             return False
+
+    def forget(self, keys: Iterable[Key]) -> int:
+        """Deregister the entries of ``keys`` that nobody uses or pins now, letting their
+        storages go (an owner that knows it will not send them again, e.g. a weights
+        stream whose source replaced a tensor). Returns how many went."""
+        n = 0
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and entry.users == 0 and entry.pins == 0:
+                    self._drop(entry)
+                    n += 1
+        return n
 
     def _drop(self, entry: RegEntry) -> None:
         del self._entries[entry.key]

@@ -19,7 +19,7 @@ import atexit
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -637,6 +637,13 @@ def put_owned_by_reference(obj_id: str, tensors: Sequence[torch.Tensor]
     rt.backend()
     _meta, wire = rt.sender.put_by_reference(obj_id, tensors)
     return wire, tensors[0].device.type
+
+
+def forget_registrations(keys: Iterable[Any]) -> int:
+    """Deregister the storage-cache entries of these storage keys (``registry.storage_key``)
+    that nothing uses or pins now; see ``Registry.forget``. Creates nothing."""
+    rt = _runtime
+    return 0 if rt is None else rt.registry.forget(keys)
 
 
 def free_owned(obj_id: str) -> bool:

@@ -62,6 +62,7 @@ import torch
 
 from ray_rdt_pool.errors import InvalidInputError, PoolExhaustedError, RdtPoolError, fmt_bytes
 from ray_rdt_pool.layout import BLOCK_ALIGN, align_up, packed_offsets
+from ray_rdt_pool.registry import storage_key
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -871,9 +872,10 @@ class WeightSender:
             bucket is put. A tied tensor is sent once, as its first name decides.
         source_reads: Let :meth:`stream` skip the pool: when every receiver runs on
             this Ray node and may read this process, each receiver copies the buckets
-            straight out of the source tensors; otherwise, for a module or mapping, each
-            receiver READs them by reference over NIXL (their storages stay registered
-            in the transport's storage cache). Either way the source tensors must not
+            straight out of the source tensors; otherwise, for the module or mapping
+            given as ``source``, each receiver READs them by reference over NIXL (their
+            storages stay registered in the transport's storage cache until a stream no
+            longer sends them, or :meth:`close`). Either way the source tensors must not
             change while ``stream()`` runs (see docs/weight-sync.md, "Source reads" and
             "By reference across nodes"). ``False``: always the pool.
 
@@ -899,6 +901,18 @@ class WeightSender:
         self.source_reads = source_reads
         self.version = 0
         self._spent = False  # a one-shot (iterator) source was consumed
+        # Storage keys of the source tensors the last stream sent by reference: their
+        # registrations stay in the transport's storage cache for the next stream, and
+        # go once a stream no longer sends them (a replaced tensor) or at close().
+        self._ref_keys: set[Any] = set()
+
+    def close(self) -> None:
+        """Let go of the NIXL registrations kept for by-reference streams (the storages
+        of the source's tensors, in the transport's storage cache). The sender stays
+        usable: a later stream registers them again. A sender that is dropped without
+        ``close()`` leaves them to the cache's LRU bound (``registration_cache_bytes``)."""
+        keys, self._ref_keys = self._ref_keys, set()
+        _forget_registrations(keys)
 
     def _acquire(self, state: SourceLike | None
                  ) -> tuple[StateLike | None, Iterator[tuple[str, torch.Tensor]] | None]:
@@ -1045,9 +1059,10 @@ class WeightSender:
         sent, and keeps its tensors until every receiver acknowledged it: with every
         receiver on this Ray node and able to read this process, the receivers get the
         tensors' addresses and copy them out of this process (:class:`SourceBucket`);
-        otherwise, for a module or mapping whose bytes fit the storage cache
-        (``registration_cache_bytes``), they READ them by reference over NIXL. Other
-        buckets go through the pool as above.
+        otherwise, for the module or mapping this sender holds as ``source`` (not
+        ``state=``), whose bytes fit the storage cache (``registration_cache_bytes``),
+        they READ them by reference over NIXL. Other buckets go through the pool as
+        above.
 
         Raises ``PoolExhaustedError`` if a bucket cannot fit the pool at all (up front
         for a module or mapping, at that bucket for a lazy source),
@@ -1108,12 +1123,16 @@ class WeightSender:
         # Source reads only when every receiver can: a bucket is then never packed.
         direct = src_proc is not None and all(ok for _sk, ok in began)
         direct_buckets = 0
-        # Otherwise, for a module or mapping, receivers READ the tensors where they lie
-        # over NIXL (their storages stay registered in the storage cache between syncs,
-        # so the metadata does not change), when the cache may hold them all.
+        # Otherwise, for the module or mapping this sender holds, receivers READ the
+        # tensors where they lie over NIXL: their storages stay registered between syncs
+        # (so the metadata does not change) without holding memory the source does not
+        # hold itself. Not for a state= or a callable's state: it may be new memory each
+        # sync, which would be registered, and kept, every time.
         by_ref = (self.source_reads and not direct and layout is not None
+                  and state is None and isinstance(self.source, (torch.nn.Module, Mapping))
                   and layout.total_bytes <= _registration_cache_bytes())
         ref_buckets = 0
+        ref_keys: set[Any] = set()
 
         st0 = _stats()
         fallbacks0 = st0.fallbacks
@@ -1156,6 +1175,7 @@ class WeightSender:
                     direct_buckets += 1
                 elif by_ref and _source_readable(tensors, entries):
                     owned = f"ws:{session}/{k}"
+                    ref_keys.update(storage_key(t) for t in tensors if t.numel())
                     box = [_reference_bucket(owned, tensors)]
                     keep = tensors
                     ref_buckets += 1
@@ -1200,6 +1220,7 @@ class WeightSender:
             # Only now: a receiver still loading a bucket reads its pool block.
             _free_owned([oid for _acks, _keep, oid in inflight] + [owned])
             inflight.clear()
+            self._ref_keys |= ref_keys  # the next complete stream sorts them out
             if isinstance(e, DuplicateNameError):
                 applied = sorted(set.intersection(*[{r.bucket for r in a} for a in acked]))
                 raise DuplicateNameError(
@@ -1209,6 +1230,10 @@ class WeightSender:
                 ) from None
             raise
         self.version = v
+        if by_ref or self._ref_keys:
+            # Tensors the source no longer holds (replaced) need not stay registered.
+            _forget_registrations(self._ref_keys - ref_keys)
+            self._ref_keys = ref_keys
         nbytes_total = sum(r.nbytes for r in acked[0])
         loads = tuple(_summarise(v, sorted(reps, key=lambda r: r.bucket), sk)
                       for reps, sk in zip(acked, skipped))
@@ -1270,6 +1295,13 @@ def _collect(acks: list[Any], acked: list[list[BucketReport]], timeout_s: float)
 #: A stream bucket in flight: the receivers' acks, a source-read bucket's tensors, and a
 #: pool bucket's object id.
 _InFlight = tuple[list[Any], list[torch.Tensor] | None, str | None]
+
+
+def _forget_registrations(keys: set[Any]) -> None:
+    if keys:
+        from ray_rdt_pool.transport import forget_registrations
+
+        forget_registrations(keys)
 
 
 def _free_owned(obj_ids: Sequence[str | None]) -> None:

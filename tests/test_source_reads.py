@@ -567,19 +567,41 @@ def _replace_tensor(node: Any, name: str) -> None:
     node.state[name] = torch.randn(node.state[name].shape)  # the sender reads this dict
 
 
+def _close_sender(node: Any) -> None:
+    node.weight_sender.close()
+
+
+def _stream_state(node: Any, receivers: list[Any]) -> Any:
+    """A stream of the same tensors passed as ``state=``: not held by the sender."""
+    return node.weight_sender.stream(receivers, state=dict(node.state))
+
+
 @pytest.mark.ray
 def test_stream_by_reference_follows_a_replaced_tensor(actors: dict[str, Any]) -> None:
     """A tensor replaced between syncs (a new storage) is registered once more and read
-    from its new memory; the others stay registered."""
+    from its new memory, and the replaced storage's registration goes; the others stay
+    registered until close(). A state= passed per call (maybe new memory every sync) is
+    packed, not registered."""
     tr, off = actors["trainer"], actors["off"]
     call(tr, _set_sender, 26)
     call(off, _set_receiver, 27)
     sync(tr, [off], mode="stream")
-    regs = call(tr, _stats).nixl_registrations
+    st0 = call(tr, _stats)
     call(tr, _replace_tensor, "w5")
     rep = sync(tr, [off], mode="stream")
     assert rep.stream is not None and rep.stream.reference_buckets == rep.buckets
-    assert call(tr, _stats).nixl_registrations == regs + 1
+    st = call(tr, _stats)
+    assert st.nixl_registrations == st0.nixl_registrations + 1
+    assert st.nixl_deregistrations == st0.nixl_deregistrations + 1  # the replaced one
+    assert st.registration_cache_entries == st0.registration_cache_entries
+    assert_equal(call(off, _state), call(tr, _state))
+    call(tr, _close_sender)
+    n = len(make_state(0))  # one storage per tensor
+    assert call(tr, _stats).registration_cache_entries == st.registration_cache_entries - n
+    call(tr, _mutate)
+    rep = call(tr, _stream_state, [off])
+    assert rep.reference_buckets == 0 and rep.source_read_buckets == 0
+    assert call(tr, _stats).registration_cache_entries == st.registration_cache_entries - n
     assert_equal(call(off, _state), call(tr, _state))
 
 
