@@ -580,6 +580,36 @@ def test_cache_entries_in_use_are_never_evicted(world):
     assert r.stats().registration_cache_entries == 0  # idle: evicted
 
 
+def test_put_by_reference_reads_in_place_and_forget_drops_only_idle_entries(world):
+    """A weights stream's by-reference bucket: no pool block, one registration per storage
+    held while the object lives; forgetting its keys drops nothing in use, then all."""
+    from ray_rdt_pool.registry import storage_key
+
+    s, r = make(world), make(world)
+    w, ids = torch.arange(4096.0), torch.arange(100, dtype=torch.int64)
+    _meta, wire = s.sender.put_by_reference("ref", [w, ids])
+    pm = ship(PoolTransportMetadata(tensor_meta=[], tensor_device="cpu", wire=wire))
+    w.add_(1)  # not a snapshot: the READ sees the tensors as they are now
+    out = r.wait(r.fetch("ref", pm, None), -1)
+    assert torch.equal(out[0], w) and torch.equal(out[1], ids)
+    st = s.stats()
+    assert st.pool_used == 0 and st.live_objects == 1 and st.zero_copy_tensors == 2
+    assert st.registration_cache_entries == 2
+    keys = [storage_key(w), storage_key(ids)]
+    assert s.registry.forget(keys) == 0  # the object still uses them
+    del out
+    assert s.sender.free("ref")
+    assert s.stats().registration_cache_entries == 2  # kept for the next stream
+    assert s.registry.forget(keys) == 2
+    st = s.stats()
+    assert st.registration_cache_entries == 0 and st.nixl_deregistrations == 2
+    with pytest.raises(InvalidInputError, match="tensor 1 cannot be sent by reference"):
+        s.sender.put_by_reference("bad", [w, torch.zeros(8, 8).t()])
+    st = s.stats()  # refused before anything was registered or placed
+    assert st.live_objects == 0 and st.registration_cache_entries == 0
+    assert not world.violations
+
+
 # ---------------------------------------------------------------------------------------
 # Wire, input and process exit
 # ---------------------------------------------------------------------------------------
