@@ -7,6 +7,12 @@ some views still alive), then leave the interpreter without any clean-up call: t
 ``python -m tests.exit_driver shutdown``: the same, then call ``ray_rdt_pool.shutdown()``
 and print what it left behind as one JSON line.
 
+``python -m tests.exit_driver stream``: the driver is a trainer: it streams a dict of
+weights with ``WeightSender`` to an actor that cannot read it in place
+(``same_node="off"``), so the buckets go by reference and the driver's storages stay
+registered; it prints whether the actor's weights match as one JSON line, then leaves
+the interpreter with those registrations held (no ``close()``).
+
 ``python -m tests.exit_driver restart``: the driver sends an object to an actor, then
 ``ray.shutdown()`` and ``ray.init()`` again in the same process, and sends again to a new
 actor; prints the two sums the actors computed as one JSON line.
@@ -64,6 +70,33 @@ def restart() -> None:
     print(json.dumps({"totals": totals}))
 
 
+@ray.remote(enable_tensor_transport=True)
+class Engine:
+    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        from ray_rdt_pool.weights import WeightReceiver
+
+        ray_rdt_pool.register()
+        self.state = {k: torch.zeros(v) for k, v in shapes.items()}
+        self.weight_receiver = WeightReceiver(self.state)
+
+    def state_sums(self) -> dict[str, float]:
+        return {k: float(v.double().sum()) for k, v in self.state.items()}
+
+
+def stream() -> None:
+    from ray_rdt_pool.weights import WeightSender
+
+    state = {f"w{i}": torch.randn(256, 256) for i in range(8)}
+    sender = WeightSender(state, bucket_bytes=1 << 20)
+    env = {"env_vars": {"RAY_RDT_POOL_SAME_NODE": "off", "RAY_RDT_POOL_METRICS": "0"}}
+    e = Engine.options(runtime_env=env).remote({k: tuple(v.shape) for k, v in state.items()})
+    rep = sender.stream([e])
+    ok = ray.get(e.state_sums.remote()) == {k: float(v.double().sum()) for k, v in state.items()}
+    print(json.dumps({"ok": ok, "reference_buckets": rep.reference_buckets,
+                      "buckets": rep.buckets,
+                      "cached": ray_rdt_pool.stats().registration_cache_entries}))
+
+
 def _start_pack_helpers() -> int:
     """A threaded pack copy in this process (the helpers a large put starts); returns
     how many pack helper threads run afterwards."""
@@ -91,6 +124,10 @@ def main(mode: str) -> None:
              runtime_env={"env_vars": {"RAY_RDT_POOL_BYTES": "16M",
                                        "RAY_RDT_POOL_METRICS": "0"}})
     ray_rdt_pool.configure(pool_bytes=16 << 20, arena_bytes=16 << 20, metrics=False)
+    if mode == "stream":
+        stream()
+        sys.stdout.flush()
+        return
     s = Sender.remote()
     boxes = ray.get([s.put.remote(i) for i in range(12)])
     got = ray.get([b[0] for b in boxes])  # one call, many refs

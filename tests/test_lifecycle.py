@@ -68,6 +68,20 @@ def test_shutdown_stops_the_thread_and_removes_the_agent_key() -> None:
 
 
 @pytest.mark.ray
+def test_driver_exits_cleanly_holding_by_reference_registrations() -> None:
+    """A driver that streamed weights by reference still holds its storages' NIXL
+    registrations (and the storages) when the interpreter exits: the exit path must
+    deregister nothing out of order and crash nowhere."""
+    p = run(["-m", "tests.exit_driver", "stream"])
+    bad = [w for w in ("terminate", "Aborted", "SIGABRT", "Fatal Python error", "Segmentation")
+           if w in p.stderr]
+    assert p.returncode == 0 and not bad, (p.returncode, bad, p.stderr[-3000:])
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["ok"] and out["reference_buckets"] == out["buckets"] > 1, out
+    assert out["cached"] == 8, out  # one registration per weight, kept for the next sync
+
+
+@pytest.mark.ray
 def test_driver_sends_again_after_a_ray_restart() -> None:
     """``ray.shutdown()`` then ``ray.init()`` in one driver: its transport outlives the
     first cluster, and its agent's metadata must reach the second cluster's (empty) GCS,
