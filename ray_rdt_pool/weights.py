@@ -1138,8 +1138,8 @@ class WeightSender:
         fallbacks0 = st0.fallbacks
         used0 = int(st0.pool_used)
         # Double buffering in bytes: this stream's buckets may hold at most max_inflight
-        # buckets' worth of the pool, counting buckets that were acknowledged but whose
-        # blocks Ray has not garbage-collected yet.
+        # buckets' worth of the pool, counting freed buckets whose blocks a same-node
+        # receiver's mapping still leases.
         samples: list[int] = []
         # Per bucket in flight: the receivers' acks, for a source-read bucket its tensors,
         # kept alive (and so unmoved) until every receiver has copied them, and for a
