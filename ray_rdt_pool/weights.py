@@ -1146,6 +1146,13 @@ class WeightSender:
         # pool bucket its object id, freed only then.
         inflight: deque[_InFlight] = deque()
         owned: str | None = None  # a pool bucket packed but not yet in ``inflight``
+        # A module's or mapping's buckets read in place go out together, one task per
+        # receiver for a run of them: the tensors they keep are the source's own (no
+        # memory beyond the model), describing them costs nothing, and each task costs a
+        # Ray round trip of its own. (Buckets by reference are described one by one, a
+        # registration lookup and the wire bytes each: sent as they are made, the
+        # receivers READ one while the next is described.)
+        run: _Run = _Run()
         acked: list[list[BucketReport]] = [[] for _ in receivers]
         wait_s = 0.0
         k = 0
@@ -1159,6 +1166,7 @@ class WeightSender:
                     wait_s += _wait_for_pool(min(bb, capacity), lim, capacity, deadline_s)
                 item = next(items, None)
                 if item is None:
+                    run.send(inflight, receivers, receiver_attr, session)
                     break
                 nbytes, tensors, spec, entries = item
                 del item
@@ -1180,17 +1188,25 @@ class WeightSender:
                     keep = tensors
                     ref_buckets += 1
                 else:
+                    run.send(inflight, receivers, receiver_attr, session)
                     limit = min(capacity, used0 + max_inflight * max(bb, biggest))
                     wait_s += _wait_for_pool(nbytes, limit, capacity, deadline_s)
                     owned = f"ws:{session}/{k}"
                     box = [_pack_bucket(owned, tensors, entries)]
                     tensors.clear()  # the pool holds the snapshot; drop the source's tensors
                 del tensors
+                if keep is not None and layout is not None and owned is None:
+                    samples.append(int(_stats().pool_used))
+                    run.add(k, box, keep, owned)
+                    owned = None
+                    del keep, box
+                    k += 1
+                    continue
                 try:
                     samples.append(int(_stats().pool_used))
                     inflight.append(([r.__ray_call__.remote(_remote_bucket, receiver_attr,
                                                             session, k, box, spec)
-                                      for r in receivers], keep, owned))
+                                      for r in receivers], keep, [owned] if owned else []))
                     owned = None
                 finally:
                     box.clear()
@@ -1208,7 +1224,7 @@ class WeightSender:
             pending = [a for acks, _keep, _oid in inflight for a in acks]
             if pending:
                 ray.wait(pending, num_returns=len(pending), timeout=deadline_s)
-                for acks, _keep, _oid in inflight:
+                for acks, _keep, _oids in inflight:
                     for i, a in enumerate(acks):
                         try:
                             acked[i].extend(ray.get(a, timeout=0))
@@ -1218,8 +1234,10 @@ class WeightSender:
                       for r in receivers]
             ray.wait(aborts, num_returns=len(aborts), timeout=min(deadline_s, 30.0))
             # Only now: a receiver still loading a bucket reads its pool block.
-            _free_owned([oid for _acks, _keep, oid in inflight] + [owned])
+            _free_owned([o for _acks, _keep, oids in inflight for o in oids]
+                        + run.owned + [owned])
             inflight.clear()
+            run = _Run()
             self._ref_keys |= ref_keys  # the next complete stream sorts them out
             if isinstance(e, DuplicateNameError):
                 applied = sorted(set.intersection(*[{r.bucket for r in a} for a in acked]))
@@ -1292,9 +1310,37 @@ def _collect(acks: list[Any], acked: list[list[BucketReport]], timeout_s: float)
         acked[i].extend(reps)  # a receiver may load buckets that arrived early with this one
 
 
-#: A stream bucket in flight: the receivers' acks, a source-read bucket's tensors, and a
-#: pool bucket's object id.
-_InFlight = tuple[list[Any], list[torch.Tensor] | None, str | None]
+#: Stream buckets in flight (one, or a run sent together): the receivers' acks, the
+#: tensors kept for buckets read in place or by reference, and the owned object ids.
+_InFlight = tuple[list[Any], list[torch.Tensor] | None, list[str]]
+
+
+@dataclass
+class _Run:
+    """Consecutive buckets of a module or mapping that are not packed, gathered to go to
+    each receiver in one task (:meth:`send`): their boxes, kept tensors and object ids."""
+
+    ks: list[int] = field(default_factory=list)
+    boxes: list[list[Any]] = field(default_factory=list)
+    kept: list[torch.Tensor] = field(default_factory=list)
+    owned: list[str] = field(default_factory=list)
+
+    def add(self, k: int, box: list[Any], kept: list[torch.Tensor], owned: str | None
+            ) -> None:
+        self.ks.append(k)
+        self.boxes.append(box)
+        self.kept.extend(kept)
+        if owned is not None:
+            self.owned.append(owned)
+
+    def send(self, inflight: deque[_InFlight], receivers: Sequence[ActorHandle],
+             attr: str, session: str) -> None:
+        if not self.ks:
+            return
+        acks = [r.__ray_call__.remote(_remote_run, attr, session, self.ks, self.boxes)
+                for r in receivers]
+        inflight.append((acks, self.kept, self.owned))
+        self.ks, self.boxes, self.kept, self.owned = [], [], [], []
 
 
 def _forget_registrations(keys: set[Any]) -> None:
@@ -1321,10 +1367,10 @@ def _retire(inflight: deque[_InFlight], acked: list[list[BucketReport]],
     the lazy bucket iterator still refers to it until it has made the next bucket's
     tensors."""
     _collect(inflight[0][0], acked, timeout_s)
-    _acks, kept, oid = inflight.popleft()
+    _acks, kept, oids = inflight.popleft()
     if kept is not None:
         kept.clear()
-    _free_owned([oid])
+    _free_owned(oids)
 
 
 def _wait_for_pool(nbytes: int, limit: int, capacity: int, timeout_s: float) -> float:
@@ -2112,6 +2158,19 @@ def _remote_bucket(actor: Any, attr: str, session: str, k: int, box: list[Object
     # On an async actor this runs on its event loop (Ray runs a sync __ray_call__
     # there), so it blocks the loop for one bucket; it still works, in any order.
     return _find(actor, attr, WeightReceiver).load_stream_bucket(session, k, box, spec)
+
+
+def _remote_run(actor: Any, attr: str, session: str, ks: list[int],
+                boxes: list[list[Any]]) -> list[BucketReport]:
+    """Load a run of consecutive buckets (read in place or by reference), in order."""
+    rec = _find(actor, attr, WeightReceiver)
+    out: list[BucketReport] = []
+    try:
+        for k, box in zip(ks, boxes):
+            out.extend(rec.load_stream_bucket(session, k, box))
+    finally:
+        boxes.clear()
+    return out
 
 
 def _remote_finish(actor: Any, attr: str, session: str, buckets: int) -> int:
