@@ -7,11 +7,11 @@ some views still alive), then leave the interpreter without any clean-up call: t
 ``python -m tests.exit_driver shutdown``: the same, then call ``ray_rdt_pool.shutdown()``
 and print what it left behind as one JSON line.
 
-``python -m tests.exit_driver stream``: the driver is a trainer: it streams a dict of
-weights with ``WeightSender`` to an actor that cannot read it in place
-(``same_node="off"``), so the buckets go by reference and the driver's storages stay
-registered; it prints whether the actor's weights match as one JSON line, then leaves
-the interpreter with those registrations held (no ``close()``).
+``python -m tests.exit_driver stream``: as ``plain``, and the driver is also a trainer:
+it streams a dict of weights with ``WeightSender`` to an actor that cannot read it in
+place (``same_node="off"``), so the buckets go by reference and the driver's storages
+stay registered; it prints whether the actor's weights match as one JSON line, then
+leaves the interpreter with those registrations held (no ``close()``).
 
 ``python -m tests.exit_driver restart``: the driver sends an object to an actor, then
 ``ray.shutdown()`` and ``ray.init()`` again in the same process, and sends again to a new
@@ -124,15 +124,13 @@ def main(mode: str) -> None:
              runtime_env={"env_vars": {"RAY_RDT_POOL_BYTES": "16M",
                                        "RAY_RDT_POOL_METRICS": "0"}})
     ray_rdt_pool.configure(pool_bytes=16 << 20, arena_bytes=16 << 20, metrics=False)
-    if mode == "stream":
-        stream()
-        sys.stdout.flush()
-        return
     s = Sender.remote()
     boxes = ray.get([s.put.remote(i) for i in range(12)])
     got = ray.get([b[0] for b in boxes])  # one call, many refs
     assert all(torch.equal(g[0], torch.full((1000 + i,), float(i))) for i, g in enumerate(got))
     keep = got[:4]  # views still alive at exit
+    if mode == "stream":
+        stream()
     if mode == "shutdown":
         from ray.experimental.internal_kv import _internal_kv_get
 
