@@ -205,13 +205,7 @@ class Sender:
         """Blocks for ``nbytes`` in the pool, else in an overflow region (made if needed)."""
         max_blocks = 1 if one_block else None
         pool = self.ensure_pool()
-        with self.lock:
-            old = self.sent.pop(obj_id, None)  # a retried put replaces its first try
-            if old is not None and self._held(old):
-                self.leased[old.key] = old  # a receiver maps the first try: keep it
-                old = None
-        if old is not None:
-            self._release(old)
+        self._replace(obj_id)
         with self.lock:
             key = (obj_id, next(self._keys))
             try:
@@ -244,6 +238,17 @@ class Sender:
                                               False)
             with self.lock:
                 self.overflow.append(region)
+
+    def _replace(self, obj_id: str) -> None:
+        """A retried put replaces its first try: release that placement (or leave it to
+        the leases of the same-node receivers that map it)."""
+        with self.lock:
+            old = self.sent.pop(obj_id, None)
+            if old is not None and self._held(old):
+                self.leased[old.key] = old  # a receiver maps the first try: keep it
+                old = None
+        if old is not None:
+            self._release(old)
 
     def _warn_overflow(self, nbytes: int, e: PoolExhaustedError) -> None:
         if self._warned_overflow:
@@ -388,6 +393,7 @@ class Sender:
                 "conjugate or negation); send a contiguous copy, or use a snapshot put")
         runs = runs_from(d.shapes, d.dtypes)
         offsets, total = run_offsets(runs)
+        self._replace(obj_id)
         entries: list[RegEntry] = []
         try:
             for t, n in zip(tensors, d.nbytes):
@@ -401,17 +407,11 @@ class Sender:
             wire = encode(meta)
             p = Placement(obj_id, None, (), 0, False, pinned=entries)
             with self.lock:
-                old = self.sent.pop(obj_id, None)
-                if old is not None and self._held(old):
-                    self.leased[old.key] = old
-                    old = None
                 self.sent[obj_id] = p
         except BaseException:
             for e in entries:
                 self.registry.release(e)
             raise
-        if old is not None:
-            self._release(old)
         self.events.add("objects_put")
         self.events.add("zero_copy_tensors", len(entries))
         return meta, wire

@@ -609,33 +609,28 @@ def read_source(src: SourceProcess, tensors: Sequence[tuple[int, tuple[int, ...]
 
 
 def put_owned(obj_id: str, tensors: Sequence[torch.Tensor],
-              convert: Mapping[int, torch.dtype] | None = None) -> tuple[bytes, str]:
-    """Snapshot ``tensors`` into the pool as object ``obj_id`` and return its wire bytes
-    and device type, with no Ray object behind it: the caller hands the wire bytes to
-    the receivers itself and must call :func:`free_owned` once no receiver will read it
-    any more (Ray's ``garbage_collect`` never runs for it). ``obj_id`` must not clash
-    with a Ray object ID (the weights stream prefixes ``ws:``). ``convert`` as for
-    :func:`pack_as`. Same packing, placement and lease rules as ``ray.put``.
+              convert: Mapping[int, torch.dtype] | None = None, *,
+              by_reference: bool = False) -> tuple[bytes, str]:
+    """Put ``tensors`` as pool object ``obj_id`` and return its wire bytes and device
+    type, with no Ray object behind it: the caller hands the wire bytes to the receivers
+    itself and must call :func:`free_owned` once no receiver will read it any more
+    (Ray's ``garbage_collect`` never runs for it). ``obj_id`` must not clash with a Ray
+    object ID (the weights stream prefixes ``ws:``).
+
+    By default a snapshot into the pool, with the same packing, placement and lease rules
+    as ``ray.put``; ``convert`` as for :func:`pack_as`. ``by_reference=True``: no copy,
+    receivers READ the tensors where they lie (their storages registered through the
+    storage cache, a use held until :func:`free_owned`); not a snapshot, so the caller
+    keeps them unchanged until every receiver has read them.
     """
     if not tensors:
         raise InvalidInputError("put_owned() needs at least one tensor")
     rt = runtime()
     rt.backend()
-    _meta, wire = rt.sender.put(obj_id, tensors, convert)
-    return wire, tensors[0].device.type
-
-
-def put_owned_by_reference(obj_id: str, tensors: Sequence[torch.Tensor]
-                           ) -> tuple[bytes, str]:
-    """:func:`put_owned` with no copy: receivers READ ``tensors`` where they lie (their
-    storages registered through the storage cache, a use held until
-    :func:`free_owned`). Not a snapshot: the caller keeps them unchanged until every
-    receiver has read them."""
-    if not tensors:
-        raise InvalidInputError("put_owned_by_reference() needs at least one tensor")
-    rt = runtime()
-    rt.backend()
-    _meta, wire = rt.sender.put_by_reference(obj_id, tensors)
+    if by_reference:
+        _meta, wire = rt.sender.put_by_reference(obj_id, tensors)
+    else:
+        _meta, wire = rt.sender.put(obj_id, tensors, convert)
     return wire, tensors[0].device.type
 
 

@@ -637,22 +637,16 @@ class PoolBucket:
     device: str
 
 
-def _pack_bucket(obj_id: str, tensors: list[torch.Tensor],
-                 entries: Sequence[TensorEntry]) -> PoolBucket:
-    """Pack one stream bucket into the pool (a snapshot, as ``ray.put`` makes); tensors
-    whose entry names another dtype are converted by the pack copy itself."""
+def _owned_bucket(obj_id: str, tensors: list[torch.Tensor], entries: Sequence[TensorEntry],
+                  by_reference: bool = False) -> PoolBucket:
+    """Put one stream bucket as an object the stream owns: packed into the pool (a
+    snapshot; tensors whose entry names another dtype are converted by the pack copy
+    itself), or ``by_reference`` with no pack, receivers READ the tensors where they lie
+    and the sender keeps them, unchanged, until every receiver acknowledged it."""
     from ray_rdt_pool.transport import put_owned
 
-    wire, device = put_owned(obj_id, tensors, _conversions(tensors, entries) or None)
-    return PoolBucket(obj_id, wire, device)
-
-
-def _reference_bucket(obj_id: str, tensors: list[torch.Tensor]) -> PoolBucket:
-    """A stream bucket receivers READ where its tensors lie (no pack): the sender keeps
-    them, unchanged, until every receiver acknowledged it, then frees ``obj_id``."""
-    from ray_rdt_pool.transport import put_owned_by_reference
-
-    wire, device = put_owned_by_reference(obj_id, tensors)
+    convert = None if by_reference else _conversions(tensors, entries) or None
+    wire, device = put_owned(obj_id, tensors, convert, by_reference=by_reference)
     return PoolBucket(obj_id, wire, device)
 
 
@@ -1184,7 +1178,7 @@ class WeightSender:
                 elif by_ref and _source_readable(tensors, entries):
                     owned = f"ws:{session}/{k}"
                     ref_keys.update(storage_key(t) for t in tensors if t.numel())
-                    box = [_reference_bucket(owned, tensors)]
+                    box = [_owned_bucket(owned, tensors, entries, by_reference=True)]
                     keep = tensors
                     ref_buckets += 1
                 else:
@@ -1192,7 +1186,7 @@ class WeightSender:
                     limit = min(capacity, used0 + max_inflight * max(bb, biggest))
                     wait_s += _wait_for_pool(nbytes, limit, capacity, deadline_s)
                     owned = f"ws:{session}/{k}"
-                    box = [_pack_bucket(owned, tensors, entries)]
+                    box = [_owned_bucket(owned, tensors, entries)]
                     tensors.clear()  # the pool holds the snapshot; drop the source's tensors
                 del tensors
                 if keep is not None and layout is not None and owned is None:
