@@ -404,3 +404,85 @@ def test_weight_sync_between_gpu_actors_streams_and_publishes_exactly():
                 assert mapped > 0 and reads == 0, (mode, mapped, reads)
     finally:
         ray.shutdown()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_weight_stream_over_nixl_into_cuda_destinations():
+    """Weight streams where NIXL carries the bytes (``same_node="off"``) into CUDA
+    destinations: from a CUDA trainer (its buckets packed into the CUDA pool, then READ
+    VRAM to VRAM) and from a CPU trainer (its module READ by reference, host to VRAM, no
+    pack). Two versions each; every byte checked on the host; the trainer holds no pool
+    block once a stream returns, and a warm by-reference stream registers nothing."""
+    import ray
+
+    from ray_rdt_pool.weights import WeightReceiver, WeightSender, sync
+    from tests.raycluster import start_ray
+
+    start_ray({"RAY_RDT_POOL_SAME_NODE": "off"}, num_gpus=1)
+    try:
+        @ray.remote(num_gpus=0.25, enable_tensor_transport=True)
+        class Node:
+            def __init__(self, device):
+                ray_rdt_pool.register()
+                ray_rdt_pool.configure(device=device, same_node="off")
+                self.device = device
+
+            def trainer(self, seed):
+                g = torch.Generator().manual_seed(seed)
+                self.state = {f"l{i}.w": torch.randn(256, 512, generator=g).to(self.device)
+                              for i in range(6)}
+                self.state["l0.b"] = torch.randn(512, generator=g).to(torch.bfloat16).to(
+                    self.device)
+                if not hasattr(self, "weight_sender"):
+                    self.weight_sender = WeightSender(self.state, bucket_bytes=1 << 20)
+                else:  # the same tensors, new values: the sender's source is unchanged
+                    for k, v in self.weight_sender.source.items():
+                        v.copy_(self.state[k])
+                    self.state = self.weight_sender.source
+                return {k: v.cpu() for k, v in self.state.items()}
+
+            def receiver(self, shapes):
+                if not hasattr(self, "weight_receiver"):
+                    self.state = {k: torch.zeros(s, dtype=d, device="cuda")
+                                  for k, (s, d) in shapes.items()}
+                    self.weight_receiver = WeightReceiver(self.state)
+
+            def result(self):
+                s = ray_rdt_pool.stats()
+                return ({k: v.cpu() for k, v in self.state.items()}, s.mapped_gets,
+                        s.reads_posted)
+
+            def sender_stats(self):
+                s = ray_rdt_pool.stats()
+                return s.pool_used, s.live_objects, s.nixl_registrations
+
+        for trainer_device in ("cuda", "cpu"):
+            tr, r1, r2 = Node.remote(trainer_device), Node.remote("cuda"), Node.remote("cuda")
+            regs = []
+            for version in (1, 2):
+                want = ray.get(tr.trainer.remote(version))
+                shapes = {k: (tuple(v.shape), v.dtype) for k, v in want.items()}
+                ray.get([r1.receiver.remote(shapes), r2.receiver.remote(shapes)])
+                rep = sync(tr, [r1, r2], mode="stream", max_inflight=2, version=version)
+                st = rep.stream
+                assert st is not None and st.source_read_buckets == 0
+                if trainer_device == "cpu":  # a module on the host: READ where it lies
+                    assert st.reference_buckets == st.buckets > 0, st
+                else:  # CUDA tensors are packed (a snapshot in the CUDA pool)
+                    assert st.reference_buckets == 0, st
+                for r in (r1, r2):
+                    got, mapped, reads = ray.get(r.result.remote())
+                    assert mapped == 0 and reads > 0, (trainer_device, mapped, reads)
+                    for k, w in want.items():
+                        assert got[k].dtype == w.dtype and torch.equal(got[k], w), \
+                            (trainer_device, version, k)
+                used, live, n_regs = ray.get(tr.sender_stats.remote())
+                assert (used, live) == (0, 0), (trainer_device, used, live)
+                regs.append(n_regs)
+            if trainer_device == "cpu":
+                assert regs[1] == regs[0], regs  # warm: nothing registered again
+            for a in (tr, r1, r2):
+                ray.kill(a)
+    finally:
+        ray.shutdown()
