@@ -266,7 +266,10 @@ def tp_select(rank: int, tp: int) -> Any:
 
 class _MemWatch:
     """Peak RSS of this process during one sync: VmHWM reset through
-    /proc/self/clear_refs, and a thread reading /proc/self/statm every 2 ms."""
+    /proc/self/clear_refs (the kernel's own peak, exact), or, where that reset is refused,
+    a thread reading /proc/self/statm every 2 ms. Only one of them: the polling thread
+    costs the receiver about a tenth of a core and the GIL every 2 ms, which would slow
+    the very sync it watches."""
 
     def __init__(self) -> None:
         import threading
@@ -286,6 +289,9 @@ class _MemWatch:
         self.before = _rss()
         self.peak = self.before
         self.stop = self.threading.Event()
+        self.thread = None
+        if self.hwm_ok:
+            return
 
         def run() -> None:
             while not self.stop.is_set():
@@ -296,7 +302,8 @@ class _MemWatch:
 
     def end(self) -> dict[str, int]:
         self.stop.set()
-        self.thread.join()
+        if self.thread is not None:
+            self.thread.join()
         peak = max(self.peak, _hwm() if self.hwm_ok else 0, _rss())
         return {"before": self.before, "peak": peak, "base0": self.base0,
                 "sampled_peak": self.peak}
