@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 
 .PHONY: test bench bench-full lint venv clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py ray_rdt_pool/_copy.c
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	# torch is pinned to 2.13.0 here because that release's CPU build lies on this

@@ -10,7 +10,10 @@ variants, interleaved rep by rep so load from other processes hits them alike:
 * ``N threads``: ``threads=N`` with the configured ``pack_threshold_bytes`` (what the
   sender does with the default configuration);
 * ``N forced``: ``threads=N, threshold=0``, every object threaded, to show what the
-  threshold saves on small objects.
+  threshold saves on small objects;
+* ``1 stream`` and ``N stream``: as ``1 thread`` and ``N threads``, with streaming stores
+  from ``stream_copy_bytes`` (the configured default; what the sender does) where the
+  compiled copy helper is built (``ray_rdt_pool.fastcopy``; the header names the copy).
 
 The figure per variant is the median time of one ``pack_into`` call (small objects: the
 mean of a batch of calls per sample); ratios are the 1-thread median over the other.
@@ -34,6 +37,7 @@ import torch
 
 from microbenchmarks._bench_env import cpu_model, loadavg
 from ray_rdt_pool.config import PoolConfig
+from ray_rdt_pool.fastcopy import stream_kind
 from ray_rdt_pool.layout import packed_offsets
 from ray_rdt_pool.tensors import Described, HostRegion, describe, pack_into
 
@@ -64,7 +68,7 @@ def workloads() -> list[Workload]:
     ]
 
 
-def _bench_one(w: Workload, region: HostRegion, variants: dict[str, tuple[int, int]],
+def _bench_one(w: Workload, region: HostRegion, variants: dict[str, tuple[int, int, int]],
                reps: int) -> dict[str, Any]:
     """Median seconds per pack_into call for each variant, interleaved rep by rep."""
     d: Described = describe(w.tensors)
@@ -74,16 +78,17 @@ def _bench_one(w: Workload, region: HostRegion, variants: dict[str, tuple[int, i
     pack_into(w.tensors, d, offsets, blocks, region)
     reference = region.tensor[:total].clone()
     identical = True
-    for threads, threshold in variants.values():
+    for threads, threshold, stream in variants.values():
         region.tensor[:total].fill_(0)
-        pack_into(w.tensors, d, offsets, blocks, region, threads=threads, threshold=threshold)
+        pack_into(w.tensors, d, offsets, blocks, region, threads=threads, threshold=threshold,
+                  stream_min=stream)
         identical = identical and torch.equal(region.tensor[:total], reference)
     # Batch calls of small objects so one sample is well above the timer's noise.
-    def call(threads: int, threshold: int) -> Callable[[], None]:
+    def call(threads: int, threshold: int, stream: int) -> Callable[[], None]:
         return lambda: pack_into(w.tensors, d, offsets, blocks, region, threads=threads,
-                                 threshold=threshold)
+                                 threshold=threshold, stream_min=stream)
 
-    per_call = _time_calls(call(1, 0), 1)
+    per_call = _time_calls(call(1, 0, 0), 1)
     batch = max(1, min(1000, int(2e-3 / max(per_call, 1e-7))))
     samples: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
@@ -113,7 +118,8 @@ def format_report(res: dict[str, Any]) -> str:
     names = res["variants"]
     base = names[0]
     head = (f"pack_into: {res['cpu_model']}, {res['cores']} cores; threads={res['threads']}, "
-            f"threshold={res['threshold'] // _MIB} MiB, reps={res['reps']}; load average "
+            f"threshold={res['threshold'] // _MIB} MiB, stream copy {res['stream_kind']} from "
+            f"{res['stream_min'] // _MIB} MiB, reps={res['reps']}; load average "
             f"{res['loadavg_start']} at start, {res['loadavg_end']} at end")
     cols = [f"{'workload':<26}"] + [f"{n:>12}" for n in names] + [
         f"{'x ' + n:>16}" for n in names[1:]] + ["  same bytes"]
@@ -150,13 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     threads = max(2, args.threads)  # one thread against one thread measures nothing
     # The caller and the helpers are the threads under test: keep torch's own pool out.
     torch.set_num_threads(1)
-    variants: dict[str, tuple[int, int]] = {  # name: (threads, threshold)
-        "1 thread": (1, args.threshold),
-        f"{threads} threads": (threads, args.threshold),
-        f"{threads} forced": (threads, 0),
+    stream = config.stream_copy_bytes
+    variants: dict[str, tuple[int, int, int]] = {  # name: (threads, threshold, stream_min)
+        "1 thread": (1, args.threshold, 0),
+        f"{threads} threads": (threads, args.threshold, 0),
+        f"{threads} forced": (threads, 0, 0),
+        "1 stream": (1, args.threshold, stream),
+        f"{threads} stream": (threads, args.threshold, stream),
     }
     res: dict[str, Any] = {"cpu_model": cpu_model(), "cores": os.cpu_count(),
                            "threads": threads, "threshold": args.threshold,
+                           "stream_kind": stream_kind(), "stream_min": stream,
                            "reps": args.reps, "loadavg_start": loadavg(),
                            "variants": list(variants), "rows": []}
     loads = workloads()

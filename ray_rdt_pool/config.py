@@ -72,6 +72,11 @@ class PoolConfig:
         pack_threads: Threads that copy one large object into the pool; 0 picks the
             number of cores, at most :data:`MAX_AUTO_PACK_THREADS`.
         pack_threshold_bytes: Objects smaller than this are packed by one thread.
+        stream_copy_bytes: Host copies (a pack, a copy out of a mapping into the arena
+            or into target buffers) of at least this many bytes in all write with
+            streaming stores (no read of the destination first) where the compiled helper
+            was built (:mod:`ray_rdt_pool.fastcopy`); smaller ones use memmove, and keep
+            their bytes in cache for the reader. 0 turns streaming stores off.
         read_lanes: NIXL agents a receiver reads with; a READ into the receive arena of
             at least ``read_split_bytes`` is cut into one part per lane, posted
             concurrently (with UCX over cma each agent copies on its own thread). 0
@@ -92,6 +97,7 @@ class PoolConfig:
     same_node: str = "map"
     pack_threads: int = 0
     pack_threshold_bytes: int = 32 << 20
+    stream_copy_bytes: int = 4 << 20
     read_lanes: int = 0
     read_split_bytes: int = 8 << 20
 
@@ -123,6 +129,12 @@ class PoolConfig:
             raise ConfigurationError(
                 f"pack_threshold_bytes must be a non-negative number of bytes, got "
                 f"{self.pack_threshold_bytes!r}"
+            )
+        if isinstance(self.stream_copy_bytes, bool) or not isinstance(
+                self.stream_copy_bytes, int) or self.stream_copy_bytes < 0:
+            raise ConfigurationError(
+                f"stream_copy_bytes must be a non-negative number of bytes (0: off), got "
+                f"{self.stream_copy_bytes!r}; pass e.g. stream_copy_bytes=4 << 20 (4 MiB)"
             )
         if isinstance(self.read_lanes, bool) or not isinstance(self.read_lanes, int) or (
                 not 0 <= self.read_lanes <= MAX_READ_LANES):
@@ -201,6 +213,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "RAY_RDT_POOL_PACK_THREADS": ("pack_threads", "threads per large pack copy (0: automatic)"),
     "RAY_RDT_POOL_PACK_THRESHOLD": (
         "pack_threshold_bytes", "objects below this size pack on one thread (K, M, G allowed)"),
+    "RAY_RDT_POOL_STREAM_COPY": (
+        "stream_copy_bytes", "host copies of at least this size use streaming stores "
+        "(K, M, G allowed; 0: off)"),
     "RAY_RDT_POOL_READ_LANES": (
         "read_lanes", "NIXL agents a receiver reads with (0: automatic, 1: no split READs)"),
     "RAY_RDT_POOL_READ_SPLIT": (

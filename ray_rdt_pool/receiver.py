@@ -626,17 +626,19 @@ class Receiver:
         # lease go right after.
         sel = f.selected
         landing: Landing | None = None
+        stream = self.config.stream_copy_bytes
         try:
             if targets:
-                unpack_into(targets, meta.tensor_offsets(), addr, meta.total, device, dev_id)
+                unpack_into(targets, meta.tensor_offsets(), addr, meta.total, device, dev_id,
+                            stream)
                 return list(targets)
             size = meta.total if sel is None else sel.total
             landing = self._local_landing(size, device)
             if sel is None:
-                copy_bytes([(landing.addr, addr, meta.total)], device, dev_id)
+                copy_bytes([(landing.addr, addr, meta.total)], device, dev_id, stream)
             else:
                 copy_bytes([(landing.addr + lo, addr + p, n) for lo, p, n in sel.runs],
-                           device, dev_id)
+                           device, dev_id, stream)
         except BaseException:
             if landing is not None:
                 self.release_landing(landing)
@@ -949,7 +951,7 @@ class Receiver:
         try:
             with torch.no_grad():  # a requires_grad Parameter is a fine target
                 unpack_into(targets, f.meta.tensor_offsets(), landing.addr, f.meta.total,
-                            landing.device, landing.device_id)
+                            landing.device, landing.device_id, self.config.stream_copy_bytes)
         except Exception as e:
             self.events.error("err")
             raise TransferError(

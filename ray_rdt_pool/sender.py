@@ -334,12 +334,14 @@ class Sender:
                                threshold=self.config.pack_threshold_bytes)
                     conv = set(converted)
                     pack_into(tensors, d, local_offsets, p.blocks, region.mem,
-                              [i for i in range(len(tensors)) if i not in conv])
+                              [i for i in range(len(tensors)) if i not in conv],
+                              stream_min=self.config.stream_copy_bytes)
                 else:
                     cfg = self.config
                     pack_into(tensors, d, local_offsets, p.blocks, region.mem, copy_idx,
                               threads=cfg.pack_thread_count,
-                              threshold=cfg.pack_threshold_bytes)
+                              threshold=cfg.pack_threshold_bytes,
+                              stream_min=cfg.stream_copy_bytes)
             pack_s = time.perf_counter() - t_copy
             base = region.addr if region is not None else 0
             if pinned is None:

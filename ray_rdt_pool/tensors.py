@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ray_rdt_pool.errors import InvalidInputError
+from ray_rdt_pool.fastcopy import stream_copy
 from ray_rdt_pool.layout import BlockMap
 from ray_rdt_pool.wire import DTYPES, RunGroup, Runs, TensorRun
 
@@ -50,6 +51,14 @@ __all__ = [
 ]
 
 _memmove = ctypes.memmove
+
+
+def _copy_for(total: int, stream_min: int) -> Callable[[int, int, int], Any]:
+    """The copy for the moves of one host copy of ``total`` bytes: streaming stores from
+    ``stream_min`` bytes (0: never) where the compiled helper exists, else memmove."""
+    fn = stream_copy() if 0 < stream_min <= total else None
+    return _memmove if fn is None else fn
+
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 _NAME_BY_DTYPE: dict[Any, str] = {}
@@ -513,7 +522,8 @@ def _pack_units(moves: Sequence[_Move], chunk: int) -> list[list[_Move]]:
 
 def _pack_threaded(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[int],
                    blocks: Sequence[tuple[int, int]], region: HostRegion,
-                   idx: Sequence[int], threads: int) -> None:
+                   idx: Sequence[int], threads: int,
+                   copy: Callable[[int, int, int], Any] = _memmove) -> None:
     """:func:`pack_into` on up to ``threads`` threads (runs on the calling thread).
 
     The same spans as the one-thread loop are mapped to physical moves through the block
@@ -547,9 +557,9 @@ def _pack_threaded(tensors: Sequence[torch.Tensor], d: Described, offsets: Seque
             # As in the one-thread path: torch materialises the logical values.
             t = tensors[i].resolve_conj().resolve_neg().contiguous()
             for dst, src, n in physical(offsets[i], t.data_ptr(), nbytes[i]):
-                _memmove(dst, src, n)
+                copy(dst, src, n)
 
-    _run_moves(moves, threads, _memmove, materialise)
+    _run_moves(moves, threads, copy, materialise)
 
 
 def copy_moves(moves: Sequence[_Move], threads: int,
@@ -674,7 +684,7 @@ def _all_spans(idx: Sequence[int] | None, nbytes: Sequence[int], ptrs: Sequence[
 def pack_into(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[int],
               blocks: Sequence[tuple[int, int]], region: HostRegion,
               which: Sequence[int] | None = None, *, threads: int = 1,
-              threshold: int = _PACK_THRESHOLD) -> None:
+              threshold: int = _PACK_THRESHOLD, stream_min: int = 0) -> None:
     """Copy each tensor's own bytes to its packed offset in the object's pool blocks.
 
     ``offsets`` are positions in the object's packed space, which is the concatenation
@@ -682,6 +692,9 @@ def pack_into(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[i
     copy to some tensors. Runs of tensors adjacent both in memory and in the packed
     space are copied as one span, and every span is one memmove: a torch op per small
     tensor costs more than its copy (seed 000: ~8 us per fragment).
+
+    Stores: a pack into blocks of at least ``stream_min`` bytes in all (0: never) copies
+    with streaming stores where the compiled helper exists (:mod:`ray_rdt_pool.fastcopy`).
 
     Threads: with ``threads`` > 1 and at least ``threshold`` bytes to copy, the calling
     thread and up to ``threads - 1`` daemon helper threads (started on first use, shared
@@ -691,11 +704,12 @@ def pack_into(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[i
     """
     # The blocks' total bounds the bytes to copy from above and costs next to nothing, so
     # small objects pay no per-tensor sum for the threshold test.
-    if threads > 1 and (
-            blocks[0][1] if len(blocks) == 1 else sum([n for _, n in blocks])) >= threshold and (
+    room = blocks[0][1] if len(blocks) == 1 else sum([n for _, n in blocks])
+    copy = _copy_for(room, stream_min)
+    if threads > 1 and room >= threshold and (
             sum(d.nbytes) if which is None else sum([d.nbytes[i] for i in which])) >= threshold:
         _pack_threaded(tensors, d, offsets, blocks, region,
-                       range(len(d.nbytes)) if which is None else which, threads)
+                       range(len(d.nbytes)) if which is None else which, threads, copy)
         return
     base = region.addr
     bmap = None if len(blocks) == 1 else BlockMap(blocks)
@@ -705,17 +719,17 @@ def pack_into(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[i
 
     def move(dst: int, src: int, n: int) -> None:
         if bmap is None:
-            _memmove(base + b0 + dst, src, n)
+            copy(base + b0 + dst, src, n)
             return
         for phys, m in bmap.map(dst, n):
-            _memmove(base + phys, src, m)
+            copy(base + phys, src, m)
             src += m
 
     spans = _all_spans(which, nbytes, ptrs, plain, offsets, leftovers)
     if bmap is None:
         at = base + b0
         for span_dst, span_src, span_len in spans:
-            _memmove(at + span_dst, span_src, span_len)
+            copy(at + span_dst, span_src, span_len)
     else:
         for span_dst, span_src, span_len in spans:
             move(span_dst, span_src, span_len)
@@ -818,17 +832,19 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def unpack_into(targets: Sequence[torch.Tensor], offsets: Sequence[int], base: int,
-                total: int, device: str, device_id: int) -> None:
+                total: int, device: str, device_id: int, stream_min: int = 0) -> None:
     """Copy each tensor of a received object from its block at ``base`` into ``targets``.
 
-    Host to host is one memmove per tensor; anything involving CUDA goes through torch
-    views of the block and is finished before returning.
+    Host to host is one copy per tensor (streaming stores from ``stream_min`` bytes in
+    all, as :func:`pack_into`); anything involving CUDA goes through torch views of the
+    block and is finished before returning.
     """
     if device == "cpu" and all(t.is_cpu for t in targets):
+        copy = _copy_for(total, stream_min)
         for t, off in zip(targets, offsets):
             n = t.numel() * t.element_size()
             if n:
-                _memmove(t.data_ptr(), base + off, n)
+                copy(t.data_ptr(), base + off, n)
         return
     import torch
 
@@ -842,13 +858,16 @@ def unpack_into(targets: Sequence[torch.Tensor], offsets: Sequence[int], base: i
         torch.cuda.synchronize()
 
 
-def copy_bytes(moves: Sequence[tuple[int, int, int]], device: str, device_id: int) -> None:
+def copy_bytes(moves: Sequence[tuple[int, int, int]], device: str, device_id: int,
+               stream_min: int = 0) -> None:
     """Copy ``(destination, source, bytes)`` ranges within one device's memory, finished
-    before returning: memmove on the host, torch copies on this thread's stream (then
-    synchronised) on CUDA."""
+    before returning: on the host one copy per range (streaming stores from
+    ``stream_min`` bytes in all, as :func:`pack_into`), torch copies on this thread's
+    stream (then synchronised) on CUDA."""
     if device == "cpu":
+        copy = _copy_for(sum([n for _d, _s, n in moves]), stream_min)
         for dst, src, n in moves:
-            _memmove(dst, src, n)
+            copy(dst, src, n)
         return
     import torch
 

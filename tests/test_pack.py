@@ -9,12 +9,16 @@ bytes so small tensors still make many units, cut inside tensors and across bloc
 
 from __future__ import annotations
 
+import ctypes
+import platform
+import shutil
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -24,6 +28,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ray_rdt_pool.tensors as T
+from ray_rdt_pool.config import PoolConfig, from_env
+from ray_rdt_pool.errors import ConfigurationError
+from ray_rdt_pool.fastcopy import stream_copy, stream_kind
 from ray_rdt_pool.layout import BlockMap, packed_offsets
 
 RELAXED = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=60)
@@ -104,8 +111,10 @@ def logical_bytes(t: torch.Tensor) -> bytes:
 
 def pack_both(tensors: list[torch.Tensor], blocks: list[tuple[int, int]] | None,
               which: Sequence[int] | None, threads: int, chunk: int,
-              threshold: int = 0) -> tuple[bytes, bytes, list[int], list[tuple[int, int]]]:
-    """Pack one-thread and threaded into two regions; return both regions' bytes."""
+              threshold: int = 0, stream_min: int = 0
+              ) -> tuple[bytes, bytes, list[int], list[tuple[int, int]]]:
+    """Pack one-thread (memmove) and threaded (streaming stores from ``stream_min``)
+    into two regions; return both regions' bytes."""
     d = T.describe(tensors)
     offsets, total = packed_offsets(d.nbytes, d.aligns)
     if blocks is None:
@@ -118,7 +127,7 @@ def pack_both(tensors: list[torch.Tensor], blocks: list[tuple[int, int]] | None,
     T.pack_into(tensors, d, offsets, blocks, regions[0], which)
     with unit_bytes(chunk):
         T.pack_into(tensors, d, offsets, blocks, regions[1], which, threads=threads,
-                    threshold=threshold)
+                    threshold=threshold, stream_min=stream_min)
     out = [r.tensor.numpy().tobytes() for r in regions]
     for r in regions:
         r.close()
@@ -137,8 +146,9 @@ def check_placed(region: bytes, tensors: list[torch.Tensor], offsets: list[int],
 
 def assert_same_pack(tensors: list[torch.Tensor], blocks: list[tuple[int, int]] | None = None,
                      which: Sequence[int] | None = None, threads: int = 3,
-                     chunk: int = 256) -> None:
-    one, many, offsets, used = pack_both(tensors, blocks, which, threads, chunk)
+                     chunk: int = 256, stream_min: int = 0) -> None:
+    one, many, offsets, used = pack_both(tensors, blocks, which, threads, chunk,
+                                         stream_min=stream_min)
     assert one == many
     check_placed(many, tensors, offsets, used, which)
 
@@ -616,3 +626,81 @@ def test_stop_pack_helpers_ends_every_helper_and_a_later_pack_starts_new_ones() 
     assert T._pack_pool is None
     assert_same_pack([torch.randn(10_000)], threads=3, chunk=1024)  # new helpers
     assert T._pack_pool is not None and T._pack_pool.helpers >= 2
+
+
+# ----------------------------------------------------------- streaming-store copies
+
+needs_helper = pytest.mark.skipif(
+    stream_copy() is None, reason="the compiled copy helper (ray_rdt_pool/_copy.c) is not "
+    "built here: no C compiler at install, or no streaming stores on this CPU")
+
+
+def test_the_helper_is_built_where_a_compiler_is() -> None:
+    """setup.py builds the helper as optional: a broken build would only show as slower
+    packs, so on x86-64 with a C compiler its absence is a failure."""
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None:
+        pytest.skip("no x86-64 C compiler here: the helper is optional")
+    assert stream_kind() in ("avx2-stream", "sse2-stream")
+    assert T._copy_for(8 << 20, 4 << 20) is stream_copy()
+    assert T._copy_for(1 << 20, 4 << 20) is T._memmove  # small copies keep plain stores
+    assert T._copy_for(8 << 20, 0) is T._memmove  # 0 turns streaming off
+
+
+@needs_helper
+@RELAXED
+@given(n=st.integers(0, 200_000), src_off=st.integers(0, 127), dst_off=st.integers(0, 127),
+       seed=st.integers(0, 2**16))
+def test_stream_copy_writes_exactly_the_bytes_of_memmove(n: int, src_off: int, dst_off: int,
+                                                         seed: int) -> None:
+    fn = stream_copy()
+    assert fn is not None
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, 256, (n + 256,), generator=g, dtype=torch.uint8)
+    dst = torch.full((n + 256,), FILL, dtype=torch.uint8)
+    fn(dst.data_ptr() + dst_off, src.data_ptr() + src_off, n)
+    want = torch.full((n + 256,), FILL, dtype=torch.uint8)
+    want[dst_off:dst_off + n] = src[src_off:src_off + n]
+    assert torch.equal(dst, want)  # every byte copied, none written outside
+
+
+@needs_helper
+@pytest.mark.parametrize("shift", [-4096 * 5 - 3, -64, -1, 1, 64, 4096 * 5 + 7])
+def test_stream_copy_of_overlapping_ranges_is_a_memmove(shift: int) -> None:
+    fn = stream_copy()
+    assert fn is not None
+    n = 200_000
+    buf = torch.randint(0, 256, (n + 2 * 40_000,), dtype=torch.uint8)
+    want = buf.clone()
+    src, dst = 40_000, 40_000 + shift
+    ctypes.memmove(want.data_ptr() + dst, want.data_ptr() + src, n)
+    fn(buf.data_ptr() + dst, buf.data_ptr() + src, n)
+    assert torch.equal(buf, want)
+
+
+@needs_helper
+@pytest.mark.parametrize("threads", [1, 3])
+def test_streaming_pack_is_byte_identical(threads: int) -> None:
+    """Tensors large enough for the streaming body, with views and scattered blocks."""
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(300_000, generator=g)
+    tensors = [big[:70_001], big[70_001:150_000], torch.randn(33_333, generator=g),
+               torch.randn(400, 300, generator=g).t(), torch.randn(20_000, generator=g)]
+    d = T.describe(tensors)
+    _, total = packed_offsets(d.nbytes, d.aligns)
+    blocks, _ = scatter_blocks(total, [total // 3, total // 2 + 5], [64, 0], [2, 0, 1])
+    one, many, offsets, used = pack_both(tensors, blocks, None, threads, 64 << 10,
+                                         stream_min=1)
+    assert one == many
+    check_placed(many, tensors, offsets, used, None)
+
+
+def test_config_stream_copy_bytes() -> None:
+    assert PoolConfig().stream_copy_bytes == 4 << 20
+    assert PoolConfig(stream_copy_bytes=0).stream_copy_bytes == 0  # off
+    for bad in (-1, 1.5, True, "4M"):
+        with pytest.raises(ConfigurationError, match="stream_copy_bytes=4 << 20"):
+            PoolConfig(stream_copy_bytes=bad)
+    assert from_env({"RAY_RDT_POOL_STREAM_COPY": "16M"}).stream_copy_bytes == 16 << 20
+    assert from_env({"RAY_RDT_POOL_STREAM_COPY": "0"}).stream_copy_bytes == 0
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert "RAY_RDT_POOL_STREAM_COPY" in readme and "`stream_copy_bytes`" in readme

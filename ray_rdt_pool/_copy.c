@@ -1,0 +1,137 @@
+/*
+ * Streaming-store copies for large host-memory copies: the optional compiled helper of
+ * ray_rdt_pool.fastcopy (built by setup.py; the package works without it, with memmove).
+ *
+ * Why: a large pack writes memory that is not in cache. Plain stores first read every
+ * destination line into the cache (read for ownership) and only then overwrite it, so a
+ * copy moves three bytes per byte copied. Streaming (non-temporal) stores write whole
+ * lines without reading them. glibc's memmove uses them only above a threshold derived
+ * from the cache size (over 100 MiB on some machines), far above the few-MiB units a
+ * threaded pack copies, so those units pay for the extra reads.
+ *
+ * The copy reads four pages at a time, one 64-byte line from each in turn: several
+ * independent read streams keep more of the memory system busy than one.
+ *
+ * Threads: rdt_stream_copy runs on its caller's thread and touches no Python state; ctypes
+ * releases the GIL around it, so the pack threads copy in parallel.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define RDT_X86 1
+#endif
+
+#define RDT_PAGE 4096u
+#define RDT_LINE 64u
+
+/* 0: memmove only; 1: SSE2 streaming stores; 2: AVX2 streaming stores. */
+static int rdt_kind = -1;
+
+static void rdt_pick(void)
+{
+#ifdef RDT_X86
+    __builtin_cpu_init();
+    rdt_kind = __builtin_cpu_supports("avx2") ? 2 : 1;
+#else
+    rdt_kind = 0;
+#endif
+}
+
+#ifdef RDT_X86
+/* Copy whole blocks of four pages; dst is 64-byte aligned, src need not be. */
+static void rdt_blocks_sse2(unsigned char *dst, const unsigned char *src, size_t blocks)
+{
+    for (size_t b = 0; b < blocks; b++) {
+        const unsigned char *s = src + b * 4 * RDT_PAGE;
+        unsigned char *d = dst + b * 4 * RDT_PAGE;
+        for (size_t i = 0; i < RDT_PAGE; i += RDT_LINE) {
+            for (unsigned k = 0; k < 4; k++) {
+                const __m128i *p = (const __m128i *)(s + k * RDT_PAGE + i);
+                __m128i *q = (__m128i *)(d + k * RDT_PAGE + i);
+                __m128i x0 = _mm_loadu_si128(p);
+                __m128i x1 = _mm_loadu_si128(p + 1);
+                __m128i x2 = _mm_loadu_si128(p + 2);
+                __m128i x3 = _mm_loadu_si128(p + 3);
+                _mm_stream_si128(q, x0);
+                _mm_stream_si128(q + 1, x1);
+                _mm_stream_si128(q + 2, x2);
+                _mm_stream_si128(q + 3, x3);
+            }
+        }
+    }
+}
+
+__attribute__((target("avx2")))
+static void rdt_blocks_avx2(unsigned char *dst, const unsigned char *src, size_t blocks)
+{
+    for (size_t b = 0; b < blocks; b++) {
+        const unsigned char *s = src + b * 4 * RDT_PAGE;
+        unsigned char *d = dst + b * 4 * RDT_PAGE;
+        for (size_t i = 0; i < RDT_PAGE; i += RDT_LINE) {
+            for (unsigned k = 0; k < 4; k++) {
+                const __m256i *p = (const __m256i *)(s + k * RDT_PAGE + i);
+                __m256i *q = (__m256i *)(d + k * RDT_PAGE + i);
+                __m256i y0 = _mm256_loadu_si256(p);
+                __m256i y1 = _mm256_loadu_si256(p + 1);
+                _mm256_stream_si256(q, y0);
+                _mm256_stream_si256(q + 1, y1);
+            }
+        }
+    }
+}
+#endif
+
+/* Copy n bytes from src to dst. Overlapping ranges, short copies and machines without
+ * streaming stores go through memmove; the rest streams whole 16 KiB blocks and copies
+ * the unaligned head and the tail with memcpy. Every streamed byte is globally visible
+ * when this returns (sfence). */
+void rdt_stream_copy(void *dst, const void *src, size_t n)
+{
+    uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
+    if (rdt_kind < 0)
+        rdt_pick();
+    if (rdt_kind == 0 || n < 4 * RDT_PAGE + RDT_LINE || (d < s + n && s < d + n)) {
+        memmove(dst, src, n);
+        return;
+    }
+#ifdef RDT_X86
+    size_t head = (RDT_LINE - (d & (RDT_LINE - 1))) & (RDT_LINE - 1);
+    memcpy(dst, src, head);
+    unsigned char *dp = (unsigned char *)dst + head;
+    const unsigned char *sp = (const unsigned char *)src + head;
+    size_t rest = n - head;
+    size_t blocks = rest / (4 * RDT_PAGE);
+    if (rdt_kind == 2)
+        rdt_blocks_avx2(dp, sp, blocks);
+    else
+        rdt_blocks_sse2(dp, sp, blocks);
+    _mm_sfence();
+    size_t done = blocks * 4 * RDT_PAGE;
+    memcpy(dp + done, sp + done, rest - done);
+#endif
+}
+
+/* Which copy rdt_stream_copy uses: 0 memmove, 1 SSE2, 2 AVX2 streaming stores. */
+int rdt_stream_kind(void)
+{
+    if (rdt_kind < 0)
+        rdt_pick();
+    return rdt_kind;
+}
+
+static struct PyModuleDef rdt_copy_module = {
+    PyModuleDef_HEAD_INIT, "_copy",
+    "Streaming-store copies; called through ctypes by ray_rdt_pool.fastcopy.", -1, NULL,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__copy(void)
+{
+    rdt_pick();
+    return PyModule_Create(&rdt_copy_module);
+}
