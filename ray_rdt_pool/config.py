@@ -75,8 +75,9 @@ class PoolConfig:
         stream_copy_bytes: Host copies (a pack, a copy out of a mapping into the arena
             or into target buffers) of at least this many bytes in all write with
             streaming stores (no read of the destination first) where the compiled helper
-            was built (:mod:`ray_rdt_pool.fastcopy`); smaller ones use memmove, and keep
-            their bytes in cache for the reader. 0 turns streaming stores off.
+            was built (:mod:`ray_rdt_pool.fastcopy`), one move of at least 128 KiB at a
+            time; smaller copies and moves use memmove and keep their bytes in cache
+            for the reader. 0 turns streaming stores off.
         read_lanes: NIXL agents a receiver reads with; a READ into the receive arena of
             at least ``read_split_bytes`` is cut into one part per lane, posted
             concurrently (with UCX over cma each agent copies on its own thread). 0
@@ -97,7 +98,7 @@ class PoolConfig:
     same_node: str = "map"
     pack_threads: int = 0
     pack_threshold_bytes: int = 32 << 20
-    stream_copy_bytes: int = 4 << 20
+    stream_copy_bytes: int = 16 << 20
     read_lanes: int = 0
     read_split_bytes: int = 8 << 20
 
@@ -134,7 +135,7 @@ class PoolConfig:
                 self.stream_copy_bytes, int) or self.stream_copy_bytes < 0:
             raise ConfigurationError(
                 f"stream_copy_bytes must be a non-negative number of bytes (0: off), got "
-                f"{self.stream_copy_bytes!r}; pass e.g. stream_copy_bytes=4 << 20 (4 MiB)"
+                f"{self.stream_copy_bytes!r}; pass e.g. stream_copy_bytes=16 << 20 (16 MiB)"
             )
         if isinstance(self.read_lanes, bool) or not isinstance(self.read_lanes, int) or (
                 not 0 <= self.read_lanes <= MAX_READ_LANES):
