@@ -30,7 +30,7 @@ from typing import Any
 __all__ = ["stream_copy", "stream_kind"]
 
 #: What ``rdt_stream_kind()`` returns, by name.
-_KINDS = {0: "memmove", 1: "sse2-stream", 2: "avx2-stream"}
+_KINDS = {0: "memmove", 1: "sse2-stream"}
 
 _lock = threading.Lock()
 _loaded = False
@@ -65,8 +65,8 @@ def stream_copy() -> Callable[[int, int, int], Any] | None:
 
 
 def stream_kind() -> str:
-    """``avx2-stream``, ``sse2-stream``, or ``memmove`` (no helper, or no streaming stores
-    on this CPU): what a copy of at least ``stream_min`` bytes uses."""
+    """``sse2-stream``, or ``memmove`` (no helper, or not an x86-64 CPU): what a copy of at
+    least ``stream_min`` bytes uses for its moves of 128 KiB and more."""
     if not _loaded:
         _load()
     return _kind

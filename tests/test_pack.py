@@ -640,7 +640,7 @@ def test_the_helper_is_built_where_a_compiler_is() -> None:
     packs, so on x86-64 with a C compiler its absence is a failure."""
     if platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None:
         pytest.skip("no x86-64 C compiler here: the helper is optional")
-    assert stream_kind() in ("avx2-stream", "sse2-stream")
+    assert stream_kind() == "sse2-stream"
     assert T._copy_for(8 << 20, 4 << 20) is stream_copy()
     assert T._copy_for(1 << 20, 4 << 20) is T._memmove  # small copies keep plain stores
     assert T._copy_for(8 << 20, 0) is T._memmove  # 0 turns streaming off
@@ -648,8 +648,8 @@ def test_the_helper_is_built_where_a_compiler_is() -> None:
 
 @needs_helper
 @RELAXED
-@given(n=st.integers(0, 400_000) | st.integers(131_000, 131_200), src_off=st.integers(0, 127), dst_off=st.integers(0, 127),
-       seed=st.integers(0, 2**16))
+@given(n=st.integers(0, 400_000) | st.integers(131_000, 131_200),
+       src_off=st.integers(0, 127), dst_off=st.integers(0, 127), seed=st.integers(0, 2**16))
 def test_stream_copy_writes_exactly_the_bytes_of_memmove(n: int, src_off: int, dst_off: int,
                                                          seed: int) -> None:
     fn = stream_copy()
