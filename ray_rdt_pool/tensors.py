@@ -51,6 +51,7 @@ __all__ = [
 ]
 
 _memmove = ctypes.memmove
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 def _copy_for(total: int, stream_min: int) -> Callable[[int, int, int], Any]:
@@ -59,7 +60,6 @@ def _copy_for(total: int, stream_min: int) -> Callable[[int, int, int], Any]:
     fn = stream_copy() if 0 < stream_min <= total else None
     return _memmove if fn is None else fn
 
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 _NAME_BY_DTYPE: dict[Any, str] = {}
 _DTYPE_BY_NAME: dict[str, Any] = {}
