@@ -12,8 +12,9 @@
  * The copy reads four pages at a time, one 64-byte line from each in turn: several
  * independent read streams keep more of the memory system busy than one.
  *
- * Threads: rdt_stream_copy runs on its caller's thread and touches no Python state; ctypes
- * releases the GIL around it, so the pack threads copy in parallel.
+ * Threads: rdt_stream_copy and rdt_copy_moves run on their caller's thread and touch no
+ * Python state; ctypes releases the GIL around them, so the pack threads copy in
+ * parallel.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -90,6 +91,24 @@ void rdt_stream_copy(void *dst, const void *src, size_t n)
     size_t done = blocks * 4 * RDT_PAGE;
     memcpy(dp + done, sp + done, rest - done);
 #endif
+}
+
+/* Copy count moves, given as (destination, source, bytes) triples of int64 in order:
+ * each through rdt_stream_copy when stream is non-zero, else memmove. One foreign call
+ * for a whole pack: an object of thousands of tensors of a few KiB each (one RL sample
+ * field per tensor) would otherwise pay a ctypes call per tensor, about a microsecond,
+ * as long as the copy itself. */
+void rdt_copy_moves(const int64_t *moves, size_t count, int stream)
+{
+    for (size_t i = 0; i < count; i++) {
+        void *dst = (void *)(uintptr_t)moves[3 * i];
+        const void *src = (const void *)(uintptr_t)moves[3 * i + 1];
+        size_t n = (size_t)moves[3 * i + 2];
+        if (stream)
+            rdt_stream_copy(dst, src, n);
+        else
+            memmove(dst, src, n);
+    }
 }
 
 /* Which copy rdt_stream_copy uses: 0 memmove, 1 SSE2 streaming stores. */

@@ -7,7 +7,9 @@ Pure module: ctypes and the standard library only (no torch, Ray or NIXL).
 or None without it; the torch layer (:mod:`ray_rdt_pool.tensors`) uses it for host copies
 of at least ``PoolConfig.stream_copy_bytes`` in all and :func:`ctypes.memmove` for the
 rest. Both take ``(destination address, source address, bytes)`` and release the GIL
-(ctypes foreign calls), so the pack threads copy in parallel.
+(ctypes foreign calls), so the pack threads copy in parallel. :func:`move_batch` returns
+``rdt_copy_moves``, which runs a whole list of such moves in one call: packs of thousands
+of small tensors use it.
 
 Why: plain stores read each destination line before overwriting it; for a copy larger
 than the caches that is a third more memory traffic. glibc's memmove switches to
@@ -27,7 +29,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["stream_copy", "stream_kind"]
+__all__ = ["move_batch", "stream_copy", "stream_kind"]
 
 #: What ``rdt_stream_kind()`` returns, by name.
 _KINDS = {0: "memmove", 1: "sse2-stream"}
@@ -35,11 +37,12 @@ _KINDS = {0: "memmove", 1: "sse2-stream"}
 _lock = threading.Lock()
 _loaded = False
 _fn: Callable[[int, int, int], Any] | None = None
+_batch: Callable[[int, int, int], Any] | None = None
 _kind = "memmove"
 
 
 def _load() -> None:
-    global _loaded, _fn, _kind
+    global _loaded, _fn, _batch, _kind
     with _lock:
         if _loaded:
             return
@@ -49,10 +52,14 @@ def _load() -> None:
             fn = lib.rdt_stream_copy
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
             fn.restype = None
+            batch = lib.rdt_copy_moves
+            batch.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            batch.restype = None
             kind = _KINDS.get(int(lib.rdt_stream_kind()), "memmove")
         except (ImportError, OSError, AttributeError):
-            fn, kind = None, "memmove"  # no compiler at install: plain memmove
+            fn, batch, kind = None, None, "memmove"  # no compiler at install: memmove
         _fn = fn if kind != "memmove" else None
+        _batch = batch
         _kind = kind
         _loaded = True
 
@@ -62,6 +69,20 @@ def stream_copy() -> Callable[[int, int, int], Any] | None:
     if not _loaded:
         _load()
     return _fn
+
+
+def move_batch() -> Callable[[int, int, int], Any] | None:
+    """The batched copy ``(address of moves, count, stream)``, or None without the helper.
+
+    ``moves`` is a C-contiguous array of ``count`` int64 triples (destination address,
+    source address, bytes), copied in order: one foreign call for a whole pack instead
+    of one per tensor. With ``stream`` non-zero each move is a :func:`stream_copy` copy
+    (memmove where the CPU has no streaming stores), else a memmove. The caller keeps the
+    array alive until the call returns.
+    """
+    if not _loaded:
+        _load()
+    return _batch
 
 
 def stream_kind() -> str:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ray_rdt_pool.errors import InvalidInputError
-from ray_rdt_pool.fastcopy import stream_copy
+from ray_rdt_pool.fastcopy import move_batch, stream_copy
 from ray_rdt_pool.layout import BlockMap
 from ray_rdt_pool.wire import DTYPES, RunGroup, Runs, TensorRun
 
@@ -559,7 +559,8 @@ def _pack_threaded(tensors: Sequence[torch.Tensor], d: Described, offsets: Seque
             for dst, src, n in physical(offsets[i], t.data_ptr(), nbytes[i]):
                 copy(dst, src, n)
 
-    _run_moves(moves, threads, copy, materialise)
+    _run_moves(moves, threads, copy, materialise,
+               _batch_unit(copy is not _memmove) if len(moves) >= _VECTOR_SPANS else None)
 
 
 def copy_moves(moves: Sequence[_Move], threads: int,
@@ -640,11 +641,12 @@ def _spans(idx: Iterable[int], nbytes: Sequence[int], ptrs: Sequence[int],
 _VECTOR_SPANS = 256
 
 
-def _span_lists(idx: Sequence[int] | None, nbytes: Sequence[int], ptrs: Sequence[int],
-                plain: Sequence[bool], offsets: Sequence[int], leftovers: list[int]
-                ) -> tuple[list[int], list[int], list[int]]:
-    """:func:`_spans` as three lists (packed offsets, source addresses, lengths), found
-    with numpy: the same spans in the same order (tests/test_pack.py holds it)."""
+def _span_arrays(idx: Sequence[int] | None, nbytes: Sequence[int], ptrs: Sequence[int],
+                 plain: Sequence[bool], offsets: Sequence[int], leftovers: list[int]
+                 ) -> tuple[Any, Any, Any]:
+    """:func:`_spans` as three int64 numpy arrays (packed offsets, source addresses,
+    lengths), found in one pass over arrays: the same spans in the same order
+    (tests/test_pack.py holds it)."""
     import numpy as np
 
     nb = np.array(nbytes, dtype=np.int64)
@@ -659,13 +661,20 @@ def _span_lists(idx: Sequence[int] | None, nbytes: Sequence[int], ptrs: Sequence
     keep = some & ok
     nb, src, dst = nb[keep], src[keep], dst[keep]
     if not len(nb):
-        return [], [], []
+        return dst, src, nb
     joins = np.zeros(len(nb), dtype=np.bool_)
     ends = nb[:-1]
     joins[1:] = (src[1:] == src[:-1] + ends) & (dst[1:] == dst[:-1] + ends)
     starts = np.flatnonzero(~joins)
-    return (dst[starts].tolist(), src[starts].tolist(),
-            np.add.reduceat(nb, starts).tolist())
+    return dst[starts], src[starts], np.add.reduceat(nb, starts)
+
+
+def _span_lists(idx: Sequence[int] | None, nbytes: Sequence[int], ptrs: Sequence[int],
+                plain: Sequence[bool], offsets: Sequence[int], leftovers: list[int]
+                ) -> tuple[list[int], list[int], list[int]]:
+    """:func:`_span_arrays` as three lists."""
+    dst, src, nb = _span_arrays(idx, nbytes, ptrs, plain, offsets, leftovers)
+    return dst.tolist(), src.tolist(), nb.tolist()
 
 
 def _all_spans(idx: Sequence[int] | None, nbytes: Sequence[int], ptrs: Sequence[int],
@@ -679,6 +688,29 @@ def _all_spans(idx: Sequence[int] | None, nbytes: Sequence[int], ptrs: Sequence[
         return zip(*_span_lists(idx, nbytes, ptrs, plain, offsets, leftovers))
     return _spans(range(len(nbytes)) if idx is None else idx, nbytes, ptrs, plain, offsets,
                   leftovers)
+
+
+def _batched(moves: Any, stream: bool) -> bool:
+    """Run an ``(n, 3)`` int64 array of moves in one call of the compiled helper; False
+    (nothing copied) where the helper is missing."""
+    fn = move_batch()
+    if fn is None:
+        return False
+    fn(moves.ctypes.data, len(moves), 1 if stream else 0)
+    return True
+
+
+def _batch_unit(stream: bool) -> Callable[[Sequence[_Move]], Any] | None:
+    """A threaded pack's per-unit copy through the compiled helper (one foreign call per
+    unit of moves), or None where the helper is missing."""
+    if move_batch() is None:
+        return None
+
+    def batch(unit: Sequence[_Move]) -> None:
+        import numpy as np
+
+        _batched(np.array(unit, dtype=np.int64).reshape(-1, 3), stream)
+    return batch
 
 
 def pack_into(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[int],
@@ -725,7 +757,25 @@ def pack_into(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[i
             copy(base + phys, src, m)
             src += m
 
-    spans = _all_spans(which, nbytes, ptrs, plain, offsets, leftovers)
+    if isinstance(which, range) and which == range(len(nbytes)):
+        which = None
+    if bmap is None and (len(nbytes) if which is None else len(which)) >= _VECTOR_SPANS:
+        # Thousands of small tensors (an RL batch stored per sample): one foreign call for
+        # all the moves instead of a ctypes call per tensor, which costs as much as
+        # copying a few KiB.
+        import numpy as np
+
+        dst, src, nb = _span_arrays(which, nbytes, ptrs, plain, offsets, leftovers)
+        moves = np.empty((len(nb), 3), dtype=np.int64)
+        moves[:, 0] = dst + (base + b0)
+        moves[:, 1] = src
+        moves[:, 2] = nb
+        if _batched(moves, copy is not _memmove):
+            spans: Iterable[tuple[int, int, int]] = ()
+        else:
+            spans = zip(dst.tolist(), src.tolist(), nb.tolist())
+    else:
+        spans = _all_spans(which, nbytes, ptrs, plain, offsets, leftovers)
     if bmap is None:
         at = base + b0
         for span_dst, span_src, span_len in spans:

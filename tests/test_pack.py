@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 import ray_rdt_pool.tensors as T
 from ray_rdt_pool.config import PoolConfig, from_env
 from ray_rdt_pool.errors import ConfigurationError
-from ray_rdt_pool.fastcopy import stream_copy, stream_kind
+from ray_rdt_pool.fastcopy import move_batch, stream_copy, stream_kind
 from ray_rdt_pool.layout import BlockMap, packed_offsets
 
 RELAXED = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=60)
@@ -348,8 +348,8 @@ def test_vector_spans_equal_the_per_tensor_walk(items: list[tuple[int, int, bool
     assert vec == walk and vec_left == walk_left
 
 
-def test_many_tensors_take_the_vector_path_and_pack_the_same() -> None:
-    g = torch.Generator().manual_seed(3)
+def _many_small(seed: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
     tensors = []
     for i in range(3 * T._VECTOR_SPANS):  # alternating shapes and dtypes, some views
         if i % 3 == 0:
@@ -358,18 +358,75 @@ def test_many_tensors_take_the_vector_path_and_pack_the_same() -> None:
             tensors.append(torch.randint(0, 9, (5,), generator=g))
         else:
             tensors.append(torch.randn(8, 4, generator=g).t())  # not plain: a leftover
+    return tensors
+
+
+@pytest.mark.parametrize("helper", [True, False], ids=["one-call", "no-helper"])
+def test_many_tensors_take_the_vector_path_and_pack_the_same(helper: bool) -> None:
+    """Thousands of small tensors: the spans come from numpy, and the moves run in one
+    call of the compiled helper (or, without it, one memmove each); same bytes."""
+    if helper and move_batch() is None:
+        pytest.skip("the compiled copy helper is not built here")
+    tensors = _many_small()
     d = T.describe(tensors)
     offsets, total = packed_offsets(d.nbytes, d.aligns)
-    with mock.patch.object(T, "_span_lists", wraps=T._span_lists) as vec:
-        region = T.HostRegion(total)
-        T.pack_into(tensors, d, offsets, [(0, total)], region)
+    region = T.HostRegion(total + 128)
+    region.tensor.fill_(FILL)
+    with mock.patch.object(T, "_span_arrays", wraps=T._span_arrays) as vec, \
+            mock.patch.object(T, "move_batch", wraps=T.move_batch if helper else lambda: None), \
+            mock.patch.object(T, "_memmove", wraps=T._memmove) as memmove:
+        T.pack_into(tensors, d, offsets, [(64, total)], region)
     assert vec.call_count == 1
-    got = torch.frombuffer(region._map, dtype=torch.uint8, count=total)
-    for t, off in zip(tensors, offsets):
-        raw = t.contiguous().view(-1).view(torch.uint8)
-        assert torch.equal(got[off:off + raw.numel()], raw)
-    del got
+    plain = sum(d.plain)
+    # with the helper only the leftovers (not plain) are memmoved, one each
+    assert memmove.call_count == (len(tensors) - plain if helper else len(tensors))
+    got = region.tensor.numpy().tobytes()
     region.close()
+    assert got[:64] == bytes([FILL]) * 64 and got[64 + total:] == bytes([FILL]) * 64
+    check_placed(got[64:], tensors, offsets, [(0, total)], None)
+
+
+@pytest.mark.parametrize("stream_min", [0, 1])
+def test_many_tensors_threaded_batches_pack_the_same(stream_min: int) -> None:
+    """The threaded pack hands each unit of many moves to the helper in one call."""
+    tensors = _many_small(5)
+    with mock.patch.object(T, "_batched", wraps=T._batched) as batched:
+        assert_same_pack(tensors, threads=3, chunk=512, stream_min=stream_min)
+    if move_batch() is not None:
+        assert batched.call_count > 1  # several units, one call each
+    d = T.describe(tensors)
+    _, total = packed_offsets(d.nbytes, d.aligns)
+    blocks, _ = scatter_blocks(total, [total // 3, total // 2 + 5], [64, 0], [2, 0, 1])
+    assert_same_pack(tensors, blocks, threads=3, chunk=512, stream_min=stream_min)
+
+
+@RELAXED
+@given(lengths=st.lists(st.integers(0, 300_000) | st.integers(0, 300), min_size=0,
+                        max_size=40),
+       gaps=st.lists(st.integers(0, 70), min_size=40, max_size=40),
+       stream=st.booleans(), seed=st.integers(0, 2**16))
+def test_move_batch_writes_exactly_the_bytes_of_memmove(
+        lengths: list[int], gaps: list[int], stream: bool, seed: int) -> None:
+    fn = move_batch()
+    if fn is None:
+        pytest.skip("the compiled copy helper is not built here")
+    import numpy as np
+
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths) + sum(gaps) + 64
+    src = torch.randint(0, 256, (total,), generator=g, dtype=torch.uint8)
+    got = torch.full((total,), FILL, dtype=torch.uint8)
+    want = got.clone()
+    moves, at = [], 0
+    for n, gap in zip(lengths, gaps):
+        at += gap
+        s = (at * 7919) % max(1, total - n)  # sources anywhere, in another buffer
+        moves.append((got.data_ptr() + at, src.data_ptr() + s, n))
+        ctypes.memmove(want.data_ptr() + at, src.data_ptr() + s, n)
+        at += n
+    arr = np.array(moves, dtype=np.int64).reshape(-1, 3)
+    fn(arr.ctypes.data, len(arr), 1 if stream else 0)
+    assert torch.equal(got, want)
 
 
 @RELAXED
