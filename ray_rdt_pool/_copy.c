@@ -65,6 +65,24 @@ static void rdt_blocks_sse2(unsigned char *dst, const unsigned char *src, size_t
         }
     }
 }
+
+/* Stream whole 64-byte lines, one after the other (dst 64-byte aligned), with no fence:
+ * the small moves of one batch share the fence at its end. */
+static void rdt_lines_sse2(unsigned char *dst, const unsigned char *src, size_t lines)
+{
+    for (size_t i = 0; i < lines; i++) {
+        const __m128i *p = (const __m128i *)(src + i * RDT_LINE);
+        __m128i *q = (__m128i *)(dst + i * RDT_LINE);
+        __m128i x0 = _mm_loadu_si128(p);
+        __m128i x1 = _mm_loadu_si128(p + 1);
+        __m128i x2 = _mm_loadu_si128(p + 2);
+        __m128i x3 = _mm_loadu_si128(p + 3);
+        _mm_stream_si128(q, x0);
+        _mm_stream_si128(q + 1, x1);
+        _mm_stream_si128(q + 2, x2);
+        _mm_stream_si128(q + 3, x3);
+    }
+}
 #endif
 
 /* Copy n bytes from src to dst. Overlapping ranges, moves under RDT_MOVE_MIN and
@@ -93,22 +111,54 @@ void rdt_stream_copy(void *dst, const void *src, size_t n)
 #endif
 }
 
-/* Copy count moves, given as (destination, source, bytes) triples of int64 in order:
- * each through rdt_stream_copy when stream is non-zero, else memmove. One foreign call
- * for a whole pack: an object of thousands of tensors of a few KiB each (one RL sample
- * field per tensor) would otherwise pay a ctypes call per tensor, about a microsecond,
- * as long as the copy itself. */
+/* Moves of a streamed batch shorter than this use memmove: the unaligned head and tail
+ * of a move are plain stores, so a move of a few lines gains nothing. */
+#define RDT_SMALL_MIN 1024u
+
+/* Copy count moves, given as (destination, source, bytes) triples of int64 in order.
+ * One foreign call for a whole pack: an object of thousands of tensors of a few KiB
+ * each (one RL sample field per tensor) would otherwise pay a ctypes call per tensor,
+ * about a microsecond, as long as the copy itself.
+ *
+ * With stream non-zero (a pack large enough not to stay in cache), moves of at least
+ * RDT_MOVE_MIN go through rdt_stream_copy, and moves of at least RDT_SMALL_MIN stream
+ * their whole lines too, with one fence for all of them at the end: per-move fences
+ * are what made streaming lose on small moves. Overlapping moves, smaller ones, and
+ * everything when stream is 0, use memmove. Every byte is in place and globally
+ * visible when this returns. */
 void rdt_copy_moves(const int64_t *moves, size_t count, int stream)
 {
+#ifdef RDT_X86
+    int fence = 0;
+#endif
     for (size_t i = 0; i < count; i++) {
         void *dst = (void *)(uintptr_t)moves[3 * i];
         const void *src = (const void *)(uintptr_t)moves[3 * i + 1];
         size_t n = (size_t)moves[3 * i + 2];
-        if (stream)
-            rdt_stream_copy(dst, src, n);
-        else
+        uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
+        if (!stream || RDT_KIND == 0 || n < RDT_SMALL_MIN || (d < s + n && s < d + n)) {
             memmove(dst, src, n);
+            continue;
+        }
+        if (n >= RDT_MOVE_MIN) {
+            rdt_stream_copy(dst, src, n);
+            continue;
+        }
+#ifdef RDT_X86
+        size_t head = (RDT_LINE - (d & (RDT_LINE - 1))) & (RDT_LINE - 1);
+        memcpy(dst, src, head);
+        unsigned char *dp = (unsigned char *)dst + head;
+        const unsigned char *sp = (const unsigned char *)src + head;
+        size_t lines = (n - head) / RDT_LINE;
+        rdt_lines_sse2(dp, sp, lines);
+        memcpy(dp + lines * RDT_LINE, sp + lines * RDT_LINE, n - head - lines * RDT_LINE);
+        fence = 1;
+#endif
     }
+#ifdef RDT_X86
+    if (fence)
+        _mm_sfence();
+#endif
 }
 
 /* Which copy rdt_stream_copy uses: 0 memmove, 1 SSE2 streaming stores. */
