@@ -76,8 +76,9 @@ class PoolConfig:
             or into target buffers) of at least this many bytes in all write with
             streaming stores (no read of the destination first) where the compiled helper
             was built (:mod:`ray_rdt_pool.fastcopy`), one move of at least 128 KiB at a
-            time; smaller copies and moves use memmove and keep their bytes in cache
-            for the reader. 0 turns streaming stores off.
+            time (of at least 1 KiB in a pack of many tensors, whose moves run in one
+            call with one fence); smaller copies and moves use memmove and keep their
+            bytes in cache for the reader. 0 turns streaming stores off.
         read_lanes: NIXL agents a receiver reads with; a READ into the receive arena of
             at least ``read_split_bytes`` is cut into one part per lane, posted
             concurrently (with UCX over cma each agent copies on its own thread). 0

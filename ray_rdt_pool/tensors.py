@@ -700,6 +700,21 @@ def _batched(moves: Any, stream: bool) -> bool:
     return True
 
 
+def _host_moves(moves: Sequence[_Move], total: int, stream_min: int) -> None:
+    """Run host ``(destination, source, bytes)`` moves of ``total`` bytes in all: in one
+    call of the compiled helper when there are many, else one copy each (streaming
+    stores from ``stream_min`` bytes in all, as :func:`pack_into`)."""
+    copy = _copy_for(total, stream_min)
+    if len(moves) >= _VECTOR_SPANS and move_batch() is not None:
+        import numpy as np
+
+        _batched(np.array(moves, dtype=np.int64).reshape(-1, 3), copy is not _memmove)
+        return
+    for dst, src, n in moves:
+        if n:
+            copy(dst, src, n)
+
+
 def _batch_unit(stream: bool) -> Callable[[Sequence[_Move]], Any] | None:
     """A threaded pack's per-unit copy through the compiled helper (one foreign call per
     unit of moves), or None where the helper is missing."""
@@ -890,11 +905,10 @@ def unpack_into(targets: Sequence[torch.Tensor], offsets: Sequence[int], base: i
     block and is finished before returning.
     """
     if device == "cpu" and all(t.is_cpu for t in targets):
-        copy = _copy_for(total, stream_min)
-        for t, off in zip(targets, offsets):
-            n = t.numel() * t.element_size()
-            if n:
-                copy(t.data_ptr(), base + off, n)
+        import torch
+
+        _host_moves(list(zip(map(torch.Tensor.data_ptr, targets), [base + o for o in offsets],
+                             map(_NBYTES, targets))), total, stream_min)
         return
     import torch
 
@@ -915,9 +929,7 @@ def copy_bytes(moves: Sequence[tuple[int, int, int]], device: str, device_id: in
     ``stream_min`` bytes in all, as :func:`pack_into`), torch copies on this thread's
     stream (then synchronised) on CUDA."""
     if device == "cpu":
-        copy = _copy_for(sum([n for _d, _s, n in moves]), stream_min)
-        for dst, src, n in moves:
-            copy(dst, src, n)
+        _host_moves(moves, sum([n for _d, _s, n in moves]), stream_min)
         return
     import torch
 

@@ -761,3 +761,31 @@ def test_config_stream_copy_bytes() -> None:
     assert from_env({"RAY_RDT_POOL_STREAM_COPY": "0"}).stream_copy_bytes == 0
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     assert "RAY_RDT_POOL_STREAM_COPY" in readme and "`stream_copy_bytes`" in readme
+
+
+@pytest.mark.parametrize("count", [3, 2 * T._VECTOR_SPANS])
+@pytest.mark.parametrize("helper", [True, False], ids=["helper", "no-helper"])
+@pytest.mark.parametrize("stream_min", [0, 1])
+def test_unpack_into_and_copy_bytes_land_every_byte(count: int, helper: bool,
+                                                    stream_min: int) -> None:
+    """The receiver's host copies (out of a block into target buffers, and range moves)
+    put each tensor's bytes in its target and nowhere else, one call or one per move."""
+    if helper and move_batch() is None:
+        pytest.skip("the compiled copy helper is not built here")
+    g = torch.Generator().manual_seed(count)
+    sizes = [(i * 37) % 3000 for i in range(count)]  # some empty, some over 1 KiB
+    offsets, total = packed_offsets([4 * n for n in sizes], [4] * count)
+    block = torch.randint(0, 256, (total,), generator=g, dtype=torch.uint8)
+    with mock.patch.object(T, "move_batch", wraps=T.move_batch if helper else lambda: None):
+        targets = [torch.full((n,), -1.0) for n in sizes]
+        T.unpack_into(targets, offsets, block.data_ptr(), total, "cpu", 0, stream_min)
+        for t, off, n in zip(targets, offsets, sizes):
+            assert torch.equal(t.view(torch.uint8), block[off:off + 4 * n])
+        again = torch.full((total + 64,), FILL, dtype=torch.uint8)
+        moves = [(again.data_ptr() + off, block.data_ptr() + off, 4 * n)
+                 for off, n in zip(offsets, sizes)]
+        T.copy_bytes(moves, "cpu", 0, stream_min)
+    want = torch.full((total + 64,), FILL, dtype=torch.uint8)
+    for off, n in zip(offsets, sizes):
+        want[off:off + 4 * n] = block[off:off + 4 * n]
+    assert torch.equal(again, want)
