@@ -55,17 +55,30 @@ class Workload:
 
 
 def workloads() -> list[Workload]:
-    """256 MiB in one tensor and in 1,000, 1,000 x 64 KiB, and a small object.
+    """256 MiB in one tensor and in 1,000, 1,000 x 64 KiB, an RL batch stored per sample,
+    and a small object.
 
-    Separate tensors are separate allocations, so each is its own span (one memmove).
+    Separate tensors are separate allocations, so each is its own span (one move).
     """
     return [
         Workload("256 MiB, 1 tensor", [torch.randn(256 * _MIB // 4)]),
         Workload("256 MiB as 1,000 tensors",
                  [torch.randn(256 * _MIB // 4 // 1000) for _ in range(1000)]),
         Workload("1,000 x 64 KiB", [torch.randn(16 * 1024) for _ in range(1000)]),
+        Workload("5,120 sample fields", _per_sample_batch()),
         Workload("10 x 4 KiB", [torch.randn(1024) for _ in range(10)]),
     ]
+
+
+def _per_sample_batch(samples: int = 1024, tokens: int = 1024) -> list[torch.Tensor]:
+    """The side-by-side benchmark's ``experience_samples`` object: per sample, input ids
+    and attention mask (int64, [tokens]), old log-probs and advantages (float32,
+    [tokens]) and a 0-d float32 reward; 5,120 tensors, 24 MiB."""
+    out: list[torch.Tensor] = []
+    for _ in range(samples):
+        out += [torch.randint(0, 32_000, (tokens,)), torch.ones(tokens, dtype=torch.int64),
+                torch.randn(tokens), torch.randn(tokens), torch.randn(())]
+    return out
 
 
 def _bench_one(w: Workload, region: HostRegion, variants: dict[str, tuple[int, int, int]],

@@ -1168,14 +1168,27 @@ def _byte_runs(i: int, shape: tuple[int, ...], item: int, sel: Any
 
 
 def _check_targets(targets: Sequence[torch.Tensor], meta: WireMeta) -> None:
+    """Raise InvalidInputError, naming the first bad buffer and the fix, unless every
+    target is a contiguous tensor of its source tensor's shape and dtype, all on one
+    device type."""
     import torch
 
-    from ray_rdt_pool.tensors import dtype_name
+    from ray_rdt_pool.tensors import describe, dtype_name
 
     if len(targets) != meta.num_tensors:
         raise InvalidInputError(
             f"{len(targets)} target buffers for an object of {meta.num_tensors} tensors; "
             "pass one buffer per tensor, in the order they were sent")
+    # All at once first, with the sender's one-pass attribute reads (thousands of
+    # per-sample buffers cost a few ms, not tens); the walk below names the bad buffer.
+    try:
+        d = describe(targets, allow_cuda=True)
+    except InvalidInputError:
+        d = None
+    if d is not None and all(d.plain):
+        want = list(meta.shapes_dtypes())
+        if d.shapes == [s for s, _ in want] and d.dtypes == [dt for _, dt in want]:
+            return
     for i, (t, (shape, dt)) in enumerate(zip(targets, meta.shapes_dtypes())):
         if not isinstance(t, torch.Tensor):
             raise InvalidInputError(

@@ -904,7 +904,7 @@ def unpack_into(targets: Sequence[torch.Tensor], offsets: Sequence[int], base: i
     all, as :func:`pack_into`); anything involving CUDA goes through torch views of the
     block and is finished before returning.
     """
-    if device == "cpu" and all(t.is_cpu for t in targets):
+    if device == "cpu" and all(map(_IS_CPU, targets)):
         import torch
 
         _host_moves(list(zip(map(torch.Tensor.data_ptr, targets), [base + o for o in offsets],

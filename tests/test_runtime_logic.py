@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import pickle
+import re
 import threading
 import time
 
@@ -198,6 +199,25 @@ def test_target_buffer_mismatch_is_rejected_before_any_read(world):
         with pytest.raises(InvalidInputError, match=text.replace("(", r"\(").replace(")", r"\)")):
             r.fetch("a", meta, bad)
     assert r.stats().transfers_in_flight == 0
+
+
+def test_many_target_buffers_checked_at_once_and_the_bad_one_named(world):
+    """Per-sample objects bring thousands of target buffers: checked in one pass, and
+    a bad one deep in the list is still named, before any read."""
+    s, r = make(world), make(world)
+    ts = [torch.randn(7) if i % 2 else torch.randint(0, 9, (2, 3)) for i in range(600)]
+    meta = ship(s.put("a", ts))
+    good = [torch.empty_like(t) for t in ts]
+    for k, (bad, text) in enumerate((
+            (torch.zeros(8), "target buffer 599 is (8,)"),
+            (torch.zeros(7, dtype=torch.float64), "target buffer 599 is (7,) torch.float64"),
+            (torch.zeros(14)[::2], "target buffer 599 must be contiguous"),
+            (0.5, "target buffer 599 is a float"))):
+        with pytest.raises(InvalidInputError, match=re.escape(text)):
+            r.fetch(f"bad{k}", meta, [*good[:-1], bad])
+    assert r.stats().transfers_in_flight == 0
+    roundtrip(s, r, "b", ts, good)
+    assert same(good, ts)
 
 
 def test_zero_copy_tensors_mix_with_pooled_ones(world):
