@@ -55,7 +55,7 @@ class Workload:
 
 
 def workloads() -> list[Workload]:
-    """256 MiB in one tensor and in 1,000, 1,000 x 64 KiB, an RL batch stored per sample,
+    """256 MiB in one tensor and in 1,000, 1,000 x 64 KiB, an RL batch in its two layouts,
     and a small object.
 
     Separate tensors are separate allocations, so each is its own span (one move).
@@ -65,9 +65,18 @@ def workloads() -> list[Workload]:
         Workload("256 MiB as 1,000 tensors",
                  [torch.randn(256 * _MIB // 4 // 1000) for _ in range(1000)]),
         Workload("1,000 x 64 KiB", [torch.randn(16 * 1024) for _ in range(1000)]),
+        Workload("the batch as 5 fields", _batched_fields()),
         Workload("5,120 sample fields", _per_sample_batch()),
         Workload("10 x 4 KiB", [torch.randn(1024) for _ in range(10)]),
     ]
+
+
+def _batched_fields(samples: int = 1024, tokens: int = 1024) -> list[torch.Tensor]:
+    """The side-by-side benchmark's ``experience`` object: the same 24 MiB as
+    :func:`_per_sample_batch`, one tensor per field."""
+    return [torch.randint(0, 32_000, (samples, tokens)),
+            torch.ones(samples, tokens, dtype=torch.int64), torch.randn(samples, tokens),
+            torch.randn(samples, tokens), torch.randn(samples)]
 
 
 def _per_sample_batch(samples: int = 1024, tokens: int = 1024) -> list[torch.Tensor]:
