@@ -43,26 +43,30 @@
 #endif
 
 #ifdef RDT_X86
+/* Stream one 64-byte line: dst is 64-byte aligned, src need not be. */
+static inline void rdt_line_sse2(unsigned char *dst, const unsigned char *src)
+{
+    const __m128i *p = (const __m128i *)src;
+    __m128i *q = (__m128i *)dst;
+    __m128i x0 = _mm_loadu_si128(p);
+    __m128i x1 = _mm_loadu_si128(p + 1);
+    __m128i x2 = _mm_loadu_si128(p + 2);
+    __m128i x3 = _mm_loadu_si128(p + 3);
+    _mm_stream_si128(q, x0);
+    _mm_stream_si128(q + 1, x1);
+    _mm_stream_si128(q + 2, x2);
+    _mm_stream_si128(q + 3, x3);
+}
+
 /* Copy whole blocks of four pages; dst is 64-byte aligned, src need not be. */
 static void rdt_blocks_sse2(unsigned char *dst, const unsigned char *src, size_t blocks)
 {
     for (size_t b = 0; b < blocks; b++) {
         const unsigned char *s = src + b * 4 * RDT_PAGE;
         unsigned char *d = dst + b * 4 * RDT_PAGE;
-        for (size_t i = 0; i < RDT_PAGE; i += RDT_LINE) {
-            for (unsigned k = 0; k < 4; k++) {
-                const __m128i *p = (const __m128i *)(s + k * RDT_PAGE + i);
-                __m128i *q = (__m128i *)(d + k * RDT_PAGE + i);
-                __m128i x0 = _mm_loadu_si128(p);
-                __m128i x1 = _mm_loadu_si128(p + 1);
-                __m128i x2 = _mm_loadu_si128(p + 2);
-                __m128i x3 = _mm_loadu_si128(p + 3);
-                _mm_stream_si128(q, x0);
-                _mm_stream_si128(q + 1, x1);
-                _mm_stream_si128(q + 2, x2);
-                _mm_stream_si128(q + 3, x3);
-            }
-        }
+        for (size_t i = 0; i < RDT_PAGE; i += RDT_LINE)
+            for (unsigned k = 0; k < 4; k++)
+                rdt_line_sse2(d + k * RDT_PAGE + i, s + k * RDT_PAGE + i);
     }
 }
 
@@ -70,26 +74,29 @@ static void rdt_blocks_sse2(unsigned char *dst, const unsigned char *src, size_t
  * the small moves of one batch share the fence at its end. */
 static void rdt_lines_sse2(unsigned char *dst, const unsigned char *src, size_t lines)
 {
-    for (size_t i = 0; i < lines; i++) {
-        const __m128i *p = (const __m128i *)(src + i * RDT_LINE);
-        __m128i *q = (__m128i *)(dst + i * RDT_LINE);
-        __m128i x0 = _mm_loadu_si128(p);
-        __m128i x1 = _mm_loadu_si128(p + 1);
-        __m128i x2 = _mm_loadu_si128(p + 2);
-        __m128i x3 = _mm_loadu_si128(p + 3);
-        _mm_stream_si128(q, x0);
-        _mm_stream_si128(q + 1, x1);
-        _mm_stream_si128(q + 2, x2);
-        _mm_stream_si128(q + 3, x3);
-    }
+    for (size_t i = 0; i < lines; i++)
+        rdt_line_sse2(dst + i * RDT_LINE, src + i * RDT_LINE);
+}
+
+/* Copy n bytes: the head up to dst's next 64-byte boundary and the tail with memcpy, and
+ * the whole units of `unit` bytes between them through `body` (streamed, no fence). */
+static void rdt_stream_span(unsigned char *dst, const unsigned char *src, size_t n,
+                            size_t unit,
+                            void (*body)(unsigned char *, const unsigned char *, size_t))
+{
+    size_t head = (RDT_LINE - ((uintptr_t)dst & (RDT_LINE - 1))) & (RDT_LINE - 1);
+    memcpy(dst, src, head);
+    size_t units = (n - head) / unit;
+    body(dst + head, src + head, units);
+    size_t done = head + units * unit;
+    memcpy(dst + done, src + done, n - done);
 }
 #endif
 
 /* Copy n bytes from src to dst. Overlapping ranges, moves under RDT_MOVE_MIN and
  * machines without streaming stores go through memmove; the rest streams whole 16 KiB
- * blocks and copies
- * the unaligned head and the tail with memcpy. Every streamed byte is globally visible
- * when this returns (sfence). */
+ * blocks and copies the unaligned head and the tail with memcpy. Every streamed byte is
+ * globally visible when this returns (sfence). */
 void rdt_stream_copy(void *dst, const void *src, size_t n)
 {
     uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
@@ -98,16 +105,9 @@ void rdt_stream_copy(void *dst, const void *src, size_t n)
         return;
     }
 #ifdef RDT_X86
-    size_t head = (RDT_LINE - (d & (RDT_LINE - 1))) & (RDT_LINE - 1);
-    memcpy(dst, src, head);
-    unsigned char *dp = (unsigned char *)dst + head;
-    const unsigned char *sp = (const unsigned char *)src + head;
-    size_t rest = n - head;
-    size_t blocks = rest / (4 * RDT_PAGE);
-    rdt_blocks_sse2(dp, sp, blocks);
+    rdt_stream_span((unsigned char *)dst, (const unsigned char *)src, n, 4 * RDT_PAGE,
+                    rdt_blocks_sse2);
     _mm_sfence();
-    size_t done = blocks * 4 * RDT_PAGE;
-    memcpy(dp + done, sp + done, rest - done);
 #endif
 }
 
@@ -145,13 +145,8 @@ void rdt_copy_moves(const int64_t *moves, size_t count, int stream)
             continue;
         }
 #ifdef RDT_X86
-        size_t head = (RDT_LINE - (d & (RDT_LINE - 1))) & (RDT_LINE - 1);
-        memcpy(dst, src, head);
-        unsigned char *dp = (unsigned char *)dst + head;
-        const unsigned char *sp = (const unsigned char *)src + head;
-        size_t lines = (n - head) / RDT_LINE;
-        rdt_lines_sse2(dp, sp, lines);
-        memcpy(dp + lines * RDT_LINE, sp + lines * RDT_LINE, n - head - lines * RDT_LINE);
+        rdt_stream_span((unsigned char *)dst, (const unsigned char *)src, n, RDT_LINE,
+                        rdt_lines_sse2);
         fence = 1;
 #endif
     }
