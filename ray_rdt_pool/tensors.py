@@ -691,12 +691,16 @@ def _all_spans(idx: Sequence[int] | None, nbytes: Sequence[int], ptrs: Sequence[
 
 
 def _batched(moves: Any, stream: bool) -> bool:
-    """Run an ``(n, 3)`` int64 array of moves in one call of the compiled helper; False
-    (nothing copied) where the helper is missing."""
+    """Run ``(destination, source, bytes)`` moves (an ``(n, 3)`` int64 array, or a
+    sequence of triples) in one call of the compiled helper; False (nothing copied) where
+    the helper is missing."""
     fn = move_batch()
     if fn is None:
         return False
-    fn(moves.ctypes.data, len(moves), 1 if stream else 0)
+    import numpy as np
+
+    arr = np.ascontiguousarray(moves, dtype=np.int64).reshape(-1, 3)
+    fn(arr.ctypes.data, len(arr), 1 if stream else 0)
     return True
 
 
@@ -705,10 +709,7 @@ def _host_moves(moves: Sequence[_Move], total: int, stream_min: int) -> None:
     call of the compiled helper when there are many, else one copy each (streaming
     stores from ``stream_min`` bytes in all, as :func:`pack_into`)."""
     copy = _copy_for(total, stream_min)
-    if len(moves) >= _VECTOR_SPANS and move_batch() is not None:
-        import numpy as np
-
-        _batched(np.array(moves, dtype=np.int64).reshape(-1, 3), copy is not _memmove)
+    if len(moves) >= _VECTOR_SPANS and _batched(moves, copy is not _memmove):
         return
     for dst, src, n in moves:
         if n:
@@ -722,9 +723,7 @@ def _batch_unit(stream: bool) -> Callable[[Sequence[_Move]], Any] | None:
         return None
 
     def batch(unit: Sequence[_Move]) -> None:
-        import numpy as np
-
-        _batched(np.array(unit, dtype=np.int64).reshape(-1, 3), stream)
+        _batched(unit, stream)
     return batch
 
 
