@@ -317,7 +317,7 @@ _BIG_COPY = 1 << 20
 
 #: Default ``threshold`` of :func:`pack_into` (the sender passes its configured
 #: ``pack_threshold_bytes``): smaller copies stay on the calling thread.
-_PACK_THRESHOLD = 16 << 20
+_PACK_THRESHOLD = 8 << 20
 #: Bytes per unit of work of a threaded pack. Big spans are cut into units of this size
 #: and small spans grouped up to it. Threads take units one at a time, so one slowed by
 #: another process on the same core simply takes fewer, and a unit costs one lock round
@@ -342,7 +342,7 @@ class _PackJob:
     __slots__ = ("_active", "_batch", "_closed", "_copy", "_idle", "_lock", "_next", "error",
                  "stopped", "units")
 
-    def __init__(self, units: list[list[_Move]],
+    def __init__(self, units: Sequence[Sequence[_Move]],
                  copy: Callable[[int, int, int], Any] = _memmove,
                  batch: Callable[[Sequence[_Move]], Any] | None = None) -> None:
         self.units = units
@@ -520,6 +520,53 @@ def _pack_units(moves: Sequence[_Move], chunk: int) -> list[list[_Move]]:
     return units
 
 
+def _array_units(moves: Any, chunk: int) -> list[Any]:
+    """:func:`_pack_units` for an ``(n, 3)`` int64 array of moves (a threaded pack of
+    many tensors), without a Python step per move: a move above ``chunk`` bytes is cut
+    on 64-byte destination boundaries into pieces of at most ``chunk``, then moves are
+    grouped by the ``chunk``-sized stretch of the stream their last byte falls in, so a
+    unit holds at most twice ``chunk`` bytes. Returns row slices in order
+    (tests/test_pack.py holds both rules)."""
+    import numpy as np
+
+    chunk = max(chunk, 128)  # a cut always moves forward: (at + chunk) & ~63 > at
+    big = np.flatnonzero(moves[:, 2] > chunk).tolist()
+    if big:
+        parts = []
+        prev = 0
+        for i in big:
+            parts.append(moves[prev:i])
+            dst, src, n = moves[i].tolist()
+            cuts = [dst]
+            while (nxt := (cuts[-1] + chunk) & ~63) < dst + n:
+                cuts.append(nxt)
+            starts = np.array(cuts, dtype=np.int64)
+            piece = np.empty((len(cuts), 3), dtype=np.int64)
+            piece[:, 0] = starts
+            piece[:, 1] = starts + (src - dst)
+            piece[:, 2] = np.diff(starts, append=dst + n)
+            parts.append(piece)
+            prev = i + 1
+        parts.append(moves[prev:])
+        moves = np.concatenate(parts)
+    if not len(moves):
+        return []
+    stretch = (np.cumsum(moves[:, 2]) - 1) // chunk
+    return np.split(moves, (np.flatnonzero(stretch[1:] != stretch[:-1]) + 1).tolist())
+
+
+def _move_array(dst: Any, src: Any, nbytes: Any, at: int) -> Any:
+    """Spans from :func:`_span_arrays` as an ``(n, 3)`` int64 array of moves, the packed
+    offsets turned into addresses from ``at``."""
+    import numpy as np
+
+    moves = np.empty((len(nbytes), 3), dtype=np.int64)
+    moves[:, 0] = dst + at
+    moves[:, 1] = src
+    moves[:, 2] = nbytes
+    return moves
+
+
 def _pack_threaded(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[int],
                    blocks: Sequence[tuple[int, int]], region: HostRegion,
                    idx: Sequence[int], threads: int,
@@ -546,11 +593,7 @@ def _pack_threaded(tensors: Sequence[torch.Tensor], d: Described, offsets: Seque
             src += m
         return out
 
-    moves: list[_Move] = []
     leftovers: list[int] = []
-    for span_dst, span_src, span_len in _all_spans(idx, nbytes, ptrs, plain, offsets,
-                                                   leftovers):
-        moves.extend(physical(span_dst, span_src, span_len))
 
     def materialise() -> None:
         for i in leftovers:
@@ -559,8 +602,21 @@ def _pack_threaded(tensors: Sequence[torch.Tensor], d: Described, offsets: Seque
             for dst, src, n in physical(offsets[i], t.data_ptr(), nbytes[i]):
                 copy(dst, src, n)
 
+    batch = _batch_unit(copy is not _memmove)
+    if bmap is None and batch is not None and len(idx) >= _VECTOR_SPANS:
+        # Many tensors: spans, moves and units as arrays, one foreign call per unit.
+        if isinstance(idx, range) and idx == range(len(nbytes)):
+            idx = None  # type: ignore[assignment]
+        dst, src, nb = _span_arrays(idx, nbytes, ptrs, plain, offsets, leftovers)
+        units = _array_units(_move_array(dst, src, nb, base + b0), _PACK_CHUNK)
+        _run_job(_PackJob(units, copy, batch), threads, materialise)
+        return
+    moves: list[_Move] = []
+    for span_dst, span_src, span_len in _all_spans(idx, nbytes, ptrs, plain, offsets,
+                                                   leftovers):
+        moves.extend(physical(span_dst, span_src, span_len))
     _run_moves(moves, threads, copy, materialise,
-               _batch_unit(copy is not _memmove) if len(moves) >= _VECTOR_SPANS else None)
+               batch if len(moves) >= _VECTOR_SPANS else None)
 
 
 def copy_moves(moves: Sequence[_Move], threads: int,
@@ -777,14 +833,8 @@ def pack_into(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[i
         # Thousands of small tensors (an RL batch stored per sample): one foreign call for
         # all the moves instead of a ctypes call per tensor, which costs as much as
         # copying a few KiB.
-        import numpy as np
-
         dst, src, nb = _span_arrays(which, nbytes, ptrs, plain, offsets, leftovers)
-        moves = np.empty((len(nb), 3), dtype=np.int64)
-        moves[:, 0] = dst + (base + b0)
-        moves[:, 1] = src
-        moves[:, 2] = nb
-        if _batched(moves, copy is not _memmove):
+        if _batched(_move_array(dst, src, nb, base + b0), copy is not _memmove):
             spans: Iterable[tuple[int, int, int]] = ()
         else:
             spans = zip(dst.tolist(), src.tolist(), nb.tolist())

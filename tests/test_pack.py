@@ -318,6 +318,46 @@ def test_units_cover_every_move_once(moves: list[tuple[int, int]], chunk: int) -
     assert next(it, None) is None
 
 
+def test_many_tensors_threaded_without_the_helper_pack_the_same() -> None:
+    """Without the compiled helper the threaded pack of many tensors copies move by move
+    (lists of units), and still leaves the one-thread bytes."""
+    with mock.patch.object(T, "move_batch", lambda: None), \
+            mock.patch.object(T, "_array_units", side_effect=AssertionError("arrays")):
+        assert_same_pack(_many_small(3), threads=3, chunk=512)
+
+
+@RELAXED
+@given(moves=st.lists(st.tuples(st.integers(0, 200), st.integers(1, 5000)), max_size=40),
+       chunk=st.integers(1, 3000), base=st.integers(0, 63))
+def test_array_units_cover_every_byte_once_in_order(moves: list[tuple[int, int]], chunk: int,
+                                                    base: int) -> None:
+    """The array form of the units: every byte of every move once, in order; a move is
+    cut only on a 64-byte destination boundary and into pieces of at most the unit
+    size; a unit holds at most twice the unit size (and no empty unit)."""
+    import numpy as np
+
+    triples = []
+    at = base
+    for gap, n in moves:
+        triples.append((at + gap, (1 << 40) + 3 * (at + gap), n))
+        at += gap + n
+    arr = np.array(triples, dtype=np.int64).reshape(-1, 3)
+    units = T._array_units(arr, chunk)
+    size = max(chunk, 128)
+    assert all(len(u) for u in units)
+    assert all(int(u[:, 2].sum()) <= 2 * size for u in units)
+    flat = [tuple(r) for u in units for r in u.tolist()]
+    it = iter(flat)
+    for dst, src, n in triples:
+        while n:
+            d2, s2, m = next(it)
+            assert (d2, s2) == (dst, src) and 0 < m <= n
+            if m < n:
+                assert (d2 + m) % 64 == 0 and m <= size
+            dst, src, n = dst + m, src + m, n - m
+    assert next(it, None) is None
+
+
 @RELAXED
 @given(items=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 64), st.booleans(),
                                 st.integers(0, 2)), max_size=60),
@@ -388,11 +428,14 @@ def test_many_tensors_take_the_vector_path_and_pack_the_same(helper: bool) -> No
 
 @pytest.mark.parametrize("stream_min", [0, 1])
 def test_many_tensors_threaded_batches_pack_the_same(stream_min: int) -> None:
-    """The threaded pack hands each unit of many moves to the helper in one call."""
+    """The threaded pack of many tensors into one block finds its moves and units as
+    arrays and hands each unit to the helper in one call."""
     tensors = _many_small(5)
-    with mock.patch.object(T, "_batched", wraps=T._batched) as batched:
+    with mock.patch.object(T, "_batched", wraps=T._batched) as batched, \
+            mock.patch.object(T, "_array_units", wraps=T._array_units) as units:
         assert_same_pack(tensors, threads=3, chunk=512, stream_min=stream_min)
     if move_batch() is not None:
+        assert units.call_count == 1
         assert batched.call_count > 1  # several units, one call each
     d = T.describe(tensors)
     _, total = packed_offsets(d.nbytes, d.aligns)
