@@ -303,17 +303,24 @@ def test_units_cover_every_move_once(moves: list[tuple[int, int]], chunk: int) -
         triples.append((at + start, 1 << 40 | (at + start), n))
         at += start + n
     units = T._pack_units(triples, chunk)
-    flat = [m for u in units for m in u]
     assert all(u for u in units)
     assert all(sum(n for *_, n in u) <= max(chunk, 128) for u in units)
-    # Pieces come in order, each a prefix of what is left of its move.
-    it = iter(flat)
-    for dst, src, n in triples:
+    assert_pieces_in_order(triples, [m for u in units for m in u], None)
+
+
+def assert_pieces_in_order(moves: Sequence[tuple[int, int, int]],
+                           pieces: Sequence[tuple[int, int, int]], most: int | None) -> None:
+    """``pieces`` are ``moves`` in order, each piece a prefix of what is left of its move,
+    cut only on a cache-line boundary of the destination (and, with ``most``, no cut piece
+    longer than that)."""
+    it = iter(pieces)
+    for dst, src, n in moves:
         while n:
             d2, s2, m = next(it)
             assert (d2, s2) == (dst, src) and 0 < m <= n
             if m < n:
-                assert (d2 + m) % 64 == 0  # cut on a cache-line boundary
+                assert (d2 + m) % 64 == 0
+                assert most is None or m <= most
             dst, src, n = dst + m, src + m, n - m
     assert next(it, None) is None
 
@@ -346,16 +353,7 @@ def test_array_units_cover_every_byte_once_in_order(moves: list[tuple[int, int]]
     size = max(chunk, 128)
     assert all(len(u) for u in units)
     assert all(int(u[:, 2].sum()) <= 2 * size for u in units)
-    flat = [tuple(r) for u in units for r in u.tolist()]
-    it = iter(flat)
-    for dst, src, n in triples:
-        while n:
-            d2, s2, m = next(it)
-            assert (d2, s2) == (dst, src) and 0 < m <= n
-            if m < n:
-                assert (d2 + m) % 64 == 0 and m <= size
-            dst, src, n = dst + m, src + m, n - m
-    assert next(it, None) is None
+    assert_pieces_in_order(triples, [tuple(r) for u in units for r in u.tolist()], size)
 
 
 @RELAXED
