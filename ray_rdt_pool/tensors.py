@@ -605,8 +605,6 @@ def _pack_threaded(tensors: Sequence[torch.Tensor], d: Described, offsets: Seque
     batch = _batch_unit(copy is not _memmove)
     if bmap is None and batch is not None and len(idx) >= _VECTOR_SPANS:
         # Many tensors: spans, moves and units as arrays, one foreign call per unit.
-        if isinstance(idx, range) and idx == range(len(nbytes)):
-            idx = None  # type: ignore[assignment]
         dst, src, nb = _span_arrays(idx, nbytes, ptrs, plain, offsets, leftovers)
         units = _array_units(_move_array(dst, src, nb, base + b0), _PACK_CHUNK)
         _run_job(_PackJob(units, copy, batch), threads, materialise)
@@ -705,6 +703,8 @@ def _span_arrays(idx: Sequence[int] | None, nbytes: Sequence[int], ptrs: Sequenc
     (tests/test_pack.py holds it)."""
     import numpy as np
 
+    if isinstance(idx, range) and idx == range(len(nbytes)):
+        idx = None  # every tensor, in order: no gather needed
     nb = np.array(nbytes, dtype=np.int64)
     src = np.array(ptrs, dtype=np.int64)
     dst = np.array(offsets, dtype=np.int64)
@@ -737,8 +737,6 @@ def _all_spans(idx: Sequence[int] | None, nbytes: Sequence[int], ptrs: Sequence[
                plain: Sequence[bool], offsets: Sequence[int], leftovers: list[int]
                ) -> Iterable[tuple[int, int, int]]:
     """The spans of a pack, by :func:`_span_lists` for many tensors, else :func:`_spans`."""
-    if isinstance(idx, range) and idx == range(len(nbytes)):
-        idx = None
     n = len(nbytes) if idx is None else len(idx)
     if n >= _VECTOR_SPANS:
         return zip(*_span_lists(idx, nbytes, ptrs, plain, offsets, leftovers))
@@ -827,8 +825,6 @@ def pack_into(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[i
             copy(base + phys, src, m)
             src += m
 
-    if isinstance(which, range) and which == range(len(nbytes)):
-        which = None
     if bmap is None and (len(nbytes) if which is None else len(which)) >= _VECTOR_SPANS:
         # Thousands of small tensors (an RL batch stored per sample): one foreign call for
         # all the moves instead of a ctypes call per tensor, which costs as much as
