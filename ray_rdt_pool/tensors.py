@@ -146,6 +146,7 @@ def describe(tensors: Sequence[Any], *, allow_cuda: bool = False) -> Described:
             _check_device(tensors, i, allow_cuda)
     strided = torch.strided
     if set(map(_LAYOUT, tensors)) - {strided}:
+        _refuse_nested(tensors)  # a jagged nested tensor has a layout of its own
         i = next(i for i, t in enumerate(tensors) if t.layout is not strided)
         raise InvalidInputError(
             f"tensor {i} has layout {tensors[i].layout}; only dense (strided) tensors can be "
@@ -173,7 +174,14 @@ def describe(tensors: Sequence[Any], *, allow_cuda: bool = False) -> Described:
         shapes: list[tuple[int, ...]] = [(n // a,) if k else ()
                                          for n, a, k in zip(nbytes, aligns, ndims)]
     else:
-        shapes = list(map(_SHAPE, tensors))
+        try:
+            shapes = list(map(_SHAPE, tensors))
+        except RuntimeError:
+            # A nested tensor in the strided layout passes every check above, and torch
+            # refuses its sizes; finding it only here keeps the common path free of one
+            # more attribute read per tensor.
+            _refuse_nested(tensors)
+            raise
     return Described(shapes, dtypes, nbytes, aligns, list(map(Tensor.data_ptr, tensors)),
                      plain, device)
 
@@ -185,6 +193,17 @@ _NBYTES = operator.attrgetter("nbytes")
 _SHAPE = operator.attrgetter("shape")
 #: Wire dtype name -> element size (what ``t.element_size()`` returns, without the call).
 _ITEMSIZE: dict[str, int] = {name: size for name, (_code, size) in DTYPES.items()}
+
+
+def _refuse_nested(tensors: Sequence[Any]) -> None:
+    """Raise InvalidInputError naming the first nested tensor, if there is one."""
+    for i, t in enumerate(tensors):
+        if t.is_nested:
+            raise InvalidInputError(
+                f"tensor {i} is a nested tensor ({t.layout} layout, {t.dim()} dims); "
+                "nixl_pool sends dense tensors only, so send its components "
+                "(list(t.unbind())) or a padded copy (t.to_padded_tensor(0.0))"
+            )
 
 
 def _check_device(tensors: Sequence[Any], i: int, allow_cuda: bool) -> None:

@@ -4,6 +4,7 @@ tensor's facts with C-level maps. No Ray, no NIXL."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 from typing import Any
 
@@ -149,6 +150,20 @@ def test_describe_errors() -> None:
         describe([torch.ones(1), torch.empty(2, dtype=torch.bits8)])
     with pytest.raises(InvalidInputError, match="tensor 1 is on device meta"):
         describe([torch.ones(1), torch.empty(2, device="meta")], allow_cuda=True)
+    parts = [torch.ones(2, 3), torch.ones(4, 3)]
+    for layout in (torch.strided, torch.jagged):
+        nt = torch.nested.nested_tensor(parts, layout=layout)
+        with pytest.raises(InvalidInputError, match=f"tensor 1 is a nested tensor \\({layout}"):
+            describe([torch.ones(1), nt])
+        with pytest.raises(InvalidInputError, match="tensor 2 is a nested tensor"):
+            describe([torch.ones(1, 1), torch.ones(3), nt])  # the path that reads shapes
+    # A nested tensor of 0-d tensors has one dim and nothing ragged (torch cannot even pad
+    # it): it is sent as the dense 1-d tensor of its components, in order.
+    flat = torch.nested.nested_tensor([torch.tensor(1.5), torch.tensor(-2.0)])
+    d = describe([flat])
+    assert d.shapes == [(2,)] and d.dtypes == ["float32"] and d.nbytes == [8]
+    assert list((ctypes.c_float * 2).from_address(d.ptrs[0])) == [
+        x.item() for x in flat.unbind()] == [1.5, -2.0]
 
 
 def test_describe_of_many_views_has_no_python_step_per_tensor() -> None:

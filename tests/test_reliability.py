@@ -649,6 +649,14 @@ PUT_CASES: dict[str, tuple[Callable[[], list[Any]], bool, str, list[str]]] = {
     "quantized_dtype": (lambda: [torch.ones(2), torch.quantize_per_tensor(
         torch.ones(4), 0.1, 0, torch.qint8)], False, "InvalidInputError",
         ["torch.qint8 cannot be sent", "Convert the tensor first"]),
+    # Before: torch's "Internal error: NestedTensorImpl doesn't support sizes".
+    "nested_strided": (lambda: [torch.ones(2), torch.nested.nested_tensor(
+        [torch.ones(2, 3), torch.ones(4, 3)])], False, "InvalidInputError",
+        ["tensor 1 is a nested tensor", "t.unbind()"]),
+    "nested_jagged": (lambda: [torch.nested.nested_tensor(
+        [torch.ones(2, 3), torch.ones(4, 3)], layout=torch.jagged)], False,
+        "InvalidInputError", ["tensor 0 is a nested tensor (torch.jagged layout",
+                              "to_padded_tensor"]),
     "mixed_cpu_and_cuda": (lambda: [torch.ones(2), torch.ones(2, device="cuda")], True,
                            "InvalidInputError", ["tensor 1 is on cuda but tensor 0 is on cpu",
                                                  "separate objects"]),
