@@ -621,6 +621,8 @@ def test_helpers_are_daemons_reused_and_renewed_after_fork() -> None:
     with mock.patch.object(pool, "pid", -1):
         assert_same_pack([torch.randn(10_000)], threads=2, chunk=1024)
         assert T._pack_pool is not pool
+    pool.stop(5.0)  # the stand-in "parent's" helpers, which a real child would not have
+    assert not any(t.is_alive() for t in helpers)
 
 
 def test_import_starts_no_thread() -> None:
