@@ -178,9 +178,10 @@ def format_ratios(ratios: dict[str, Any], unavailable: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-def format_idle(idle: dict[str, dict[str, Any]], window_s: float) -> str:
-    lines = [f"== idle CPU of each actor over {window_s:.1f} s after its transfers "
-             "(cores; 1.0 = one core busy) ==",
+def format_idle(idle: dict[str, dict[str, Any]], window_s: float,
+                settle_s: float = 0.0) -> str:
+    lines = [f"== idle CPU of each actor over {window_s:.1f} s, from {settle_s:.1f} s after its "
+             "transfers (cores; 1.0 = one core busy) ==",
              f"{'variant':<17}{'sender':>8}{'receiver':>10}{'threads S/R':>13}"]
     for v, d in idle.items():
         s, r = d.get("sender"), d.get("receiver")

@@ -84,8 +84,11 @@ from microbenchmarks._bench_actors import (
     transferqueue_unavailable_reason,
     variant_by_name,
 )
+from ray_rdt_pool._nixl import PROGRESS_HOLD_S
 
 _MIB = 1 << 20
+#: Default wait before the idle CPU window: past ours' fast-progress hold after a put.
+IDLE_SETTLE_S = PROGRESS_HOLD_S + 0.5
 
 
 class BenchError(RuntimeError):
@@ -104,6 +107,7 @@ class Config:
     schedule: str
     fetch: str
     idle_s: float
+    idle_settle_s: float
     timeout_s: float
     release_timeout_s: float
     pool_bytes: int
@@ -160,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help=f"default {getattr(W.FULL_SIZES, field.name)}, "
                                 f"quick {getattr(W.QUICK_SIZES, field.name)}")
     p.add_argument("--idle-s", type=float, help="idle CPU window (default 1.0; quick 0.5)")
+    p.add_argument("--idle-settle-s", type=float, default=IDLE_SETTLE_S,
+                   help="wait this long after the transfers before the idle CPU window "
+                        f"(default {IDLE_SETTLE_S}: ours keeps its fast progress interval "
+                        f"for {PROGRESS_HOLD_S} s after a put, and the window measures "
+                        "the idle state)")
     p.add_argument("--timeout-s", type=float, default=180.0, help="per-transfer timeout")
     p.add_argument("--pool-mib", type=int,
                    help="pool size for nixl_pool_ray and ours (default: fits the largest "
@@ -201,6 +210,7 @@ def parse_config(argv: Sequence[str] | None) -> Config:
         quick=a.quick, sizes=sizes, variants=variants, workloads=workloads, reps=reps,
         warmup=a.warmup, nodes=a.nodes, schedule=a.schedule, fetch=a.fetch,
         idle_s=a.idle_s if a.idle_s is not None else (0.5 if a.quick else 1.0),
+        idle_settle_s=max(0.0, a.idle_settle_s),
         timeout_s=a.timeout_s, release_timeout_s=min(30.0, a.timeout_s), pool_bytes=pool,
         object_store_bytes=a.object_store_mib * _MIB, seed=a.seed, actor_logs=a.actor_logs,
         ucx_probe=not a.no_ucx_probe, floor=not a.no_floor, json_path=a.json,
@@ -278,8 +288,11 @@ def proc_cpu(pid: int) -> tuple[float, int] | None:
     return (int(fields[11]) + int(fields[12])) / ticks, int(fields[17])
 
 
-def measure_idle(pids: dict[str, dict[str, int]], window_s: float) -> dict[str, Any]:
-    """CPU cores each process used while nothing was sent, over ``window_s``."""
+def measure_idle(pids: dict[str, dict[str, int]], window_s: float,
+                 settle_s: float = 0.0) -> dict[str, Any]:
+    """CPU cores each process used while nothing was sent, over ``window_s`` that start
+    ``settle_s`` after the last transfer."""
+    time.sleep(settle_s)
     before = {(v, role): proc_cpu(pid) for v, roles in pids.items() for role, pid in roles.items()}
     t0 = time.monotonic()
     time.sleep(window_s)
@@ -722,7 +735,8 @@ class Runner:
                 pair = self._new_pair(name)
         if pair is not None:
             self.progress.label(f"{name} idle CPU")
-            self.idle.update(measure_idle({name: pair.pids}, self.cfg.idle_s))
+            self.idle.update(measure_idle({name: pair.pids}, self.cfg.idle_s,
+                                          self.cfg.idle_settle_s))
             kill_pair(pair)
         self.variant_info[name]["wall_s"] = round(time.monotonic() - t_variant, 3)
 
@@ -767,7 +781,8 @@ class Runner:
                     else:
                         pairs[n] = fresh
         self.progress.label("idle CPU")
-        self.idle.update(measure_idle({n: p.pids for n, p in pairs.items()}, self.cfg.idle_s))
+        self.idle.update(measure_idle({n: p.pids for n, p in pairs.items()}, self.cfg.idle_s,
+                                       self.cfg.idle_settle_s))
         for pair in pairs.values():
             kill_pair(pair)
 
@@ -953,7 +968,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(R.format_floors(floor, floors, summary, OUR_VARIANTS))
     if runner.idle:
         print()
-        print(R.format_idle(runner.idle, cfg.idle_s))
+        print(R.format_idle(runner.idle, cfg.idle_s, cfg.idle_settle_s))
     print(f"\nwall time {wall:.1f} s (including Ray start-up)")
 
     result = {

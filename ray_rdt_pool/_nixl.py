@@ -13,6 +13,12 @@ created when the process first acts as a receiver (so a process that only sends 
 pays for them). A large READ into memory registered with every lane (the receive
 arenas) is cut into one part per lane, posted concurrently, and tracked by one
 composite handle.
+
+**Quiet progress.** A peer's first READ needs this process's lane 0 to progress its UCX
+worker a few times (the connection handshake; measured here: about four progress
+intervals). Later READs are one-sided and need nothing from it. So the progress thread
+runs at ``interval_s`` for :data:`PROGRESS_HOLD_S` after this process last sent something
+(:meth:`NixlBackend.active`), when peers connect, and at ``idle_interval_s`` otherwise.
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ Desc = tuple[int, int, int]
 #: Cut points of a split READ fall on multiples of this many bytes of the READ's stream,
 #: so two lanes rarely share a page (the arena blocks themselves are aligned).
 SPLIT_ALIGN = 4096
+
+#: Seconds the progress thread keeps its fast interval after :meth:`NixlBackend.active`:
+#: the receivers of an object connect (if they are new) within moments of its put.
+PROGRESS_HOLD_S = 1.0
 
 
 def new_agent_name() -> str:
@@ -245,7 +255,8 @@ class NixlBackend:
     One-sided READs here complete inside ``transfer()`` once two agents are connected,
     but the connection itself needs the *target* to progress its UCX worker. So lane 0's
     agent runs without NIXL's thread, and a daemon thread of ours progresses it every
-    ``interval_s`` (a few ms), which costs a few percent of a core. Lanes 1.. are made
+    ``interval_s`` (a few ms) while peers may be connecting, which costs a few percent of
+    a core, and every ``idle_interval_s`` otherwise (see the module doc). Lanes 1.. are made
     when the process first loads a remote agent or registers memory with ``lanes=True``
     (first use as a receiver). They are never targets (nobody loads their metadata) and
     get no progress thread: whoever polls one of their READs progresses them, and the
@@ -261,11 +272,15 @@ class NixlBackend:
     def __init__(self, name: str, interval_s: float, lanes: int = 1,
                  split_bytes: int = 8 << 20, on_split: Callable[[], None] | None = None,
                  post_timeout_s: float = 60.0,
-                 agent_factory: Callable[[str], Any] | None = None) -> None:
+                 agent_factory: Callable[[str], Any] | None = None,
+                 idle_interval_s: float | None = None) -> None:
         """``lanes``: agents in this process (1 disables splitting); ``split_bytes``: the
         smallest READ that is split; ``on_split()`` runs after each split READ is posted;
         ``post_timeout_s``: how long a posted part of a split READ that failed elsewhere
-        may run before it is cut off; ``agent_factory(name)`` makes an agent (tests)."""
+        may run before it is cut off; ``agent_factory(name)`` makes an agent (tests);
+        ``idle_interval_s``: the progress interval once nothing was sent for
+        :data:`PROGRESS_HOLD_S` (None, or anything below ``interval_s``: always
+        ``interval_s``)."""
         self._make = agent_factory or self._nixl_agent
         agent = self._make(name)  # lane 0: a failure here is the process's failure
         self.name = name
@@ -280,8 +295,13 @@ class NixlBackend:
         self._post_timeout = post_timeout_s
         self._worker_guard = threading.Lock()
         self._interval = interval_s
+        self._idle_interval = max(interval_s, idle_interval_s or 0.0)
+        # Until when the fast interval holds (monotonic seconds): set by active(), read by
+        # the progress thread; a float attribute, so neither side needs a lock.
+        self._fast_until = time.monotonic() + PROGRESS_HOLD_S
         self._ticks: list[Any] = []
         self._stop = threading.Event()
+        self._wake = threading.Event()  # cuts an idle sleep short (active(), close())
         self._thread = threading.Thread(
             target=self._progress_loop, name="ray_rdt_pool-progress", daemon=True)
         self._thread.start()
@@ -340,10 +360,24 @@ class NixlBackend:
         """Call ``fn()`` on the progress thread after every progress call."""
         self._ticks.append(fn)
 
+    def active(self) -> None:
+        """This process is sending something whose readers may be new peers: progress at
+        the fast interval for the next :data:`PROGRESS_HOLD_S` (any thread; cheap)."""
+        now = time.monotonic()
+        idle = now >= self._fast_until
+        self._fast_until = now + PROGRESS_HOLD_S
+        if idle:
+            self._wake.set()  # the thread may be in an idle sleep
+
     def _progress_loop(self) -> None:
         """The progress thread: progress lane 0 every interval, then run the ticks."""
         lane0 = self._lanes[0]
-        while not self._stop.wait(self._interval):
+        while True:
+            fast = time.monotonic() < self._fast_until
+            self._wake.wait(self._interval if fast else self._idle_interval)
+            if self._stop.is_set():
+                return
+            self._wake.clear()
             if sys.is_finalizing():
                 return  # a binding call now could re-take the GIL during finalization
             # Skip a beat rather than queue behind a long transfer.
@@ -664,6 +698,7 @@ class NixlBackend:
         re-takes the GIL and aborts the process.
         """
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(1.0, 20 * self._interval))
         for lane in self._lanes[1:]:

@@ -50,6 +50,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TRANSPORT = "NIXL_POOL"
+
+
+def _nothing() -> None:
+    """Stands in for a backend method a fake backend lacks."""
 _KV_NAMESPACE = "ray_rdt_pool"
 
 
@@ -210,6 +214,7 @@ class Runtime:
         self.events.source = self
         self._backend_factory = backend_factory or _nixl.NixlBackend
         self._backend: Any = None
+        self._active: Callable[[], None] = _nothing  # the backend's active(), once made
         self._backend_lock = threading.Lock()
         self.agent_name = ""
         self.directory = directory if directory is not None else KVDirectory()
@@ -252,7 +257,9 @@ class Runtime:
                     name, cfg.progress_interval_s, lanes=cfg.read_lane_count,
                     split_bytes=cfg.read_split_bytes,
                     on_split=lambda: self.events.add("split_reads"),
-                    post_timeout_s=cfg.fetch_timeout_s)
+                    post_timeout_s=cfg.fetch_timeout_s,
+                    idle_interval_s=cfg.progress_idle_interval_s)
+                self._active = getattr(b, "active", None) or _nothing
                 add_tick = getattr(b, "add_tick", None)
                 if add_tick is not None:
                     add_tick(self.receiver.reap)
@@ -265,12 +272,19 @@ class Runtime:
         """True once the NIXL agent exists (the configuration is fixed from then on)."""
         return self._backend is not None
 
+    def sending(self) -> None:
+        """Before a put: the agent exists, and its progress thread runs at the fast
+        interval for a while, since the object's readers may connect for the first time
+        (a connection needs this side's progress calls)."""
+        self.backend()
+        self._active()
+
     # -- the Ray-facing operations --------------------------------------------------------
 
     def put(self, obj_id: str, tensors: Sequence[torch.Tensor]) -> PoolTransportMetadata:
         if not tensors:
             return PoolTransportMetadata(tensor_meta=[], tensor_device=None, wire=None)
-        self.backend()
+        self.sending()
         meta, wire = self.sender.put(obj_id, tensors, getattr(_pack_as, "dtypes", None))
         out = PoolTransportMetadata(tensor_meta=[], tensor_device=tensors[0].device.type,
                                     wire=wire)
@@ -626,7 +640,7 @@ def put_owned(obj_id: str, tensors: Sequence[torch.Tensor],
     if not tensors:
         raise InvalidInputError("put_owned() needs at least one tensor")
     rt = runtime()
-    rt.backend()
+    rt.sending()
     if by_reference:
         _meta, wire = rt.sender.put_by_reference(obj_id, tensors)
     else:

@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--quick", "--reps", "1", "--warmup", "0", "--big-mib", "1", "--many-count", "10",
         "--many-kib", "4", "--views-rows", "50", "--views-cols", "16", "--tf-hidden", "32",
         "--tf-layers", "2", "--tf-vocab", "64", "--sync-iters", "2", "--stream-bucket-kib",
-        "16", "--exp-samples", "6", "--exp-tokens", "8", "--idle-s", "0.1", "--no-ucx-probe"]
+        "16", "--exp-samples", "6", "--exp-tokens", "8", "--idle-s", "0.1", "--idle-settle-s", "0",
+        "--no-ucx-probe"]
 
 
 @pytest.mark.ray

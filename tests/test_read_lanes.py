@@ -22,7 +22,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_rdt_pool._nixl import SPLIT_ALIGN, NixlBackend, SplitRead, split_pairs
+from ray_rdt_pool._nixl import (
+    PROGRESS_HOLD_S,
+    SPLIT_ALIGN,
+    NixlBackend,
+    SplitRead,
+    split_pairs,
+)
 from ray_rdt_pool.config import PoolConfig, from_env
 from ray_rdt_pool.errors import ConfigurationError, RegistrationError, TransferError
 from ray_rdt_pool.transport import Runtime
@@ -577,9 +583,72 @@ def test_config_read_lanes_and_split_bytes():
         from_env({"RAY_RDT_POOL_READ_LANES": "99"})
 
 
+def test_progress_is_fast_after_a_put_and_slow_when_idle():
+    """A peer's first READ needs the sender's progress calls (the handshake), later ones
+    do not: the thread progresses every interval_s for PROGRESS_HOLD_S after active()
+    (what a put calls) and every idle_interval_s otherwise, and active() cuts an idle
+    sleep short. Counted in progress calls, with wide margins (2 ms against 1 s)."""
+    hub: dict[str, FakeAgent] = {}
+    b = NixlBackend("quiet", 0.002, idle_interval_s=1.0,
+                    agent_factory=lambda n: FakeAgent(n, hub))
+    a = hub["quiet"]
+
+    def calls_within(seconds: float) -> int:
+        n0 = a.notifs
+        time.sleep(seconds)
+        return a.notifs - n0
+
+    try:
+        after_start = calls_within(0.4)  # the hold starts with the agent
+        time.sleep(PROGRESS_HOLD_S)
+        idle = calls_within(1.5)  # 1 or 2 calls at 1 s (0.1 s would give 15)
+        b.active()
+        woken = calls_within(0.3)  # without the wake-up: none until the idle sleep ends
+        fast = calls_within(0.3)
+        assert idle <= 3, idle
+        assert min(after_start, woken, fast) >= 10, (after_start, woken, fast)
+        time.sleep(PROGRESS_HOLD_S + 0.1)
+        assert calls_within(1.5) <= 3  # slow again once the hold has passed
+        t0 = time.monotonic()
+    finally:
+        b.close()
+    assert time.monotonic() - t0 < 0.9  # close() wakes an idle sleep too
+
+
+def test_puts_keep_progress_fast_and_the_config_reaches_the_backend():
+    world, made = World(), []
+
+    def factory(*args: Any, **kw: Any) -> Any:
+        made.append(kw)
+        b = world.factory(*args, **kw)
+        b.active = lambda: made.append("active")  # type: ignore[attr-defined]
+        return b
+
+    rt = Runtime(PoolConfig(pool_bytes=4 * MIB, arena_bytes=4 * MIB, metrics=False,
+                            progress_idle_interval_s=0.04),
+                 backend_factory=factory, directory=world)
+    rt.put("a", [torch.ones(8)])
+    rt.put("b", [torch.ones(8)])
+    assert made[0]["idle_interval_s"] == 0.04 and made[1:] == ["active", "active"]
+    rt.shutdown()
+
+
+def test_config_progress_idle_interval():
+    assert PoolConfig().progress_idle_interval_s == 0.02
+    assert PoolConfig(progress_idle_interval_s=0.005).progress_idle_interval_s == 0.005
+    for bad in (0.001, 1.5):  # below progress_interval_s (0.005), above 1 s
+        with pytest.raises(ConfigurationError, match=r"progress_idle_interval_s=0\.02"):
+            PoolConfig(progress_idle_interval_s=bad)
+    env = from_env({"RAY_RDT_POOL_PROGRESS_IDLE_INTERVAL_S": "0.1"})
+    assert env.progress_idle_interval_s == 0.1
+    with pytest.raises(ConfigurationError):
+        from_env({"RAY_RDT_POOL_PROGRESS_IDLE_INTERVAL_S": "0"})
+
+
 def test_readme_lists_the_new_variables():
     text = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     assert "RAY_RDT_POOL_READ_LANES" in text and "RAY_RDT_POOL_READ_SPLIT" in text
+    assert "RAY_RDT_POOL_PROGRESS_IDLE_INTERVAL_S" in text
 
 
 # --------------------------------------------------------------------------- the runtime's wiring
