@@ -653,10 +653,6 @@ PUT_CASES: dict[str, tuple[Callable[[], list[Any]], bool, str, list[str]]] = {
     "nested_strided": (lambda: [torch.ones(2), torch.nested.nested_tensor(
         [torch.ones(2, 3), torch.ones(4, 3)])], False, "InvalidInputError",
         ["tensor 1 is a nested tensor", "t.unbind()"]),
-    "nested_jagged": (lambda: [torch.nested.nested_tensor(
-        [torch.ones(2, 3), torch.ones(4, 3)], layout=torch.jagged)], False,
-        "InvalidInputError", ["tensor 0 is a nested tensor (torch.jagged layout",
-                              "to_padded_tensor"]),
     "mixed_cpu_and_cuda": (lambda: [torch.ones(2), torch.ones(2, device="cuda")], True,
                            "InvalidInputError", ["tensor 1 is on cuda but tensor 0 is on cpu",
                                                  "separate objects"]),
