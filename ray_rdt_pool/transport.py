@@ -50,11 +50,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TRANSPORT = "NIXL_POOL"
+_KV_NAMESPACE = "ray_rdt_pool"
 
 
 def _nothing() -> None:
     """Stands in for a backend method a fake backend lacks."""
-_KV_NAMESPACE = "ray_rdt_pool"
 
 
 # ---------------------------------------------------------------------------------------
