@@ -698,13 +698,16 @@ def test_runtime_splits_arena_reads_only_and_counts_them():
 
 
 def _nixl_sender(conn: Any, nbytes: int) -> None:
-    """Sender process: a one-lane backend with a registered source buffer."""
+    """Sender process: a one-lane backend with a registered source buffer. It has sent
+    nothing for longer than PROGRESS_HOLD_S when the receiver connects, so every lane's
+    handshake runs against its slow, idle progress interval."""
     from ray_rdt_pool._nixl import NixlBackend
 
-    b = NixlBackend(f"lanes-src-{os.getpid()}", 0.002)
+    b = NixlBackend(f"lanes-src-{os.getpid()}", 0.002, idle_interval_s=0.05)
     g = torch.Generator().manual_seed(7)
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
     b.register(src.data_ptr(), nbytes, "DRAM", 0)
+    time.sleep(PROGRESS_HOLD_S + 0.3)
     conn.send((b.metadata(), src.data_ptr()))
     conn.recv()  # its own progress thread handles the handshakes meanwhile
     b.close()
