@@ -69,6 +69,10 @@ class WireFormatError(RdtPoolError, ValueError):
     version, or describe tensors outside the blocks they claim. Nothing was
     transferred. What to do: make sure sender and receiver run the same
     ray_rdt_pool version; a persistent error points to corruption or a bug.
+
+    Also raised on the sender, before anything is copied, if the encoder's own check
+    finds that its grouping of an object's tensors does not hold every tensor exactly
+    once (a bug in this package: report it with the object's shapes and dtypes).
     """
 
 

@@ -457,8 +457,9 @@ def _find_repeats(items: list[Any]) -> list[tuple[list[tuple[int, int]], int]]:
     while True:
         if best is not None and (i >= n or i >= deadline):
             k, first, p, r = best
-            if k:
-                entries.append((pend[:k], 1))
+            before = _runs_before(items, pend, k, first)
+            if before:
+                entries.append((before, 1))
             entries.append((_element_runs(items, first, first + p), r))
             i = best_end
             pend = []
@@ -507,6 +508,30 @@ def _find_repeats(items: list[Any]) -> list[tuple[list[tuple[int, int]], int]]:
     return entries
 
 
+def _runs_before(items: list[Any], pend: list[tuple[int, int]], k: int, first: int
+                 ) -> list[tuple[int, int]]:
+    """The element runs from the start of ``pend`` up to ``first``, with no gap.
+
+    ``pend[:k]`` are the scanned element runs before the match at ``first``, but the
+    scan jumps over the repetitions of a match it keeps, and a later match that starts
+    inside those repetitions replaces it: the jumped-over stretch then lies before
+    ``first`` and in no element run of ``pend``. It is split into element runs here, so
+    no item is ever left out of the groups.
+    """
+    if not pend:
+        return []
+    out: list[tuple[int, int]] = []
+    at = pend[0][0]
+    for start, length in pend[:k]:
+        if start > at:
+            out += _element_runs(items, at, start)
+        out.append((start, length))
+        at = start + length
+    if first > at:
+        out += _element_runs(items, at, first)
+    return out
+
+
 def group_runs(runs: Sequence[TensorRun]) -> Runs:
     """Gather a sequence of runs into repeated groups (the runs stay as they are)."""
     if isinstance(runs, Runs):
@@ -518,7 +543,13 @@ def group_runs(runs: Sequence[TensorRun]) -> Runs:
         for start, length in element_runs:
             pattern += items[start:start + length]
         entries.append(RunGroup(tuple(pattern), repeat))
-    return Runs(entries)
+    out = Runs(entries)
+    if out != items:  # as in runs_from: a lost run would shift every later offset
+        raise WireFormatError(
+            f"internal error: the encoder's grouping of {len(items)} runs does not give "
+            "them back; nothing was sent. Please report this bug with the object's "
+            "shapes and dtypes")
+    return out
 
 
 def runs_from(shapes: Sequence[Sequence[int]], dtypes: Sequence[str]) -> Runs:
@@ -552,7 +583,16 @@ def runs_from(shapes: Sequence[Sequence[int]], dtypes: Sequence[str]) -> Runs:
                 )
             pattern.append(TensorRun(_checked_shape(shape), dtype, length))
         entries.append(RunGroup(tuple(pattern), repeat))
-    return Runs(entries)
+    out = Runs(entries)
+    # A tensor left out or misplaced here would shift every later tensor's offset:
+    # wrong bytes at the receiver, not an error. So the grouping is checked against
+    # the input, tensor by tensor (C-level list work, about 0.05 ms per thousand).
+    if out.num_tensors != len(items) or out.map_tensors(_shape_dtype) != items:
+        raise WireFormatError(
+            f"internal error: the encoder's grouping of {len(items)} tensors does not "
+            f"give them back ({out.num_tensors} grouped); nothing was sent. Please report "
+            "this bug with the object's shapes and dtypes")
+    return out
 
 
 def _checked_shape(shape: Sequence[int]) -> tuple[int, ...]:
