@@ -413,6 +413,11 @@ class Sender:
             self.tq_keys = [f"sample-{i}" for i in range(spec.sizes.exp_samples)]
         return {"n_tensors": len(self.tensors)}
 
+    def tensor_floor(self) -> dict[str, Any]:
+        """:func:`W.per_tensor_floor` of the built tensors, in this actor's process."""
+        assert self.tensors is not None, "build() first"
+        return W.per_tensor_floor(self.tensors)
+
     def drop(self) -> None:
         self.tensors, self.bases = None, []
         self.weight_sender, self.buckets, self.spec = None, [], None

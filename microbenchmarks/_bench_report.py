@@ -360,12 +360,19 @@ EXPERIENCE_TARGET = 2.0
 
 
 def experience_put_get(summary: dict[str, Any], order: Sequence[str],
-                       our_variants: Sequence[str]) -> dict[str, Any]:
+                       our_variants: Sequence[str],
+                       tensor_floor: dict[str, dict[str, Any]] | None = None
+                       ) -> dict[str, Any]:
     """Per variant: median put+get of ``experience`` (batched) and ``experience_samples``
     (per sample), their ratio, and for ours whether it meets :data:`EXPERIENCE_TARGET`.
 
     put+get is the sender's put call plus the receiver's get call, per repetition
     (``put_get_s``; ``kv_batch_put`` + ``kv_batch_get`` for TransferQueue).
+
+    ``tensor_floor`` (per workload, ``per_tensor_floor`` in our sender's process) adds,
+    for ours, the least the per-sample layout can cost inside this project's code: the
+    batched put+get plus the per-tensor work no transport avoids (see
+    :func:`inside_floor`).
     """
     out: dict[str, Any] = {}
     if "experience" not in summary or "experience_samples" not in summary:
@@ -388,7 +395,36 @@ def experience_put_get(summary: dict[str, Any], order: Sequence[str],
                     inside[f"{label}_{phase}"] = st["median"]
         if inside:
             out[v]["inside_ours"] = inside
+            floor = inside_floor(inside, tensor_floor or {})
+            if floor:
+                out[v]["inside_floor"] = floor
     return out
+
+
+def inside_floor(inside: dict[str, float], tensor_floor: dict[str, dict[str, Any]]
+                 ) -> dict[str, float]:
+    """The per-sample target's floor on this machine, from the same run.
+
+    Inside this project's code the per-sample object moves the same bytes as the batched
+    one, and must also read three attributes of each tensor and make one tensor each
+    (``per_tensor_floor``). So its put+get is at least the batched put+get plus the
+    difference of the two layouts' per-tensor floors; ``ratio`` is that bound over the
+    batched put+get, the best the ``<= 2x`` ratio can be here. Empty when a part is
+    missing.
+    """
+    parts = [inside.get(k) for k in ("batched_ours_put_s", "batched_ours_get_s",
+                                      "per_sample_ours_put_s", "per_sample_ours_get_s")]
+    fb, fs = tensor_floor.get("experience", {}), tensor_floor.get("experience_samples", {})
+    if None in parts or not all(k in f for f in (fb, fs) for k in ("read_s", "view_s")):
+        return {}
+    b_put, b_get, s_put, s_get = (float(x) for x in parts)  # type: ignore[arg-type]
+    batched = b_put + b_get
+    if batched <= 0:
+        return {}
+    extra = max(0.0, fs["read_s"] + fs["view_s"] - fb["read_s"] - fb["view_s"])
+    return {"read_s": fs["read_s"], "view_s": fs["view_s"], "batched_s": batched,
+            "per_sample_floor_s": batched + extra, "ratio": (batched + extra) / batched,
+            "measured_ratio": (s_put + s_get) / batched}
 
 
 def format_experience(cmp: dict[str, Any], n_batched: int, n_samples: int) -> str:
@@ -411,6 +447,14 @@ def format_experience(cmp: dict[str, Any], n_batched: int, n_samples: int) -> st
                 parts.append(f"{what} put {_num(put and put * 1e3, '.1f')} + get "
                              f"{_num(get and get * 1e3, '.1f')}")
             lines.append(f"  {v:<17}" + "; ".join(parts))
+    floors = {v: c["inside_floor"] for v, c in cmp.items() if c.get("inside_floor")}
+    for v, f in floors.items():
+        lines.append(
+            f"  floor for {v}, same run: batched {f['batched_s'] * 1e3:.1f} ms + the per-tensor "
+            f"work no transport avoids ({f['read_s'] * 1e3:.1f} ms to read dtype, shape and "
+            f"address, {f['view_s'] * 1e3:.1f} ms for torch to make one view each) = "
+            f"{f['per_sample_floor_s'] * 1e3:.1f} ms, {_x(f['ratio'])} of batched; measured "
+            f"{_x(f['measured_ratio'])}")
     if not cmp:
         lines.append("  n/a: put and get are not observable (--fetch arg) or a layout failed")
     return "\n".join(lines)

@@ -20,6 +20,7 @@ Workload families:
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -330,6 +331,47 @@ def build_tensors(spec: WorkloadSpec, seed: int = 0) -> tuple[list[Any], list[An
     tensors = [torch.empty(shape, dtype=_torch_dtype(dt)) for shape, dt in tensor_layout(spec)]
     _fill_random(tensors, gen)
     return tensors, tensors
+
+
+def per_tensor_floor(tensors: Sequence[Any], reps: int = 7) -> dict[str, Any]:
+    """The least per-tensor work any transport must do for these tensors, in this process.
+
+    * ``read_s``: a sender must learn each tensor's dtype, shape and address before it
+      can place the bytes: three torch attribute reads per tensor, nothing else;
+    * ``view_s``: a receiver must hand back one torch tensor per sent tensor: here one
+      view each, made in C++ by ``unbind`` of one block per group of equal (shape,
+      dtype) tensors, the cheapest way torch offers to make many tensors.
+
+    Neither copies a byte, so the two add to what the same bytes cost in one tensor per
+    field: a per-sample layout can never cost less than its batched form plus these.
+    Medians of ``reps`` runs, in seconds.
+    """
+    import statistics
+    import time
+
+    import torch
+
+    dtype, shape = operator.attrgetter("dtype"), operator.attrgetter("shape")
+    groups: dict[tuple[tuple[int, ...], Any], int] = {}
+    for t in tensors:
+        key = (tuple(t.shape), t.dtype)
+        groups[key] = groups.get(key, 0) + 1
+    blocks = [(torch.empty((n, *sh), dtype=dt), n) for (sh, dt), n in groups.items()]
+    reads: list[float] = []
+    views: list[float] = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        list(map(dtype, tensors))
+        list(map(shape, tensors))
+        list(map(torch.Tensor.data_ptr, tensors))
+        t1 = time.perf_counter()
+        made = [b.unbind(0) for b, _n in blocks]
+        t2 = time.perf_counter()
+        reads.append(t1 - t0)
+        views.append(t2 - t1)
+        del made
+    return {"tensors": len(tensors), "groups": len(groups), "reps": reps,
+            "read_s": statistics.median(reads), "view_s": statistics.median(views)}
 
 
 def allocate_like_layout(spec: WorkloadSpec) -> list[Any]:

@@ -416,6 +416,8 @@ class Runner:
         self.variant_info: dict[str, dict[str, Any]] = {}
         self.skipped: dict[str, dict[str, str]] = {}
         self.idle: dict[str, Any] = {}
+        #: experience workloads: W.per_tensor_floor in our sender's process
+        self.tensor_floor: dict[str, dict[str, Any]] = {}
         self._ours_registered = False
         order = [w for w in W.WORKLOADS if w in cfg.workloads]
         # sync first, on fresh actors, so its first iteration is really cold; the streamed
@@ -641,6 +643,12 @@ class Runner:
     def _teardown_workload(self, pair: Pair, workload: str) -> None:
         import ray
 
+        if pair.variant.name == "nixl_pool" and workload in W.EXPERIENCE_WORKLOADS:
+            try:  # context for the per-sample target, never a result: errors are noted
+                self.tensor_floor[workload] = ray.get(pair.sender.tensor_floor.remote(),
+                                                      timeout=self.cfg.timeout_s)
+            except Exception as exc:
+                self.tensor_floor[workload] = {"error": f"{type(exc).__name__}: {exc}"}
         try:
             ray.get([pair.sender.drop.remote(), pair.receiver.drop.remote()],
                     timeout=self.cfg.timeout_s)
@@ -938,7 +946,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     floors = R.weight_sync_floors(
         floor, runner.payloads, W.stream_bucket_bytes(stream_spec) if stream_spec else None)
     vs_sync = R.stream_vs_sync(summary, cfg.variants)
-    experience = R.experience_put_get(summary, cfg.variants, OUR_VARIANTS)
+    experience = R.experience_put_get(summary, cfg.variants, OUR_VARIANTS,
+                                      runner.tensor_floor)
     print(_title(cfg, env, stamp))
     print(R.format_env(env))
     for w in display:
@@ -983,7 +992,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      for n, info in runner.variant_info.items()},
         "summary": summary, "samples": runner.samples,
         "floor": {**floor, "weight_sync": floors}, "sync_stream_vs_sync": vs_sync,
-        "experience_put_get": experience,
+        "experience_put_get": experience, "tensor_floor": runner.tensor_floor,
         "failures": runner.failures, "checksum_mismatches": runner.mismatches,
     }
     written = _write_outputs(cfg, result, summary, unavailable, _title(cfg, env, stamp), stamp)

@@ -108,6 +108,8 @@ def test_cli_smallest_run_writes_complete_json(tmp_path: Path) -> None:
         assert data["floor"]["memcpy_gbps"] > 0 and data["floor"]["read_gbps"] > 0
         assert set(data["floor"]["weight_sync"]) == {"sync", "sync_stream"}
         assert data["experience_put_get"]["nixl_pool"]["target"] == 2.0
+        assert data["experience_put_get"]["nixl_pool"]["inside_floor"]["ratio"] >= 1.0
+        assert set(data["tensor_floor"]) == set(W.EXPERIENCE_WORKLOADS)
         assert "nixl_pool" in data["sync_stream_vs_sync"]
     tq = data["variants"]["transferqueue"]
     assert tq["available"] is (transferqueue_unavailable_reason() is None)
@@ -255,6 +257,40 @@ def test_experience_put_get_ratio_and_target() -> None:
     assert cmp["nixl_pool"]["inside_ours"] == {"batched_ours_put_s": 0.001,
                                                "per_sample_ours_put_s": 0.002}
     assert "batched put 1.0 + get n/a; per-sample put 2.0" in R.format_experience(cmp, 5, 5120)
+    assert "inside_floor" not in cmp["nixl_pool"]  # a get is missing: no floor to state
+
+
+def test_experience_inside_floor_from_the_same_run() -> None:
+    inside = {"batched_ours_put_s": 0.004, "batched_ours_get_s": 0.001,
+              "per_sample_ours_put_s": 0.020, "per_sample_ours_get_s": 0.010}
+    floors = {"experience": {"read_s": 0.0001, "view_s": 0.0001},
+              "experience_samples": {"read_s": 0.0042, "view_s": 0.0031}}
+    f = R.inside_floor(inside, floors)
+    # batched 5 ms + (7.3 - 0.2) ms of per-tensor work = 12.1 ms: 2.42x is the best ratio
+    assert f["batched_s"] == pytest.approx(0.005)
+    assert f["per_sample_floor_s"] == pytest.approx(0.0121)
+    assert f["ratio"] == pytest.approx(2.42) and f["measured_ratio"] == pytest.approx(6.0)
+    assert R.inside_floor(inside, {"experience": floors["experience"]}) == {}
+    assert R.inside_floor({**inside, "batched_ours_get_s": None}, floors) == {}
+    samples = [_sample("nixl_pool", "experience", put_get_s=0.01, ours_put_s=0.004,
+                       ours_get_s=0.001),
+               _sample("nixl_pool", "experience_samples", put_get_s=0.05, ours_put_s=0.020,
+                       ours_get_s=0.010)]
+    order = list(W.EXPERIENCE_WORKLOADS)
+    summary = R.summarize(samples, {w: 1 for w in order}, RAY_VARIANTS, OUR_VARIANTS, order)
+    cmp = R.experience_put_get(summary, VARIANT_NAMES, OUR_VARIANTS, floors)
+    assert cmp["nixl_pool"]["inside_floor"]["ratio"] == pytest.approx(2.42)
+    text = R.format_experience(cmp, 5, 5120)
+    assert "= 12.1 ms, x2.42 of batched; measured x6.00" in text
+
+
+def test_per_tensor_floor_counts_groups_and_times_both_sides() -> None:
+    spec = W.make_spec("experience_samples", _tiny_sizes())
+    tensors, _ = W.build_tensors(spec)
+    f = W.per_tensor_floor(tensors, reps=3)
+    # (tokens,) int64, (tokens,) float32 and () float32
+    assert f["tensors"] == len(tensors) and f["groups"] == 3
+    assert f["read_s"] > 0 and f["view_s"] > 0 and f["reps"] == 3
 
 
 def test_transferqueue_variant_is_optional_and_experience_only(
