@@ -496,9 +496,10 @@ def _find_repeats(items: list[Any]) -> list[tuple[list[tuple[int, int]], int]]:
         i = j
         if found is not None and (best is None or found_end > best_end):
             if best is not None and found[1] >= best_end:
-                # A later, separate match: take the kept one now; the scan resumes at
-                # its end and finds this one again.
-                deadline = 0
+                # A later, separate match: the scan goes on to the deadline all the same,
+                # since a longer pattern may start before the kept one and cover both
+                # (a layer holding two short repeats of its own); once the kept one is
+                # taken, the scan resumes at its end and finds this one again.
                 continue
             best, best_end = found, found_end
             deadline = best_end + max(_LOOKAHEAD, best_end - found[1])

@@ -474,6 +474,16 @@ def test_orders_once_misgrouped_keep_every_tensor_in_place(order: str) -> None:
     assert runs.tensor_offsets() == per_tensor_layout(pairs)[0]
 
 
+def test_a_layer_holding_two_short_repeats_is_found_as_the_layer() -> None:
+    # "BCBC" and "BAB" inside the layer are short repeats of their own; the scan once
+    # took the first of them as soon as it met the second, and encoded 26 runs in 13
+    # groups instead of the layer's 8 runs repeated 6 times.
+    pairs = _pairs_of("ABCBCBAB" * 6)
+    runs = runs_from([s for s, _ in pairs], [d for _, d in pairs])
+    assert [(len(g.runs), g.repeat) for g in runs.groups] == [(8, 6)]
+    assert expand(runs) == pairs
+
+
 def test_random_orders_of_a_few_kinds_keep_every_tensor() -> None:
     # Failures of the old grouping were about 1 in 10,000 of these orders: 30,000
     # seeded ones (plain random, and a pattern repeated between random edges).
@@ -713,6 +723,7 @@ def test_periodic_objects_of_up_to_8_kinds_encode_under_200_bytes(
 
 @RELAXED
 @given(periodic_pairs(max_repeat=200, edges=False))
+@example(_pairs_of("ABCBCBAB" * 6))
 def test_a_repeated_pattern_costs_the_pattern_not_the_repeats(
     pairs: list[tuple[tuple[int, ...], str]],
 ) -> None:
