@@ -18,11 +18,37 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 _status: list[int] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_environment() -> Iterator[None]:
+    """Every module starts from the session's settings of this package, and leaves them
+    as it found them.
+
+    ``start_ray`` writes a module's settings into ``os.environ`` (the driver reads them
+    too), and Ray's workers inherit the driver's environment. Without this, a setting
+    one module left behind (``RAY_RDT_POOL_SAME_NODE=off``, say) reached the actors of
+    whichever module ran next in that process, so a module's result depended on the
+    order (run after one that turned the same-node path off, the weights API's source
+    reads silently stopped, found by running the modules on two pytest workers).
+    """
+    saved = {k: v for k, v in os.environ.items() if k.startswith(_OURS)}
+    yield
+    # Only this package's settings: ray.init writes settings of its own into the
+    # environment (RAY_AUTH_MODE among them), which later clusters of this process
+    # rely on.
+    for k in [k for k in os.environ if k.startswith(_OURS)]:
+        del os.environ[k]
+    os.environ.update(saved)
+
+
+_OURS = "RAY_RDT_POOL_"
 
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:

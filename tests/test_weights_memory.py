@@ -57,7 +57,8 @@ BUCKET = 8 * MIB  # two tensors per bucket
 MARGIN = 4 * MIB
 ENV = {"RAY_RDT_POOL_BYTES": "24M", "RAY_RDT_POOL_ARENA_BYTES": "8M",
        "RAY_RDT_POOL_METRICS": "0", "RAY_RDT_POOL_PREFAULT": "1",
-       "MALLOC_MMAP_THRESHOLD_": "65536"}
+       # The source-reads cases need the same-node path, whatever the environment says.
+       "RAY_RDT_POOL_SAME_NODE": "map", "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def rss() -> int:
