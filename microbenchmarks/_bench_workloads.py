@@ -356,7 +356,7 @@ def per_tensor_floor(tensors: Sequence[Any], reps: int = 7) -> dict[str, Any]:
     for t in tensors:
         key = (tuple(t.shape), t.dtype)
         groups[key] = groups.get(key, 0) + 1
-    blocks = [(torch.empty((n, *sh), dtype=dt), n) for (sh, dt), n in groups.items()]
+    blocks = [torch.empty((n, *sh), dtype=dt) for (sh, dt), n in groups.items()]
     reads: list[float] = []
     views: list[float] = []
     for _ in range(reps):
@@ -365,7 +365,7 @@ def per_tensor_floor(tensors: Sequence[Any], reps: int = 7) -> dict[str, Any]:
         list(map(shape, tensors))
         list(map(torch.Tensor.data_ptr, tensors))
         t1 = time.perf_counter()
-        made = [b.unbind(0) for b, _n in blocks]
+        made = [b.unbind(0) for b in blocks]
         t2 = time.perf_counter()
         reads.append(t1 - t0)
         views.append(t2 - t1)
