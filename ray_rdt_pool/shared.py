@@ -99,14 +99,22 @@ def page_up(n: int) -> int:
 
 def process_start(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks since boot (None if it is gone): with the pid,
-    it names a process even after the pid is reused."""
+    it names a process even after the pid is reused.
+
+    A process that has exited but is not yet reaped (a zombie) counts as gone: it has
+    released its memory and will never write or free anything again. Its parent (for a
+    Ray worker, the raylet) may take seconds to reap it on a loaded machine, and a
+    receiver must not serve that sender's objects meanwhile."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read()
     except OSError:
         return None
     try:
-        return int(text[text.rindex(b")") + 2:].split()[19])
+        fields = text[text.rindex(b")") + 2:].split()
+        if fields[0] in (b"Z", b"X"):
+            return None
+        return int(fields[19])
     except (ValueError, IndexError):
         return None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import time
 
 import pytest
 import torch
@@ -206,6 +207,28 @@ def test_a_dead_receivers_row_is_cleared() -> None:
         assert int(h[4 + 2]) == 0
     finally:
         table.close()
+
+
+def test_an_exited_but_unreaped_process_counts_as_gone() -> None:
+    """A zombie (exited, not yet reaped by its parent) still has /proc/<pid>/stat with its
+    start time; it must read as gone, or a receiver would serve a dead sender's objects
+    while the raylet is slow to reap it (seen on a loaded machine in the chaos run)."""
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    try:
+        for _ in range(500):  # until the child has exited (its state turns to Z)
+            with open(f"/proc/{child}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    break
+            time.sleep(0.01)
+        else:
+            pytest.fail("the child never became a zombie")
+        assert process_start(child) is None  # what every alive() check and sweep reads
+    finally:
+        os.waitpid(child, 0)
+    assert process_start(child) is None
+    assert process_start(os.getpid()) is not None
 
 
 def test_host_entries_are_validated() -> None:
