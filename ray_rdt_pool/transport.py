@@ -739,6 +739,7 @@ class NixlPoolTransport(TensorTransportManager):
 
     def extract_tensor_transport_metadata(self, obj_id: str, rdt_object: list[Any]
                                           ) -> PoolTransportMetadata:
+        _by_reference_tensor_reducer()
         return runtime().put(obj_id, rdt_object)
 
     def get_communicator_metadata(self, src_actor: Any, dst_actor: Any,
@@ -783,6 +784,72 @@ def _as_pool_meta(meta: Any) -> PoolTransportMetadata:
             f"nixl_pool received metadata of type {type(meta).__name__}; the object was "
             "produced by another transport")
     return meta
+
+
+# ---------------------------------------------------------------------------------------
+# Ray's tensor reducer, pickled by reference
+# ---------------------------------------------------------------------------------------
+#
+# Ray 2.60 serializes an RDT object's value with a torch.Tensor reducer whose deserializer
+# is a function defined inside ``SerializationContext.serialize_rdt_objects``. cloudpickle
+# cannot name such a function, so it pickles it by value into every object, and doing so
+# scans ``sys.modules`` (thousands of modules once torch is imported): about 1.4 ms of each
+# ``ray.put`` on the 2-core dev machine, more than the pack of a 25 MB object. The two
+# functions below keep Ray's contract exactly (a tensor of an RDT object becomes its index
+# in the context's out-of-band list; any other tensor, plain pickle bytes) but live at
+# module level, so each object carries only their name. Installed by our own put, in the
+# process that serializes, once Ray has installed its reducer; every receiver of such an
+# object imports this module to resolve the name, as it imports it to receive at all.
+
+
+def _rdt_context_local() -> Any:
+    return ray._private.worker.global_worker.get_serialization_context()._thread_local
+
+
+def _tensor_to_rdt(tensor: Any) -> int | bytes:
+    local = _rdt_context_local()
+    if getattr(local, "use_external_transport", False):
+        local.rdt_tensors.append(tensor)
+        return len(local.rdt_tensors) - 1
+    import pickle
+
+    return pickle.dumps(tensor)
+
+
+def _tensor_from_rdt(val: int | bytes) -> Any:
+    if isinstance(val, int):
+        return _rdt_context_local().rdt_tensors[val]
+    import pickle
+
+    return pickle.loads(val)
+
+
+def _reduce_tensor(tensor: Any) -> tuple[Any, tuple[int | bytes]]:
+    return _tensor_from_rdt, (_tensor_to_rdt(tensor),)
+
+
+#: The qualified name of the deserializer Ray's RDT serializer defines per call.
+_RAY_RDT_DESERIALIZER = "SerializationContext.serialize_rdt_objects.<locals>.deserialize"
+
+
+def _by_reference_tensor_reducer() -> None:
+    """Put :func:`_reduce_tensor` in Ray's place, once Ray's RDT reducer is installed.
+
+    Only that reducer is replaced (recognised by its deserializer's name): a Ray whose
+    serializer looks different, or a reducer someone else installed, is left alone. Ray
+    installs its reducer again in a new serialization context (``ray.shutdown`` then
+    ``ray.init`` in a driver); the next put replaces it again. A dict lookup per put."""
+    import torch
+    from ray import cloudpickle
+
+    dispatch = cloudpickle.CloudPickler.dispatch
+    current = dispatch.get(torch.Tensor)
+    if current is _reduce_tensor or current is None:
+        return
+    cells = getattr(current, "__closure__", None) or ()
+    names = {getattr(c.cell_contents, "__qualname__", None) for c in cells}
+    if _RAY_RDT_DESERIALIZER in names:
+        dispatch[torch.Tensor] = _reduce_tensor
 
 
 #: Longest a ``.remote()`` waits for the producer of a nixl_pool argument (see below).
