@@ -34,7 +34,12 @@ from ray.experimental.rdt.tensor_transport_manager import (
 
 from ray_rdt_pool import _nixl
 from ray_rdt_pool.config import PoolConfig, from_env
-from ray_rdt_pool.errors import ConfigurationError, InvalidInputError, TransferError
+from ray_rdt_pool.errors import (
+    ConfigurationError,
+    InvalidInputError,
+    TransferError,
+    WireFormatError,
+)
 from ray_rdt_pool.events import Events
 from ray_rdt_pool.receiver import Fetch, Receiver
 from ray_rdt_pool.registry import Registry
@@ -852,6 +857,106 @@ def _by_reference_tensor_reducer() -> None:
         dispatch[torch.Tensor] = _reduce_tensor
 
 
+# ---------------------------------------------------------------------------------------
+# A flat list, tuple or dict of tensors: one Python object for Ray's serializer
+# ---------------------------------------------------------------------------------------
+#
+# Ray serializes an RDT object's value with msgpack, handing every tensor to its Python
+# fallback one by one: an extension record, a pickled entry and a reducer call per tensor,
+# and the same again on the receiver. That is about 9 us a tensor on the dev machine, 45 ms
+# of a put of 5,120 tensors, where our own put takes 23 ms. The value users put is mostly
+# a flat list, tuple or str-keyed dict of plain tensors; for those, and only for objects
+# of this transport, Ray is handed one small object that stands for the whole container,
+# and the tensors directly, in the order Ray's own walk would list them (each distinct
+# tensor once, in first-seen order, so a tensor that appears twice comes back as one
+# object twice, as it does through Ray's pickler). Anything else goes Ray's way.
+
+
+class _FlatTensors:
+    """Stands for a list, tuple or dict of tensors in Ray's serialized value. ``order``:
+    for each item, its index among the object's distinct tensors (None when every item
+    is a distinct tensor); ``keys``: a dict's keys, in order."""
+
+    __slots__ = ("keys", "kind", "n", "order")
+
+    def __init__(self, kind: str, n: int, keys: list[str] | None,
+                 order: list[int] | None) -> None:
+        self.kind, self.n, self.keys, self.order = kind, n, keys, order
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _flat_from_rdt, (self.kind, self.n, self.keys, self.order)
+
+
+def _flat_from_rdt(kind: str, n: int, keys: list[str] | None,
+                   order: list[int] | None) -> Any:
+    """The receiver's side: the container, rebuilt from the tensors Ray received."""
+    got = _rdt_context_local().rdt_tensors
+    if len(got) != n:
+        raise WireFormatError(
+            f"a nixl_pool object's value names {n} tensors but {len(got)} arrived; run "
+            "the same ray_rdt_pool version on the sender and the receiver")
+    items = got if order is None else [got[i] for i in order]
+    if kind == "list":
+        return list(items)
+    if kind == "tuple":
+        return tuple(items)
+    if keys is None or len(keys) != len(items):
+        raise WireFormatError(f"a nixl_pool object's dict value of {len(items)} tensors "
+                              f"carries {None if keys is None else len(keys)} keys")
+    return dict(zip(keys, items))
+
+
+def flat_tensors(value: Any, tensor_type: type) -> tuple[_FlatTensors, list[Any]] | None:
+    """``value`` as (its stand-in, its distinct tensors) when it is a non-empty list,
+    tuple or str-keyed dict of tensors of exactly ``tensor_type``; None otherwise."""
+    kind = type(value)
+    keys: list[str] | None = None
+    if kind is list or kind is tuple:
+        items = value
+    elif kind is dict:
+        keys = list(value)
+        if not all(type(k) is str for k in keys):
+            return None
+        items = list(value.values())
+    else:
+        return None
+    if not items or not all(type(t) is tensor_type for t in items):
+        return None
+    name = "list" if kind is list else "tuple" if kind is tuple else "dict"
+    first: dict[int, int] = {}
+    order = [first.setdefault(id(t), len(first)) for t in items]
+    if len(first) == len(items):
+        return _FlatTensors(name, len(items), keys, None), list(items)
+    tensors: list[Any] = [None] * len(first)
+    for t, i in zip(items, order):
+        tensors[i] = t
+    return _FlatTensors(name, len(tensors), keys, order), tensors
+
+
+def _flat_values_as_one_object() -> None:
+    """Route this transport's flat values past Ray's per-tensor serializer (see above).
+
+    Wraps ``SerializationContext.serialize_rdt_objects`` once per process (``ray.put``
+    and method returns both call it); other transports and other values are untouched."""
+    import torch
+    from ray._private.serialization import SerializationContext
+
+    if getattr(SerializationContext, "_nixl_pool_flat", False):
+        return
+    through_ray = SerializationContext.serialize_rdt_objects
+    tensor_type = torch.Tensor
+
+    def serialize_rdt_objects(self: Any, value: Any, tensor_transport: str) -> Any:
+        if tensor_transport == TRANSPORT:
+            flat = flat_tensors(value, tensor_type)
+            if flat is not None:
+                return self._serialize_to_msgpack(flat[0]), flat[1]
+        return through_ray(self, value, tensor_transport)
+
+    SerializationContext.serialize_rdt_objects = serialize_rdt_objects  # type: ignore[method-assign]
+    SerializationContext._nixl_pool_flat = True  # type: ignore[attr-defined]
+
+
 #: Longest a ``.remote()`` waits for the producer of a nixl_pool argument (see below).
 ORDER_WAIT_S = 10.0
 
@@ -917,6 +1022,7 @@ def register() -> str:
     from ray.experimental.rdt import util as rdt_util
 
     _transfers_before_their_tasks()
+    _flat_values_as_one_object()
 
     info = rdt_util.transport_manager_info.get(TRANSPORT)
     if info is not None:

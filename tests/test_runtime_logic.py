@@ -796,3 +796,38 @@ def test_pack_as_converts_in_the_pack(world):
     assert s.stats().bytes_packed < 100 * 7 * 4  # half the bytes of fp32
     with pytest.raises(InvalidInputError, match="nest"), pack_as({}), pack_as({}):
         pass
+
+
+def test_flat_values_stand_in_and_rebuild(monkeypatch) -> None:
+    """The stand-in for a flat value pickles to a few bytes whatever the tensor count,
+    rebuilds the same container from the tensors Ray hands over, and refuses a tensor
+    count that does not match (a sender and receiver of different versions)."""
+    from types import SimpleNamespace
+
+    from ray_rdt_pool import transport
+
+    a, b = torch.zeros(2), torch.ones(3)
+    assert transport.flat_tensors([a, 1], torch.Tensor) is None
+    assert transport.flat_tensors([], torch.Tensor) is None
+    assert transport.flat_tensors({1: a}, torch.Tensor) is None
+    assert transport.flat_tensors(set(), torch.Tensor) is None
+    assert transport.flat_tensors([torch.nn.Parameter(a)], torch.Tensor) is None
+    many = [torch.zeros(1) for _ in range(5000)]
+    stand_in, ts = transport.flat_tensors(many, torch.Tensor)
+    assert ts == many and len(pickle.dumps(stand_in)) < 200
+    local = SimpleNamespace(rdt_tensors=[])
+    monkeypatch.setattr(transport, "_rdt_context_local", lambda: local)
+    for value in ([a, b, a], (b, a), {"x": a, "y": b, "z": a}):
+        stand_in, ts = transport.flat_tensors(value, torch.Tensor)
+        assert len(ts) == 2
+        local.rdt_tensors = ts
+        got = pickle.loads(pickle.dumps(stand_in))
+        assert type(got) is type(value)
+        items = list(got.values()) if isinstance(got, dict) else list(got)
+        want = list(value.values()) if isinstance(value, dict) else list(value)
+        assert all(x is y for x, y in zip(items, want))
+        if isinstance(value, dict):
+            assert list(got) == list(value)
+        local.rdt_tensors = ts[:1]
+        with pytest.raises(WireFormatError, match="names 2 tensors but 1 arrived"):
+            pickle.loads(pickle.dumps(stand_in))
