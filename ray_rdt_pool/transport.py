@@ -6,8 +6,11 @@ process's :class:`Runtime`, which wires the three owners together:
 (the pool and the objects sent) and :mod:`ray_rdt_pool.receiver` (arenas, peers and
 READs). It also owns the two Ray-side pieces: the per-object metadata Ray pickles
 (:class:`PoolTransportMetadata`) and the agent directory in Ray's GCS
-(:class:`KVDirectory`), and the process-wide lifecycle (``configure``, ``runtime``,
-``shutdown``, registered with ``atexit``).
+(:class:`KVDirectory`), the process-wide lifecycle (``configure``, ``runtime``,
+``shutdown``, registered with ``atexit``), and two adjustments ``register()`` makes to
+Ray's serializer for this transport's objects (a flat value as one object; a tensor
+reducer pickled by name), which run in whichever thread calls ``ray.put`` or returns from
+a method, and, on the receiver, in the thread that deserializes the value.
 
 Where Ray calls in (Ray 2.60), see :class:`NixlPoolTransport`; docs/architecture.md
 walks through one object's life.
@@ -851,10 +854,14 @@ def _by_reference_tensor_reducer() -> None:
     current = dispatch.get(torch.Tensor)
     if current is _reduce_tensor or current is None:
         return
-    cells = getattr(current, "__closure__", None) or ()
-    names = {getattr(c.cell_contents, "__qualname__", None) for c in cells}
-    if _RAY_RDT_DESERIALIZER in names:
-        dispatch[torch.Tensor] = _reduce_tensor
+    for cell in getattr(current, "__closure__", None) or ():
+        try:
+            name = getattr(cell.cell_contents, "__qualname__", None)
+        except ValueError:  # an empty cell
+            continue
+        if name == _RAY_RDT_DESERIALIZER:
+            dispatch[torch.Tensor] = _reduce_tensor
+            return
 
 
 # ---------------------------------------------------------------------------------------

@@ -831,3 +831,39 @@ def test_flat_values_stand_in_and_rebuild(monkeypatch) -> None:
         local.rdt_tensors = ts[:1]
         with pytest.raises(WireFormatError, match="names 2 tensors but 1 arrived"):
             pickle.loads(pickle.dumps(stand_in))
+
+
+def test_only_rays_rdt_tensor_reducer_is_replaced() -> None:
+    """The swap recognises Ray's RDT reducer by its nested deserializer's name, replaces
+    that one, and leaves a reducer of anyone else (or none) alone."""
+    from ray import cloudpickle
+
+    from ray_rdt_pool import transport
+
+    def reducer_closing_over(qualname: str):
+        def deserialize(val):
+            return val
+        deserialize.__qualname__ = qualname
+
+        def reducer(obj):
+            return deserialize, (obj,)
+        return reducer
+
+    dispatch = cloudpickle.CloudPickler.dispatch
+    saved = dispatch.get(torch.Tensor)
+    try:
+        someone_elses = reducer_closing_over("mine.<locals>.deserialize")
+        dispatch[torch.Tensor] = someone_elses
+        transport._by_reference_tensor_reducer()
+        assert dispatch[torch.Tensor] is someone_elses
+        dispatch.pop(torch.Tensor)
+        transport._by_reference_tensor_reducer()
+        assert torch.Tensor not in dispatch
+        dispatch[torch.Tensor] = reducer_closing_over(transport._RAY_RDT_DESERIALIZER)
+        transport._by_reference_tensor_reducer()
+        assert dispatch[torch.Tensor] is transport._reduce_tensor
+    finally:
+        if saved is None:
+            dispatch.pop(torch.Tensor, None)
+        else:
+            dispatch[torch.Tensor] = saved
