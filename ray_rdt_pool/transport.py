@@ -927,13 +927,14 @@ def flat_tensors(value: Any, tensor_type: type) -> tuple[_FlatTensors, list[Any]
         items = list(value.values())
     else:
         return None
-    if not items or not all(type(t) is tensor_type for t in items):
+    # C-level passes (map, set): this runs on every put of up to thousands of tensors.
+    if not items or set(map(type, items)) != {tensor_type}:
         return None
     name = "list" if kind is list else "tuple" if kind is tuple else "dict"
+    if len(set(map(id, items))) == len(items):
+        return _FlatTensors(name, len(items), keys, None), list(items)
     first: dict[int, int] = {}
     order = [first.setdefault(id(t), len(first)) for t in items]
-    if len(first) == len(items):
-        return _FlatTensors(name, len(items), keys, None), list(items)
     tensors: list[Any] = [None] * len(first)
     for t, i in zip(items, order):
         tensors[i] = t
