@@ -951,6 +951,9 @@ def _flat_values_as_one_object() -> None:
 
     if getattr(SerializationContext, "_nixl_pool_flat", False):
         return
+    if not all(callable(getattr(SerializationContext, name, None))
+               for name in ("serialize_rdt_objects", "_serialize_to_msgpack")):
+        return  # a Ray laid out otherwise: its own serializer handles every value
     through_ray = SerializationContext.serialize_rdt_objects
     tensor_type = torch.Tensor
 
