@@ -304,6 +304,10 @@ class Runtime:
 
     def fetch(self, obj_id: str, pmeta: PoolTransportMetadata,
               targets: Sequence[torch.Tensor] | None) -> PoolFetch:
+        if pmeta.wire is None:
+            # An object with no tensors (a method return such as ``(1, "x")``: Ray stores
+            # and fetches it all the same): nothing to read, as Ray's own nixl returns.
+            return PoolFetch(obj_id=obj_id, tensors=[])
         meta = pmeta.decoded()
         inner = self.receiver.fetch(obj_id, meta, pmeta.tensor_device, targets)
         return PoolFetch(obj_id=obj_id, tensors=inner.tensors, inner=inner,
@@ -312,12 +316,16 @@ class Runtime:
     def fetch_selected(self, obj_id: str, pmeta: PoolTransportMetadata,
                        selection: Sequence[tuple[slice, ...] | None],
                        timeout_s: float | None) -> list[torch.Tensor]:
+        if pmeta.wire is None:  # no tensors (see fetch)
+            _check_selection_count(selection, 0)
+            return []
         inner = self.receiver.fetch(obj_id, pmeta.decoded(), pmeta.tensor_device, None,
                                     selection=selection)
         return self.receiver.wait(inner, timeout_s)
 
     def wait(self, req: PoolFetch, timeout: float | None) -> list[torch.Tensor]:
-        assert req.inner is not None
+        if req.inner is None:  # an object with no tensors: nothing was read
+            return req.tensors
         tensors = self.receiver.wait(req.inner, timeout)
         req.tensors = tensors
         return tensors

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,10 @@ class Sender:
         return [torch.full((n,), float(i)) for i in range(4)]
 
     @ray.method(tensor_transport="nixl_pool")
+    def echo(self, value):
+        return value
+
+    @ray.method(tensor_transport="nixl_pool")
     def nested(self):
         return {"w": torch.ones(4, 4), "meta": {"step": 3, "b": [torch.zeros(2), "x"]}}
 
@@ -202,6 +207,9 @@ class Receiver:
         same = [[j for j, u in enumerate(ts) if u is t] for t in ts]
         return type(v).__name__, keys, same, digest(tensors), [
             type(t).__name__ for t in ts]
+
+    def same(self, value):
+        return value
 
     def release(self):
         self.held = None
@@ -274,6 +282,25 @@ def test_method_returns_and_task_arguments(pair):
     nested = ray.get(r.take.remote(s.nested.remote()))
     assert nested == {"w": digest([torch.ones(4, 4)]), "step": 3,
                       "b": digest([torch.zeros(2)]), "s": "x"}
+
+
+def test_a_method_return_with_no_tensors_round_trips(pair):
+    """Ray stores a nixl_pool method's return as an RDT object even when it holds no
+    tensors, and fetches it on every get and task argument: it must come back as it was
+    (it raised TransferError, "no wire bytes"), with nothing put, read or mapped."""
+    s, r = pair
+    figures = ("objects_put", "objects_received", "reads_posted", "mapped_gets",
+               "arena_capacity", "live_objects")
+
+    def snap(st):
+        return [getattr(st, f) for f in figures]
+
+    before = [snap(ray.get(a.stats.remote())) for a in (s, r)] + [snap(ray_rdt_pool.stats())]
+    for value in [(1, "x"), Fraction(1, 3), {"step": 3, "name": None}, []]:
+        assert ray.get(s.echo.remote(value)) == value
+        assert ray.get(r.same.remote(s.echo.remote(value))) == value
+    after = [snap(ray.get(a.stats.remote())) for a in (s, r)] + [snap(ray_rdt_pool.stats())]
+    assert after == before
 
 
 def test_driver_gets_from_actor_and_actor_gets_from_driver(pair):
