@@ -1207,7 +1207,7 @@ def _strided_groups(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequ
                     idx: Sequence[int]) -> Iterator[tuple[int, int, int, int]]:
     """Cut ``idx`` into groups ``(first index, count, source step, block step)``.
 
-    A group of more than one holds consecutive tensors of one storage with the same
+    A group of more than one holds consecutive tensors of one storage extent with the same
     shape, strides and dtype (packed as their own dtype, no lazy conjugate or negation),
     whose addresses advance by the same positive step, a multiple of the item size, and
     whose block offsets advance by another: one ``as_strided`` view covers each side.
@@ -1238,12 +1238,22 @@ def _strided_groups(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequ
                         or not _groupable(u, d, b)):
                     break
                 if storage is None:
-                    storage = t.untyped_storage().data_ptr()
-                if u.untyped_storage().data_ptr() != storage:
+                    storage = _extent(t)
+                if _extent(u) != storage:
                     break
                 k += 1
         yield a, k, src_step, dst_step
         i += k
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """Where ``t``'s storage lies: its base address and size. Two storage objects can
+    share a base address and differ in size (``torch.from_numpy`` of an array and of a
+    slice of it), and an ``as_strided`` view over the smaller one cannot reach the
+    other's tensors; storages of one extent are the same bytes, whatever object holds
+    them."""
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
 
 
 def _groupable(t: torch.Tensor, d: Described, i: int) -> bool:

@@ -698,6 +698,29 @@ def test_groups_break_at_another_storage_shape_or_step() -> None:
     assert _torch_pack(ts)[0] == _torch_pack(ts, grouped=False)[0]
 
 
+def test_storages_at_one_address_but_of_other_sizes_are_not_one_group() -> None:
+    """``a`` and ``b`` are tensors of two storage objects with one base address: a's
+    storage is 16 bytes, b's the whole array. Compared by address alone they made one
+    group, and the strided view over a's storage reached past it (RuntimeError
+    "setStorage ... out of bounds"). Storages of one extent still group."""
+    import numpy as np
+
+    arr = np.arange(16, dtype=np.float32)
+    a = torch.from_numpy(arr[:4])
+    b = torch.from_numpy(arr)[4:8]
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    ts = [a, b]
+    d = T.describe(ts)
+    offsets, _total = packed_offsets(d.nbytes, d.aligns)
+    assert [g[1] for g in T._strided_groups(ts, d, offsets, range(2))] == [1, 1]
+    got, offs = _torch_pack(ts)
+    assert got == _torch_pack(ts, grouped=False)[0]
+    check_placed(got, ts, offs, [(0, len(got))], None)
+    whole = [torch.from_numpy(arr)[:4], torch.from_numpy(arr)[4:8]]  # one extent, two objects
+    assert [g[1] for g in T._strided_groups(whole, d, offsets, range(2))] == [2]
+    assert _torch_pack(whole)[0] == got
+
+
 @RELAXED
 @given(parts=st.lists(st.tuples(
     st.sampled_from(["rows", "cols", "every_other", "blocks", "overlapping", "conj",
