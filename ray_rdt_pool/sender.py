@@ -184,7 +184,10 @@ class Sender:
             logger.warning("no lease table for same-node receivers (%s); they will read "
                            "this sender's pool with NIXL", e)
             return
-        start = process_start(os.getpid())
+        try:
+            start = process_start(os.getpid())
+        except OSError:
+            start = None
         if start is None:
             table.close()
             return

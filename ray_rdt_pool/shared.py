@@ -52,6 +52,7 @@ Imports no torch, Ray or NIXL at module level.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import logging
 import mmap
@@ -98,25 +99,42 @@ def page_up(n: int) -> int:
 
 
 def process_start(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (None if it is gone): with the pid,
-    it names a process even after the pid is reused.
+    """Start time of ``pid`` in clock ticks since boot, or None once it is gone: with the
+    pid, it names a process even after the pid is reused.
 
-    A process that has exited but is not yet reaped (a zombie) counts as gone: it has
-    released its memory and will never write or free anything again. Its parent (for a
-    Ray worker, the raylet) may take seconds to reap it on a loaded machine, and a
-    receiver must not serve that sender's objects meanwhile."""
+    Gone means no such process (``ENOENT``/``ESRCH``) or one that has exited but is not
+    yet reaped (a zombie): it has released its memory and will never write or free
+    anything again. Its parent (for a Ray worker, the raylet) may take seconds to reap it
+    on a loaded machine, and a receiver must not serve that sender's objects meanwhile.
+
+    Raises OSError when it cannot tell: the stat file could not be read for another
+    reason (no free descriptor, no memory, no permission). A caller deciding whether a
+    process is gone must then take it as alive (:func:`still_running`): clearing a live
+    receiver's lease row would hand its blocks out again under its views."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read()
-    except OSError:
-        return None
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ESRCH):
+            return None
+        raise
     try:
         fields = text[text.rindex(b")") + 2:].split()
         if fields[0] in (b"Z", b"X"):
             return None
         return int(fields[19])
-    except (ValueError, IndexError):
-        return None
+    except (ValueError, IndexError) as e:
+        raise OSError(f"/proc/{pid}/stat is not in the expected format") from e
+
+
+def still_running(pid: int, start: int) -> bool:
+    """Whether the process ``pid`` started at ``start`` still runs; True when that cannot
+    be told now (see :func:`process_start`): only a process known to be gone is gone."""
+    try:
+        return process_start(pid) == start
+    except OSError as e:
+        logger.debug("cannot tell whether process %d runs (%s): taken as running", pid, e)
+        return True
 
 
 # ---------------------------------------------------------------------------------------
@@ -365,14 +383,16 @@ class LeaseTable:
 
     def sweep(self) -> int:
         """Clear the rows of receivers that died (their leases die with them); returns
-        how many. Under the table's ``flock``, so no receiver claims a row meanwhile."""
+        how many. Under the table's ``flock``, so no receiver claims a row meanwhile. A
+        receiver whose state cannot be read now (the sender is out of descriptors, say)
+        keeps its row: only one known to be gone loses it."""
         cleared = 0
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         try:
             for r in self._claimed():
                 pid = int(self.header[_ROW_BASE + 2 * r])
                 start = int(self.header[_ROW_BASE + 2 * r + 1])
-                if process_start(pid) == start:
+                if still_running(pid, start):
                     continue
                 self._clear_row(r)
                 self.header[_ROW_BASE + 2 * r:_ROW_BASE + 2 * r + 2] = 0
@@ -493,8 +513,9 @@ class MappedPool:
         raise OSError(f"all {self.info.rows} lease rows of the sender are taken")
 
     def alive(self) -> bool:
-        """Whether the sender process still runs (its pid, started when it was)."""
-        return process_start(self.info.pid) == self.info.start
+        """Whether the sender process still runs (its pid, started when it was); True
+        when that cannot be told now."""
+        return still_running(self.info.pid, self.info.start)
 
     def lease(self, slot: int) -> None:
         self.counts[slot] += 1
@@ -631,14 +652,17 @@ class SourceProcess:
     probe: bytes
 
     def alive(self) -> bool:
-        return process_start(self.pid) == self.start
+        return still_running(self.pid, self.start)
 
 
 def this_process(node: str) -> SourceProcess | None:
     """This process as a source (None if its start time cannot be read). The probe is
     16 random bytes allocated once per process and never freed."""
     global _probe
-    start = process_start(os.getpid())
+    try:
+        start = process_start(os.getpid())
+    except OSError:
+        return None
     if start is None:
         return None
     if _probe is None:

@@ -8,6 +8,7 @@ killed receiver, two Ray nodes) are in tests/test_same_node.py.
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import pickle
@@ -16,9 +17,10 @@ import time
 import pytest
 import torch
 
+from ray_rdt_pool import shared
 from ray_rdt_pool.config import PoolConfig
 from ray_rdt_pool.errors import WireFormatError
-from ray_rdt_pool.shared import PAGE, HostInfo, LeaseTable, process_start
+from ray_rdt_pool.shared import PAGE, HostInfo, LeaseTable, process_start, still_running
 from ray_rdt_pool.transport import PoolTransportMetadata, Runtime
 from tests.fakenixl import World
 
@@ -229,6 +231,48 @@ def test_an_exited_but_unreaped_process_counts_as_gone() -> None:
         os.waitpid(child, 0)
     assert process_start(child) is None
     assert process_start(os.getpid()) is not None
+
+
+@pytest.mark.parametrize("err", [errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EACCES])
+def test_a_process_whose_state_cannot_be_read_counts_as_running(
+        world: World, monkeypatch: pytest.MonkeyPatch, err: int) -> None:
+    """Only a missing process (or a zombie) is gone. A /proc/<pid>/stat that cannot be
+    read for another reason (the sender out of descriptors: EMFILE) used to read as
+    "gone": the sweep cleared a live receiver's row, its leased block went back to the
+    pool under its views, and a receiver's get raised "the sender has exited"."""
+    s, r = make(world), make(world)
+    kept = get(s, r, "a", [torch.full((PAGE,), 7, dtype=torch.int32)])
+    assert s.sender.free("a")
+    assert s.stats().leased_objects == 1
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    os.waitpid(child, 0)  # a pid that is gone (reaped)
+    real_open = open
+
+    def failing_open(path, *args, **kwargs):
+        if str(path).startswith("/proc/") and str(path).endswith("/stat"):
+            raise OSError(err, os.strerror(err), path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(shared, "open", failing_open, raising=False)
+    with pytest.raises(OSError):
+        process_start(os.getpid())
+    assert still_running(os.getpid(), 1)  # cannot tell: taken as running
+    table = s.sender.leases
+    assert table is not None
+    assert table.sweep() == 0
+    settle(s, r)
+    assert s.stats().leased_objects == 1  # the lease of the live receiver still holds
+    # ...and a live sender is not taken for an exited one.
+    again = get(s, r, "b", [torch.arange(100)])
+    assert torch.equal(again[0], torch.arange(100)) and r.stats().transfer_errors == 0
+    monkeypatch.undo()
+    assert process_start(child) is None and not still_running(child, 1)  # really gone
+    assert torch.equal(kept[0], torch.full((PAGE,), 7, dtype=torch.int32))
+    del kept, again
+    settle(r, s)
+    assert s.stats().leased_objects == 0
 
 
 def test_host_entries_are_validated() -> None:
