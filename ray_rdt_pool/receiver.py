@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING, Any
 from ray_rdt_pool.errors import (
     InvalidInputError,
     PoolExhaustedError,
-    RdtPoolError,
     TransferError,
+    WireFormatError,
 )
 from ray_rdt_pool.merge import merge_descriptors
 from ray_rdt_pool.registry import MEM_TYPE, Directory, RegEntry, Region, Registry
@@ -91,6 +91,9 @@ MAX_HOSTS = 1024
 MAX_PENDING_ABORTS = 1024
 _FINISHED_IDS = 4096
 _HOUSEKEEPING_S = 1.0
+#: A same-node sender whose pool could not be opened (no free lease row, a GCS error) is
+#: asked again after this long; its objects are read with NIXL meanwhile.
+HOST_RETRY_S = 10.0
 
 
 @dataclass(eq=False)
@@ -169,6 +172,7 @@ class Receiver:
         # Same-node senders by agent name: our handle on their shared pool, or None when
         # their objects are read with NIXL (another node, no shared pool, or no access).
         self.hosts: OrderedDict[str, MappedPool | None] = OrderedDict()
+        self._host_retry: dict[str, float] = {}  # agent -> when to ask again (see _host)
         # Object mappings whose views died: (pool, slot, address, length, bytes); appended
         # by deleters from any thread, unmapped and unleased under the lock.
         self._unmaps: deque[_Unmap] = deque()
@@ -480,36 +484,59 @@ class Receiver:
 
     def _host(self, agent: str) -> MappedPool | None:
         """Our handle on ``agent``'s shared pool if it runs on this node, else None
-        (looked up once per agent, outside the lock: a GCS round trip)."""
+        (looked up once per agent, outside the lock: a GCS round trip).
+
+        A definite answer (another node, a pool that is not shared, a GPU we do not land
+        on) is kept. A failure that may pass (the GCS did not answer, every lease row of
+        the sender was taken, its pool could not be opened) is asked again after
+        :data:`HOST_RETRY_S`; meanwhile the objects are read with NIXL."""
         with self.lock:
+            host = self.hosts.get(agent)
+            if host is not None:
+                self.hosts.move_to_end(agent)  # least recently used goes first
+                return host
             if agent in self.hosts:
-                return self.hosts[agent]
+                retry = self._host_retry.get(agent)
+                if retry is None or time.monotonic() < retry:
+                    return None
+                del self._host_retry[agent]
+            first = agent not in self.hosts
         node = self._node_id()
-        host: MappedPool | None = None
-        blob = self.directory.lookup_host(agent) if node is not None else None
-        if blob is not None:
-            try:
+        failed = False
+        try:
+            blob = self.directory.lookup_host(agent) if node is not None else None
+            if blob is not None:
                 info = HostInfo.decode(blob)
                 if info.node_id == node and not (info.cuda is not None
                                                  and not _cuda_available()):
                     host = MappedPool(info)
-            except NotVisibleError as e:
-                logger.debug("same-node sender %s: %s; its objects are read with NIXL",
-                             agent, e)
-            except (OSError, RdtPoolError) as e:
-                logger.warning("cannot map the pool of same-node sender %s (%s); its objects "
-                               "are read with NIXL", agent, e)
+        except NotVisibleError as e:
+            logger.debug("same-node sender %s: %s; its objects are read with NIXL", agent, e)
+        except WireFormatError as e:  # a peer of another version: that will not change
+            logger.warning("cannot map the pool of same-node sender %s (%s); its objects "
+                           "are read with NIXL", agent, e)
+        except Exception as e:
+            failed = True
+            logger.log(logging.WARNING if first else logging.DEBUG,
+                       "cannot map the pool of same-node sender %s (%s: %s); its objects are "
+                       "read with NIXL, and it is asked again in %.0f s", agent,
+                       type(e).__name__, e, HOST_RETRY_S)
         with self.lock:
-            if agent in self.hosts:  # another thread looked it up meanwhile
+            current = self.hosts.get(agent)
+            if current is not None:  # another thread opened it meanwhile
                 if host is not None:
                     host.close()
-                return self.hosts[agent]
+                return current
             self.hosts[agent] = host
+            self.hosts.move_to_end(agent)
+            if failed:
+                self._host_retry[agent] = time.monotonic() + HOST_RETRY_S
             while len(self.hosts) > MAX_HOSTS:
-                _name, old = next(iter(self.hosts.items()))
+                name, old = next(iter(self.hosts.items()))
                 if old is not None and old.held:
                     break  # the oldest still has views out: keep the map bounded lazily
                 self.hosts.popitem(last=False)
+                self._host_retry.pop(name, None)
                 if old is not None:
                     old.close()
         return host

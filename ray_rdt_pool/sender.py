@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -63,6 +64,11 @@ __all__ = ["Placement", "Sender", "run_offsets"]
 #: Smallest overflow region: oversized objects of a few MiB share one registration.
 MIN_OVERFLOW_BYTES = 64 << 20
 _OVERFLOW_ALIGN = 1 << 20
+#: How often the lease table is swept for rows of dead receivers while a freed placement
+#: waits for leases (a killed receiver's leases go within about this long)...
+SWEEP_S = 1.0
+#: ...and while none waits (the rows themselves must come back).
+IDLE_SWEEP_S = 5.0
 
 
 @dataclass
@@ -130,7 +136,7 @@ class Sender:
         # placements Ray freed whose blocks wait for receivers' leases to drop.
         self.leases: LeaseTable | None = None
         self.leased: dict[Any, Placement] = {}
-        self._next_sweep = 0.0
+        self._last_sweep = -math.inf  # when reap() last swept the lease table
 
     # -- placement ------------------------------------------------------------------------
 
@@ -479,19 +485,26 @@ class Sender:
 
     def reap(self) -> None:
         """Progress-thread tick: blocks whose last lease dropped go back to the pool, and
-        (every second while some wait) rows of receivers that died are cleared."""
-        if not self.leased:
+        rows of receivers that died are cleared: every second while some placement waits,
+        every :data:`IDLE_SWEEP_S` otherwise (receivers come and go with nothing leased,
+        copy-mode ones always; their rows must come back or the table fills up)."""
+        leases = self.leases
+        if leases is None:
             return
         now = time.monotonic()
-        if self.leases is not None and now >= self._next_sweep:
-            self._next_sweep = now + 1.0
+        if now >= self._last_sweep + (SWEEP_S if self.leased else IDLE_SWEEP_S):
+            self._last_sweep = now
             try:
-                if self.leases.sweep():
-                    logger.info("cleared the leases of a same-node receiver that exited")
+                cleared = leases.sweep()
             except OSError:
                 logger.debug("sweeping the lease table failed", exc_info=True)
-        with self.lock:
-            self._reap_leased_locked()
+            else:
+                if cleared:
+                    logger.info("cleared the lease rows of %d same-node receiver(s) that "
+                                "exited", cleared)
+        if self.leased:
+            with self.lock:
+                self._reap_leased_locked()
 
     def leased_stats(self) -> tuple[int, int]:
         """(objects, bytes) freed by Ray whose blocks wait for receivers' leases."""

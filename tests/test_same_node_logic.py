@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from ray_rdt_pool import receiver as receiver_mod
 from ray_rdt_pool import shared
 from ray_rdt_pool.config import PoolConfig
 from ray_rdt_pool.errors import WireFormatError
@@ -273,6 +274,41 @@ def test_a_process_whose_state_cannot_be_read_counts_as_running(
     del kept, again
     settle(r, s)
     assert s.stats().leased_objects == 0
+
+
+def _gone_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    os.waitpid(child, 0)
+    return child
+
+
+def test_rows_of_dead_receivers_come_back_with_nothing_leased(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Receivers come and go (restarted actors, task workers); in copy mode, or when views
+    die before Ray's free, nothing ever waits for a lease. The sweep used to run only
+    while something waited, so once 128 receivers had come and gone every new one was
+    refused a row; and a receiver refused once never asked again."""
+    monkeypatch.setattr(receiver_mod, "HOST_RETRY_S", 0.0)
+    s = make(world)
+    s.put("warm", [torch.arange(10)])
+    table = s.sender.leases
+    assert table is not None
+    gone = _gone_pid()
+    for row in range(table.rows):  # every row claimed by a receiver that exited
+        table.header[4 + 2 * row], table.header[4 + 2 * row + 1] = gone, 1
+    r = make(world, same_node="copy")
+    src = [torch.arange(3000, dtype=torch.int32)]
+    assert torch.equal(get(s, r, "a", src)[0], src[0])
+    st = r.stats()
+    assert (st.mapped_gets, st.reads_posted) == (0, 1)  # no free row: read with NIXL
+    assert s.stats().leased_objects == 0
+    settle(s)  # the sender's tick, with nothing leased
+    assert torch.equal(get(s, r, "b", src)[0], src[0])  # asked again: a row is free now
+    st = r.stats()
+    assert (st.mapped_gets, st.reads_posted) == (1, 1)
 
 
 def test_host_entries_are_validated() -> None:
