@@ -180,6 +180,10 @@ class Receiver:
         # counted here: a sender's handle is dropped when it exits, its leases are not.
         self.mapped_objects = 0
         self.mapped_bytes = 0
+        # No progress thread drains for us any more (after shutdown()): a deleter drains
+        # itself. _draining guards against a drain inside a drain (a deleter run by GC).
+        self._self_drain = False
+        self._draining = False
         self.registry = registry
         self.events = events
         self._backend = backend
@@ -200,16 +204,36 @@ class Receiver:
     # -- arenas ---------------------------------------------------------------------------
 
     def _drain_locked(self) -> None:
-        while self._unmaps:
-            host, slot, addr, length, nbytes = self._unmaps.popleft()
-            if length:  # 0: a copy through the shared view, nothing of ours to unmap
-                unmap(addr, length)  # first: no copy-on-write page outlives the lease
-            self._unlease_locked(host, slot, nbytes)
-        while self._arena_dead:
-            device, key = self._arena_dead.popleft()
-            arena = self.arenas.get(device)
-            if arena is not None:
-                arena.alloc.free(key)
+        if self._draining:
+            return  # a deleter run by GC inside a drain: the loop below picks it up
+        self._draining = True
+        try:
+            while self._unmaps:
+                host, slot, addr, length, nbytes = self._unmaps.popleft()
+                if length:  # 0: a copy through the shared view, nothing of ours to unmap
+                    unmap(addr, length)  # first: no copy-on-write page outlives the lease
+                self._unlease_locked(host, slot, nbytes)
+            while self._arena_dead:
+                device, key = self._arena_dead.popleft()
+                arena = self.arenas.get(device)
+                if arena is not None:
+                    arena.alloc.free(key)
+        finally:
+            self._draining = False
+
+    def _mapping_died(self, release: _Unmap) -> None:
+        """The deleter of an object mapping's views (any thread, maybe inside GC): queue
+        its release for the next drain, or drain now when no progress thread will."""
+        self._unmaps.append(release)
+        while self._self_drain and self._unmaps and not self._draining:
+            # Never wait: this may run inside GC in a thread holding any lock. A thread
+            # holding ours drains (or its own deleter does) before long.
+            if not self.lock.acquire(blocking=False):
+                return
+            try:
+                self._drain_locked()
+            finally:
+                self.lock.release()
 
     def _arena(self, device: str) -> Region:
         with self.lock:
@@ -641,7 +665,8 @@ class Receiver:
         if self.config.same_node == "map" and device == "cpu" and not targets:
             # From here the block owns the mapping: its deleter releases it, even if the
             # rebuild below fails.
-            block = device_block(addr, meta.total, "cpu", 0, lambda: unmaps.append(release))
+            block = device_block(addr, meta.total, "cpu", 0,
+                                 lambda: self._mapping_died(release))
             out = rebuild(block, meta.runs, meta.run_starts())
             if f.selection is None:
                 return out
@@ -1042,15 +1067,19 @@ class Receiver:
             }
 
     def shutdown(self) -> None:
-        """Abandon what is in flight and remove every peer (process exit)."""
+        """Abandon what is in flight and remove every peer (process exit, or
+        ``ray_rdt_pool.shutdown()`` in a process that keeps running). Views of same-node
+        mappings still alive keep them, and their leases, until they die; then their
+        deleters return the leases themselves (no progress thread runs any more)."""
         with self.lock:
             self._drain_locked()
             live = list(self.outstanding.values())
             peers = list(self.peers.values())
-            hosts = [h for h in self.hosts.values() if h is not None]
+            for h in self.hosts.values():
+                if h is not None:
+                    h.close()
             self.hosts.clear()
-        for h in hosts:
-            h.close()  # views still alive keep their mappings (and leases) until they die
+            self._self_drain = True
         for t in live:
             self.abandon(t)
         for p in peers:

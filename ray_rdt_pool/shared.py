@@ -28,8 +28,10 @@ Lifetimes, one owner each:
   table mapping and its row) and every object mapping: created and released by the
   receiver. An object mapping is unmapped *before* its lease is dropped, so copy-on-write
   pages never outlive the lease and a reused block is never seen through old pages.
-  Its CUDA opening (``_CudaMapping``) lives as long as the handle, or until the last
-  lease when the handle is closed with leases held.
+  Its table mapping (the row's counts), shared view and CUDA opening (``_CudaMapping``)
+  live as long as the handle, or until the last lease when the handle is closed with
+  leases held (the sender exited, the handle was evicted, the receiver shut down): a
+  lease taken is always returned.
 
 CUDA pools. A sender whose pool is CUDA memory publishes torch's CUDA IPC export of it
 (:class:`CudaExport`) instead of a descriptor; a receiver whose landing GPU is that GPU
@@ -453,15 +455,22 @@ class MappedPool:
     descriptors, the table mapping, and the row this process claimed. For a CUDA pool,
     the CUDA IPC opening of the pool instead of its descriptor (``cuda``).
 
-    The counts of the row change only under the receiver's lock (one writer)."""
+    The counts of the row change only under the receiver's lock (one writer), and so
+    does everything else here, :meth:`close` included.
+
+    Closed with leases held (the sender exited, the handle was evicted, the receiver shut
+    down), it keeps the table mapping, the shared view and the CUDA opening until the
+    last lease drops: the leases taken through it are still returned."""
 
     def __init__(self, info: HostInfo) -> None:
         import numpy as np
 
         self.info = info
         self.pool_fd = self.table_fd = -1
-        self._shared = 0
-        self._drop_shared = False
+        self.held = 0  # leases (object mappings, copies running) this process holds now
+        self.closed = False  # close() ran: no new lease may be taken
+        self._shared = 0  # address of the read-only view of the whole pool (0: none)
+        self._closing = False  # closed while leases were held: the rest goes with the last
         self.counts: Any = None
         self.cuda: _CudaMapping | None = None
         self._table: mmap.mmap | None = None
@@ -487,9 +496,6 @@ class MappedPool:
         except BaseException:
             self.close()
             raise
-        self.held = 0  # leases (object mappings) this process holds now
-        self._shared = 0  # address of the read-only view of the whole pool (0: none)
-        self._drop_shared = False  # closed while leases were held: unmap at the last one
 
     def _claim_row(self, header: Any) -> int:
         me, start = os.getpid(), process_start(os.getpid())
@@ -536,21 +542,29 @@ class MappedPool:
         return self._shared
 
     def release_one(self, slot: int) -> None:
-        """One lease ends (the caller holds the receiver lock): its count, and the shared
-        view once a closed handle has no lease left."""
+        """One lease ends (the caller holds the receiver lock): its count, and the rest
+        of a closed handle with its last lease."""
         if self.counts is not None:
             self.counts[slot] -= 1
         self.held -= 1
-        if self._drop_shared and self.held == 0:
-            self._unmap_shared()
+        if self._closing and self.held == 0:
+            self._release_mappings()
 
-    def _unmap_shared(self) -> None:
+    def _release_mappings(self) -> None:
+        """Unmap the shared view and the table; drop the CUDA opening."""
+        self._closing = False
         if self._shared:
             unmap(self._shared, self.info.pool_bytes)
             self._shared = 0
         # The CUDA opening goes too: torch closes the IPC handle with its last storage.
         self.cuda = None
-        self._drop_shared = False
+        self.counts = None  # the table's exported buffer: gone before the close below
+        if self._table is not None:
+            try:
+                self._table.close()
+            except BufferError:
+                pass
+            self._table = None
 
     def device_addr(self, offset: int) -> tuple[str, int, int]:
         """(device type, device index, address) of pool ``offset`` in this process, for
@@ -584,24 +598,19 @@ class MappedPool:
         return int(base), span
 
     def close(self) -> None:
-        """Close the descriptors and the table mapping; object mappings stay valid, and
-        the shared view stays until the last lease (a copy may still read it)."""
-        if getattr(self, "held", 0):
-            self._drop_shared = True
-        else:
-            self._unmap_shared()
-        self.counts = None
-        if self._table is not None:
-            try:
-                self._table.close()
-            except BufferError:
-                pass
-            self._table = None
+        """No new lease from here on; close the descriptors. Object mappings stay valid,
+        and the table mapping (our row), the shared view (a copy may still read it) and
+        the CUDA opening stay until the last lease held now drops."""
+        self.closed = True
         for name in ("pool_fd", "table_fd"):
             fd = getattr(self, name)
             if fd >= 0:
                 os.close(fd)
                 setattr(self, name, -1)
+        if self.held:
+            self._closing = True
+        else:
+            self._release_mappings()
 
 
 def unmap(addr: int, length: int) -> None:

@@ -311,6 +311,41 @@ def test_rows_of_dead_receivers_come_back_with_nothing_leased(
     assert (st.mapped_gets, st.reads_posted) == (1, 1)
 
 
+@pytest.mark.parametrize("mode", ["views", "evicted"])
+def test_leases_taken_before_a_close_drop_when_the_views_die(world: World, mode: str
+                                                             ) -> None:
+    """``ray_rdt_pool.shutdown()`` in a process that keeps running (or a handle closed
+    while its views live) used to drop the lease table mapping at once: the views' later
+    unmap never lowered the count, so the sender kept the block until this process
+    exited. Now the table stays mapped until the last lease, and after shutdown (no
+    progress thread) the views' deleter returns the lease itself."""
+    s, r = make(world), make(world)
+    src = torch.arange(5000, dtype=torch.int64)
+    kept = get(s, r, "a", [src])
+    if mode == "views":
+        r.shutdown()
+    else:  # what _host's eviction or the housekeeping of a dead sender does
+        host = r.receiver.hosts[s.agent_name]
+        assert host is not None
+        with r.receiver.lock:
+            r.receiver.hosts[s.agent_name] = None
+            host.close()
+    assert s.sender.free("a")
+    settle(s)
+    assert s.stats().leased_objects == 1  # the views live: the block stays leased
+    assert torch.equal(kept[0], src)
+    del kept
+    if mode == "evicted":
+        settle(r)  # the progress tick drains
+    else:
+        gc.collect()  # no tick after shutdown: the deleter alone
+    s.sender.reap()
+    st = s.stats()
+    assert (st.leased_objects, st.leased_bytes) == (0, 0)
+    st = r.stats()
+    assert (st.mapped_objects, st.mapped_bytes) == (0, 0)
+
+
 def test_host_entries_are_validated() -> None:
     good = HostInfo("n", 1, 2, 3, 4, PAGE, PAGE * 8, 5, 6, 4, 8)
     assert HostInfo.decode(good.encode()) == good
