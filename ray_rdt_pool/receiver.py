@@ -556,13 +556,10 @@ class Receiver:
             if failed:
                 self._host_retry[agent] = time.monotonic() + HOST_RETRY_S
             while len(self.hosts) > MAX_HOSTS:
-                name, old = next(iter(self.hosts.items()))
-                if old is not None and old.held:
-                    break  # the oldest still has views out: keep the map bounded lazily
-                self.hosts.popitem(last=False)
+                name, old = self.hosts.popitem(last=False)
                 self._host_retry.pop(name, None)
                 if old is not None:
-                    old.close()
+                    old.close()  # its views keep their leases (and the table) until they die
         return host
 
     def _unlease_locked(self, host: MappedPool, slot: int, nbytes: int) -> None:
@@ -572,11 +569,13 @@ class Receiver:
 
     def _close_dead_hosts(self) -> None:
         with self.lock:
-            dead = [(n, h) for n, h in self.hosts.items() if h is not None and not h.alive()]
-            for n, _h in dead:
-                self.hosts[n] = None
-        for _n, h in dead:
-            h.close()  # mappings of its objects stay valid while their views live
+            hosts = [(n, h) for n, h in self.hosts.items() if h is not None]
+        dead = [(n, h) for n, h in hosts if not h.alive()]  # reads /proc: not under the lock
+        with self.lock:
+            for n, h in dead:
+                if self.hosts.get(n) is h:
+                    self.hosts[n] = None
+                h.close()  # mappings of its objects stay valid while their views live
 
     def _try_map(self, f: Fetch, device: str, targets: Sequence[torch.Tensor] | None
                  ) -> bool:
@@ -591,30 +590,38 @@ class Receiver:
             return False
         if targets and any(t.device.type != device for t in targets):
             return False
-        host = self._host(meta.agent)
-        if host is None or (host.cuda is not None) != (device == "cuda"):
-            return False
-        if not host.alive():
-            # Its memory would still be readable through our descriptors, but Ray holds
-            # the object lost with its process, as a READ from it would find.
+        for _attempt in range(2):
+            host = self._host(meta.agent)
+            if host is None or (host.cuda is not None) != (device == "cuda"):
+                return False
+            if not host.alive():
+                # Its memory would still be readable through our descriptors, but Ray holds
+                # the object lost with its process, as a READ from it would find.
+                with self.lock:
+                    if self.hosts.get(meta.agent) is host:
+                        self.hosts[meta.agent] = None
+                    host.close()
+                self.events.error("err")
+                raise TransferError(
+                    f"the sender of object {f.obj_id} ({meta.agent}, pid {host.info.pid}) "
+                    "has exited; its objects are gone. Fetch objects from a live sender")
+            spans = mappable_spans(meta.segments, meta.total, host.info)
+            if spans is None or spans[0][0] != 0:
+                return False
+            slot = spans[0][1] // PAGE
+            self._backend()  # the progress thread returns dead views' leases
             with self.lock:
-                if self.hosts.get(meta.agent) is host:
-                    self.hosts[meta.agent] = None
-            host.close()
-            self.events.error("err")
-            raise TransferError(
-                f"the sender of object {f.obj_id} ({meta.agent}, pid {host.info.pid}) has "
-                "exited; its objects are gone. Fetch objects from a live sender")
-        spans = mappable_spans(meta.segments, meta.total, host.info)
-        if spans is None or spans[0][0] != 0:
+                self._drain_locked()
+                # Closed by another thread since _host() (evicted, or its sender exited):
+                # close() and lease() both run under this lock, so this check holds.
+                if host.closed:
+                    continue
+                host.lease(slot)
+                self.mapped_objects += 1
+                self.mapped_bytes += meta.total
+            break
+        else:
             return False
-        slot = spans[0][1] // PAGE
-        self._backend()  # the progress thread returns dead views' leases
-        with self.lock:
-            self._drain_locked()
-            host.lease(slot)
-            self.mapped_objects += 1
-            self.mapped_bytes += meta.total
         # CUDA memory opened through IPC cannot be mapped copy-on-write: views of it would
         # let one receiver's in-place write change what every later receiver reads, so a
         # CUDA object is always copied out (one device-to-device copy) and the lease drops

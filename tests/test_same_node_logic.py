@@ -12,6 +12,7 @@ import errno
 import gc
 import os
 import pickle
+import threading
 import time
 
 import pytest
@@ -344,6 +345,66 @@ def test_leases_taken_before_a_close_drop_when_the_views_die(world: World, mode:
     assert (st.leased_objects, st.leased_bytes) == (0, 0)
     st = r.stats()
     assert (st.mapped_objects, st.mapped_bytes) == (0, 0)
+
+
+@pytest.mark.parametrize("mode", ["map", "copy"])
+def test_a_handle_closed_between_lookup_and_lease_is_looked_up_again(world: World, mode: str
+                                                                    ) -> None:
+    """Another thread may close our handle on a sender between ``_host()`` and the lease
+    (evicting the least recently used handle, or the housekeeping of a sender it takes
+    for dead): the lease used to hit the closed table (TypeError out of ray.get)."""
+    s, r = make(world), make(world, same_node=mode)
+    src = [torch.arange(100)]
+    get(s, r, "a", src)
+    host = r.receiver.hosts[s.agent_name]
+    assert host is not None
+    real = r.receiver._backend
+    closed = []
+
+    def close_on_another_thread():
+        if not closed:
+            def evict() -> None:
+                with r.receiver.lock:
+                    r.receiver.hosts.pop(s.agent_name, None)
+                    host.close()
+            t = threading.Thread(target=evict)
+            t.start()
+            t.join()
+            closed.append(True)
+        return real()
+
+    r.receiver._backend = close_on_another_thread
+    got = get(s, r, "b", src)
+    r.receiver._backend = real
+    assert closed and torch.equal(got[0], src[0])
+    st = r.stats()
+    assert (st.mapped_gets, st.reads_posted, st.transfer_errors) == (2, 0, 0)
+    del got
+    settle(r, s)
+    assert r.stats().mapped_objects == 0 and s.stats().leased_objects == 0
+
+
+def test_handles_are_evicted_least_recently_used_first_even_with_views_out(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hit moves the handle to the end (the busiest sender used to be evicted first);
+    a handle evicted while its views live keeps their lease until they die."""
+    monkeypatch.setattr(receiver_mod, "MAX_HOSTS", 2)
+    a, b, c = make(world), make(world), make(world)
+    r = make(world)
+    src = [torch.arange(2000, dtype=torch.int32)]
+    kept = get(a, r, "a1", src)
+    get(b, r, "b1", src)
+    get(a, r, "a2", src)  # a is the most recently used now
+    get(c, r, "c1", src)
+    assert list(r.receiver.hosts) == [a.agent_name, c.agent_name]
+    get(b, r, "b2", src)  # evicts a, whose views of a1 live
+    assert list(r.receiver.hosts) == [c.agent_name, b.agent_name]
+    assert a.sender.free("a1")
+    settle(a, r)
+    assert a.stats().leased_objects == 1 and torch.equal(kept[0], src[0])
+    del kept
+    settle(r, a)
+    assert a.stats().leased_objects == 0 and r.stats().mapped_objects == 0
 
 
 def test_host_entries_are_validated() -> None:
