@@ -647,8 +647,14 @@ class Receiver:
                            "it with NIXL", f.obj_id, meta.agent, e)
             return False
         release: _Unmap = (host, slot, addr, length, meta.total)
+        # From here the lease is released by _from_mapping (or the views' deleter) on
+        # every path; a failure leaves as a counted TransferError.
+        what = (f"serving object {f.obj_id} ({meta.total:,} bytes) from the shared pool of "
+                f"same-node sender {meta.agent}")
         try:
-            f.tensors = self._from_mapping(f, addr, release, targets, device, dev_id)
+            with self.events.failures(what, "fetch again while the ref is in scope, or set "
+                                            "same_node='off' to read with NIXL"):
+                f.tensors = self._from_mapping(f, addr, release, targets, device, dev_id)
         finally:
             with self.lock:
                 self._drain_locked()
