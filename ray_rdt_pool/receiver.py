@@ -801,6 +801,13 @@ class Receiver:
             sel = plan_selection([(shape, dt) for _a, shape, dt in tensors],
                                  [addr for addr, _s, _d in tensors],
                                  selection if selection is not None else [None] * len(tensors))
+            if sel.total == 0:  # this receiver takes nothing of these tensors
+                import torch
+
+                from ray_rdt_pool.tensors import torch_dtype
+
+                return [torch.empty(shape, dtype=torch_dtype(dt))
+                        for shape, dt in zip(sel.shapes, sel.dtypes)]
             landing = self._local_landing(sel.total)
             moves = [(landing.addr + lo, addr, n) for lo, addr, n in sel.runs]
         nbytes = sum(n for _d, _s, n in moves)

@@ -16,6 +16,7 @@ import torch
 
 from ray_rdt_pool import receiver as receiver_mod
 from ray_rdt_pool.errors import TransferError
+from ray_rdt_pool.shared import this_process
 from tests.fakenixl import World
 from tests.test_same_node_logic import get, make, settle
 
@@ -94,3 +95,32 @@ def test_a_failure_after_the_lease_is_a_transfer_error_and_returns_the_lease(
     assert s.stats().leased_objects == 0 and s.stats().pool_used == 0
     monkeypatch.undo()
     assert torch.equal(get(s, r, "b", src, targets=targets)[0], src[0])  # still works
+
+
+@pytest.mark.parametrize("selection", [
+    [(slice(0, 0), slice(0, 4)), (slice(0, 0),)],  # empty slices
+    [(slice(0, 0),), (slice(7, 7),)],
+])
+def test_a_source_read_of_which_this_receiver_takes_nothing_is_empty_tensors(
+        world: World, selection) -> None:
+    """A receiver with ``select=`` on the trainer's node, and a bucket whose tensors it all
+    maps to nothing: read_source asked the arena for 0 bytes, which raised an untyped
+    ValueError ("not enough values to unpack") and left an allocator entry behind on
+    every sync."""
+    r = make(world, node="n1")
+    me = this_process("n1")
+    assert me is not None
+    a, b = torch.randn(30, 4), torch.randn(50)
+    spec = [(t.data_ptr(), tuple(t.shape), "float32") for t in (a, b)]
+    for _ in range(3):
+        out = r.receiver.read_source(me, spec, selection)
+        assert [tuple(o.shape) for o in out] == [(0, 4), (0,)]
+        assert all(o.dtype == torch.float32 and o.numel() == 0 for o in out)
+    st = r.stats()
+    assert (st.arena_used, st.arena_live_blocks, st.transfer_errors) == (0, 0, 0)
+    # The same receiver still reads a real selection.
+    out = r.receiver.read_source(me, spec, [(slice(1, 3),), None])
+    assert torch.equal(out[0], a[1:3]) and torch.equal(out[1], b)
+    del out
+    settle(r)
+    assert r.stats().arena_live_blocks == 0
