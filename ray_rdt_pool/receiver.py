@@ -582,8 +582,9 @@ class Receiver:
         """Serve ``f`` from a same-node sender's shared pool, with no NIXL READ.
 
         ``map``: the tensors are views of a private mapping that holds a lease until they
-        die. ``copy``, a selection, or target buffers: one copy out of the mapping, and
-        the lease drops at once. False when the object cannot be mapped (another node,
+        die (of a selection, the pieces contiguous in their tensor; strided ones are
+        copied out). ``copy``, or target buffers: one copy out of the mapping, and the
+        lease drops at once. False when the object cannot be mapped (another node,
         overflow or ``register_memory()`` memory, no access): then NIXL reads it."""
         meta = f.meta
         if self.config.same_node == "off" or meta.device != device:
@@ -683,9 +684,12 @@ class Receiver:
             out = rebuild(block, meta.runs, meta.run_starts())
             if f.selection is None:
                 return out
-            # A selection is a view of the selected part: only its pages are touched (the
-            # mapping faults pages in on first use), and nothing is copied.
-            return [t if s is None else t[s if isinstance(s, tuple) else (s,)]
+            # A selection that is contiguous in the tensor is a view of the selected part:
+            # only its pages are touched (the mapping faults pages in on first use) and
+            # nothing is copied. A strided one is copied out, as every other path returns
+            # it (transport.fetch_selected promises contiguous tensors); when every piece
+            # is a copy, the mapping and its lease go as soon as this returns.
+            return [t if s is None else _contiguous(t[s if isinstance(s, tuple) else (s,)])
                     for t, s in zip(out, f.selection)]
         # One copy out of the mapping (finished before returning); the mapping and its
         # lease go right after.
@@ -1115,6 +1119,16 @@ def _cuda_available() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if it is a contiguous view with elements, else a contiguous tensor of its
+    own (no reference to the mapping it came from)."""
+    import torch
+
+    if t.numel() == 0:
+        return torch.empty(t.shape, dtype=t.dtype)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _read_pieces(meta: WireMeta, spans: Sequence[tuple[int, int, int]], ldev: int

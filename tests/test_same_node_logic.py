@@ -137,14 +137,16 @@ def test_copy_mode_targets_and_selection_copy_once_and_keep_no_lease(world: Worl
 
 
 def test_a_mapped_selection_is_a_leased_view_of_the_selected_part(world: World) -> None:
-    """map mode: fetch_selected hands out views of the mapping (no copy, only the
-    selected pages touched); they hold the lease until they die, and writing into them
-    changes nothing for the sender."""
+    """map mode: fetch_selected hands out views of the mapping where the selection is
+    contiguous in its tensor (no copy, only the selected pages touched); they hold the
+    lease until they die, and writing into them changes nothing for the sender. A
+    strided selection is copied out, contiguous, as on every other path."""
     s, r = make(world), make(world)
     src = [torch.randn(64, 33), torch.arange(10, dtype=torch.int16), torch.randn(8, 4)]
     part = get(s, r, "c", src, sel=[(slice(2, 5), slice(1, 4)), None, (slice(4, 8),)])
     assert torch.equal(part[0], src[0][2:5, 1:4]) and torch.equal(part[1], src[1])
     assert torch.equal(part[2], src[2][4:])
+    assert all(p.is_contiguous() for p in part)
     st = r.stats()
     assert (st.mapped_gets, st.reads_posted, st.mapped_objects) == (1, 0, 1)
     assert st.arena_used == 0  # nothing was copied
@@ -157,6 +159,22 @@ def test_a_mapped_selection_is_a_leased_view_of_the_selected_part(world: World) 
     del part
     settle(r)
     assert r.stats().mapped_objects == 0
+
+
+@pytest.mark.parametrize("mode", ["map", "copy", "off"])
+def test_a_strided_selection_is_contiguous_on_every_path(world: World, mode: str) -> None:
+    """transport.fetch_selected promises contiguous tensors; map mode returned strided
+    views of the mapping for slices past dim 0. Copied out, they hold no lease."""
+    s, r = make(world), make(world, same_node=mode)
+    src = [torch.randn(64, 33), torch.randn(8, 4, 5), torch.randn(6)]
+    sel = [(slice(2, 5), slice(1, 4)), (slice(None), slice(1, 3)), (slice(2, 2),)]
+    part = get(s, r, "c", src, sel=sel)
+    want = [src[0][2:5, 1:4], src[1][:, 1:3], src[2][2:2]]
+    for p, w in zip(part, want):
+        assert p.is_contiguous() and p.shape == w.shape and torch.equal(p, w)
+    st = r.stats()
+    assert st.mapped_gets == (0 if mode == "off" else 1)
+    assert (st.mapped_objects, st.mapped_bytes) == (0, 0)  # nothing holds the mapping
 
 
 def test_other_nodes_overflow_and_off_use_nixl(world: World) -> None:
