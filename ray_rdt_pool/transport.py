@@ -756,7 +756,14 @@ class NixlPoolTransport(TensorTransportManager):
     def extract_tensor_transport_metadata(self, obj_id: str, rdt_object: list[Any]
                                           ) -> PoolTransportMetadata:
         _by_reference_tensor_reducer()
-        return runtime().put(obj_id, rdt_object)
+        rt = runtime()
+        retry = obj_id in rt.sender.sent  # a task retried after its reply was lost
+        try:
+            return rt.put(obj_id, rdt_object)
+        except BaseException:
+            if not retry:
+                _drop_primary_copy(obj_id, rdt_object)
+            raise
 
     def get_communicator_metadata(self, src_actor: Any, dst_actor: Any,
                                   backend: str | None = None) -> CommunicatorMetadata:
@@ -792,6 +799,29 @@ class NixlPoolTransport(TensorTransportManager):
     def abort_transport(self, obj_id: str, communicator_metadata: CommunicatorMetadata
                         ) -> None:
         runtime().abort(obj_id)
+
+
+def _drop_primary_copy(obj_id: str, tensors: list[Any]) -> None:
+    """Undo Ray's store of an object whose put failed.
+
+    Ray 2.60 (``RDTStore.add_object_primary``) adds the primary copy, the caller's tensors,
+    to this process's RDT store *before* it calls our extract, and registers the ref only
+    after extract returned. When extract raises (``PoolExhaustedError`` with
+    ``strict=True``, ``InvalidInputError``), nothing ever pops that entry: the ref's free
+    finds no metadata (``ray.put``), or waits for metadata that never comes (a method
+    return), so the tensors stayed referenced for the life of the process. This pops the
+    entry the failed call made: the only one for ``obj_id``, primary, holding exactly
+    ``tensors``. Best effort: a Ray laid out otherwise is left alone."""
+    try:
+        store = ray._private.worker.global_worker.rdt_manager.rdt_store
+        with store._lock:
+            queue = store._rdt_store.get(obj_id)
+            if (queue is not None and len(queue) == 1 and queue[0].is_primary
+                    and queue[0].data is tensors):
+                store.pop_object(obj_id)
+    except Exception:
+        logger.debug("could not drop the RDT store entry of failed put %s", obj_id,
+                     exc_info=True)
 
 
 def _as_pool_meta(meta: Any) -> PoolTransportMetadata:

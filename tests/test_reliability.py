@@ -19,9 +19,11 @@ first time, and measures every figure against a baseline it takes itself.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -226,8 +228,15 @@ class Sender:
             self.held.pop(k, None)
 
     def try_put(self, make: Callable[[], list[Any]]):
-        """Build the tensors here (a CUDA tensor cannot travel as an argument) and put them."""
-        return outcome(lambda: ray.put(make(), _tensor_transport="nixl_pool") and None)
+        """Build the tensors here (a CUDA tensor cannot travel as an argument) and put them;
+        ``held``: how many of them something still references once this method let go
+        (after a failed put, Ray's RDT store kept them all, for good)."""
+        box = [make()]
+        alive = [weakref.ref(t) for t in box[0]]
+        got = outcome(lambda: ray.put(box.pop(), _tensor_transport="nixl_pool") and None)
+        gc.collect()
+        got["held"] = sum(w() is not None for w in alive)
+        return got
 
     def held_count(self) -> int:
         return len(self.held)
@@ -676,6 +685,7 @@ def test_bad_tensors_at_put(send, case):
     assert not got["ok"] and etype in got["types"], got
     for text in excerpts:
         assert text in got["msg"], got
+    assert got["held"] == 0, got  # nothing keeps the tensors of a failed put
     assert (after.pool_used, after.live_objects, after.objects_put, after.fallbacks) == (
         before.pool_used, before.live_objects, before.objects_put, before.fallbacks)
     ray.get(s.drop.remote("live"))

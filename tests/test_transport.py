@@ -6,9 +6,11 @@ bytes computed on both sides), never by float sums.
 
 from __future__ import annotations
 
+import gc
 import math
 import subprocess
 import sys
+import weakref
 from fractions import Fraction
 from pathlib import Path
 
@@ -50,6 +52,11 @@ def odd_tensors() -> list[torch.Tensor]:
         base[2],  # a view in the middle of a storage
         torch.empty(0, dtype=torch.float32),
     ]
+
+
+def _rdt_store_size() -> int:
+    """Objects in this process's RDT store (Ray's primary copies of its puts)."""
+    return ray._private.worker.global_worker.rdt_manager.rdt_store.get_num_objects()
 
 
 @ray.remote(enable_tensor_transport=True)
@@ -120,6 +127,34 @@ class Sender:
                 is transport._reduce_tensor,
                 "function_by_value": b"serialize_rdt_objects" in blob,
                 "round_trip": torch.equal(cloudpickle.loads(blob)[0], t)}
+
+    def put_that_fails(self, nbytes: int):
+        """A put of one new tensor of ``nbytes`` that should fail: the error's type, and
+        whether anything still holds the tensor once this method dropped it."""
+        t = torch.zeros(nbytes // 4)
+        alive = weakref.ref(t)
+        try:
+            ray.put([t], _tensor_transport="nixl_pool")
+            error = "no error"
+        except Exception as e:
+            error = type(e).__name__
+        del t
+        gc.collect()
+        return error, alive() is not None, _rdt_store_size()
+
+    @ray.method(tensor_transport="nixl_pool")
+    def watched(self, nbytes: int):
+        """Return one new tensor of ``nbytes``, watched through a weak reference."""
+        t = torch.zeros(nbytes // 4)
+        self.watch = weakref.ref(t)
+        return [t]
+
+    def store_size(self):
+        return _rdt_store_size()
+
+    def watched_alive(self):
+        gc.collect()
+        return self.watch() is not None, _rdt_store_size()
 
     def mutate(self, key: str):
         for t in self.kept[key]:
@@ -457,6 +492,20 @@ def test_strict_mode_raises_pool_exhausted_with_sizes():
     assert "raise pool_bytes" in msg and "strict mode" in msg
     st = ray.get(s.stats.remote())
     assert st.pool_used == 0 and st.live_objects == 0 and st.fallbacks == 0
+
+
+def test_a_failed_put_or_return_lets_go_of_the_tensors():
+    """Ray stores an object's tensors in its RDT store before it calls our extract, and
+    registers the ref only after extract returned: when extract raised, nothing ever
+    popped the entry and the caller's tensors stayed referenced for the process's life."""
+    s = Sender.remote(pool_bytes=1 << 20, strict=True)
+    assert ray.get(s.store_size.remote()) == 0
+    assert ray.get(s.put_that_fails.remote(2 << 20)) == ("PoolExhaustedError", False, 0)
+    with pytest.raises(ray.exceptions.RayTaskError, match="PoolExhaustedError"):
+        ray.get(s.watched.remote(2 << 20))
+    assert ray.get(s.watched_alive.remote()) == (False, 0)
+    st = ray.get(s.stats.remote())
+    assert (st.pool_used, st.live_objects, st.objects_put) == (0, 0, 0)
 
 
 def test_bad_input_gives_typed_errors_and_leaves_pool_unchanged():
