@@ -120,7 +120,8 @@ def describe(tensors: Sequence[Any], *, allow_cuda: bool = False) -> Described:
     """Validate the tensors of one object and return their layout facts, in one pass.
 
     Raises InvalidInputError for a non-tensor item, mixed device types, sparse or meta
-    tensors, an unsupported dtype, or a CUDA tensor while the CUDA path is off.
+    tensors, an unsupported dtype, a CUDA tensor while the CUDA path is off, or a tensor
+    with bytes but no memory (a ZeroTensor, a storage resized to 0).
 
     This runs once per tensor on every put, so it touches each tensor's attributes once
     and only the cheap ones (``t.device.type`` alone costs microseconds).
@@ -182,8 +183,10 @@ def describe(tensors: Sequence[Any], *, allow_cuda: bool = False) -> Described:
             # more attribute read per tensor.
             _refuse_nested(tensors)
             raise
-    return Described(shapes, dtypes, nbytes, aligns, list(map(Tensor.data_ptr, tensors)),
-                     plain, device)
+    ptrs = list(map(Tensor.data_ptr, tensors))
+    if min(ptrs, default=_NO_MEMORY) < _NO_MEMORY:  # one C-level pass; empty tensors land here
+        _refuse_no_memory(tensors, ptrs, nbytes)
+    return Described(shapes, dtypes, nbytes, aligns, ptrs, plain, device)
 
 
 _IS_CPU = operator.attrgetter("is_cpu")
@@ -204,6 +207,36 @@ def _refuse_nested(tensors: Sequence[Any]) -> None:
                 "nixl_pool sends dense tensors only, so send its components "
                 "(list(t.unbind())) or a padded copy (t.to_padded_tensor(0.0))"
             )
+
+
+#: Addresses below this are never memory (Linux maps nothing under ``vm.mmap_min_addr``,
+#: 64 KiB by default): a tensor whose bytes start there has no storage behind them, and
+#: its address is just its storage offset.
+_NO_MEMORY = 1 << 16
+
+
+def _refuse_no_memory(tensors: Sequence[Any], ptrs: Sequence[int],
+                      nbytes: Sequence[int]) -> None:
+    """Raise InvalidInputError for the first tensor with bytes to send but no memory
+    behind them: a ZeroTensor (address 0), or a storage resized to 0 bytes. The pack
+    would copy from a null address and kill the process (torch's own ``clone`` does)."""
+    for i, (p, n) in enumerate(zip(ptrs, nbytes)):
+        if p >= _NO_MEMORY or not n:
+            continue
+        t = tensors[i]
+        if t._is_zerotensor():
+            raise InvalidInputError(
+                f"tensor {i} ({tuple(t.shape)} {t.dtype}) is a ZeroTensor "
+                "(torch._efficientzerotensor, which some autograd formulas return for an "
+                f"all-zero result): its {n:,} bytes have no memory behind them. Send "
+                "t.clone() instead (real zeros of the same shape)")
+        storage = t.untyped_storage()
+        if storage.data_ptr() == 0:
+            raise InvalidInputError(
+                f"tensor {i} ({tuple(t.shape)} {t.dtype}) has {n:,} bytes but its storage "
+                f"holds {storage.nbytes():,} (resized to 0, as FSDP does to free a "
+                "parameter's memory); send it while its storage is allocated, or a copy "
+                "made then")
 
 
 def _check_device(tensors: Sequence[Any], i: int, allow_cuda: bool) -> None:

@@ -721,6 +721,26 @@ def test_storages_at_one_address_but_of_other_sizes_are_not_one_group() -> None:
     assert _torch_pack(whole)[0] == got
 
 
+def test_describe_refuses_tensors_without_memory_and_keeps_empty_ones() -> None:
+    """A ZeroTensor (address 0) and a view of a storage resized to 0 (address = its
+    offset) have bytes but no memory: the pack copied from there and the process died
+    with SIGSEGV. Empty tensors have address 0 too and are fine."""
+    from ray_rdt_pool.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=r"tensor 1 \(\(4,\) torch.float32\) is a "
+                                                r"ZeroTensor.*16 bytes.*t\.clone\(\)"):
+        T.describe([torch.ones(2), torch._efficientzerotensor(4)])
+    base = torch.ones(1100)
+    view = base[100:]
+    base.untyped_storage().resize_(0)
+    with pytest.raises(InvalidInputError, match=r"tensor 0 .* has 4,000 bytes but its storage "
+                                                r"holds 0 .*resized to 0"):
+        T.describe([view])
+    d = T.describe([torch.empty(0), torch.empty(0, 3), torch._efficientzerotensor(0),
+                    torch.ones(2)])
+    assert d.nbytes == [0, 0, 0, 8]
+
+
 @RELAXED
 @given(parts=st.lists(st.tuples(
     st.sampled_from(["rows", "cols", "every_other", "blocks", "overlapping", "conj",

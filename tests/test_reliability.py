@@ -665,7 +665,23 @@ PUT_CASES: dict[str, tuple[Callable[[], list[Any]], bool, str, list[str]]] = {
     "mixed_cpu_and_cuda": (lambda: [torch.ones(2), torch.ones(2, device="cuda")], True,
                            "InvalidInputError", ["tensor 1 is on cuda but tensor 0 is on cpu",
                                                  "separate objects"]),
+    # Before: the pack copied from address 0 and the sender died with SIGSEGV.
+    "zero_tensor": (lambda: [torch.ones(2), torch._efficientzerotensor(4)], False,
+                    "InvalidInputError", ["tensor 1 ((4,) torch.float32) is a ZeroTensor",
+                                          "16 bytes", "t.clone()"]),
+    "storage_resized_to_0": (lambda: _resized_view(), False, "InvalidInputError",
+                             ["tensor 0 ((1000,) torch.float32) has 4,000 bytes",
+                              "resized to 0", "while its storage is allocated"]),
 }
+
+
+def _resized_view() -> list[Any]:
+    """A view into a storage that was then resized to 0 bytes (FSDP frees parameters so):
+    its address is its storage offset, 400, not 0."""
+    base = torch.ones(1100)
+    view = base[100:]
+    base.untyped_storage().resize_(0)
+    return [view]
 
 
 @pytest.mark.parametrize("case", sorted(PUT_CASES))
