@@ -3,8 +3,9 @@
 Role: the only module that calls the backend's ``register`` and ``deregister``. It owns
 
 * **regions**: the sender pool, the overflow regions and the receive arenas. They are
-  created by :meth:`Registry.new_region` (which registers them) and dropped by
-  :meth:`Registry.drop_region` (which deregisters them). The sender and the receiver own
+  created by :meth:`Registry.new_region` (which registers them, or lets the memory go
+  again and raises ``RegistrationError``) and dropped by :meth:`Registry.drop_region`
+  (which deregisters them). The sender and the receiver own
   the *contents* of their regions; this module owns their registration.
 * **the storage cache**: registrations of user storages, made by ``register_memory()``
   (pins) and for receive target buffers seen more than once. An entry is keyed by the
@@ -44,6 +45,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ray_rdt_pool.allocator import BlockAllocator
+from ray_rdt_pool.errors import RdtPoolError, RegistrationError
 from ray_rdt_pool.layout import BLOCK_ALIGN
 
 if TYPE_CHECKING:
@@ -242,11 +244,25 @@ class Registry:
                                "receivers will read it with NIXL", e)
         if mem is None:
             mem = self._region_factory(capacity, device, prefault)
-        region = Region(mem, name)
-        with self._lock:
-            region.handle = self._register(region.addr, mem.nbytes, region.mem_type,
-                                           int(mem.device_id), lanes=lanes)
-            self.regions += 1
+        try:
+            region = Region(mem, name)
+            with self._lock:
+                region.handle = self._register(region.addr, mem.nbytes, region.mem_type,
+                                               int(mem.device_id), lanes=lanes)
+                self.regions += 1
+        except BaseException as e:
+            # Nothing was registered: the memory goes now, or every retried put would
+            # leave one more region (a pool-sized mapping, and its memfd) behind.
+            close = getattr(mem, "close", None)
+            if close is not None:
+                close()
+            if isinstance(e, RdtPoolError) or not isinstance(e, Exception):
+                raise
+            raise RegistrationError(
+                f"registering the {name} ({mem.nbytes:,} bytes of {device} memory) with "
+                f"NIXL failed: {type(e).__name__}: {e}; check that NIXL can register "
+                "this memory (its UCX backend and the memlock limit, ulimit -l), or lower "
+                "its size") from e
         return region
 
     def drop_region(self, region: Region) -> None:

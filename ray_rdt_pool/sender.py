@@ -149,10 +149,15 @@ class Sender:
         with self._create_lock:
             if self.pool is None:
                 cfg = self.config
+                # Raises RegistrationError, having let the memory go, if NIXL refuses it.
                 pool = self.registry.new_region(
                     cfg.pool_capacity, cfg.device, "sender pool", cfg.prefault,
                     shared=cfg.same_node != "off" and cfg.device == "cpu")
-                self._share(pool)
+                try:
+                    self._share(pool)
+                except BaseException:  # an interrupt: no second pool on the next put
+                    self.registry.drop_region(pool)
+                    raise
                 with self.lock:
                     self.pool = pool
             return self.pool
@@ -160,55 +165,51 @@ class Sender:
     def _share(self, pool: Region) -> None:
         """Make a shared pool reachable for same-node receivers: its lease table, and
         the directory entry they look up (published before any object names the pool).
-        A host pool is shared as its memfd; a CUDA pool through CUDA IPC."""
-        from ray_rdt_pool.shared import (
-            HostInfo,
-            LeaseTable,
-            SharedHostRegion,
-            export_cuda_pool,
-            process_start,
-        )
+        A host pool is shared as its memfd; a CUDA pool through CUDA IPC.
+
+        Never fails the put: where any step fails (a GCS error publishing the entry, a
+        CUDA export torch refuses), the pool stays private and same-node receivers read
+        it with NIXL, as receivers on other nodes do."""
+        from ray_rdt_pool.shared import SharedHostRegion
+        from ray_rdt_pool.tensors import CudaRegion
+
+        node = self._node_id()
+        directory = self._directory
+        if node is None or directory is None or self.config.same_node == "off":
+            return
+        if not isinstance(pool.mem, (CudaRegion, SharedHostRegion)):
+            return
+        try:
+            self.leases = self._publish_shared(pool, node, directory)
+        except Exception as e:
+            logger.warning(
+                "could not share the sender pool with same-node receivers (%s: %s); they "
+                "will read it with NIXL for the life of this process", type(e).__name__, e)
+
+    def _publish_shared(self, pool: Region, node: str, directory: Directory) -> LeaseTable:
+        """The lease table of ``pool``, once its entry is published; raises (closing the
+        table) if any step fails."""
+        from ray_rdt_pool.shared import HostInfo, LeaseTable, export_cuda_pool, process_start
         from ray_rdt_pool.tensors import CudaRegion
 
         mem = pool.mem
-        node = self._node_id()
-        if node is None or self._directory is None or self.config.same_node == "off":
-            return
-        cuda = None
-        if isinstance(mem, CudaRegion):
-            try:
-                cuda = export_cuda_pool(mem.tensor)
-            except OSError as e:
-                logger.warning("%s; same-node receivers will read this sender's CUDA pool "
-                               "with NIXL", e)
-                return
-        elif not isinstance(mem, SharedHostRegion):
-            return
-        try:
-            table = LeaseTable(-(-mem.nbytes // mem.align))
-        except OSError as e:
-            logger.warning("no lease table for same-node receivers (%s); they will read "
-                           "this sender's pool with NIXL", e)
-            return
-        try:
-            start = process_start(os.getpid())
-        except OSError:
-            start = None
+        cuda = export_cuda_pool(mem.tensor) if isinstance(mem, CudaRegion) else None
+        start = process_start(os.getpid())
         if start is None:
-            table.close()
-            return
-        if cuda is None:
-            fd, ino = mem.fd, mem.ino
-        else:
-            fd, ino = 0, 0  # no descriptor: receivers open the pool with its IPC handle
-        info = HostInfo(node, os.getpid(), start, fd, ino, pool.addr, mem.nbytes,
-                        table.fd, table.ino, table.rows, table.slots, cuda)
+            raise OSError("this process's start time cannot be read")
+        table = LeaseTable(-(-mem.nbytes // mem.align))
         try:
-            self._directory.publish_host(self._agent_name(), info.encode())
-        except Exception:
+            if cuda is None:
+                fd, ino = mem.fd, mem.ino
+            else:
+                fd, ino = 0, 0  # no descriptor: receivers open the pool with its IPC handle
+            info = HostInfo(node, os.getpid(), start, fd, ino, pool.addr, mem.nbytes,
+                            table.fd, table.ino, table.rows, table.slots, cuda)
+            directory.publish_host(self._agent_name(), info.encode())
+        except BaseException:
             table.close()
             raise
-        self.leases = table
+        return table
 
     def _place(self, obj_id: str, nbytes: int, one_block: bool) -> Placement:
         """Blocks for ``nbytes`` in the pool, else in an overflow region (made if needed)."""

@@ -21,7 +21,7 @@ import torch
 from ray_rdt_pool import receiver as receiver_mod
 from ray_rdt_pool import shared
 from ray_rdt_pool.config import PoolConfig
-from ray_rdt_pool.errors import WireFormatError
+from ray_rdt_pool.errors import RegistrationError, WireFormatError
 from ray_rdt_pool.shared import PAGE, HostInfo, LeaseTable, process_start, still_running
 from ray_rdt_pool.transport import PoolTransportMetadata, Runtime
 from tests.fakenixl import World
@@ -423,6 +423,74 @@ def test_handles_are_evicted_least_recently_used_first_even_with_views_out(
     del kept
     settle(r, a)
     assert a.stats().leased_objects == 0 and r.stats().mapped_objects == 0
+
+
+def _memfds() -> set[tuple[str, int]]:
+    """(name, inode) of every memfd this process has open (pools and lease tables)."""
+    out: set[tuple[str, int]] = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("/memfd:ray_rdt_pool"):
+                out.add((link.split()[0], os.stat(f"/proc/self/fd/{fd}").st_ino))
+        except OSError:
+            continue
+    return out
+
+
+def test_a_failed_publish_leaves_the_pool_private_and_fails_no_put(world: World) -> None:
+    """Publishing the same-node entry (a GCS write) failed the put and left the whole
+    pool behind (its memfd, mapping and NIXL registration): one more per retried put. A
+    GCS blip must not fail a put that NIXL can serve: the pool stays private, and
+    same-node receivers read it with NIXL."""
+    before = _memfds()
+    fails = [2]
+    real = world.publish_host
+
+    def flaky(name: str, info: bytes) -> None:
+        if fails[0]:
+            fails[0] -= 1
+            raise RuntimeError("GCS unavailable")
+        real(name, info)
+
+    world.publish_host = flaky  # type: ignore[method-assign]
+    s, r = make(world), make(world)
+    src = [torch.arange(1000, dtype=torch.float32)]
+    for i in range(3):
+        assert torch.equal(get(s, r, f"o{i}", src)[0], src[0])
+    st = s.stats()
+    assert (st.registered_regions, st.nixl_registrations, st.objects_put) == (1, 1, 3)
+    assert s.sender.leases is None  # not shared: nothing for a receiver to lease
+    rst = r.stats()
+    assert (rst.mapped_gets, rst.reads_posted, rst.transfer_errors) == (0, 3, 0)
+    new = sorted(name for name, _ino in _memfds() - before)
+    assert new == ["/memfd:ray_rdt_pool"]  # one pool, no lease table
+
+
+def test_a_pool_nixl_refuses_is_a_registration_error_and_leaves_nothing(world: World
+                                                                       ) -> None:
+    before = _memfds()
+    s = make(world)
+    s.backend()
+    backend = world.agents[s.agent_name]
+    real = backend.register
+    calls = []
+
+    def refuse_once(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("NIXL_ERR_BACKEND: cannot register memory")
+        return real(*args, **kwargs)
+
+    backend.register = refuse_once  # type: ignore[method-assign]
+    with pytest.raises(RegistrationError, match="sender pool") as info:
+        s.put("a", [torch.arange(10)])
+    assert isinstance(info.value.__cause__, RuntimeError)
+    st = s.stats()
+    assert (st.registered_regions, st.pool_capacity, st.live_objects) == (0, 0, 0)
+    assert not _memfds() - before  # the pool's memfd is closed again
+    assert s.put("a", [torch.arange(10)]) is not None  # the next put makes the pool
+    assert s.stats().registered_regions == 1
 
 
 def test_host_entries_are_validated() -> None:
