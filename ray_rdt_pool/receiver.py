@@ -59,11 +59,11 @@ from ray_rdt_pool.errors import (
 from ray_rdt_pool.merge import merge_descriptors
 from ray_rdt_pool.registry import MEM_TYPE, Directory, RegEntry, Region, Registry
 from ray_rdt_pool.shared import (
-    PAGE,
     HostInfo,
     MappedPool,
     NotVisibleError,
     SourceProcess,
+    lease_slot,
     mappable_spans,
     peer_batch_reader,
     probe_source,
@@ -609,7 +609,7 @@ class Receiver:
             spans = mappable_spans(meta.segments, meta.total, host.info)
             if spans is None or spans[0][0] != 0:
                 return False
-            slot = spans[0][1] // PAGE
+            slot = lease_slot(spans[0][1])
             self._backend()  # the progress thread returns dead views' leases
             with self.lock:
                 self._drain_locked()

@@ -189,7 +189,13 @@ class Sender:
     def _publish_shared(self, pool: Region, node: str, directory: Directory) -> LeaseTable:
         """The lease table of ``pool``, once its entry is published; raises (closing the
         table) if any step fails."""
-        from ray_rdt_pool.shared import HostInfo, LeaseTable, export_cuda_pool, process_start
+        from ray_rdt_pool.shared import (
+            HostInfo,
+            LeaseTable,
+            export_cuda_pool,
+            lease_slots,
+            process_start,
+        )
         from ray_rdt_pool.tensors import CudaRegion
 
         mem = pool.mem
@@ -197,7 +203,7 @@ class Sender:
         start = process_start(os.getpid())
         if start is None:
             raise OSError("this process's start time cannot be read")
-        table = LeaseTable(-(-mem.nbytes // mem.align))
+        table = LeaseTable(lease_slots(mem.nbytes))
         try:
             if cuda is None:
                 fd, ino = mem.fd, mem.ino
@@ -468,7 +474,7 @@ class Sender:
         region = p.region
         if self.leases is None or region is None or region is not self.pool or not p.blocks:
             return None
-        return p.blocks[0][0] // region.alloc.align
+        return self.leases.slot(p.blocks[0][0])
 
     def _held(self, p: Placement) -> bool:
         slot = self._lease_slot(p)

@@ -72,8 +72,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "HOST_INFO_VERSION", "PAGE", "CudaExport", "HostInfo", "LeaseTable", "MappedPool",
-    "NotVisibleError", "SharedHostRegion", "SourceProcess", "export_cuda_pool",
-    "mappable_spans", "peer_batch_reader", "peer_reader", "probe_source", "this_process",
+    "NotVisibleError", "SharedHostRegion", "SourceProcess", "export_cuda_pool", "lease_slot",
+    "lease_slots", "mappable_spans", "peer_batch_reader", "peer_reader", "probe_source",
+    "still_running", "this_process",
 ]
 
 PAGE = mmap.PAGESIZE
@@ -98,6 +99,21 @@ _PROT_NONE = 0
 
 def page_up(n: int) -> int:
     return -(-n // PAGE) * PAGE
+
+
+def lease_slot(pool_offset: int) -> int:
+    """The lease slot of an object whose first block starts at ``pool_offset``: its page.
+
+    The one definition the sender (which reads the counts) and every receiver (which
+    writes them) use, whatever the pool region's block alignment: a CUDA pool's blocks
+    are 4 KiB-aligned, smaller than a page on a 64 KiB-page host, where two objects may
+    then share a slot (a lease on one holds the other too: later reuse, never early)."""
+    return pool_offset // PAGE
+
+
+def lease_slots(pool_bytes: int) -> int:
+    """Slots of the lease table of a pool of ``pool_bytes``: one per page."""
+    return page_up(pool_bytes) // PAGE
 
 
 def process_start(pid: int) -> int | None:
@@ -353,6 +369,8 @@ class SharedHostRegion(HostRegion):
 
 class LeaseTable:
     """The sender's table of receivers' leases on its pool pages (see the module doc)."""
+
+    slot = staticmethod(lease_slot)  # the slot of an object starting at a pool offset
 
     def __init__(self, slots: int, rows: int = LEASE_ROWS) -> None:
         import numpy as np

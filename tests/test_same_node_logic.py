@@ -493,6 +493,29 @@ def test_a_pool_nixl_refuses_is_a_registration_error_and_leaves_nothing(world: W
     assert s.stats().registered_regions == 1
 
 
+def test_sender_and_receiver_agree_on_the_slot_whatever_the_pool_alignment(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender's slot was ``offset // region align`` and the receiver's ``offset //
+    PAGE``: they disagree where the pool's blocks are not page-sized (a CUDA pool's are
+    4 KiB, the page 64 KiB on some hosts), and the sender looked at the wrong count and
+    reused a block under a receiver's views. Staged here with blocks of two pages."""
+    monkeypatch.setattr(shared.SharedHostRegion, "align", 2 * PAGE)
+    s, r = make(world), make(world)
+    first = torch.full((PAGE // 2,), 1, dtype=torch.int32)  # half a block
+    get(s, make(world, same_node="off"), "pad", [first])  # takes the first block
+    kept = get(s, r, "a", [torch.full((PAGE // 2,), 7, dtype=torch.int32)])
+    assert s.sender.sent["a"].blocks[0][0] == 2 * PAGE
+    assert s.sender.free("a")
+    settle(s)
+    assert s.stats().leased_objects == 1  # the receiver's lease is seen
+    get(s, make(world, same_node="off"), "b", [torch.full((PAGE // 2,), 9, dtype=torch.int32)])
+    assert s.sender.sent["b"].blocks[0][0] != 2 * PAGE
+    assert int(kept[0][0]) == 7 and int(kept[0][-1]) == 7
+    del kept
+    settle(r, s)
+    assert s.stats().leased_objects == 0
+
+
 def test_host_entries_are_validated() -> None:
     good = HostInfo("n", 1, 2, 3, 4, PAGE, PAGE * 8, 5, 6, 4, 8)
     assert HostInfo.decode(good.encode()) == good
