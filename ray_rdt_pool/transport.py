@@ -293,7 +293,7 @@ class Runtime:
         if not tensors:
             return PoolTransportMetadata(tensor_meta=[], tensor_device=None, wire=None)
         self.sending()
-        meta, wire = self.sender.put(obj_id, tensors, getattr(_pack_as, "dtypes", None))
+        meta, wire = self.sender.put(obj_id, tensors, _put_conversions())
         out = PoolTransportMetadata(tensor_meta=[], tensor_device=tensors[0].device.type,
                                     wire=wire)
         out._decoded = meta
@@ -562,15 +562,62 @@ def pack_as(dtypes: Mapping[int, torch.dtype]) -> Iterator[None]:
     The conversion is the pack copy itself (no separate cast), and the object's metadata
     names the new dtype, so receivers get tensors of that dtype: for example fp32 master
     weights sent as bf16, half the bytes on the wire. Tensors not in the mapping are
-    packed as they are. Blocks do not nest.
+    packed as they are; an ``nn.Parameter`` is matched by its own ``id`` and arrives as
+    a Parameter of the new dtype. Blocks do not nest.
     """
     if getattr(_pack_as, "dtypes", None) is not None:
         raise InvalidInputError("pack_as() blocks do not nest; merge the mappings instead")
+    _parameters_seen_through()
     _pack_as.dtypes = dtypes
+    _pack_as.aliases = None
     try:
         yield
     finally:
         _pack_as.dtypes = None
+        _pack_as.aliases = None
+
+
+# An nn.Parameter is not a plain tensor, so its value takes Ray's serializer, and pickle
+# reduces it through ``Parameter.__reduce_ex__``, which hands on ``p.data``: a new tensor
+# object over the same storage. That is the tensor Ray lists for the object, so a pack_as
+# mapping keyed by ``id(p)`` never matched it (the Parameter went as it was, silently).
+# While a pack_as block serializes a value of this transport, the reducer below notes,
+# for each mapped Parameter, the dtype its listed tensor is to be packed as
+# (``_pack_as.aliases``: id of the listed tensor -> dtype); that tensor stays alive in
+# Ray's list of the object's tensors until our put, which reads and clears the notes.
+# Outside such a block the reducer is exactly ``Parameter.__reduce_ex__``.
+
+
+def _reduce_parameter(p: Any) -> Any:
+    red = p.__reduce_ex__(5)
+    aliases = getattr(_pack_as, "aliases", None)
+    if aliases is not None:
+        dt = _pack_as.dtypes.get(id(p))
+        if dt is not None and type(red) is tuple and len(red) > 1 and red[1]:
+            aliases[id(red[1][0])] = dt
+    return red
+
+
+def _parameters_seen_through() -> None:
+    """Install :func:`_reduce_parameter` for ``nn.Parameter`` in Ray's pickler, once,
+    unless a reducer of someone else's is there."""
+    import torch
+    from ray import cloudpickle
+
+    dispatch = cloudpickle.CloudPickler.dispatch
+    if dispatch.get(torch.nn.Parameter) is None:
+        dispatch[torch.nn.Parameter] = _reduce_parameter
+
+
+def _put_conversions() -> Mapping[int, torch.dtype] | None:
+    """The dtypes of this thread's pack_as block for the put Ray is making now,
+    Parameters' listed tensors included (see above); None outside a block."""
+    dtypes = getattr(_pack_as, "dtypes", None)
+    if dtypes is None:
+        return None
+    aliases = _pack_as.aliases
+    _pack_as.aliases = None
+    return {**dtypes, **aliases} if aliases else dtypes
 
 
 def fetch_selected(ref: ray.ObjectRef, selection: Sequence[tuple[slice, ...] | None],
@@ -996,11 +1043,22 @@ def _flat_values_as_one_object() -> None:
     tensor_type = torch.Tensor
 
     def serialize_rdt_objects(self: Any, value: Any, tensor_transport: str) -> Any:
-        if tensor_transport == TRANSPORT:
+        ours = tensor_transport == TRANSPORT
+        noting = getattr(_pack_as, "dtypes", None) is not None
+        if noting:  # notes of Parameters are for the put being serialized now only
+            _pack_as.aliases = None
+        if ours:
             flat = flat_tensors(value, tensor_type)
             if flat is not None:
                 return self._serialize_to_msgpack(flat[0]), flat[1]
-        return through_ray(self, value, tensor_transport)
+            if noting:
+                _pack_as.aliases = {}
+        try:
+            return through_ray(self, value, tensor_transport)
+        except BaseException:
+            if noting:
+                _pack_as.aliases = None
+            raise
 
     SerializationContext.serialize_rdt_objects = serialize_rdt_objects  # type: ignore[method-assign]
     SerializationContext._nixl_pool_flat = True  # type: ignore[attr-defined]

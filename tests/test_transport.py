@@ -156,6 +156,19 @@ class Sender:
         gc.collect()
         return self.watch() is not None, _rdt_store_size()
 
+    def put_parameters_as_bf16(self):
+        """pack_as over Parameters: a list of one, and a dict that mixes a Parameter, a
+        plain tensor and a Parameter left out of the mapping."""
+        from ray_rdt_pool.transport import pack_as
+
+        p, q = torch.nn.Parameter(torch.arange(8.0)), torch.nn.Parameter(torch.ones(2))
+        plain = torch.arange(4.0)
+        with pack_as({id(p): torch.bfloat16, id(plain): torch.bfloat16}):
+            ray.put([q])  # Ray's object store, in the block: no note outlives it
+            refs = [ray.put([p], _tensor_transport="nixl_pool"),
+                    ray.put({"w": p, "b": plain, "q": q, "n": 3}, _tensor_transport="nixl_pool")]
+        return refs
+
     def mutate(self, key: str):
         for t in self.kept[key]:
             t.add_(1)
@@ -245,6 +258,13 @@ class Receiver:
 
     def same(self, value):
         return value
+
+    def kinds(self, refs):
+        """Each tensor of the value: its type, dtype, requires_grad and values."""
+        v = ray.get(refs[0])
+        items = v.values() if isinstance(v, dict) else v
+        return [(type(t).__name__, str(t.dtype), t.requires_grad, t.tolist())
+                for t in items if isinstance(t, torch.Tensor)]
 
     def release(self):
         self.held = None
@@ -664,6 +684,20 @@ def test_rays_tensor_reducer_is_replaced_by_one_pickled_by_reference(pair):
         assert ray.get(r.get.remote(refs)) == dig, transport
         if transport is None:
             assert digest(ray.get(refs[0])) == dig  # the driver, by the object store
+
+
+def test_pack_as_converts_parameters(pair):
+    """A Parameter takes Ray's serializer, whose pickling hands on ``p.data``, a new
+    tensor object: pack_as's ``id(p)`` never matched it and the Parameter arrived as
+    float32 with no error. It arrives as a bf16 Parameter now, still requiring grad."""
+    s, r = pair
+    one, mixed = ray.get(s.put_parameters_as_bf16.remote())
+    eight = [float(i) for i in range(8)]
+    assert ray.get(r.kinds.remote([one])) == [("Parameter", "torch.bfloat16", True, eight)]
+    assert ray.get(r.kinds.remote([mixed])) == [
+        ("Parameter", "torch.bfloat16", True, eight),
+        ("Tensor", "torch.bfloat16", False, [0.0, 1.0, 2.0, 3.0]),
+        ("Parameter", "torch.float32", True, [1.0, 1.0])]
 
 
 def _flat_cases():
