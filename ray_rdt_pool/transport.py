@@ -7,10 +7,14 @@ process's :class:`Runtime`, which wires the three owners together:
 READs). It also owns the two Ray-side pieces: the per-object metadata Ray pickles
 (:class:`PoolTransportMetadata`) and the agent directory in Ray's GCS
 (:class:`KVDirectory`), the process-wide lifecycle (``configure``, ``runtime``,
-``shutdown``, registered with ``atexit``), and two adjustments ``register()`` makes to
-Ray's serializer for this transport's objects (a flat value as one object; a tensor
-reducer pickled by name), which run in whichever thread calls ``ray.put`` or returns from
-a method, and, on the receiver, in the thread that deserializes the value.
+``shutdown``, registered with ``atexit``), and the adjustments it makes to Ray for this
+transport's objects: two to Ray's serializer made by ``register()`` (a flat value as one
+object; a tensor reducer pickled by name) and one by ``pack_as`` (an ``nn.Parameter``
+reducer that notes the tensor Ray lists for it), which run in whichever thread calls
+``ray.put`` or returns from a method, and, on the receiver, in the thread that
+deserializes the value; Ray's ``__ray_fetch_rdt_object__`` replaced by ``register()``
+(a get through Ray's object store returns the put's snapshot; sender, ``_ray_system``);
+and the RDT store entry of a put whose extract failed, popped on the thread of the put.
 
 Where Ray calls in (Ray 2.60), see :class:`NixlPoolTransport`; docs/architecture.md
 walks through one object's life.
@@ -233,6 +237,8 @@ class Runtime:
                              self.directory, node)
         self.receiver = Receiver(config, self.registry, self.events, self.backend,
                                  self.directory, node)
+        # Each live object's metadata, for get_snapshot (a Ray object-store get).
+        self._sent: dict[str, PoolTransportMetadata] = {}
         self.closed = False
         self._closing = False
         if config.debug_transfers:
@@ -297,10 +303,34 @@ class Runtime:
         out = PoolTransportMetadata(tensor_meta=[], tensor_device=tensors[0].device.type,
                                     wire=wire)
         out._decoded = meta
+        self._sent[obj_id] = out
         return out
 
     def free(self, obj_id: str) -> None:
+        self._sent.pop(obj_id, None)
         self.sender.free(obj_id)
+
+    def get_snapshot(self, obj_id: str) -> list[torch.Tensor] | None:
+        """The tensors of an object this process put, as the put copied them: new tensors,
+        each with its own storage (pickled one by one, none carries the others' bytes),
+        never views of the pool. None for an object this transport does not hold."""
+        import torch
+
+        from ray_rdt_pool.tensors import copy_bytes, rebuild
+
+        pmeta = self._sent.get(obj_id)
+        if pmeta is None:
+            return None
+        meta = pmeta.decoded()
+        where = meta.device if meta.device == "cpu" else f"cuda:{meta.device_id}"
+        buf = torch.empty(meta.total, dtype=torch.uint8, device=where)
+        at = buf.data_ptr()
+        with self.sender.lock:  # the blocks cannot be freed (and reused) meanwhile
+            if obj_id not in self.sender.sent:
+                return None
+            copy_bytes([(at + off, addr, n) for off, addr, n in meta.segments],
+                       meta.device, meta.device_id)
+        return [t.clone() for t in rebuild(buf, meta.runs, meta.run_starts())]
 
     def fetch(self, obj_id: str, pmeta: PoolTransportMetadata,
               targets: Sequence[torch.Tensor] | None) -> PoolFetch:
@@ -1064,6 +1094,52 @@ def _flat_values_as_one_object() -> None:
     SerializationContext._nixl_pool_flat = True  # type: ignore[attr-defined]
 
 
+# ---------------------------------------------------------------------------------------
+# A get through Ray's object store: the snapshot, not the caller's live tensors
+# ---------------------------------------------------------------------------------------
+#
+# ``ray.get(ref, _use_object_store=True)`` runs Ray's ``__ray_fetch_rdt_object__`` in the
+# sender (on ``_ray_system``), which returns the tensors of the object's primary copy in
+# Ray's RDT store for Ray's object store to pickle: the caller's own tensors, as they are
+# at that moment, so a change made after the put reached the receiver. ``register()``
+# puts the function below in that name's place (the receiver imports it by that name
+# and pickles it by reference; the sender resolves the name in its own module). For an
+# object this transport holds it returns copies of the pool's snapshot; otherwise it is
+# Ray's function. Ray's RDT store is left as it is, so an actor's plain ``ray.get`` of
+# its own ref still returns its original tensors, and nobody gets a view of the pool.
+# The one gap: a get that reaches the sender while the put itself is still packing (a
+# ref of a method return that is still running) finds no snapshot yet and gets the
+# tensors as they are then; their task is inside the put, so only another thread of
+# that actor could have changed them.
+
+_rays_fetch_rdt_object: Callable[[Any, str], Any] | None = None
+
+
+def _fetch_rdt_object(self: Any, obj_id: str) -> Any:
+    from ray.experimental.rdt import rdt_store
+
+    # Ray's function: kept when register() replaced it, else (a process that never
+    # registered, reached through a receiver that did) still under its name.
+    fetch = _rays_fetch_rdt_object or rdt_store.__ray_fetch_rdt_object__
+    live = fetch(self, obj_id)  # waits until the object exists, raises its error
+    rt = _runtime
+    snapshot = rt.get_snapshot(obj_id) if rt is not None else None
+    return live if snapshot is None else snapshot
+
+
+def _snapshots_through_the_object_store() -> None:
+    """Put :func:`_fetch_rdt_object` in place of Ray's ``__ray_fetch_rdt_object__``, once;
+    a Ray without that function is left alone."""
+    global _rays_fetch_rdt_object
+    from ray.experimental.rdt import rdt_store
+
+    current = getattr(rdt_store, "__ray_fetch_rdt_object__", None)
+    if current is None or current is _fetch_rdt_object:
+        return
+    _rays_fetch_rdt_object = current
+    rdt_store.__ray_fetch_rdt_object__ = _fetch_rdt_object
+
+
 #: Longest a ``.remote()`` waits for the producer of a nixl_pool argument (see below).
 ORDER_WAIT_S = 10.0
 
@@ -1130,6 +1206,7 @@ def register() -> str:
 
     _transfers_before_their_tasks()
     _flat_values_as_one_object()
+    _snapshots_through_the_object_store()
 
     info = rdt_util.transport_manager_info.get(TRANSPORT)
     if info is not None:

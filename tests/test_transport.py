@@ -169,6 +169,11 @@ class Sender:
                     ray.put({"w": p, "b": plain, "q": q, "n": 3}, _tensor_transport="nixl_pool")]
         return refs
 
+    def own_get_is_original(self):
+        """This actor's plain get of its own ref: its original tensors (Ray's store)."""
+        ts = [torch.ones(4)]
+        return ray.get(ray.put(ts, _tensor_transport="nixl_pool"))[0] is ts[0]
+
     def mutate(self, key: str):
         for t in self.kept[key]:
             t.add_(1)
@@ -207,6 +212,10 @@ class Receiver:
         if hold:
             self.held = out
         return digest(out)
+
+    def get_through_store(self, refs):
+        out = ray.get(refs[0], _use_object_store=True)
+        return digest(out), [t.untyped_storage().nbytes() for t in out]
 
     def get_jagged(self, refs):
         j, dense = ray.get(refs[0])
@@ -385,6 +394,27 @@ def test_snapshot_semantics_mutation_after_put_is_not_seen(pair):
     ray.get(s.mutate.remote("k"))
     assert ray.get(r.get.remote(refs)) == expected
     ray.get(s.drop.remote())
+
+
+def test_a_get_through_the_object_store_is_the_snapshot_too(pair):
+    """``ray.get(ref, _use_object_store=True)`` has the sender pickle the object's tensors
+    for Ray's object store at get time: those were the caller's live tensors, so a
+    mutation made after the put reached the receiver. Now it is the put's snapshot,
+    each tensor in a storage of its own size; the sender's own plain get still returns
+    its original tensors, and other objects still go Ray's way."""
+    s, r = pair
+    ts = [torch.zeros(1000), torch.arange(10), torch.ones(3, 3)[:, 1]]
+    refs, expected = ray.get(s.put.remote(ts, keep="os"))
+    ray.get(s.mutate.remote("os"))
+    assert digest(ray.get(refs[0], _use_object_store=True)) == expected
+    assert ray.get(r.get_through_store.remote(refs)) == (expected, [4000, 80, 12])
+    assert ray.get(s.own_get_is_original.remote()) is True
+    ray.get(s.drop.remote())
+    many = [torch.full((3,), float(i)) for i in range(4)]
+    assert digest(ray.get(s.many.remote(3), _use_object_store=True)) == digest(many)
+    assert ray.get(s.echo.remote((1, "x")), _use_object_store=True) == (1, "x")
+    other, dig = ray.get(s.put_with.remote(ts[:2], "nixl"))
+    assert digest(ray.get(other[0], _use_object_store=True)) == dig
 
 
 @pytest.mark.parametrize("same_node", ["off", "map"])
