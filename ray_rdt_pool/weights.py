@@ -464,8 +464,10 @@ def named_tensors(state: StateLike) -> list[tuple[str, torch.Tensor]]:
 
 
 def _identity_key(t: torch.Tensor) -> tuple[Any, ...]:
+    # The lazy conjugate and negative bits are part of what a tensor reads as: c.conj()
+    # shares c's memory but is another tensor.
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-            tuple(t.stride()), t.dtype, t.device)
+            tuple(t.stride()), t.dtype, t.device, t.is_conj(), t.is_neg())
 
 
 def _check_wire_dtype(wire_dtype: WireDtype) -> None:

@@ -100,6 +100,19 @@ def test_plan_layout_sends_tied_tensors_once() -> None:
     assert sum(len(g) for g in groups) == 1
 
 
+def test_plan_layout_conjugate_and_negative_views_are_not_aliases() -> None:
+    """``c.conj()`` shares ``c``'s memory, offset, shape, strides and dtype, yet reads
+    other values; so does the negative view ``c.conj().imag`` of ``c.imag``. Each is a
+    tensor of its own (``b`` used to be an alias of ``a`` and receive ``a``'s bytes)."""
+    c = torch.randn(4, dtype=torch.complex64)
+    state = {"a": c, "b": c.conj(), "im": c.imag, "neg": c.conj().imag, "a2": c}
+    assert state["neg"].is_neg()
+    layout, groups = plan_layout(state)
+    assert [e.name for e in layout.entries] == ["a", "b", "im", "neg"]
+    assert layout.aliases == (("a2", "a"),)  # the same tensor still is one
+    assert [t.is_conj() for t in groups[0]] == [False, True, False, False]
+
+
 @pytest.mark.parametrize(("src", "dst", "ok"), [
     (torch.float32, torch.bfloat16, True),
     (torch.bfloat16, torch.float32, True),
