@@ -1159,7 +1159,8 @@ class WeightSender:
                 if layout is None and not direct:
                     # Lazy: pull the next bucket's tensors only once a full bucket fits.
                     lim = min(capacity, used0 + max_inflight * max(bb, biggest))
-                    wait_s += _wait_for_pool(min(bb, capacity), lim, capacity, deadline_s)
+                    wait_s += _make_room(min(bb, capacity), lim, capacity, deadline_s,
+                                         inflight, acked)
                 item = next(items, None)
                 if item is None:
                     run.send(inflight, receivers, receiver_attr, session)
@@ -1186,7 +1187,11 @@ class WeightSender:
                 else:
                     run.send(inflight, receivers, receiver_attr, session)
                     limit = min(capacity, used0 + max_inflight * max(bb, biggest))
-                    wait_s += _wait_for_pool(nbytes, limit, capacity, deadline_s)
+                    # A conversion or a CUDA tensor packs into one contiguous block.
+                    one_block = any(t.is_cuda for t in tensors) \
+                        or bool(_conversions(tensors, entries))
+                    wait_s += _make_room(nbytes, limit, capacity, deadline_s, inflight, acked,
+                                         one_block)
                     owned = f"ws:{session}/{k}"
                     box = [_owned_bucket(owned, tensors, entries)]
                     tensors.clear()  # the pool holds the snapshot; drop the source's tensors
@@ -1369,7 +1374,36 @@ def _retire(inflight: deque[_InFlight], acked: list[list[BucketReport]],
     _free_owned(oids)
 
 
-def _wait_for_pool(nbytes: int, limit: int, capacity: int, timeout_s: float) -> float:
+def _fits(s: Any, nbytes: int, limit: int, capacity: int, one_block: bool = False) -> bool:
+    """Does a pack of ``nbytes`` fit the pool (stats ``s``) with its use within ``limit``?"""
+    used = s.pool_used if s.pool_capacity else 0
+    if not s.pool_capacity:
+        free = capacity
+    elif one_block or s.pool_device == "cuda":
+        free = s.pool_largest_free_block  # a CUDA or converting pack takes one block
+    else:
+        free = s.pool_free
+    return bool(free >= nbytes and used + nbytes <= limit)
+
+
+def _make_room(nbytes: int, limit: int, capacity: int, timeout_s: float,
+               inflight: deque[_InFlight], acked: list[list[BucketReport]],
+               one_block: bool = False) -> float:
+    """Block until ``nbytes`` fit the sender pool (see :func:`_fits`), retiring this
+    stream's buckets in flight, oldest first, while they do not: their blocks are what
+    usually holds the room, and only this thread frees them (a pool of fewer than
+    ``max_inflight`` buckets would otherwise wait for itself). Then wait for the rest
+    (blocks a same-node receiver still maps, other objects). Returns the seconds waited.
+    """
+    t0 = time.monotonic()
+    while inflight and not _fits(_stats(), nbytes, limit, capacity, one_block):
+        _retire(inflight, acked, timeout_s)
+    _wait_for_pool(nbytes, limit, capacity, timeout_s, one_block)
+    return time.monotonic() - t0
+
+
+def _wait_for_pool(nbytes: int, limit: int, capacity: int, timeout_s: float,
+                   one_block: bool = False) -> float:
     """Block until ``nbytes`` fit the sender pool with its use staying within ``limit``.
 
     Returns the seconds waited.
@@ -1377,14 +1411,7 @@ def _wait_for_pool(nbytes: int, limit: int, capacity: int, timeout_s: float) -> 
     from ray_rdt_pool.transport import runtime
 
     def fits(s: Any) -> bool:
-        used = s.pool_used if s.pool_capacity else 0
-        if not s.pool_capacity:
-            free = capacity
-        elif s.pool_device == "cuda":
-            free = s.pool_largest_free_block  # a CUDA pack needs one contiguous block
-        else:
-            free = s.pool_free
-        return bool(free >= nbytes and used + nbytes <= limit)
+        return _fits(s, nbytes, limit, capacity, one_block)
 
     t0 = time.monotonic()
     if runtime().wait_for(fits, timeout_s) is None:
@@ -1393,8 +1420,11 @@ def _wait_for_pool(nbytes: int, limit: int, capacity: int, timeout_s: float) -> 
         raise WeightSyncTimeoutError(
             f"for {timeout_s}s the sender pool had {fmt_bytes(int(used))} in use of "
             f"{fmt_bytes(capacity)} (this stream may use up to {fmt_bytes(limit)}), but "
-            f"the next bucket needs {fmt_bytes(nbytes)}; other objects hold the pool "
-            "(drop their refs) or a receiver is stuck")
+            f"the next bucket needs {fmt_bytes(nbytes)}"
+            + (f" in one block (the largest free one has "
+               f"{fmt_bytes(int(s.pool_largest_free_block))})" if one_block else "")
+            + "; other objects hold the pool (drop their refs, or raise pool_bytes) or a "
+            "same-node receiver still maps this stream's blocks")
     return time.monotonic() - t0
 
 

@@ -456,6 +456,33 @@ def test_stream_refuses_bucket_larger_than_pool(actors: dict[str, Any]) -> None:
     assert call(tr, _stats).objects_put == put0
 
 
+def _setup_packed_sender(node: Any, spec: Spec, seed: int, bucket_bytes: int) -> None:
+    node.state = make_state(spec, seed)
+    node.weight_sender = WeightSender(node.state, bucket_bytes=bucket_bytes,
+                                      source_reads=False)
+
+
+@pytest.mark.ray
+def test_stream_through_a_pool_of_one_bucket(actors: dict[str, Any]) -> None:
+    """bucket_bytes == pool_bytes with max_inflight=2, every bucket packed: the sender
+    frees the acknowledged bucket (once the receivers' same-node mappings let go of it)
+    to make room for the next. It used to wait timeout_s for a free only it could make,
+    then raise WeightSyncTimeoutError."""
+    tr, r1, r2 = actors["trainer"], actors["r1"], actors["r2"]
+    spec: Spec = {f"w{i}": ((1 << 20,), torch.float32) for i in range(4)}  # 4 MiB each
+    call(tr, _setup_packed_sender, spec, 30, POOL)  # 2 buckets of 8 MiB, the whole pool
+    call(r1, _setup_receiver, make_state(spec, 31))
+    call(r2, _setup_receiver, make_state(spec, 31), direct=False)
+    rep = sync(tr, [r1, r2], max_inflight=2, timeout_s=30.0)
+    s = rep.stream
+    assert s is not None and s.buckets == 2 and s.fallbacks == 0
+    assert s.peak_pool_used == POOL == s.pool_capacity
+    want = call(tr, _state)
+    assert_state_equal(call(r1, _state), want)
+    assert_state_equal(call(r2, _state), want)
+    wait_drained(tr)
+
+
 def _setup_tied(node: Any, seed: int, tied: bool, sender: bool) -> None:
     torch.manual_seed(seed)
     m = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32, bias=False))
