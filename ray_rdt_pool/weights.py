@@ -31,7 +31,11 @@ one actor to many, on top of the ``nixl_pool`` transport. See docs/weight-sync.m
   read into the receive arena and ``copy_``-ed (with dtype conversion) under
   ``torch.no_grad()``. Each bucket's views and ref are dropped as soon as it is loaded.
   With ``select`` a receiver reads only part of each tensor (a tensor-parallel shard)
-  through ``transport.fetch_selected``.
+  through ``transport.fetch_selected``. One writer at a time: a load holds the receiver
+  while it writes, a stream from its begin to its commit, which the sender sends only
+  once every receiver acknowledged every bucket; an older writer is refused, a newer
+  one supersedes a stream (which then never commits), so the version never goes down
+  and always names the bytes held.
 * **Driver**: :func:`sync` runs one sync between a trainer actor that holds a
   ``WeightSender`` and inference actors that hold a ``WeightReceiver`` (found by
   attribute name through Ray's ``__ray_call__``), in ``"stream"`` or ``"publish"`` mode.
@@ -259,13 +263,14 @@ class WeightSyncTimeoutError(WeightSyncError, TimeoutError):
 class StaleVersionError(WeightSyncError, ValueError):
     """A manifest or stream is not newer than the receiver's last complete load.
 
-    Raised by :meth:`WeightReceiver.load` (before anything is written) and by
-    :meth:`WeightSender.stream` (when a receiver begins, before any bucket is put), and
-    at the commit of a load that lost a race to a concurrent load of the same or a newer
-    version (the data it wrote is that version's too). ``version`` is the refused
-    version, ``current`` the receiver's. Fix: pass a larger ``version=`` to
-    ``publish``/``stream`` (e.g. the trainer step), or create a new receiver to start
-    over.
+    Raised by :meth:`WeightReceiver.load` and by :meth:`WeightSender.stream` (when a
+    receiver begins, before any bucket is put), always before anything is written: when
+    the version is not newer than the receiver's last complete load, or than a load or
+    stream in progress there (``loading=True``), including for a load that waited for a
+    concurrent one and finds, when its turn comes, that a newer version was committed.
+    ``version`` is the refused version, ``current`` the receiver's (or the one it is
+    loading). Fix: pass a larger ``version=`` to ``publish``/``stream`` (e.g. the
+    trainer step), or create a new receiver to start over.
     """
 
     def __init__(self, version: int, current: int, what: str = "manifest",
@@ -876,8 +881,8 @@ class WeightSender:
             "By reference across nodes"). ``False``: always the pool.
 
     Each publish snapshots the state (the pool copy is made at ``ray.put``), and a stream
-    returns only after every receiver loaded every bucket, so either way the trainer may
-    keep training as soon as the call returns. ``version`` is the
+    returns only after every receiver loaded every bucket and committed, so either way
+    the trainer may keep training as soon as the call returns. ``version`` is the
     version of the last successful publish or stream (0 before any); a call without
     ``version=`` uses ``version + 1``.
     """
@@ -1115,7 +1120,6 @@ class WeightSender:
                                         src_proc)
                   for r in receivers]
         began = _get_all(begins, deadline_s, "validating the layout on the receivers")
-        skipped = [sk for sk, _ok in began]
         # Source reads only when every receiver can: a bucket is then never packed.
         direct = src_proc is not None and all(ok for _sk, ok in began)
         direct_buckets = 0
@@ -1129,6 +1133,7 @@ class WeightSender:
                   and layout.total_bytes <= _registration_cache_bytes())
         ref_buckets = 0
         ref_keys: set[Any] = set()
+        finishes: list[Any] = []
 
         st0 = _stats()
         fallbacks0 = st0.fallbacks
@@ -1215,14 +1220,15 @@ class WeightSender:
                 k += 1
             while inflight:
                 _retire(inflight, acked, deadline_s)
-            if layout is None or not layout.buckets:
-                skipped = _get_all(
-                    [r.__ray_call__.remote(_remote_finish, receiver_attr, session, k)
-                     for r in receivers], deadline_s, "finishing the stream on the receivers")
+            # Every receiver has every bucket: only now may they commit (a receiver that
+            # commits at its last bucket would commit a stream this sender gave up on).
+            finishes = [r.__ray_call__.remote(_remote_finish, receiver_attr, session, k)
+                        for r in receivers]
+            skipped = _get_all(finishes, deadline_s, "committing the stream on the receivers")
         except BaseException as e:
             # Let the receivers finish (or fail) what they hold so every ref drains, then
             # have them drop the stream (and any bucket they hold out of order).
-            pending = [a for acks, _keep, _oid in inflight for a in acks]
+            pending = [a for acks, _keep, _oid in inflight for a in acks] + finishes
             if pending:
                 ray.wait(pending, num_returns=len(pending), timeout=deadline_s)
                 for acks, _keep, _oids in inflight:
@@ -1606,11 +1612,17 @@ class WeightReceiver:
             tensors) get their canonical tensor's selection.
 
     ``version`` is the version of the last manifest or stream fully loaded (0 before
-    any). A load whose version is not newer raises :class:`StaleVersionError`; the check
-    and the commit of the new version happen under one lock, so concurrent loads (an
-    actor with ``max_concurrency > 1``, or :meth:`load_async`) are safe: of two loads of
-    one version exactly one succeeds. A load that fails midway leaves ``version`` as it
-    was.
+    any); it never goes down. A load whose version is not newer raises
+    :class:`StaleVersionError`. One writer at a time: a load writes the destination
+    under one lock, a stream each bucket; a load or stream checks its version when it
+    starts, again when it takes the receiver over (after any write in progress), and
+    once more when it commits, all under the version lock. So concurrent loads (an
+    actor with ``max_concurrency > 1``, :meth:`load_async`, a driver's publish during a
+    stream) are safe: of two loads of one version exactly one succeeds; an older one
+    that starts writing after a newer one committed raises :class:`StaleVersionError`
+    before it writes; a newer load or stream supersedes a stream in progress (whose
+    later buckets and commit are then refused), and an older one is refused while it
+    runs. A load that fails midway leaves ``version`` as it was.
     """
 
     def __init__(self, dest: StateLike | None = None, *, load_weights: LoadWeights | None = None,
@@ -1640,9 +1652,13 @@ class WeightReceiver:
         self._loaded = False  # any complete load yet (so any first version is accepted)
         self._last_id = ""  # Manifest.id of the last complete load
         self._reserved: list[int] = []  # versions being loaded now
-        self._lock = threading.Lock()  # version check + reservation, and commit
-        self._writing = threading.Lock()  # one load() writes the destination at a time
-        self._state = threading.Lock()  # the stream state below
+        # Guards the version, the reservations and the stream state. Never held while
+        # waiting for _writing (taken first when both are needed).
+        self._lock = threading.Lock()
+        # Held while bytes are written (a whole load(), one stream bucket) and at a
+        # stream's commit, so no commit ever sees another writer's bytes in flight.
+        self._writing = threading.Lock()
+        # The stream that holds this receiver between its calls (begin, buckets, commit).
         self._stream: _Stream | None = None
 
     @property
@@ -1660,22 +1676,51 @@ class WeightReceiver:
             top = max(self._reserved, default=None)
             if top is not None and version <= top:
                 raise StaleVersionError(version, top, what, loading=True)
-            again = bool(manifest_id) and manifest_id == self._last_id \
-                and version == self._version
-            if self._loaded and version <= self._version and not again:
-                raise StaleVersionError(version, self._version, what)
+            self._newer_locked(version, what, manifest_id)
             self._reserved.append(version)
 
     def _unreserve(self, version: int) -> None:
         with self._lock:
-            if version in self._reserved:
-                self._reserved.remove(version)
+            self._unreserve_locked(version)
 
-    def _commit(self, version: int, manifest_id: str = "") -> None:
-        with self._lock:
-            if version in self._reserved:
-                self._reserved.remove(version)
-            self._version, self._loaded, self._last_id = version, True, manifest_id
+    def _unreserve_locked(self, version: int) -> None:
+        if version in self._reserved:
+            self._reserved.remove(version)
+
+    def _newer_locked(self, version: int, what: str, manifest_id: str = "") -> None:
+        """StaleVersionError unless ``version`` is newer than the last complete load (or
+        is the manifest loaded last, loaded again)."""
+        again = bool(manifest_id) and manifest_id == self._last_id and version == self._version
+        if self._loaded and version <= self._version and not again:
+            raise StaleVersionError(version, self._version, what)
+
+    def _take_over_locked(self, version: int, what: str, manifest_id: str = "") -> None:
+        """Before a load writes or a stream begins: re-check the version (a load may have
+        committed a newer one since the reservation), refuse if a stream of the same or a
+        newer version holds the receiver, and supersede an older one (it never commits)."""
+        self._newer_locked(version, what, manifest_id)
+        st = self._stream
+        if st is not None and st.failed is None and st.version >= version:
+            raise StaleVersionError(version, st.version, what, loading=True)
+        if st is not None:
+            self._drop_locked(st, f"{what} version {version} superseded it on this receiver")
+
+    def _drop_locked(self, st: _Stream, why: str) -> None:
+        """End stream ``st`` without a commit: its later buckets and its commit are refused,
+        and the buckets it holds early are dropped."""
+        if self._stream is st:
+            self._stream = None
+        self._unreserve_locked(st.version)
+        if st.failed is None:
+            st.failed = why
+        for box, _spec in st.pending.values():
+            box.clear()
+        st.pending.clear()
+
+    def _commit_locked(self, version: int, what: str, manifest_id: str = "") -> None:
+        self._newer_locked(version, what, manifest_id)  # never lets the version go down
+        self._unreserve_locked(version)
+        self._version, self._loaded, self._last_id = version, True, manifest_id
 
     # -- validation --
 
@@ -1942,7 +1987,7 @@ class WeightReceiver:
         ``source`` if :meth:`can_read_source`; buckets naming any other process are
         refused."""
         ok = self.can_read_source(source)
-        with self._state:
+        with self._lock:
             st = self._stream
             if st is None or st.session != session:
                 return False
@@ -1961,19 +2006,25 @@ class WeightReceiver:
         """Validate, then load every bucket of ``manifest`` in order, in place.
 
         Raises :class:`StaleVersionError` (writing nothing) when ``manifest.version`` is
-        not newer than :attr:`version`. Loads on one receiver run one at a time (a
-        concurrent one waits, then usually finds its version stale). With
-        ``release=True`` each bucket's ref is removed from ``manifest`` (this process's
-        copy) as soon as the bucket is loaded.
+        not newer than :attr:`version`, or than a load or stream in progress. Loads on
+        one receiver run one at a time (a concurrent one waits, then checks its version
+        again before it writes: an older one then raises). A load newer than a stream in
+        progress supersedes that stream once its bucket in progress is written (the
+        stream's later buckets and its commit are refused). With ``release=True`` each
+        bucket's ref is removed from ``manifest`` (this process's copy) as soon as the
+        bucket is loaded.
         """
-        self._reserve(manifest.version, "manifest", manifest.id)
+        v, mid = manifest.version, manifest.id
+        self._reserve(v, "manifest", mid)
         try:
             with self._writing:
+                with self._lock:
+                    self._take_over_locked(v, "manifest", mid)
                 report = self._load(manifest, release)
-        except BaseException:
-            self._unreserve(manifest.version)
-            raise
-        self._commit(manifest.version, manifest.id)
+                with self._lock:
+                    self._commit_locked(v, "manifest", mid)
+        finally:
+            self._unreserve(v)
         return report
 
     def _load(self, manifest: Manifest, release: bool) -> LoadReport:
@@ -2009,33 +2060,31 @@ class WeightReceiver:
 
         ``layout=None`` starts a lazy stream, whose buckets each bring their own
         :class:`BucketLayout`. Raises :class:`StaleVersionError` when ``version`` is not
-        newer than :attr:`version`. Returns the number of manifest tensors this receiver
-        will skip (0 for a lazy stream; :meth:`finish_stream` returns its count).
+        newer than :attr:`version`, or than a load or stream in progress. A stream in
+        progress of an older version (its sender gave up, or died) is superseded: its
+        later buckets and its commit are refused. Returns the number of manifest tensors
+        this receiver will skip (0 for a lazy stream; :meth:`finish_stream` returns its
+        count).
         """
-        self.abort_stream()
         self._reserve(version, "stream")
         try:
             plan = self.check(layout) if layout is not None else None
+            with self._lock:
+                self._take_over_locked(version, "stream")
+                self._stream = _Stream(session, version, plan)
         except BaseException:
             self._unreserve(version)
             raise
-        with self._state:
-            self._stream = _Stream(session, version, plan)
         return plan.skipped if plan is not None else 0
 
     def abort_stream(self, session: str | None = None) -> None:
-        """Drop the stream in progress (``session``, or any) and the buckets it holds."""
-        with self._state:
+        """Drop the stream in progress (``session``, or any) and the buckets it holds.
+        It never commits; a bucket being written now finishes, and is the last."""
+        with self._lock:
             st = self._stream
             if st is None or (session is not None and st.session != session):
                 return
-            self._stream = None
-            self._unreserve(st.version)
-            if st.failed is None:
-                st.failed = "the stream was aborted"
-            for box, _spec in st.pending.values():
-                box.clear()
-            st.pending.clear()
+            self._drop_locked(st, "the stream was aborted")
 
     def load_stream_bucket(self, session: str, k: int, box: list[ObjectRef],
                            spec: BucketLayout | None = None) -> list[BucketReport]:
@@ -2044,21 +2093,23 @@ class WeightReceiver:
         Buckets are loaded in order. One that arrives early (an async or threaded actor
         may run the calls out of order) is kept and loaded, by the call that loads its
         predecessor, right after it; such a call returns ``[]``. After a failure the
-        stream's later buckets are refused. The version is committed after the last
-        bucket (with a whole layout) or by :meth:`finish_stream` (lazy).
+        stream's later buckets are refused. Nothing is committed here: the version is
+        committed by :meth:`finish_stream`, which the sender calls once every receiver
+        acknowledged every bucket.
         """
-        with self._state:
+        with self._lock:
             st = self._stream
             if st is None or st.session != session:
                 box.clear()
                 raise WeightSyncError(
                     f"bucket {k} of stream {session} arrived, but this receiver is not in "
-                    "that stream (a newer begin replaced it, or it was aborted)")
+                    "that stream (a newer load or stream superseded it, or it was aborted)")
             if st.failed is not None:
                 box.clear()
                 raise WeightSyncError(f"bucket {k} skipped: {st.failed}")
             if (st.plan is None) != (spec is not None) or k < st.next or k in st.pending:
-                st.failed = f"bucket {k} does not belong to this stream (expected {st.next})"
+                self._fail_locked(st, f"bucket {k} does not belong to this stream "
+                                      f"(expected {st.next})")
                 box.clear()
                 raise WeightSyncError(st.failed)
             st.pending[k] = (box, spec)
@@ -2066,35 +2117,45 @@ class WeightReceiver:
                 return []  # the call loading an earlier bucket loads this one too
             st.draining = True
         reports: list[BucketReport] = []
+        loaded_k = False
         while True:
-            with self._state:
-                item = st.pending.pop(st.next, None) if st.failed is None else None
-                if item is None:
-                    st.draining = False
-                    return reports
-                j = st.next
-            kbox, kspec = item
-            del item
-            try:
-                reports.append(self._stream_one(st, j, kbox[0], kspec))
-            except BaseException as e:
-                self._unreserve(st.version)
-                with self._state:
-                    st.failed = f"bucket {j} failed on this receiver: {e!r}"
-                    st.draining = False
-                    for b, _s in st.pending.values():
-                        b.clear()
-                    st.pending.clear()
-                raise
-            finally:
-                kbox.clear()
-            with self._state:
-                st.next = j + 1
-                done = st.plan is not None and st.next == len(st.plan.buckets)
-                if done and self._stream is st:
-                    self._stream = None
-            if done:
-                self._commit(st.version)
+            # One bucket per hold of _writing: a newer load waits for this bucket only,
+            # and supersedes the stream before its next one.
+            with self._writing:
+                with self._lock:
+                    item = None
+                    if self._stream is st and st.failed is None:
+                        item = st.pending.pop(st.next, None)
+                    if item is None:
+                        st.draining = False
+                        if st.failed is not None and not loaded_k:
+                            raise WeightSyncError(f"bucket {k} skipped: {st.failed}")
+                        return reports
+                    j = st.next
+                kbox, kspec = item
+                del item
+                try:
+                    reports.append(self._stream_one(st, j, kbox[0], kspec))
+                except BaseException as e:
+                    with self._lock:
+                        self._fail_locked(st, f"bucket {j} failed on this receiver: {e!r}")
+                        st.draining = False
+                    raise
+                finally:
+                    kbox.clear()
+                with self._lock:
+                    st.next = j + 1
+                loaded_k = loaded_k or j == k
+
+    def _fail_locked(self, st: _Stream, why: str) -> None:
+        """Stream ``st`` failed here: it keeps the receiver (so its later buckets are
+        refused with ``why``) until it is aborted or superseded, and never commits."""
+        self._unreserve_locked(st.version)
+        if st.failed is None:
+            st.failed = why
+        for b, _s in st.pending.values():
+            b.clear()
+        st.pending.clear()
 
     def _stream_one(self, st: _Stream, k: int, ref: ObjectRef | SourceBucket | PoolBucket,
                     spec: BucketLayout | None
@@ -2121,28 +2182,34 @@ class WeightReceiver:
         return rep
 
     def finish_stream(self, session: str, buckets: int) -> int:
-        """End a stream after its ``buckets`` buckets: check for destination tensors that
-        received nothing (``strict``), then commit the version. Returns the number of
-        manifest tensors skipped."""
-        with self._state:
+        """Commit a stream after its ``buckets`` buckets: the sender calls it once every
+        receiver acknowledged every bucket. Checks for destination tensors that received
+        nothing (``strict``; a lazy stream's only chance to), then commits the version.
+        A stream that was aborted, superseded or failed here never commits. Returns the
+        number of manifest tensors skipped."""
+        with self._writing, self._lock:
             st = self._stream
             if st is None or st.session != session:
-                raise WeightSyncError(f"stream {session} ended, but this receiver is not in "
-                                      "that stream (a newer begin replaced it?)")
+                raise WeightSyncError(
+                    f"stream {session} ended, but this receiver is not in that stream (a "
+                    "newer load or stream superseded it, or it was aborted); the version "
+                    f"stays {self._version}")
             if st.failed is not None:
                 raise WeightSyncError(f"stream {session} failed on this receiver: {st.failed}")
             if st.next != buckets or st.pending:
                 raise WeightSyncError(f"stream {session} ended after {buckets} bucket(s), but "
                                       f"this receiver loaded {st.next}")
-            self._stream = None
-        if st.plan is None:
             problems: list[tuple[str, str, str]] = []
-            self._missing(self._dests(), st.claimed, problems)
+            if st.plan is None:
+                self._missing(self._dests(), st.claimed, problems)
             if problems:
-                self._unreserve(st.version)
+                self._drop_locked(st, "destination tensors received nothing")
             self._raise(problems, f"all {buckets} bucket(s) were written, but the version "
                                   f"stays {self._version}")
-        self._commit(st.version)
+            try:
+                self._commit_locked(st.version, "stream")
+            finally:
+                self._drop_locked(st, "it was committed")  # or lost to a newer version
         return st.plan.skipped if st.plan is not None else st.skipped
 
 

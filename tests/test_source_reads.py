@@ -250,7 +250,9 @@ def test_receiver_reads_only_the_source_it_accepted(monkeypatch: pytest.MonkeyPa
     rec.begin_stream("s3", layout, 1)
     assert rec.accept_source("s3", me)
     reports = rec.load_stream_bucket("s3", 0, [sb])
-    assert [r.direct for r in reports] == [True] and rec.version == 1
+    assert [r.direct for r in reports] == [True] and rec.version == 0
+    rec.finish_stream("s3", 1)
+    assert rec.version == 1
     assert all(torch.equal(dest[k], v) for k, v in src.items())
 
 

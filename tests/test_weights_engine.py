@@ -35,6 +35,7 @@ from ray_rdt_pool.weights import (
     WeightReceiver,
     WeightSender,
     WeightSyncError,
+    WeightSyncTimeoutError,
     plan_layout,
     sync,
 )
@@ -218,7 +219,9 @@ def test_stream_protocol_out_of_order_lazy_and_missing(no_ray_get: None) -> None
     loaded = [[r.bucket for r in rec.load_stream_bucket("s1", k, [list(groups[k])])]
               for k in order]
     assert loaded == [[], [], [0, 1, 2], [], [3, 4], [5]]
-    assert rec.version == 3 and all(torch.equal(dest[k], src[k]) for k in src)
+    assert all(torch.equal(dest[k], src[k]) for k in src)
+    assert rec.version == 0  # every bucket is in, but only the sender's finish commits
+    assert rec.finish_stream("s1", n) == 0 and rec.version == 3
     with pytest.raises(StaleVersionError):
         rec.begin_stream("s2", layout, 3)
     # Lazy: each bucket brings its layout; a mismatch stops at that bucket.
@@ -474,6 +477,35 @@ def test_load_weights_receiver_arena_returns(actors: dict[str, Any]) -> None:
         assert "KeyError" in str(info.value)
         assert call(r1, _stats).arena_used == 0
         assert call(r1, _version) == v0
+    wait_drained(tr)
+
+
+def _stream_or_timeout(node: Any, receivers: list[Any], timeout_s: float) -> str:
+    try:
+        return f"ok {node.weight_sender.stream(receivers, timeout_s=timeout_s).version}"
+    except WeightSyncTimeoutError as e:
+        return f"timeout {e}"
+
+
+def test_a_stream_the_sender_gave_up_on_never_commits(actors: dict[str, Any]) -> None:
+    """The trainer's stream() times out waiting for a slow receiver (0.4 s per bucket,
+    timeout_s=0.2) and raises; the receiver still loads every bucket it was sent, after
+    which it used to commit the version on its own. Now only the sender's commit, sent
+    once every receiver acknowledged every bucket, commits: the version stays, and the
+    next default-versioned sync (a new version) commits."""
+    tr, r1 = actors["trainer"], actors["r1"]
+    call(tr, _set_sender, 13)
+    call(r1, _set_loader_receiver, None, 0.4)
+    v0 = call(r1, _version)
+    got = call(tr, _stream_or_timeout, [r1], 0.2)
+    assert got.startswith("timeout") and "0.2s" in got, got
+    # r1 runs its calls in order: the buckets it was sent, the abort, then this call
+    assert set(call(r1, _state)) == set(SPEC)  # every bucket was loaded ...
+    assert call(r1, _version) == v0  # ... but never committed
+    wait_drained(tr)
+    rep = sync(tr, [r1])
+    assert rep.version > v0 and call(r1, _version) == rep.version
+    assert_equal(call(r1, _state), call(tr, _state))
     wait_drained(tr)
 
 

@@ -24,9 +24,11 @@ from ray_rdt_pool.errors import PoolExhaustedError
 from ray_rdt_pool.transport import Runtime, free_owned, put_owned
 from ray_rdt_pool.weights import (
     Manifest,
+    StaleVersionError,
     WeightLayout,
     WeightReceiver,
     WeightSender,
+    WeightSyncError,
     plan_layout,
 )
 from tests.fakenixl import World
@@ -145,6 +147,211 @@ class FailingReceiver(WeightReceiver):
         if plan.index == self.fail_at:
             raise RuntimeError(f"injected failure on bucket {plan.index}")
         return super()._load_bucket(plan, ref, *rest)
+
+
+# ---------------------------------------------------------------------------------------
+# Finding 1: one writer at a time, versions never go down
+# ---------------------------------------------------------------------------------------
+
+
+class _Gate:
+    """Stands in for a receiver's writer lock: the thread named ``held`` waits for
+    ``release`` before it takes the lock (a load that reserved its version, then lost
+    the race for the lock)."""
+
+    def __init__(self, lock: Any, held: str, release: threading.Event) -> None:
+        self.lock, self.held, self.release = lock, held, release
+
+    def __enter__(self) -> Any:
+        if threading.current_thread().name == self.held:
+            assert self.release.wait(10)
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.lock.__exit__(*exc)
+
+
+def test_an_older_load_that_lost_the_race_is_refused_before_it_writes() -> None:
+    """Loads of v6 and v7 reserve in that order; v7 writes and commits first. v6 then
+    raises StaleVersionError without writing: the version stays 7 and every byte is v7's
+    (it used to commit 6 over 7)."""
+    import ray
+
+    get, ray.get = ray.get, _get
+    try:
+        dest = filled(0)
+        rec = WeightReceiver(dest, direct=False)
+        v7_done = threading.Event()
+        rec._writing = _Gate(rec._writing, "v6", v7_done)  # type: ignore[assignment]
+        out: dict[int, Any] = {}
+
+        def run(v: int) -> None:
+            try:
+                out[v] = rec.load(manifest(v, filled(v))[2]).version
+            except BaseException as e:
+                out[v] = e
+            if v == 7:
+                v7_done.set()
+
+        t6 = threading.Thread(target=run, args=(6,), name="v6")
+        t6.start()
+        time.sleep(0.1)  # v6 reserved and waits at the gate
+        t7 = threading.Thread(target=run, args=(7,), name="v7")
+        t7.start()
+        t7.join(10)
+        t6.join(10)
+    finally:
+        ray.get = get
+    assert out[7] == 7
+    assert isinstance(out[6], StaleVersionError) and out[6].current == 7, out[6]
+    assert rec.version == 7 and values(dest) == [7.0] * 6
+
+
+def test_a_newer_load_supersedes_a_stream_in_progress(runtime: Any) -> None:
+    """A stream of v5 has loaded buckets 0-2 when a load of v6 (a driver's publish)
+    arrives: the load writes everything and commits 6; the stream's later buckets and
+    its commit are refused, so the receiver holds v6 only and refuses v6 again (it used
+    to end at version 5 holding [v6, v6, v6, v5, v5, v5])."""
+    runtime()
+    dest = filled(0)
+    rec = WeightReceiver(dest, direct=False)
+    lay5, g5, _m = manifest(5, filled(5))
+    rec.begin_stream("s5", lay5, 5)
+    for k in range(3):
+        rec.load_stream_bucket("s5", k, [list(g5[k])])
+    assert rec.load(manifest(6, filled(6))[2]).version == 6
+    with pytest.raises(WeightSyncError, match="not in that stream"):
+        rec.load_stream_bucket("s5", 3, [list(g5[3])])
+    with pytest.raises(WeightSyncError, match="not in that stream"):
+        rec.finish_stream("s5", 6)
+    assert rec.version == 6 and values(dest) == [6.0] * 6
+    with pytest.raises(StaleVersionError, match="version 6"):
+        rec.load(manifest(6, filled(6), "another")[2])
+
+
+class SlowReceiver(WeightReceiver):
+    """Holds bucket ``hold`` of a stream between ``entered`` and ``go``."""
+
+    hold = 0
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def _stream_one(self, st: Any, k: int, *rest: Any) -> Any:
+        if k == self.hold:
+            self.entered.set()
+            assert self.go.wait(10)
+        return super()._stream_one(st, k, *rest)
+
+
+def test_a_load_waits_for_the_stream_bucket_being_written(runtime: Any) -> None:
+    """A load of v6 arrives while bucket 0 of a v5 stream is being written: it waits for
+    that bucket, then supersedes the stream, so no v5 byte lands after a v6 byte."""
+    runtime()
+    dest = filled(0)
+    rec = SlowReceiver(dest, direct=False)
+    lay5, g5, _m = manifest(5, filled(5))
+    rec.begin_stream("s5", lay5, 5)
+    bucket = threading.Thread(target=rec.load_stream_bucket, args=("s5", 0, [list(g5[0])]))
+    bucket.start()
+    assert rec.entered.wait(10)
+    out: list[Any] = []
+    load = threading.Thread(target=lambda: out.append(rec.load(manifest(6, filled(6))[2])))
+    load.start()
+    time.sleep(0.2)  # the load would have written everything by now if it did not wait
+    rec.go.set()
+    bucket.join(10)
+    load.join(10)
+    assert out[0].version == 6 and rec.version == 6 and values(dest) == [6.0] * 6
+    with pytest.raises(WeightSyncError, match="not in that stream"):
+        rec.load_stream_bucket("s5", 1, [list(g5[1])])
+
+
+def test_an_older_writer_is_refused_while_a_newer_stream_runs(runtime: Any) -> None:
+    """While a stream of v8 holds the receiver, a begin or a load of v7 is refused (it
+    used to abort the v8 stream and take its place); a begin of v9 supersedes it."""
+    runtime()
+    dest = filled(0)
+    rec = WeightReceiver(dest, direct=False)
+    lay, g8, _m = manifest(8, filled(8))
+    rec.begin_stream("s8", lay, 8)
+    rec.load_stream_bucket("s8", 0, [list(g8[0])])
+    with pytest.raises(StaleVersionError, match="loading now") as info:
+        rec.begin_stream("s7", lay, 7)
+    assert info.value.loading and info.value.current == 8
+    with pytest.raises(StaleVersionError, match="loading now"):
+        rec.load(manifest(7, filled(7))[2])
+    rec.load_stream_bucket("s8", 1, [list(g8[1])])  # s8 still holds the receiver
+    _l, g9, _m = manifest(9, filled(9))
+    rec.begin_stream("s9", lay, 9)
+    with pytest.raises(WeightSyncError, match="not in that stream"):
+        rec.load_stream_bucket("s8", 2, [list(g8[2])])
+    for k in range(6):
+        rec.load_stream_bucket("s9", k, [list(g9[k])])
+    assert rec.finish_stream("s9", 6) == 0
+    assert rec.version == 9 and values(dest) == [9.0] * 6
+
+
+# ---------------------------------------------------------------------------------------
+# Finding 2: only the sender's finish commits, after every receiver has every bucket
+# ---------------------------------------------------------------------------------------
+
+
+def test_an_aborted_stream_never_commits_even_if_its_last_bucket_finishes() -> None:
+    """The sender gave up (timeout) and told the receiver to drop the stream while its
+    last bucket was still loading: that bucket finishes, the version does not change
+    (it used to be committed at the last bucket), and a late finish is refused."""
+    import ray
+
+    get, ray.get = ray.get, _get
+    try:
+        layout, groups, _m = manifest(9, filled(1, 3))
+        loading, go = threading.Event(), threading.Event()
+
+        def loader(batch: Any) -> None:
+            for name, _t in batch:
+                if name == "w2":
+                    loading.set()
+                    assert go.wait(10)
+
+        rec = WeightReceiver(load_weights=loader)
+        rec.begin_stream("s1", layout, 9)
+        rec.load_stream_bucket("s1", 0, [list(groups[0])])
+        rec.load_stream_bucket("s1", 1, [list(groups[1])])
+        out: list[Any] = []
+        t = threading.Thread(
+            target=lambda: out.append(rec.load_stream_bucket("s1", 2, [list(groups[2])])))
+        t.start()
+        assert loading.wait(10)
+        rec.abort_stream("s1")
+        go.set()
+        t.join(10)
+        assert [r.bucket for r in out[0]] == [2]
+        assert rec.version == 0
+        with pytest.raises(WeightSyncError, match="not in that stream"):
+            rec.finish_stream("s1", 3)
+        assert rec.version == 0
+    finally:
+        ray.get = get
+
+
+def test_a_stream_commits_only_once_every_receiver_has_every_bucket(runtime: Any) -> None:
+    """r2 fails at the last bucket after r1 loaded every bucket: stream() raises and r1
+    does not commit (it used to commit at its last bucket, so one receiver reported the
+    new version for a stream the sender reported failed). The pool drains."""
+    rt = runtime()
+    state = filled(3, 4)
+    r1, h1 = receiver_node(filled(0, 4))
+    r2, h2 = receiver_node(filled(0, 4), FailingReceiver)
+    r2.weight_receiver.fail_at = 3  # type: ignore[attr-defined]
+    sender = WeightSender(state, bucket_bytes=4096, source_reads=False)
+    with pytest.raises(RuntimeError, match="injected failure on bucket 3"):
+        sender.stream([h1, h2], max_inflight=8)
+    assert values(r1.weight_receiver.dest) == [3.0] * 4  # type: ignore[arg-type]
+    assert r1.weight_receiver.version == 0 and r2.weight_receiver.version == 0
+    st = rt.stats()
+    assert st.pool_used == 0 and st.live_objects == 0 and st.arena_used == 0
 
 
 # ---------------------------------------------------------------------------------------
