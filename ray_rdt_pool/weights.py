@@ -1485,6 +1485,10 @@ class BucketPlan:
     select: list[Selection | None] | None = None
     #: the bucket's manifest entries in object order (what a source read copies)
     entries: list[TensorEntry] = field(default_factory=list)
+    #: (idx, dest, what): destinations an earlier bucket of a lazy stream wrote from
+    #: another manifest tensor; compared, not written, before anything of the bucket is
+    #: (:class:`_Check`)
+    verify: list[tuple[int, torch.Tensor, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -1508,6 +1512,19 @@ def _skip(e: TensorEntry) -> Selection | None:
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and _identity_key(a) == _identity_key(b)
+
+
+def _same_bytes(dest: torch.Tensor, src: torch.Tensor) -> bool:
+    """Would ``dest.copy_(src)`` leave ``dest`` bit for bit as it is? (NaNs included.)"""
+    if tuple(dest.shape) != tuple(src.shape):
+        return False
+    with torch.no_grad():
+        got = src.to(device=dest.device, dtype=dest.dtype)
+
+        def raw(t: torch.Tensor) -> torch.Tensor:
+            return t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+        return bool(torch.equal(raw(dest), raw(got)))
 
 
 def _normalize_select(raw: Any, shape: tuple[int, ...]) -> Selection | None:
@@ -1556,7 +1573,23 @@ class _ToLoader:
         self.name = name
 
 
-_Target = torch.Tensor | _ToLoader | None
+class _Check:
+    """A destination tensor an earlier bucket of a lazy stream already wrote from another
+    manifest tensor (a tie the sender sent twice, or two tensors into one tied
+    destination): the bucket compares its bytes instead of writing them, and refuses the
+    bucket unless they are equal."""
+
+    __slots__ = ("dest", "what")
+
+    def __init__(self, dest: torch.Tensor, what: str) -> None:
+        self.dest = dest
+        self.what = what
+
+
+_Target = torch.Tensor | _ToLoader | _Check | None
+#: Destination memory claimed so far: identity key -> (canonical manifest name, its
+#: bucket, the manifest name written there, the destination name).
+_Claims = dict[tuple[Any, ...], tuple[str, int, str, str]]
 
 
 @dataclass
@@ -1573,6 +1606,8 @@ class _Stream:
         default_factory=dict)
     failed: str | None = None
     draining: bool = False
+    #: lazy: destination memory written so far, across buckets (see :class:`_Check`)
+    mem: _Claims = field(default_factory=dict)
     #: the sender process this receiver accepted source-read buckets from, if any
     source: SourceProcess | None = None
 
@@ -1729,10 +1764,18 @@ class WeightReceiver:
 
     def _resolve(self, sources: Sequence[tuple[str, TensorEntry]],
                  dests: Mapping[str, torch.Tensor], claimed: dict[str, str],
-                 problems: list[tuple[str, str, str]]
+                 problems: list[tuple[str, str, str]], mem: _Claims | None = None,
+                 lazy: bool = False
                  ) -> tuple[dict[str, _Target], int, dict[str, Selection | None]]:
         """Map each source name to its target (a dest tensor, the loader, or skipped),
-        and each entry with a target to its selection (``select``)."""
+        and each entry with a target to its selection (``select``).
+
+        ``mem`` collects the destination memory written: two different manifest tensors
+        into one destination tensor (a tied destination, an untied sender) is a
+        ``duplicate`` problem, since only the last one written would stay; in a ``lazy``
+        stream, where a tie across buckets is sent twice, a later bucket's tensor is
+        compared with what the earlier one wrote instead (:class:`_Check`)."""
+        mem = {} if mem is None else mem
         mapname = _mapper(self.name_map)
         resolved: dict[str, _Target] = {}
         selections: dict[str, Selection | None] = {}
@@ -1770,7 +1813,8 @@ class WeightReceiver:
                 f"as selected (of {e.shape} in the manifest)"
             if d is None:
                 resolved[name] = _ToLoader(dn)
-            elif tuple(d.shape) != shape:
+                continue
+            if tuple(d.shape) != shape:
                 problems.append(("shape", name, f"{name!r} is {shape} {what} but "
                                  f"{dn!r} is {tuple(d.shape)} in the destination"))
             elif not can_cast(e.torch_dtype, d.dtype, self.casting):
@@ -1778,8 +1822,33 @@ class WeightReceiver:
                                  f"{dn!r} is {_dtype_str(d.dtype)}; casting={self.casting!r} "
                                  "does not allow that conversion"))
             else:
-                resolved[name] = d
+                resolved[name] = self._claim(mem, lazy, name, dn, d, e, problems)
         return resolved, skipped, selections
+
+    @staticmethod
+    def _claim(mem: _Claims, lazy: bool, name: str, dn: str, d: torch.Tensor, e: TensorEntry,
+               problems: list[tuple[str, str, str]]) -> _Target:
+        """``d`` as the target of manifest name ``name`` (entry ``e``), unless another
+        manifest tensor already writes that memory (see :meth:`_resolve`)."""
+        if d.numel() == 0:
+            return d
+        key = _identity_key(d)
+        prior = mem.get(key)
+        if prior is None:
+            mem[key] = (e.name, e.bucket, name, dn)
+            return d
+        canon, bucket, pname, pdn = prior
+        if canon == e.name:
+            return d  # one manifest tensor under two names (tied on both sides)
+        if lazy and bucket != e.bucket:
+            return _Check(d, f"{name!r} (into {dn!r}) and {pname!r} (into {pdn!r}, bucket "
+                             f"{bucket}) are one tensor in the destination")
+        problems.append(("duplicate", name, (
+            f"{name!r} and {pname!r} are different tensors in the manifest, but {dn!r} and "
+            f"{pdn!r} are one tensor (tied) in the destination, which would keep only the "
+            "one written last; tie them in the sender too (it then sends the tensor once), "
+            "map one of them to None, or untie the destination")))
+        return None
 
     def _select(self, e: TensorEntry) -> Selection | None:
         """``select``'s part of entry ``e``, normalized; ValueError naming the fix if it
@@ -1803,11 +1872,19 @@ class WeightReceiver:
 
     def _missing(self, dests: Mapping[str, torch.Tensor], claimed: Mapping[str, str],
                  problems: list[tuple[str, str, str]]) -> None:
-        if self.strict:
-            for dn in dests:
-                if dn not in claimed:
-                    problems.append(("missing", dn, f"destination {dn!r} receives no tensor "
-                                     "from the manifest"))
+        """Destination names that receive nothing (``strict``). A name that is another
+        name of a destination tensor that receives something (a tied weight: same
+        memory, shape, strides and dtype) is written with it: a sender's
+        ``named_parameters()`` lists a tied tensor once, a ``state_dict`` under every
+        name."""
+        if not self.strict:
+            return
+        written = {_identity_key(dests[dn]) for dn in claimed
+                   if dn in dests and dests[dn].numel() > 0}
+        for dn, d in dests.items():
+            if dn not in claimed and not (d.numel() > 0 and _identity_key(d) in written):
+                problems.append(("missing", dn, f"destination {dn!r} receives no tensor "
+                                 "from the manifest"))
 
     @staticmethod
     def _raise(problems: list[tuple[str, str, str]], written: str = "nothing was written"
@@ -1831,7 +1908,7 @@ class WeightReceiver:
         sources += [(a, by_name[c]) for a, c in layout.aliases if c in by_name]
         problems: list[tuple[str, str, str]] = []
         claimed: dict[str, str] = {}
-        resolved, skipped, selections = self._resolve(sources, dests, claimed, problems)
+        resolved, skipped, selections = self._resolve(sources, dests, claimed, problems, {})
         self._missing(dests, claimed, problems)
         self._raise(problems)
         return LoadPlan(layout, self._plan_buckets(layout, resolved, selections), skipped)
@@ -1875,12 +1952,16 @@ class WeightReceiver:
             for e, t in zip(entries, targets):
                 if isinstance(t, _ToLoader):
                     plan.loads.append((e.index, t.name))
+                elif isinstance(t, _Check):
+                    plan.verify.append((e.index, t.dest, t.what))
                 elif not land and t is not None:
                     plan.copies.append((e.index, t))
                 for a in alias_of.get(e.name, ()):
                     at = resolved.get(a)
                     if isinstance(at, _ToLoader):
                         plan.loads.append((e.index, at.name))
+                    elif isinstance(at, _Check):
+                        plan.verify.append((e.index, at.dest, at.what))
                     elif at is not None and not (isinstance(t, torch.Tensor)
                                                  and _same_memory(at, t)):
                         plan.copies.append((e.index, at))
@@ -1939,6 +2020,14 @@ class WeightReceiver:
         else:
             got = ray.get(ref)
             src = got
+        for idx, d, what in plan.verify:
+            if not _same_bytes(d, src[idx]):
+                del got, src
+                raise DuplicateTargetError(
+                    f"{what}, but bucket {plan.index} brings other bytes than the earlier "
+                    f"bucket wrote; bucket {plan.index} was not written. Tie the tensors in "
+                    "the sender, map one of them to None, or untie the destination",
+                    [("duplicate", what, "different bytes into one destination tensor")])
         if plan.copies:
             with torch.no_grad():
                 for idx, d in plan.copies:
@@ -2170,15 +2259,15 @@ class WeightReceiver:
         sources = [(e.name, e) for e in spec.entries]
         sources += [(a, by_name[c]) for a, c in spec.aliases if c in by_name]
         problems: list[tuple[str, str, str]] = []
-        claimed = dict(st.claimed)
+        claimed, mem = dict(st.claimed), dict(st.mem)
         resolved, skipped, selections = self._resolve(sources, self._dests(), claimed,
-                                                      problems)
+                                                      problems, mem, lazy=True)
         self._raise(problems, f"bucket {k} was not written; bucket(s) {_ranges(range(k))} "
                               f"were, and the version stays {self._version}")
         layout = WeightLayout(spec.entries, (spec.bucket,), spec.aliases)
         rep = self._load_bucket(self._plan_buckets(layout, resolved, selections)[0], ref,
                                 st.source)
-        st.claimed, st.skipped = claimed, st.skipped + skipped
+        st.claimed, st.mem, st.skipped = claimed, mem, st.skipped + skipped
         return rep
 
     def finish_stream(self, session: str, buckets: int) -> int:

@@ -23,6 +23,8 @@ from ray_rdt_pool.config import PoolConfig
 from ray_rdt_pool.errors import PoolExhaustedError
 from ray_rdt_pool.transport import Runtime, free_owned, put_owned
 from ray_rdt_pool.weights import (
+    BucketLayout,
+    DuplicateTargetError,
     Manifest,
     StaleVersionError,
     WeightLayout,
@@ -441,5 +443,106 @@ def test_a_converting_bucket_waits_for_one_free_block(runtime: Any) -> None:
     assert torch.equal(r1.weight_receiver.dest["w"],  # type: ignore[index]
                        state["w"].to(torch.bfloat16))
     assert rt.stats().pool_used == 0
+
+
+# ---------------------------------------------------------------------------------------
+# Finding 6: tied destinations
+# ---------------------------------------------------------------------------------------
+
+
+class Tied(torch.nn.Module):
+    def __init__(self, seed: int, tied: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(16, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+
+def test_named_parameters_into_a_tied_receiver(runtime: Any) -> None:
+    """``named_parameters()`` lists a tied weight once; the receiver's state_dict lists it
+    under both names. The alias counts as loaded (it used to raise MissingWeightsError
+    after every bucket was written, and never commit)."""
+    runtime()
+    trainer, engine = Tied(1), Tied(2)
+    r1, h1 = receiver_node(engine)
+    sender = WeightSender(lambda: trainer.named_parameters(), bucket_bytes=1 << 20,
+                          source_reads=False)
+    assert sender.stream([h1]).version == 1
+    assert r1.weight_receiver.version == 1
+    for k, v in trainer.state_dict().items():
+        assert torch.equal(engine.state_dict()[k], v), k
+    # the same names as a whole layout
+    layout, _g = plan_layout(dict(trainer.named_parameters()))
+    WeightReceiver(Tied(3)).check(layout)
+
+
+@pytest.mark.parametrize("how", ["mapping", "lazy"])
+def test_an_untied_sender_into_a_tied_receiver_is_refused_up_front(runtime: Any,
+                                                                   how: str) -> None:
+    """Two different manifest tensors into one destination tensor: only the one written
+    last would stay (it used to, silently). DuplicateTargetError naming both, before
+    anything is written or, for a whole layout, put."""
+    rt = runtime()
+    trainer, engine = Tied(1, tied=False), Tied(2)
+    before = {k: v.detach().clone() for k, v in engine.state_dict().items()}
+    r1, h1 = receiver_node(engine)
+    src: Any = trainer if how == "mapping" else (lambda: trainer.state_dict().items())
+    sender = WeightSender(src, bucket_bytes=1 << 20, source_reads=False)
+    put0 = rt.stats().objects_put
+    with pytest.raises(DuplicateTargetError, match=r"'head\.weight' and 'embed\.weight'"):
+        sender.stream([h1])
+    if how == "mapping":
+        assert rt.stats().objects_put == put0
+    assert r1.weight_receiver.version == 0
+    for k, v in engine.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert rt.stats().pool_used == 0
+
+
+def _lazy_buckets(state: dict[str, torch.Tensor], bucket_bytes: int
+                  ) -> tuple[WeightLayout, list[list[torch.Tensor]], list[BucketLayout]]:
+    """The buckets a lazy source makes of ``state`` (a tie across buckets is sent twice)."""
+    from ray_rdt_pool.weights import _iter_buckets
+
+    specs, groups = [], []
+    for p in _iter_buckets(iter(state.items()), bucket_bytes):
+        specs.append(p.spec)
+        groups.append(list(p.tensors))
+    entries = tuple(e for s in specs for e in s.entries)
+    return WeightLayout(entries, tuple(s.bucket for s in specs)), groups, specs
+
+
+def test_a_tie_a_lazy_source_sends_twice_is_compared_not_rewritten(runtime: Any) -> None:
+    """A lazy tied state_dict whose tie spans buckets sends the tensor twice: equal bytes
+    load (nothing is written the second time); other bytes into that one destination
+    tensor refuse the later bucket before any of it is written."""
+    runtime()
+    trainer, engine = Tied(1), Tied(2)
+    sd = dict(trainer.state_dict())
+    _layout, groups, specs = _lazy_buckets(sd, 600)  # embed, mid, head in 3+ buckets
+    heads = [k for k, s in enumerate(specs) if "head.weight" in s.bucket.names]
+    assert heads and heads[0] > 0 and "embed.weight" in specs[0].bucket.names
+    rec = WeightReceiver(engine, direct=False)
+    rec.begin_stream("s", None, 1)
+    for k, (g, spec) in enumerate(zip(groups, specs)):
+        rec.load_stream_bucket("s", k, [g], spec)
+    rec.finish_stream("s", len(groups))
+    assert rec.version == 1 and torch.equal(engine.embed.weight, trainer.embed.weight)
+
+    untied = dict(Tied(4, tied=False).state_dict())
+    _layout, groups, specs = _lazy_buckets(untied, 600)
+    engine = Tied(5)
+    rec = WeightReceiver(engine, direct=False)
+    rec.begin_stream("s", None, 1)
+    h = next(k for k, s in enumerate(specs) if "head.weight" in s.bucket.names)
+    for k in range(h):
+        rec.load_stream_bucket("s", k, [groups[k]], specs[k])
+    with pytest.raises(DuplicateTargetError, match=f"bucket {h} was not written"):
+        rec.load_stream_bucket("s", h, [groups[h]], specs[h])
+    assert torch.equal(engine.embed.weight, untied["embed.weight"])  # the earlier bucket's
+    assert rec.version == 0
 
 
