@@ -299,7 +299,12 @@ class Runtime:
         if not tensors:
             return PoolTransportMetadata(tensor_meta=[], tensor_device=None, wire=None)
         self.sending()
-        meta, wire = self.sender.put(obj_id, tensors, _put_conversions())
+        try:
+            meta, wire = self.sender.put(obj_id, tensors, _put_conversions())
+        except BaseException:
+            if obj_id not in self.sender.sent:  # a failed retry released its first try
+                self._sent.pop(obj_id, None)
+            raise
         out = PoolTransportMetadata(tensor_meta=[], tensor_device=tensors[0].device.type,
                                     wire=wire)
         out._decoded = meta
