@@ -884,7 +884,9 @@ class WeightSender:
     returns only after every receiver loaded every bucket and committed, so either way
     the trainer may keep training as soon as the call returns. ``version`` is the
     version of the last successful publish or stream (0 before any); a call without
-    ``version=`` uses ``version + 1``.
+    ``version=`` uses one more than the highest version this sender used, successful
+    or not, so a retry after a stream that failed on some receivers (others may have
+    committed it) is never refused as stale.
     """
 
     def __init__(self, source: Source | None = None, *,
@@ -901,6 +903,7 @@ class WeightSender:
         self.wire_dtype = wire_dtype
         self.source_reads = source_reads
         self.version = 0
+        self._used = 0  # the highest version sent to any receiver, successful or not
         self._spent = False  # a one-shot (iterator) source was consumed
         # Storage keys of the source tensors the last stream sent by reference: their
         # registrations stay in the transport's storage cache for the next stream, and
@@ -945,7 +948,7 @@ class WeightSender:
 
     def _next_version(self, version: int | None) -> int:
         if version is None:
-            return self.version + 1
+            return max(self.version, self._used) + 1
         if isinstance(version, bool) or not isinstance(version, int):
             raise InvalidInputError(f"version must be an int, got {version!r}")
         return version
@@ -1116,25 +1119,16 @@ class WeightSender:
             from ray_rdt_pool.transport import source_process
 
             src_proc = source_process()
+        # From here on ``v`` may be committed by some receiver, even if the stream fails:
+        # the next default version is past it.
+        self._used = max(self._used, v)
         begins = [r.__ray_call__.remote(_remote_begin, receiver_attr, session, layout, v,
                                         src_proc)
                   for r in receivers]
-        began = _get_all(begins, deadline_s, "validating the layout on the receivers")
-        # Source reads only when every receiver can: a bucket is then never packed.
-        direct = src_proc is not None and all(ok for _sk, ok in began)
-        direct_buckets = 0
-        # Otherwise, for the module or mapping this sender holds, receivers READ the
-        # tensors where they lie over NIXL: their storages stay registered between syncs
-        # (so the metadata does not change) without holding memory the source does not
-        # hold itself. Not for a state= or a callable's state: it may be new memory each
-        # sync, which would be registered, and kept, every time.
-        by_ref = (self.source_reads and not direct and layout is not None
-                  and state is None and isinstance(self.source, (torch.nn.Module, Mapping))
-                  and layout.total_bytes <= _registration_cache_bytes())
-        ref_buckets = 0
-        ref_keys: set[Any] = set()
         finishes: list[Any] = []
-
+        direct = by_ref = False
+        direct_buckets = ref_buckets = 0
+        ref_keys: set[Any] = set()
         st0 = _stats()
         fallbacks0 = st0.fallbacks
         used0 = int(st0.pool_used)
@@ -1158,6 +1152,18 @@ class WeightSender:
         wait_s = 0.0
         k = 0
         try:
+            began = _get_all(begins, deadline_s, "validating the layout on the receivers")
+            # Source reads only when every receiver can: a bucket is then never packed.
+            direct = src_proc is not None and all(ok for _sk, ok in began)
+            # Otherwise, for the module or mapping this sender holds, receivers READ the
+            # tensors where they lie over NIXL: their storages stay registered between
+            # syncs (so the metadata does not change) without holding memory the source
+            # does not hold itself. Not for a state= or a callable's state: it may be new
+            # memory each sync, which would be registered, and kept, every time.
+            by_ref = (self.source_reads and not direct and layout is not None
+                      and state is None
+                      and isinstance(self.source, (torch.nn.Module, Mapping))
+                      and layout.total_bytes <= _registration_cache_bytes())
             while True:
                 while len(inflight) >= max_inflight:
                     _retire(inflight, acked, deadline_s)
@@ -1227,8 +1233,9 @@ class WeightSender:
             skipped = _get_all(finishes, deadline_s, "committing the stream on the receivers")
         except BaseException as e:
             # Let the receivers finish (or fail) what they hold so every ref drains, then
-            # have them drop the stream (and any bucket they hold out of order).
-            pending = [a for acks, _keep, _oid in inflight for a in acks] + finishes
+            # have every receiver that began drop the stream (and any bucket it holds out
+            # of order): one that was refused, or that failed, holds nothing to drop.
+            pending = [a for acks, _keep, _oid in inflight for a in acks] + begins + finishes
             if pending:
                 ray.wait(pending, num_returns=len(pending), timeout=deadline_s)
                 for acks, _keep, _oids in inflight:

@@ -26,6 +26,7 @@ from ray_rdt_pool.weights import (
     BucketLayout,
     DuplicateTargetError,
     Manifest,
+    MissingWeightsError,
     StaleVersionError,
     WeightLayout,
     WeightReceiver,
@@ -446,6 +447,67 @@ def test_a_converting_bucket_waits_for_one_free_block(runtime: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# Finding 5: retries after a partial failure
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_retry_after_a_partial_failure_uses_a_new_version(runtime: Any) -> None:
+    """A lazy stream commits on r1 and fails at r2's commit (a destination tensor nobody
+    sent). The sender's next default version is past the one r1 committed, so the retry
+    succeeds on both (it used to resend that version, which r1 refused forever)."""
+    rt = runtime()
+    state = filled(4, 4)
+    r1, h1 = receiver_node(filled(0, 4))
+    r2, h2 = receiver_node({**filled(0, 4), "extra": torch.zeros(3)})
+    sender = WeightSender(lambda: iter(state.items()), bucket_bytes=4096, source_reads=False)
+    with pytest.raises(MissingWeightsError, match="'extra'"):
+        sender.stream([h1, h2])
+    assert (r1.weight_receiver.version, r2.weight_receiver.version) == (1, 0)
+    assert sender.version == 0  # the last successful one
+    r2.weight_receiver.strict = False  # the engine is fixed
+    assert sender.stream([h1, h2]).version == 2
+    assert (r1.weight_receiver.version, r2.weight_receiver.version) == (2, 2)
+    assert rt.stats().pool_used == 0
+
+
+def test_a_refused_begin_leaves_no_receiver_holding_the_stream(runtime: Any) -> None:
+    """r1 refuses the stream (stale); r2, which began, is told to drop it, so it loads
+    that version from a publish right after (it used to keep the stream and its
+    reservation, and refuse as "loading now")."""
+    rt = runtime()
+    state = filled(5, 4)
+    _r1, h1 = receiver_node(filled(0, 4))
+    r2, h2 = receiver_node(filled(0, 4), direct=False)
+    sender = WeightSender(state, bucket_bytes=4096, source_reads=False)
+    assert sender.stream([h1], version=5).version == 5
+    put0 = rt.stats().objects_put
+    with pytest.raises(StaleVersionError, match="version 3 is not newer"):
+        sender.stream([h1, h2], version=3)
+    assert rt.stats().objects_put == put0  # refused before any bucket was put
+    assert r2.weight_receiver.load(manifest(3, filled(3, 4))[2]).version == 3
+    assert values(r2.weight_receiver.dest) == [3.0] * 4  # type: ignore[arg-type]
+
+
+def test_a_failed_bucket_aborts_every_receiver(runtime: Any) -> None:
+    """r2 fails at bucket 1: every receiver drops the stream, so both take a publish of
+    the same version at once, and the next default-versioned stream succeeds."""
+    rt = runtime()
+    state = filled(6, 4)
+    r1, h1 = receiver_node(filled(0, 4), direct=False)
+    r2, h2 = receiver_node(filled(0, 4), FailingReceiver, direct=False)
+    r2.weight_receiver.fail_at = 1  # type: ignore[attr-defined]
+    sender = WeightSender(state, bucket_bytes=4096, source_reads=False)
+    with pytest.raises(RuntimeError, match="injected failure on bucket 1"):
+        sender.stream([h1, h2])
+    r2.weight_receiver.fail_at = None  # type: ignore[attr-defined]
+    for r in (r1, r2):
+        assert r.weight_receiver.load(manifest(1, filled(1, 4))[2]).version == 1
+    assert sender.stream([h1, h2]).version == 2
+    assert values(r2.weight_receiver.dest) == [6.0] * 4  # type: ignore[arg-type]
+    assert rt.stats().pool_used == 0
+
+
+# ---------------------------------------------------------------------------------------
 # Finding 6: tied destinations
 # ---------------------------------------------------------------------------------------
 
@@ -546,3 +608,23 @@ def test_a_tie_a_lazy_source_sends_twice_is_compared_not_rewritten(runtime: Any)
     assert rec.version == 0
 
 
+# ---------------------------------------------------------------------------------------
+# Finding 7: conjugate and negative views are other tensors
+# ---------------------------------------------------------------------------------------
+
+
+def test_conjugate_and_negative_views_are_not_aliases(runtime: Any) -> None:
+    """``c.conj()`` shares ``c``'s memory, shape, strides and dtype but reads otherwise;
+    so does the negative view ``c.conj().imag`` of ``c.imag``. Each is sent as its own
+    tensor (``b`` used to be an alias of ``a`` and receive ``a``'s bytes)."""
+    runtime()
+    c = torch.randn(4, dtype=torch.complex64)
+    state = {"a": c, "b": c.conj(), "im": c.imag, "neg": c.conj().imag}
+    assert state["neg"].is_neg()
+    layout, _g = plan_layout(state)
+    assert layout.aliases == () and [e.name for e in layout.entries] == list(state)
+    dest = {k: torch.zeros_like(v.resolve_conj().resolve_neg()) for k, v in state.items()}
+    _r1, h1 = receiver_node(dest)
+    WeightSender(state, source_reads=False).stream([h1])
+    for k, v in state.items():
+        assert torch.equal(dest[k], v.resolve_conj().resolve_neg()), k
