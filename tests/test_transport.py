@@ -417,6 +417,35 @@ def test_a_get_through_the_object_store_is_the_snapshot_too(pair):
     assert digest(ray.get(other[0], _use_object_store=True)) == dig
 
 
+def test_get_snapshot_follows_the_sender_through_retried_puts():
+    """Runtime.get_snapshot, unit-level (the in-process fake NIXL): the put's bytes after
+    the tensors changed, copies with storages of their own; a retried put that fails
+    before placing keeps the first try, one that fails placing releases it and its
+    metadata (kept until a free that never comes, before)."""
+    from ray_rdt_pool.config import PoolConfig
+    from ray_rdt_pool.errors import InvalidInputError, PoolExhaustedError
+    from ray_rdt_pool.transport import Runtime
+    from tests.fakenixl import World
+
+    world = World()
+    rt = Runtime(PoolConfig(pool_bytes=1 << 20, arena_bytes=1 << 20, metrics=False,
+                            strict=True), backend_factory=world.factory, directory=world)
+    ts = [torch.zeros(1000), torch.ones(4, 4)[:, 1]]
+    rt.put("a", ts)
+    ts[0].add_(1)
+    snap = rt.get_snapshot("a")
+    assert digest(snap) == digest([torch.zeros(1000), torch.ones(4)])
+    assert [t.untyped_storage().nbytes() for t in snap] == [4000, 16]
+    with pytest.raises(InvalidInputError):
+        rt.put("a", [torch.empty(2, device="meta")])
+    assert digest(rt.get_snapshot("a")) == digest(snap)
+    with pytest.raises(PoolExhaustedError):
+        rt.put("a", [torch.zeros(1 << 19)])
+    assert rt.get_snapshot("a") is None and "a" not in rt._sent
+    assert rt.stats().live_objects == 0 and rt.get_snapshot("never put") is None
+    rt.shutdown()
+
+
 @pytest.mark.parametrize("same_node", ["off", "map"])
 def test_garbage_collection_returns_blocks_to_the_pool(same_node):
     s, r = Sender.remote(), receiver(same_node)
