@@ -1878,16 +1878,14 @@ class WeightReceiver:
                 "a dim-0 shard), or None for the whole tensor") from None
 
     def _missing(self, dests: Mapping[str, torch.Tensor], claimed: Mapping[str, str],
-                 problems: list[tuple[str, str, str]]) -> None:
+                 problems: list[tuple[str, str, str]], written: _Claims) -> None:
         """Destination names that receive nothing (``strict``). A name that is another
         name of a destination tensor that receives something (a tied weight: same
-        memory, shape, strides and dtype) is written with it: a sender's
-        ``named_parameters()`` lists a tied tensor once, a ``state_dict`` under every
-        name."""
+        memory, shape, strides and dtype; ``written`` from :meth:`_resolve`) is written
+        with it: a sender's ``named_parameters()`` lists a tied tensor once, a
+        ``state_dict`` under every name."""
         if not self.strict:
             return
-        written = {_identity_key(dests[dn]) for dn in claimed
-                   if dn in dests and dests[dn].numel() > 0}
         for dn, d in dests.items():
             if dn not in claimed and not (d.numel() > 0 and _identity_key(d) in written):
                 problems.append(("missing", dn, f"destination {dn!r} receives no tensor "
@@ -1915,8 +1913,9 @@ class WeightReceiver:
         sources += [(a, by_name[c]) for a, c in layout.aliases if c in by_name]
         problems: list[tuple[str, str, str]] = []
         claimed: dict[str, str] = {}
-        resolved, skipped, selections = self._resolve(sources, dests, claimed, problems, {})
-        self._missing(dests, claimed, problems)
+        mem: _Claims = {}
+        resolved, skipped, selections = self._resolve(sources, dests, claimed, problems, mem)
+        self._missing(dests, claimed, problems, mem)
         self._raise(problems)
         return LoadPlan(layout, self._plan_buckets(layout, resolved, selections), skipped)
 
@@ -2297,7 +2296,7 @@ class WeightReceiver:
                                       f"this receiver loaded {st.next}")
             problems: list[tuple[str, str, str]] = []
             if st.plan is None:
-                self._missing(self._dests(), st.claimed, problems)
+                self._missing(self._dests(), st.claimed, problems, st.mem)
             if problems:
                 self._drop_locked(st, "destination tensors received nothing")
             self._raise(problems, f"all {buckets} bucket(s) were written, but the version "
