@@ -1068,13 +1068,20 @@ class WeightSender:
         they READ them by reference over NIXL. Other buckets go through the pool as
         above.
 
+        Once every receiver acknowledged every bucket, the sender tells each to commit
+        (:meth:`WeightReceiver.finish_stream`, one more call per receiver) and waits for
+        it: a receiver never commits a stream this sender gave up on, and when
+        ``stream()`` returns every receiver's ``version`` is the new one.
+
         Raises ``PoolExhaustedError`` if a bucket cannot fit the pool at all (up front
         for a module or mapping, at that bucket for a lazy source),
         :class:`WeightSyncTimeoutError` if pool space or acks take longer than
         ``timeout_s``, :class:`DuplicateNameError` if a lazy source repeats a name,
         and re-raises a receiver's error (its other buckets still drain). On any error
-        the receivers are told to drop the stream, then the sender frees every bucket
-        it still holds, so no bucket stays pinned.
+        (a begin refused included) every receiver is told to drop the stream, then the
+        sender frees every bucket it still holds, so no bucket stays pinned. A failure
+        at the commit itself may leave some receivers committed; the version is used
+        up either way (the next default version is past it).
         """
         import ray
 
