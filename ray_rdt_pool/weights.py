@@ -974,8 +974,9 @@ class WeightSender:
         """Put every bucket now and return the manifest.
 
         ``version`` is the manifest's version (an int, e.g. the trainer step); without
-        it, the previous version + 1. Receivers refuse a manifest that is not newer than
-        their last complete load (:class:`StaleVersionError`).
+        it, one more than the highest version this sender used. Receivers refuse a
+        manifest that is not newer than their last complete load
+        (:class:`StaleVersionError`).
 
         A lazy source is consumed whole here, bucket by bucket: each bucket is put as
         soon as it is full and its source tensors are dropped then. Every bucket is a
@@ -2406,7 +2407,8 @@ def sync(trainer: ActorHandle, receivers: Sequence[ActorHandle], *,
     ``max_inflight >= 2``). ``mode="publish"`` puts every bucket, hands the manifest to
     all receivers at once (they load concurrently), then drops the driver's copy, so the
     sender frees the pool when the last receiver is done. ``version`` is passed to
-    ``publish``/``stream`` (default: the sender's previous version + 1).
+    ``publish``/``stream`` (default: one more than the highest version the sender
+    used, successful or not).
     """
     import ray
 
