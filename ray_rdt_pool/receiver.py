@@ -30,9 +30,16 @@ hold deregistered memory is replaced (remove, then add) at the next fetch that f
 peer idle. ``fetch`` never waits for other fetches. Peers that failed a READ, or stayed
 idle for :data:`PEER_IDLE_S`, are removed by the progress thread once idle.
 
+Same-node senders: objects in a sender's shared pool are mapped (or copied out of it)
+under a lease instead of READ (see :mod:`ray_rdt_pool.shared`). At ``os.fork()`` (hooks
+registered with the first handle) the parent holds an extra lease on every live mapping
+until the child has copied its inherited mappings into memory of its own; the child
+forgets every handle (their lease rows are the parent's).
+
 Threads: ``fetch``/``wait`` on the thread calling ``ray.get`` or on ``_ray_system``
 (task arguments); ``abort`` on ``_ray_system_error``; ``reap`` on the agent's progress
-thread; arena blocks come back from whatever thread drops the last view. Lock order:
+thread; arena blocks come back from whatever thread drops the last view; the fork hooks
+on the forking thread, holding every watched receiver's lock across the fork. Lock order:
 a transfer's lock, then the receiver lock. NIXL and GCS calls never run under the
 receiver lock. Imports no Ray.
 """
@@ -43,8 +50,10 @@ import bisect
 import itertools
 import logging
 import math
+import os
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -66,6 +75,7 @@ from ray_rdt_pool.shared import (
     lease_slot,
     mappable_spans,
     peer_batch_reader,
+    privatize,
     probe_source,
     unmap,
 )
@@ -180,10 +190,21 @@ class Receiver:
         # counted here: a sender's handle is dropped when it exits, its leases are not.
         self.mapped_objects = 0
         self.mapped_bytes = 0
-        # No progress thread drains for us any more (after shutdown()): a deleter drains
-        # itself. _draining guards against a drain inside a drain (a deleter run by GC).
+        # No progress thread drains for us any more (after shutdown(), in a forked child):
+        # a deleter drains itself. _draining guards against a drain inside a drain (a
+        # deleter run by GC) and keeps drains out while a fork is prepared.
         self._self_drain = False
         self._draining = False
+        # Object mappings that views may still use, by address: (pool, slot, length).
+        # Changed under the lock; a forked child copies each into memory of its own.
+        self._live: dict[int, tuple[MappedPool, int, int]] = {}
+        # Forks in progress or done whose child may not have copied its mappings yet: the
+        # read end of a pipe the child closes once it has, and the extra lease this
+        # process took on each mapping's slot for it (see _before_fork).
+        self._forks: list[tuple[int, list[tuple[MappedPool, int]]]] = []
+        self._fork_prep: tuple[int, int, list[tuple[MappedPool, int]]] | None = None
+        self._fork_locked = False  # _before_fork took the lock: the after-hooks release it
+        self._fork_draining = False
         self.registry = registry
         self.events = events
         self._backend = backend
@@ -211,8 +232,11 @@ class Receiver:
             while self._unmaps:
                 host, slot, addr, length, nbytes = self._unmaps.popleft()
                 if length:  # 0: a copy through the shared view, nothing of ours to unmap
+                    self._live.pop(addr, None)
                     unmap(addr, length)  # first: no copy-on-write page outlives the lease
                 self._unlease_locked(host, slot, nbytes)
+            if self._forks:
+                self._settle_forks_locked()
             while self._arena_dead:
                 device, key = self._arena_dead.popleft()
                 arena = self.arenas.get(device)
@@ -553,6 +577,8 @@ class Receiver:
                 return current
             self.hosts[agent] = host
             self.hosts.move_to_end(agent)
+            if host is not None:
+                _watch_forks(self)
             if failed:
                 self._host_retry[agent] = time.monotonic() + HOST_RETRY_S
             while len(self.hosts) > MAX_HOSTS:
@@ -641,6 +667,8 @@ class Receiver:
                 addr, length = host.shared_view() + spans[0][1], 0
             else:
                 addr, length = host.map(spans, meta.total)
+                with self.lock:  # before any view exists (see _before_fork)
+                    self._live[addr] = (host, slot, length)
         except OSError as e:
             with self.lock:
                 self._unlease_locked(host, slot, meta.total)
@@ -751,6 +779,101 @@ class Receiver:
         self.events.add("receive_fallbacks")
         buf = torch.empty(size, dtype=torch.uint8, device=arena.mem.torch_device)
         return Landing("temp", buf.data_ptr(), device, int(arena.mem.device_id), temp=buf)
+
+    # -- fork: a child keeps the bytes of its inherited mappings, and no lease row ---------
+
+    def _before_fork(self) -> None:
+        """In the parent, before ``fork()``: hold the lock across it (the child inherits a
+        consistent state and a lock nobody else holds), and take one more lease on every
+        live mapping's slot. The child copies its inherited mappings into memory of its
+        own first thing; until it has (it closes the pipe made here, or exits), this
+        process keeps those leases, so the sender cannot reuse a block the child is still
+        reading, whatever this process's views do meanwhile."""
+        self.lock.acquire()
+        self._fork_locked = True
+        self._fork_draining = self._draining
+        self._draining = True  # no drain (a deleter's) between here and the fork
+        live = list(self._live.values())
+        if not live:
+            return
+        try:
+            r, w = os.pipe()
+        except OSError as e:
+            # Nothing to wait on: the child copies at once, unguarded. It still never
+            # touches our row.
+            logger.warning("no pipe for a fork (%s): the child's copies of %d same-node "
+                           "mapping(s) are not guarded by a lease", e, len(live))
+            return
+        extra = [(host, slot) for host, slot, _n in live if host.counts is not None]
+        for host, slot in extra:
+            host.lease(slot)
+        self._fork_prep = (r, w, extra)
+
+    def _after_fork_parent(self) -> None:
+        prep, self._fork_prep = self._fork_prep, None
+        if prep is not None:
+            r, w, extra = prep
+            os.close(w)  # the child's copy of it is the one whose close we wait for
+            os.set_blocking(r, False)
+            self._forks.append((r, extra))
+        self._release_fork_lock()
+
+    def _after_fork_child(self) -> None:
+        """In the child: copy every inherited object mapping into anonymous memory at the
+        same address, and forget every handle (their rows are the parent's: nothing here
+        may take or return a lease through them). Then tell the parent."""
+        prep, self._fork_prep = self._fork_prep, None
+        copied = True
+        for addr, (_host, _slot, length) in self._live.items():
+            if not privatize(addr, length):
+                copied = False
+                logger.error("a forked child could not copy a same-node mapping of %d "
+                             "bytes; the parent keeps its lease until this process exits",
+                             length)
+        handles = {id(h): h for h in self.hosts.values() if h is not None}
+        handles.update((id(h), h) for h, _s, _n in self._live.values())
+        handles.update((id(u[0]), u[0]) for u in self._unmaps)
+        for h in handles.values():
+            h.forget()
+        self.hosts.clear()
+        self._host_retry.clear()
+        self._live.clear()
+        for r, _extra in self._forks:  # the parent's to settle
+            os.close(r)
+        self._forks.clear()
+        self._self_drain = True  # no progress thread here
+        if prep is not None:
+            r, w, _extra = prep
+            os.close(r)
+            if copied:
+                os.close(w)
+            # else: w stays open, so the parent holds the leases until this process exits
+        self._release_fork_lock()
+
+    def _release_fork_lock(self) -> None:
+        if self._fork_locked:
+            self._fork_locked = False
+            self._draining = self._fork_draining
+            self.lock.release()
+
+    def _settle_forks_locked(self) -> None:
+        """Drop the extra leases of forks whose child has copied its mappings (closed
+        its end of the pipe) or exited."""
+        pending = []
+        for r, extra in self._forks:
+            try:
+                if os.read(r, 1):
+                    pending.append((r, extra))  # nothing is ever written: keep waiting
+                    continue
+            except BlockingIOError:
+                pending.append((r, extra))
+                continue
+            except OSError:
+                pass
+            os.close(r)
+            for host, slot in extra:
+                host.release_one(slot)
+        self._forks = pending
 
     # -- source reads (the weights API's stream) -------------------------------------------
 
@@ -1113,6 +1236,55 @@ class Receiver:
 #: A mapping whose views died: (pool, slot, address, length, bytes); see
 #: ``Receiver._unmaps``.
 _Unmap = tuple[MappedPool, int, int, int, int]
+
+#: Receivers that have opened a same-node sender's pool: each takes part in every fork.
+_fork_receivers: weakref.WeakSet[Receiver] = weakref.WeakSet()
+_fork_hooks_registered = False
+
+
+def _watch_forks(receiver: Receiver) -> None:
+    """From its first same-node handle on, ``receiver`` is prepared for ``os.fork()``
+    (the hooks are registered once per process, then; never at import)."""
+    global _fork_hooks_registered
+    _fork_receivers.add(receiver)
+    if not _fork_hooks_registered:
+        _fork_hooks_registered = True
+        os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent,
+                            after_in_child=_after_fork_child)
+
+
+#: Held from the first before-hook to the last after-hook: two threads forking at once
+#: take the receivers' locks one fork after the other, never crosswise.
+_fork_lock = threading.Lock()
+_forking: list[Receiver] = []  # the receivers prepared for the fork under way
+
+
+def _before_fork() -> None:
+    _fork_lock.acquire()
+    _forking[:] = sorted(_fork_receivers, key=id)
+    for receiver in _forking:
+        try:
+            receiver._before_fork()
+        except Exception:  # never keep the others from their step
+            logger.exception("preparing a same-node receiver for fork() failed")
+
+
+def _after_fork(step: Callable[[Receiver], None]) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            for receiver in _forking:
+                try:
+                    step(receiver)
+                except Exception:
+                    logger.exception("a same-node receiver's step after fork() failed")
+        finally:
+            _forking.clear()
+            _fork_lock.release()
+    return run
+
+
+_after_fork_parent = _after_fork(Receiver._after_fork_parent)
+_after_fork_child = _after_fork(Receiver._after_fork_child)
 
 
 def _cuda_available() -> bool:

@@ -33,6 +33,13 @@ Lifetimes, one owner each:
   leases held (the sender exited, the handle was evicted, the receiver shut down): a
   lease taken is always returned.
 
+Fork. A receiver's object mappings are private, but their untouched pages are the
+pool's: a forked child that kept them would see the block's next object once the parent's
+lease dropped. The receiver (its ``os.register_at_fork`` hooks, registered with its first
+handle) has the child replace each by anonymous memory holding the same bytes
+(:func:`privatize`) and forget every handle (:meth:`MappedPool.forget`: the row is the
+parent's), while the parent holds one more lease per mapping until the child has copied.
+
 CUDA pools. A sender whose pool is CUDA memory publishes torch's CUDA IPC export of it
 (:class:`CudaExport`) instead of a descriptor; a receiver whose landing GPU is that GPU
 opens it once (:class:`MappedPool` ``.cuda``) and copies each object out of it, device to
@@ -73,8 +80,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "HOST_INFO_VERSION", "PAGE", "CudaExport", "HostInfo", "LeaseTable", "MappedPool",
     "NotVisibleError", "SharedHostRegion", "SourceProcess", "export_cuda_pool", "lease_slot",
-    "lease_slots", "mappable_spans", "peer_batch_reader", "peer_reader", "probe_source",
-    "still_running", "this_process",
+    "lease_slots", "mappable_spans", "peer_batch_reader", "peer_reader", "privatize",
+    "probe_source", "still_running", "this_process", "unmap",
 ]
 
 PAGE = mmap.PAGESIZE
@@ -91,6 +98,11 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_int, ctypes.c_long]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mremap.restype = ctypes.c_void_p
+_libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
+                         ctypes.c_void_p]
+_MREMAP_MAYMOVE = 1
+_MREMAP_FIXED = 2
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10
 _PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
@@ -615,6 +627,19 @@ class MappedPool:
                 raise OSError(err, "mmap of a shared pool block failed")
         return int(base), span
 
+    def forget(self) -> None:
+        """In a forked child: the row and the table are the parent's. Never write them
+        again (no lease taken, none returned) and let go of this process's copies of the
+        descriptors and mappings; the caller has privatized the object mappings."""
+        self.counts = None  # first: release_one() of a view dying here changes nothing
+        if self.cuda is not None:
+            # CUDA does not work in a forked child; letting torch close the IPC opening
+            # here could. Kept, unused, until the process exits.
+            _inherited_cuda.append(self.cuda)
+            self.cuda = None
+        self.close()
+        self._release_mappings()  # even with views out: they no longer need the pool
+
     def close(self) -> None:
         """No new lease from here on; close the descriptors. Object mappings stay valid,
         and the table mapping (our row), the shared view (a copy may still read it) and
@@ -629,6 +654,24 @@ class MappedPool:
             self._closing = True
         else:
             self._release_mappings()
+
+
+def privatize(addr: int, length: int) -> bool:
+    """Replace the object mapping at ``addr`` by anonymous private memory holding the same
+    bytes, at the same address (views of it stay valid); False if that failed (nothing
+    changed). A forked child does this to its inherited mappings: their untouched pages
+    are the shared pool's, which the sender reuses once the parent's lease drops."""
+    new = _libc.mmap(None, length, _PROT_RW, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if new in (None, _MAP_FAILED):
+        return False
+    ctypes.memmove(new, addr, length)
+    # One call moves the copy over the old mapping (which it unmaps): no moment where the
+    # address holds nothing.
+    got = _libc.mremap(new, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, addr)
+    if got != addr:
+        _libc.munmap(new, length)
+        return False
+    return True
 
 
 def unmap(addr: int, length: int) -> None:
@@ -664,6 +707,8 @@ _libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.
                                    ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
 
 _probe: ctypes.Array[ctypes.c_char] | None = None
+#: CUDA openings a forked child inherited (see MappedPool.forget): never released.
+_inherited_cuda: list[Any] = []
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ The two-node case (NIXL between Ray nodes) is in tests/test_multinode.py.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import time
@@ -91,6 +92,38 @@ class Receiver:
     def pid(self) -> int:
         return os.getpid()
 
+    def fork_keeping(self, key: str) -> None:
+        """Fork a child that inherits the views kept under ``key``, then drop them here
+        (as a DataLoader worker's parent may); the child checks their bytes when told."""
+        ts = self.kept.pop(key)
+        want = [hashlib.sha256(t.numpy().tobytes()).hexdigest() for t in ts]
+        go_r, go_w = os.pipe()
+        res_r, res_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # numpy and hashlib only: a forked child must not use torch's threads
+            ok = b"0"
+            try:
+                os.read(go_r, 1)
+                got = [hashlib.sha256(t.numpy().tobytes()).hexdigest() for t in ts]
+                ok = b"1" if got == want else b"0"
+            finally:
+                os.write(res_w, ok)
+                os._exit(0)
+        os.close(go_r)
+        os.close(res_w)
+        self.child = (pid, go_w, res_r)
+        del ts
+        ray_rdt_pool.stats()  # drains: our views' lease drops
+
+    def child_kept_its_bytes(self) -> bool:
+        pid, go_w, res_r = self.child
+        os.write(go_w, b"x")
+        ok = os.read(res_r, 1) == b"1"
+        os.waitpid(pid, 0)
+        os.close(go_w)
+        os.close(res_r)
+        return ok
+
 
 def stats(actor):
     return call(actor, lambda self: ray_rdt_pool.stats())
@@ -170,6 +203,27 @@ def test_a_thousand_cycles_leak_nothing() -> None:
     assert st.registered_regions == base.registered_regions
     rst = wait_for(lambda: (x := stats(r)).mapped_objects == 0 and x, timeout=10)
     assert rst.mapped_bytes == 0 and rst.arena_used == 0
+    ray.kill(s)
+    ray.kill(r)
+
+
+def test_a_forked_child_of_a_receiver_keeps_the_bytes_of_its_views() -> None:
+    """A receiver forks holding mapped views and drops its own: the child's inherited
+    private mappings used to show whatever the sender put into the reused block next.
+    The child copies them at fork, and the block comes back once it has."""
+    s, r = Sender.remote(), Receiver.remote()
+    refs, want = ray.get(s.put.remote(1 << 18, 3))
+    assert ray.get(r.get.remote(refs, keep="f")) == want
+    ray.get(r.fork_keeping.remote("f"))
+    del refs
+    wait_drained(s)
+    wait_for(lambda: stats(s).leased_objects == 0, timeout=10)  # the child has copied
+    refs2, want2 = ray.get(s.put.remote(1 << 18, 4))  # the same size: the same block
+    assert ray.get(r.get.remote(refs2)) == want2
+    assert ray.get(r.child_kept_its_bytes.remote())
+    assert stats(r).reads_posted == 0
+    del refs2
+    wait_drained(s)
     ray.kill(s)
     ray.kill(r)
 

@@ -14,6 +14,7 @@ import os
 import pickle
 import threading
 import time
+import traceback
 
 import pytest
 import torch
@@ -514,6 +515,140 @@ def test_sender_and_receiver_agree_on_the_slot_whatever_the_pool_alignment(
     del kept
     settle(r, s)
     assert s.stats().leased_objects == 0
+
+
+def _fork(child) -> int:
+    """Run ``child()`` in a forked child; returns its pid. The child exits 0 if it
+    returned, 1 (with the traceback on stderr) if it raised. It checks bytes with numpy,
+    not torch ops, whose thread pool a forked child must not use."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            child()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _reap_child(pid: int) -> None:
+    _pid, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child failed (see stderr)"
+
+
+def test_a_forked_child_keeps_the_bytes_of_its_inherited_views(world: World) -> None:
+    """A map-mode receiver forks (a DataLoader worker, fork-start multiprocessing) while
+    it holds received views. The child inherits the private mappings, whose untouched
+    pages are the sender's shared pool, but not the lease: the parent dropped its views,
+    the sender reused the block, and the child's views showed the next object."""
+    s, r = make(world), make(world)
+    n = PAGE
+    views = {"a": get(s, r, "a", [torch.full((n,), 7, dtype=torch.int32)])}
+    go_r, go_w = os.pipe()
+
+    def child() -> None:
+        os.read(go_r, 1)  # until the parent has reused the block
+        assert (views["a"][0].numpy() == 7).all()
+
+    pid = _fork(child)
+    try:
+        views.clear()  # the parent's views die: its lease drops
+        settle(r)
+        assert s.sender.free("a")
+        settle(s)
+        get(s, make(world, same_node="off"), "b", [torch.full((n,), 9, dtype=torch.int32)])
+    finally:
+        os.write(go_w, b"x")
+        _reap_child(pid)
+    settle(r, s)
+    assert s.stats().leased_objects == 0 and r.stats().mapped_objects == 0
+
+
+def test_until_the_child_copied_its_mappings_the_parent_holds_their_blocks(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between fork() and the child's copy, the parent's views may die and Ray free the
+    object: the parent holds one more lease per mapping until the child has copied."""
+    s, r = make(world), make(world)
+    n = PAGE
+    views = {"a": get(s, r, "a", [torch.full((n,), 7, dtype=torch.int32)])}
+    go_r, go_w = os.pipe()
+    real = receiver_mod.privatize
+
+    def slow_privatize(addr: int, length: int) -> bool:
+        os.read(go_r, 1)  # the child is slow to copy: the parent goes on meanwhile
+        return real(addr, length)
+
+    monkeypatch.setattr(receiver_mod, "privatize", slow_privatize)
+
+    def child() -> None:
+        assert (views["a"][0].numpy() == 7).all()
+
+    pid = _fork(child)
+    monkeypatch.undo()
+    try:
+        views.clear()
+        settle(r)
+        assert s.sender.free("a")
+        settle(s)
+        assert s.stats().leased_objects == 1  # the child has not copied yet
+        off_a = next(iter(s.sender.leased.values())).blocks[0][0]
+        get(s, make(world, same_node="off"), "b", [torch.full((n,), 9, dtype=torch.int32)])
+        assert s.sender.sent["b"].blocks[0][0] != off_a
+    finally:
+        os.write(go_w, b"x")
+        _reap_child(pid)
+    settle(r, s)
+    assert s.stats().leased_objects == 0 and r.stats().mapped_objects == 0
+
+
+def test_a_forked_child_never_writes_the_parents_lease_row(world: World) -> None:
+    """The child's inherited views die and it drains: it used to lower the parent's
+    count through the inherited table (the parent's block freed under its live views,
+    its count wrapping to 0xFFFFFFFF later). A get in the child takes a row of its own,
+    and a put into the inherited shared pool is refused."""
+    s, r = make(world), make(world)
+    n = PAGE
+    src = torch.full((n,), 7, dtype=torch.int32)
+    views = {"a": get(s, r, "a", [src])}
+    host = r.receiver.hosts[s.agent_name]
+    assert host is not None
+    table = s.sender.leases
+    assert table is not None
+    slot = s.sender.sent["a"].blocks[0][0] // PAGE
+    row = host.row
+    later = ship(s.put("c", [torch.full((n,), 5, dtype=torch.int32)]))
+    slot_c = s.sender.sent["c"].blocks[0][0] // PAGE
+
+    def child() -> None:
+        before = int(table.counts[row, slot])  # the parent's lease (and its extra one)
+        views.clear()
+        gc.collect()
+        r.stats()  # drains: the mapping goes, the parent's count stays
+        assert int(table.counts[row, slot]) == before
+        got = r.wait(r.fetch("c", later, None), -1)  # maps "c" with a row of its own
+        assert (got[0].numpy() == 5).all()
+        mine = r.receiver.hosts[s.agent_name]
+        assert mine is not None and mine.row != row
+        assert int(table.counts[mine.row, slot_c]) == 1
+        assert int(table.counts[row, slot_c]) == 0
+        with pytest.raises(RegistrationError, match="forked"):
+            s.put("d", [torch.arange(10)])
+        # exits holding its views of "c": its row is swept once it is gone
+
+    pid = _fork(child)
+    _reap_child(pid)
+    assert s.sender.free("a") and s.sender.free("c")
+    settle(s, r)
+    assert s.stats().leased_objects == 1  # the parent's views of "a" still live...
+    assert torch.equal(views["a"][0], src)
+    views.clear()
+    settle(r, s)
+    st = s.stats()
+    assert (st.leased_objects, st.pool_used) == (0, 0)  # ...and the child's row was swept
+    assert r.stats().mapped_objects == 0
 
 
 def test_host_entries_are_validated() -> None:
