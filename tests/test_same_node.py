@@ -207,6 +207,25 @@ def test_a_thousand_cycles_leak_nothing() -> None:
     ray.kill(r)
 
 
+def test_leases_held_at_shutdown_come_back_when_the_views_die() -> None:
+    """``ray_rdt_pool.shutdown()`` in a receiver that keeps running, while it holds
+    mapped views: once they die, the sender's block comes back (it stayed leased until
+    the receiver process exited)."""
+    s, r = Sender.remote(), Receiver.remote()
+    refs, want = ray.get(s.put.remote(1 << 16, 6))
+    assert ray.get(r.get.remote(refs, keep="s")) == want
+    call(r, lambda self: ray_rdt_pool.shutdown())
+    del refs
+    # Ray freed it; the views live on after shutdown and hold the block
+    wait_for(lambda: (x := stats(s)).live_objects == 0 and x.leased_objects == 1, timeout=10)
+    assert call(r, lambda self: self.kept_digest("s")) == want
+    call(r, lambda self: self.drop("s"))
+    st = wait_for(lambda: (x := stats(s)).leased_objects == 0 and x, timeout=10)
+    assert st.leased_bytes == 0 and st.pool_used == 0
+    ray.kill(s)
+    ray.kill(r)
+
+
 def test_a_forked_child_of_a_receiver_keeps_the_bytes_of_its_views() -> None:
     """A receiver forks holding mapped views and drops its own: the child's inherited
     private mappings used to show whatever the sender put into the reused block next.
