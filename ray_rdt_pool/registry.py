@@ -402,9 +402,12 @@ class Registry:
         if i < 0 or not (spans[i][0] <= addr and addr + nbytes <= spans[i][1]):
             return None
         with self._lock:
-            start = spans[i][0]
+            # The entry of exactly that extent: two pinned storages may start at one
+            # address (a numpy array and a slice of it), and the smaller one does not
+            # hold these bytes.
+            start, end = spans[i]
             for e in self._entries.values():
-                if e.pins and e.key[0] == start:
+                if e.pins and e.key[0] == start and e.key[0] + e.key[1] == end:
                     return e
         return None
 
