@@ -1443,10 +1443,11 @@ def _check_targets(targets: Sequence[torch.Tensor], meta: WireMeta) -> None:
             "pass one buffer per tensor, in the order they were sent")
     # All at once first, with the sender's one-pass attribute reads (thousands of
     # per-sample buffers cost a few ms, not tens); the walk below names the bad buffer.
+    found: InvalidInputError | None = None
     try:
         d = describe(targets, allow_cuda=True)
-    except InvalidInputError:
-        d = None
+    except InvalidInputError as e:
+        d, found = None, e  # raised below unless the walk names a more specific fault
     if d is not None and all(d.plain):
         want = list(meta.shapes_dtypes())
         if d.shapes == [s for s, _ in want] and d.dtypes == [dt for _, dt in want]:
@@ -1465,3 +1466,7 @@ def _check_targets(targets: Sequence[torch.Tensor], meta: WireMeta) -> None:
                 f"target buffer {i} must be contiguous and on the same device type as buffer "
                 f"0 (is_contiguous={t.is_contiguous()}, device={t.device}); use "
                 "torch.empty(...) or .contiguous()")
+    if found is not None:
+        # A buffer describe() refuses for another reason (one with no memory behind its
+        # bytes: a READ into it would write near address 0).
+        raise InvalidInputError(f"target buffers: {found}") from found

@@ -240,6 +240,25 @@ def test_zero_copy_tensors_mix_with_pooled_ones(world):
     assert s.stats().registration_cache_entries == 1  # idle, unpinned: evictable now
 
 
+
+def test_the_pinned_entry_found_is_the_extent_that_holds_the_bytes(world):
+    """Two pinned storages that start at one address (a numpy array and a slice of it):
+    a tensor inside the larger one is held by the larger one's entry, not by the first
+    pinned entry with that start (deregistering the larger one would otherwise drop
+    memory a live object still names)."""
+    import numpy as np
+
+    s = make(world)
+    s.backend()
+    arr = np.arange(16, dtype=np.float32)
+    small, whole = torch.from_numpy(arr[:4]), torch.from_numpy(arr)
+    s.registry.pin(small)
+    s.registry.pin(whole)
+    inside = whole[4:8]
+    entry = s.registry.pinned_entry(inside.data_ptr(), inside.nbytes)
+    assert entry is not None and entry.key[1] == whole.nbytes
+    assert s.registry.pinned_entry(small.data_ptr(), small.nbytes) is not None
+
 # ---------------------------------------------------------------------------------------
 # Snapshots under pool pressure (overflow memory)
 # ---------------------------------------------------------------------------------------
@@ -535,6 +554,25 @@ def test_landing_uses_the_arena_of_the_senders_device(world, monkeypatch):
     assert last.local[0][0] == r.receiver.arenas["cuda"].addr  # landed in the cuda arena
     assert same(r.wait(req, -1), [torch.arange(6)])
 
+
+
+@pytest.mark.parametrize("kind", ["zero_tensor", "storage_resized_to_0"])
+def test_a_target_buffer_without_memory_is_refused_before_any_read(world, kind):
+    """A target buffer whose bytes have no memory behind them passes every shape, dtype
+    and contiguity check; a READ into it would write near address 0."""
+    s, r = make(world), make(world)
+    meta = ship(s.put("t", [torch.arange(4, dtype=torch.float32)]))
+    if kind == "zero_tensor":
+        target = torch._efficientzerotensor(4)
+    else:
+        target = torch.empty(4)
+        target.untyped_storage().resize_(0)
+    before = r.stats()
+    with pytest.raises(InvalidInputError, match="target buffers: tensor 0"):
+        r.fetch("t", meta, [target])
+    after = r.stats()
+    assert (after.reads_posted, after.arena_used, after.transfer_errors) == (
+        before.reads_posted, before.arena_used, before.transfer_errors)
 
 def test_failed_copy_into_targets_returns_the_block_and_is_typed(world, monkeypatch):
     s, r = make(world), make(world)
