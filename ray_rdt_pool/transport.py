@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -241,6 +242,9 @@ class Runtime:
         self._sent: dict[str, PoolTransportMetadata] = {}
         self.closed = False
         self._closing = False
+        # The process that made it: a forked child inherits this object, and its agent,
+        # agent name and GCS key are the parent's (see the module-level shutdown()).
+        self.pid = os.getpid()
         if config.debug_transfers:
             from ray_rdt_pool.logs import enable_debug_logging
 
@@ -580,8 +584,12 @@ def shutdown() -> None:
     transport cannot be used again in this process afterwards."""
     with _runtime_lock:
         rt = _runtime
-    if rt is not None:
+    if rt is not None and rt.pid == os.getpid():
         rt.shutdown()
+    # else: a runtime this process inherited through fork() (a DataLoader worker, say)
+    # is the parent's: shutting it down here would remove the parent's agent key from
+    # Ray's GCS (its receivers could no longer find it) and tear down NIXL state the
+    # parent still uses. The child leaves it alone; its memory goes with the process.
     from ray_rdt_pool.tensors import stop_pack_helpers
 
     stop_pack_helpers()

@@ -259,6 +259,33 @@ def test_the_pinned_entry_found_is_the_extent_that_holds_the_bytes(world):
     assert entry is not None and entry.key[1] == whole.nbytes
     assert s.registry.pinned_entry(small.data_ptr(), small.nbytes) is not None
 
+
+def test_a_forked_child_never_shuts_down_the_runtime_it_inherited(world, monkeypatch):
+    """A forked child (a DataLoader worker, say) that exits normally runs the atexit
+    shutdown(): on the inherited runtime that would remove the parent's agent key from
+    Ray's GCS and tear down the parent's NIXL state. Only the process that made the
+    runtime shuts it down."""
+    import os
+
+    from ray_rdt_pool import transport
+
+    rt = make(world)
+    r, w = os.pipe()
+    monkeypatch.setattr(rt, "shutdown", lambda: os.write(w, str(os.getpid()).encode() + b" "))
+    monkeypatch.setattr(transport, "_runtime", rt)
+    pid = os.fork()
+    if pid == 0:  # the child: what its atexit would run
+        try:
+            transport.shutdown()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    transport.shutdown()  # the parent: its own runtime does shut down
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        shut = f.read().split()
+    assert shut == [str(os.getpid()).encode()]
+
 # ---------------------------------------------------------------------------------------
 # Snapshots under pool pressure (overflow memory)
 # ---------------------------------------------------------------------------------------
