@@ -1760,12 +1760,7 @@ class WeightReceiver:
         and the buckets it holds early are dropped."""
         if self._stream is st:
             self._stream = None
-        self._unreserve_locked(st.version)
-        if st.failed is None:
-            st.failed = why
-        for box, _spec in st.pending.values():
-            box.clear()
-        st.pending.clear()
+        self._fail_locked(st, why)
 
     def _commit_locked(self, version: int, what: str, manifest_id: str = "") -> None:
         self._newer_locked(version, what, manifest_id)  # never lets the version go down
