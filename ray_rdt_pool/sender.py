@@ -87,6 +87,7 @@ class Placement:
     overflow: bool
     pinned: list[RegEntry] = field(default_factory=list)
     key: Any = None  # the allocator key: unique per placement, even for a retried put
+    meta: WireMeta | None = None  # what the put sent (a Ray object-store get copies it)
 
 
 def run_offsets(runs: Sequence[TensorRun]) -> tuple[list[int], int]:
@@ -383,6 +384,7 @@ class Sender:
             meta = WireMeta(self._agent_name(), version, where, where_id, total, runs,
                             tuple(segments))
             wire = encode(meta)
+            p.meta = meta
             with self.lock:
                 self.sent[obj_id] = p
         except BaseException:

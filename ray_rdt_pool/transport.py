@@ -238,8 +238,6 @@ class Runtime:
                              self.directory, node)
         self.receiver = Receiver(config, self.registry, self.events, self.backend,
                                  self.directory, node)
-        # Each live object's metadata, for get_snapshot (a Ray object-store get).
-        self._sent: dict[str, PoolTransportMetadata] = {}
         self.closed = False
         self._closing = False
         # The process that made it: a forked child inherits this object, and its agent,
@@ -303,20 +301,13 @@ class Runtime:
         if not tensors:
             return PoolTransportMetadata(tensor_meta=[], tensor_device=None, wire=None)
         self.sending()
-        try:
-            meta, wire = self.sender.put(obj_id, tensors, _put_conversions())
-        except BaseException:
-            if obj_id not in self.sender.sent:  # a failed retry released its first try
-                self._sent.pop(obj_id, None)
-            raise
+        meta, wire = self.sender.put(obj_id, tensors, _put_conversions())
         out = PoolTransportMetadata(tensor_meta=[], tensor_device=tensors[0].device.type,
                                     wire=wire)
         out._decoded = meta
-        self._sent[obj_id] = out
         return out
 
     def free(self, obj_id: str) -> None:
-        self._sent.pop(obj_id, None)
         self.sender.free(obj_id)
 
     def get_snapshot(self, obj_id: str) -> list[torch.Tensor] | None:
@@ -327,16 +318,14 @@ class Runtime:
 
         from ray_rdt_pool.tensors import copy_bytes, rebuild
 
-        pmeta = self._sent.get(obj_id)
-        if pmeta is None:
-            return None
-        meta = pmeta.decoded()
-        where = meta.device if meta.device == "cpu" else f"cuda:{meta.device_id}"
-        buf = torch.empty(meta.total, dtype=torch.uint8, device=where)
-        at = buf.data_ptr()
         with self.sender.lock:  # the blocks cannot be freed (and reused) meanwhile
-            if obj_id not in self.sender.sent:
+            p = self.sender.sent.get(obj_id)
+            meta = p.meta if p is not None else None
+            if meta is None:
                 return None
+            where = meta.device if meta.device == "cpu" else f"cuda:{meta.device_id}"
+            buf = torch.empty(meta.total, dtype=torch.uint8, device=where)
+            at = buf.data_ptr()
             copy_bytes([(at + off, addr, n) for off, addr, n in meta.segments],
                        meta.device, meta.device_id)
         return [t.clone() for t in rebuild(buf, meta.runs, meta.run_starts())]
