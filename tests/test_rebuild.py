@@ -146,8 +146,27 @@ def test_describe_errors() -> None:
         describe([torch.ones(1), 5])
     with pytest.raises(InvalidInputError, match=r"tensor 1 has layout torch\.sparse_coo"):
         describe([torch.ones(1), torch.ones(2).to_sparse()])
+    # describe reads no layout on its fast path: every non-dense layout must still land
+    # on the typed error, wherever it sits and whatever its dims.
+    eye = torch.eye(4)
+    others = [eye.to_sparse_csr(), eye.to_sparse_csc(), eye.to_sparse_bsr((2, 2)),
+              eye.to_sparse(), torch.ones(3).to_sparse()]
+    if torch.backends.mkldnn.is_available():
+        others.append(torch.ones(4).to_mkldnn())
+    for t in others:
+        for where in ([t], [torch.ones(3), t], [torch.ones(2, 2), t, torch.ones(1)]):
+            at = next(i for i, x in enumerate(where) if x is t)
+            with pytest.raises(InvalidInputError, match=f"tensor {at} has layout {t.layout}"):
+                describe(where)
     with pytest.raises(InvalidInputError, match="cannot be sent with nixl_pool"):
         describe([torch.ones(1), torch.empty(2, dtype=torch.bits8)])
+    # Device errors come first, as before the fast path: a meta tensor after a bad dtype.
+    with pytest.raises(InvalidInputError, match="tensor 2 is on device meta"):
+        describe([torch.ones(1), torch.empty(2, dtype=torch.bits8),
+                  torch.empty(2, device="meta")], allow_cuda=True)
+    # Empty tensors (address 0) are not refused on the way.
+    d = describe([torch.empty(0), torch.ones(2), torch.empty(0, 3)])
+    assert d.nbytes == [0, 8, 0] and d.shapes == [(0,), (2,), (0, 3)]
     with pytest.raises(InvalidInputError, match="tensor 1 is on device meta"):
         describe([torch.ones(1), torch.empty(2, device="meta")], allow_cuda=True)
     parts = [torch.ones(2, 3), torch.ones(4, 3)]
@@ -166,7 +185,7 @@ def test_describe_errors() -> None:
         x.item() for x in flat.unbind()] == [1.5, -2.0]
 
 
-def test_describe_of_many_views_has_no_python_step_per_tensor() -> None:
+def test_describe_of_many_views_of_one_storage() -> None:
     views = list(torch.zeros(2000, 8).unbind(0))
     d = describe(views)
     assert d.plain == [True] * 2000 and d.nbytes == [32] * 2000
