@@ -1165,7 +1165,9 @@ def _transfers_before_their_tasks() -> None:
     transfer, and then waits for a no-op task queued behind it on ``_ray_system``: the
     tensors are in the receiver's store before the task that uses them is even sent.
     Each wait is bounded by :data:`ORDER_WAIT_S`. Other destinations and other
-    transports are untouched.
+    transports are untouched, and so is an argument that a method of the calling actor
+    produces and that does not exist yet: that method is queued behind the very task
+    making the call, so waiting for it could only time out.
     """
     from ray._raylet import ObjectRef
     from ray.experimental.rdt.rdt_manager import RDTManager
@@ -1184,6 +1186,12 @@ def _transfers_before_their_tasks() -> None:
             info = self.get_rdt_metadata(arg.hex())
             if info is None or info.tensor_transport_backend != TRANSPORT:
                 continue
+            if info.tensor_transport_meta is None and _made_by_this_actor(arg):
+                # Its producer is queued behind the task running this very call (on an
+                # async actor's event loop, or the one thread of a plain actor): a wait
+                # here would hold it for ORDER_WAIT_S and help nothing. Ray queues the
+                # transfer until the producer is done, as without this workaround.
+                continue
             ours = True
             if info.tensor_transport_meta is None:
                 ready, _ = ray.wait([arg], timeout=ORDER_WAIT_S)
@@ -1198,6 +1206,18 @@ def _transfers_before_their_tasks() -> None:
 
     RDTManager.queue_or_trigger_out_of_band_tensor_transfer = ordered  # type: ignore[method-assign]
     RDTManager._nixl_pool_ordered = True  # type: ignore[attr-defined]
+
+
+def _made_by_this_actor(ref: Any) -> bool:
+    """Whether ``ref`` is the return of a task of the actor this process runs (False on a
+    driver, or where Ray's ids do not tell)."""
+    try:
+        me = ray._private.worker.global_worker.actor_id
+        if me is None or me.is_nil():
+            return False
+        return bool(ref.task_id().actor_id() == me)
+    except Exception:  # an id layout this Ray does not have: assume not
+        return False
 
 
 def register() -> str:

@@ -230,3 +230,64 @@ def test_100_out_of_order_transfers_between_async_actors(order):
     finally:
         ray.kill(a)
         ray.kill(b)
+
+
+# -- a ref of the caller's own queued method, passed on from inside it --------------------
+
+
+@ray.remote(num_cpus=0, max_concurrency=10)
+class Relay:
+    """Passes the return of one of its own methods, not yet run, to another actor."""
+
+    def __init__(self):
+        ray_rdt_pool.register()
+
+    @ray.method(tensor_transport="nixl_pool")
+    async def numbered(self, i: int):
+        return torch.arange(3, dtype=torch.int64) + 1000 * i
+
+    async def relay(self, other, i: int):
+        me = ray.get_runtime_context().current_actor
+        t0 = time.monotonic()
+        out = other.checksum.remote(me.numbered.remote(i))
+        submit_s = time.monotonic() - t0
+        return submit_s, await out
+
+
+@ray.remote(num_cpus=0)
+class PlainRelay:
+    def __init__(self):
+        ray_rdt_pool.register()
+
+    @ray.method(tensor_transport="nixl_pool")
+    def numbered(self, i: int):
+        return torch.arange(3, dtype=torch.int64) + 1000 * i
+
+    def relay(self, other, i: int):
+        me = ray.get_runtime_context().current_actor
+        t0 = time.monotonic()
+        out = other.checksum.remote(me.numbered.remote(i))
+        return time.monotonic() - t0, [out]  # its producer runs once this returns
+
+
+@pytest.mark.parametrize("kind", ["async", "plain"])
+def test_passing_a_ref_of_ones_own_queued_method_does_not_stall(kind):
+    """The ordering workaround waits for a ``nixl_pool`` argument's producer before it
+    sends a task to an out-of-order actor. When the producer is a method of the calling
+    actor, queued behind the very task that makes the call, that wait could only end at
+    ORDER_WAIT_S (10 s): an async actor's event loop, or a plain actor's one thread,
+    never got to run it. The call must return at once and the bytes arrive."""
+    from ray_rdt_pool.transport import ORDER_WAIT_S
+
+    relay = (Relay if kind == "async" else PlainRelay).remote()
+    b = AsyncActor.remote()
+    try:
+        for i in (1, 2):
+            submit_s, res = ray.get(relay.relay.remote(b, i), timeout=60)
+            if kind == "plain":
+                res = ray.get(res[0], timeout=60)
+            assert res == 3 * 1000 * i + 3
+            assert submit_s < ORDER_WAIT_S / 2, submit_s
+    finally:
+        ray.kill(relay)
+        ray.kill(b)
