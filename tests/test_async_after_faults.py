@@ -215,6 +215,14 @@ class AsyncActor:
     async def checksum(self, data):
         return int(data.sum())
 
+    async def relay(self, other, i: int):
+        """Pass the return of this actor's own ``numbered``, not yet run, to ``other``."""
+        me = ray.get_runtime_context().current_actor
+        t0 = time.monotonic()
+        out = other.checksum.remote(me.numbered.remote(i))
+        submit_s = time.monotonic() - t0
+        return submit_s, await out
+
 
 @pytest.mark.parametrize("order", ["creation", "shuffled"])
 def test_100_out_of_order_transfers_between_async_actors(order):
@@ -233,25 +241,6 @@ def test_100_out_of_order_transfers_between_async_actors(order):
 
 
 # -- a ref of the caller's own queued method, passed on from inside it --------------------
-
-
-@ray.remote(num_cpus=0, max_concurrency=10)
-class Relay:
-    """Passes the return of one of its own methods, not yet run, to another actor."""
-
-    def __init__(self):
-        ray_rdt_pool.register()
-
-    @ray.method(tensor_transport="nixl_pool")
-    async def numbered(self, i: int):
-        return torch.arange(3, dtype=torch.int64) + 1000 * i
-
-    async def relay(self, other, i: int):
-        me = ray.get_runtime_context().current_actor
-        t0 = time.monotonic()
-        out = other.checksum.remote(me.numbered.remote(i))
-        submit_s = time.monotonic() - t0
-        return submit_s, await out
 
 
 @ray.remote(num_cpus=0)
@@ -279,7 +268,7 @@ def test_passing_a_ref_of_ones_own_queued_method_does_not_stall(kind):
     never got to run it. The call must return at once and the bytes arrive."""
     from ray_rdt_pool.transport import ORDER_WAIT_S
 
-    relay = (Relay if kind == "async" else PlainRelay).remote()
+    relay = (AsyncActor if kind == "async" else PlainRelay).remote()
     b = AsyncActor.remote()
     try:
         for i in (1, 2):
