@@ -566,13 +566,17 @@ def runs_from(shapes: Sequence[Sequence[int]], dtypes: Sequence[str]) -> Runs:
     """
     if len(shapes) != len(dtypes):
         raise InvalidInputError(f"{len(shapes)} shapes but {len(dtypes)} dtypes")
-    items: list[Any] = list(zip(shapes, dtypes))
-    entries: list[RunGroup] = []
+    # One tuple per distinct pair: equal items then compare by identity, and an object of
+    # thousands of tensors keeps only as many tuples alive as it has kinds of tensor.
+    # (Thousands of live tuples survive the cyclic GC's young passes into its oldest
+    # generation, and the full passes that follow walk a Ray worker's whole heap: 100+ ms.)
+    canon: dict[Any, Any] = {}
     try:
-        found = _find_repeats(items)
+        items: list[Any] = [canon.setdefault(p, p) for p in zip(shapes, dtypes)]
     except TypeError:  # an unhashable shape, such as a list
-        items = [(tuple(s), d) for s, d in items]
-        found = _find_repeats(items)
+        items = [canon.setdefault(p, p) for p in zip(map(tuple, shapes), dtypes)]
+    entries: list[RunGroup] = []
+    found = _find_repeats(items)
     for element_runs, repeat in found:
         pattern: list[TensorRun] = []
         for start, length in element_runs:
