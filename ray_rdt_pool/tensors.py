@@ -226,7 +226,8 @@ def _refuse_invalid(tensors: Sequence[Any], allow_cuda: bool) -> None:
 
 def _refuse_layouts(tensors: Sequence[Any]) -> None:
     """Raise InvalidInputError naming the first tensor that is not dense (strided), if
-    there is one: the slow path of :func:`describe`, run only once a read failed."""
+    there is one: a slow path of :func:`describe`, run only once a read failed or an
+    address fell under ``_NO_MEMORY`` (empty tensors, a jagged nested tensor)."""
     import torch
 
     _refuse_nested(tensors)  # a jagged nested tensor has a layout of its own
