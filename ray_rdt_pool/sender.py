@@ -39,7 +39,6 @@ import math
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -138,23 +137,24 @@ class Sender:
         # placements Ray freed whose blocks wait for receivers' leases to drop.
         self.leases: LeaseTable | None = None
         self.leased: dict[Any, Placement] = {}
-        # The pid of the process this one was forked from, once its pool was shared: the
-        # pool is that process's (shared memory), so nothing more may be put into it here.
-        self.inherited = 0
+        # The pid of the process that shared the pool (0: not shared). In a process forked
+        # from it the pool is still that process's shared memory: no put may write it.
+        self.shared_by = 0
         self._last_sweep = -math.inf  # when reap() last swept the lease table
 
     # -- placement ------------------------------------------------------------------------
 
     def ensure_pool(self) -> Region:
         pool = self.pool
-        if pool is not None and not self.inherited:
+        if pool is not None:
+            if self.shared_by and self.shared_by != os.getpid():
+                raise RegistrationError(
+                    f"this process ({os.getpid()}) was forked from process {self.shared_by} "
+                    "after nixl_pool made its sender pool there, in memory shared with "
+                    "same-node receivers: a put here would write into that process's pool. "
+                    "Put from that process, or start this one with the 'spawn' or "
+                    "'forkserver' start method")
             return pool
-        if self.inherited:
-            raise RegistrationError(
-                f"this process ({os.getpid()}) was forked from process {self.inherited} "
-                "after nixl_pool made its sender pool there, in memory shared with same-node "
-                "receivers: a put here would write into that process's pool. Put from that "
-                "process, or start this one with the 'spawn' or 'forkserver' start method")
         # Its own lock: registering and publishing take a NIXL call and a GCS round trip,
         # which must not hold up frees on _ray_system.
         with self._create_lock:
@@ -192,7 +192,7 @@ class Sender:
             return
         try:
             self.leases = self._publish_shared(pool, node, directory)
-            _watch_forks(self)
+            self.shared_by = os.getpid()
         except Exception as e:
             logger.warning(
                 "could not share the sender pool with same-node receivers (%s: %s); they "
@@ -563,26 +563,6 @@ class Sender:
             used = sum(r.alloc.stats().used for r in self.overflow)
             cap = sum(r.capacity for r in self.overflow)
         return objs, used, cap
-
-
-#: Senders whose pool is shared with same-node receivers (see Sender.inherited).
-_shared_senders: weakref.WeakSet[Sender] = weakref.WeakSet()
-_fork_hook_registered = False
-
-
-def _watch_forks(sender: Sender) -> None:
-    """Mark ``sender`` inherited in a forked child (the hook is registered once per
-    process, when a pool is first shared; never at import)."""
-    global _fork_hook_registered
-    _shared_senders.add(sender)
-    if not _fork_hook_registered:
-        _fork_hook_registered = True
-
-        def in_child() -> None:
-            parent = os.getppid()
-            for s in list(_shared_senders):
-                s.inherited = s.inherited or parent
-        os.register_at_fork(after_in_child=in_child)
 
 
 def _apply_conversions(d: Described, tensors: Sequence[torch.Tensor],
