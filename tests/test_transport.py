@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import subprocess
 import sys
 import weakref
@@ -720,8 +721,11 @@ def test_repeated_fetches_reuse_registrations(pair):
 
 
 def test_example_put_get_runs():
+    # The example's plain ray.init() joins the cluster RAY_ADDRESS names: this module's,
+    # rather than whatever cluster another test process on the machine last started.
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "put_get.py")],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "received" in proc.stdout
 
