@@ -19,10 +19,14 @@ $(STAMP): pyproject.toml setup.py ray_rdt_pool/_copy.c
 
 venv: $(STAMP)
 
+# Test modules run on TEST_WORKERS pytest processes, a whole module on one (each starts
+# one Ray cluster and shares it among its tests); TEST_WORKERS=0 runs them all in this one.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(VPY) -m ruff check ray_rdt_pool tests microbenchmarks examples
 	$(VPY) -m mypy
-	$(VPY) -m pytest -q -rs tests
+	$(VPY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile tests
 
 # The optional TransferQueue variant of the benchmark; a failed install only skips it.
 BENCH_STAMP := $(VENV)/.bench-installed
