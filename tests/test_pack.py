@@ -875,3 +875,29 @@ def test_unpack_into_and_copy_bytes_land_every_byte(count: int, helper: bool,
     for off, n in zip(offsets, sizes):
         want[off:off + 4 * n] = block[off:off + 4 * n]
     assert torch.equal(again, want)
+
+
+def test_put_phases_times_every_phase_and_leaves_the_packed_bytes(capsys: Any) -> None:
+    """``python -m microbenchmarks.put_phases`` times the put's steps on the real code: the
+    phases add up to no more than the put, and the region holds the packed tensors."""
+    from microbenchmarks import _bench_workloads as W
+    from microbenchmarks import put_phases as P
+
+    tensors = W.build_tensors(W.make_spec("experience_samples", W.QUICK_SIZES))[0][:50]
+    total = sum(t.nbytes for t in tensors)
+    region = T.HostRegion(total + (1 << 20), prefault=True)
+    try:
+        ph = P.put_phases(tensors, region, reps=2, idle_s=0.0)
+        assert set(ph) == {"describe", "group", "offsets", "pack", "wire", "put"}
+        parts = sum(v for k, v in ph.items() if k != "put")
+        assert all(v > 0 for v in ph.values()) and parts <= ph["put"] * 1.0001
+        # The first tensor lands at packed offset 0: its bytes are there.
+        first = tensors[0].reshape(-1).view(torch.uint8)
+        assert torch.equal(region.tensor[:first.numel()], first)
+    finally:
+        region.close()
+    costs = P.read_costs(tensors, reps=1, idle_s=0.0)
+    assert set(costs) == set(P.READS) and all(v > 0 for v in costs.values())
+    with pytest.raises(SystemExit):
+        P.main(["--reps", "0"])
+    assert "--reps must be at least 1" in capsys.readouterr().err
