@@ -60,6 +60,9 @@ def put_phases(tensors: list[Any], region: Any, reps: int, idle_s: float) -> dic
         runs = runs_from(d.shapes, d.dtypes)
         t2 = time.perf_counter()
         offsets, total = run_offsets(runs)
+        if total > region.nbytes:  # pack_into trusts its blocks: never copy past the region
+            raise ValueError(f"the packed object needs {total:,} bytes but the region holds "
+                             f"{region.nbytes:,}; pass a region of at least {total:,} bytes")
         t3 = time.perf_counter()
         pack_into(tensors, d, offsets, [(0, total)], region, None,
                   threads=cfg.pack_thread_count, threshold=cfg.pack_threshold_bytes,

@@ -896,6 +896,12 @@ def test_put_phases_times_every_phase_and_leaves_the_packed_bytes(capsys: Any) -
         assert torch.equal(region.tensor[:first.numel()], first)
     finally:
         region.close()
+    small = T.HostRegion(4096)
+    try:
+        with pytest.raises(ValueError, match="region holds 4,096"):
+            P.put_phases(tensors, small, reps=1, idle_s=0.0)
+    finally:
+        small.close()
     costs = P.read_costs(tensors, reps=1, idle_s=0.0)
     assert set(costs) == set(P.READS) and all(v > 0 for v in costs.values())
     with pytest.raises(SystemExit):
