@@ -167,6 +167,8 @@ def _process_info(variant: Variant) -> dict[str, Any]:
     import ray
     import torch
 
+    from ray_rdt_pool.tensors import native_active
+
     ctx = ray._private.worker.global_worker.get_serialization_context()
     return {
         "pid": os.getpid(),
@@ -177,6 +179,7 @@ def _process_info(variant: Variant) -> dict[str, Any]:
         # the value the serializer really uses.
         "zero_copy_active": bool(getattr(ctx, "_zero_copy_tensors_enabled", False)),
         "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+        "native_describe": native_active(),
     }
 
 

@@ -70,7 +70,19 @@ def collect_env() -> dict[str, Any]:
                       "ray-rdt-pool", "transferqueue", "tensordict")},
         "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
         "loadavg_start": loadavg(),
+        "native_helper": _native_helper(),
     }
+
+
+def _native_helper() -> bool | None:
+    """Whether the compiled describe helper is built for this torch (the bench's actors
+    run on this host with the same torch and load it); None where that cannot be told."""
+    try:
+        from ray_rdt_pool.native import artifact_path
+
+        return artifact_path().exists()
+    except Exception:
+        return None
 
 
 def start_ucx_probe() -> subprocess.Popen[str]:

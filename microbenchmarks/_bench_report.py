@@ -206,6 +206,10 @@ def format_env(env: dict[str, Any]) -> str:
         f"; NIXL READ uses {'; '.join(ucx.get('read_protocols') or []) or 'n/a'}"
         f"; control messages over {', '.join(ucx.get('am_transports') or []) or 'n/a'}",
         f"load average at start {env['loadavg_start']}, at end {env.get('loadavg_end')}",
+        "tensor facts of a put: " + {True: "read in C++ (compiled helper built)",
+                                     False: "Python loop (python -m ray_rdt_pool.native "
+                                            "build makes the C++ helper)"}.get(
+            env.get("native_helper"), "n/a"),
     ]
     return "\n".join(lines)
 
@@ -422,7 +426,8 @@ def inside_floor(inside: dict[str, float], tensor_floor: dict[str, dict[str, Any
     if batched <= 0:
         return {}
     extra = max(0.0, fs["read_s"] + fs["view_s"] - fb["read_s"] - fb["view_s"])
-    return {"read_s": fs["read_s"], "view_s": fs["view_s"], "batched_s": batched,
+    return {"read_s": fs["read_s"], "read_kind": fs.get("read_kind", "python"),
+            "view_s": fs["view_s"], "batched_s": batched,
             "per_sample_floor_s": batched + extra, "ratio": (batched + extra) / batched,
             "measured_ratio": (s_put + s_get) / batched}
 
@@ -452,7 +457,8 @@ def format_experience(cmp: dict[str, Any], n_batched: int, n_samples: int) -> st
         lines.append(
             f"  floor for {v}, same run: batched {f['batched_s'] * 1e3:.1f} ms + the per-tensor "
             f"work no transport avoids ({f['read_s'] * 1e3:.1f} ms to read dtype, shape and "
-            f"address, {f['view_s'] * 1e3:.1f} ms for torch to make one view each) = "
+            f"address{' in C++' if f.get('read_kind') == 'native' else ''}, "
+            f"{f['view_s'] * 1e3:.1f} ms for torch to make one view each) = "
             f"{f['per_sample_floor_s'] * 1e3:.1f} ms, {_x(f['ratio'])} of batched; measured "
             f"{_x(f['measured_ratio'])}")
     if not cmp:

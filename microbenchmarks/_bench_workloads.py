@@ -337,7 +337,10 @@ def per_tensor_floor(tensors: Sequence[Any], reps: int = 7) -> dict[str, Any]:
     """The least per-tensor work any transport must do for these tensors, in this process.
 
     * ``read_s``: a sender must learn each tensor's dtype, shape and address before it
-      can place the bytes: three torch attribute reads per tensor, nothing else;
+      can place the bytes: three torch attribute reads per tensor from Python, or, where
+      the compiled helper is built for this torch (:mod:`ray_rdt_pool.native`), one pass
+      of that helper, which reads them in C++ (whichever is faster; ``read_kind`` says
+      which);
     * ``view_s``: a receiver must hand back one torch tensor per sent tensor: here one
       view each, made in C++ by ``unbind`` of one block per group of equal (shape,
       dtype) tensors, the cheapest way torch offers to make many tensors.
@@ -357,7 +360,11 @@ def per_tensor_floor(tensors: Sequence[Any], reps: int = 7) -> dict[str, Any]:
         key = (tuple(t.shape), t.dtype)
         groups[key] = groups.get(key, 0) + 1
     blocks = [torch.empty((n, *sh), dtype=dt) for (sh, dt), n in groups.items()]
+    from ray_rdt_pool.tensors import describe, native_active
+
+    native = native_active()
     reads: list[float] = []
+    native_reads: list[float] = []
     views: list[float] = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -367,11 +374,17 @@ def per_tensor_floor(tensors: Sequence[Any], reps: int = 7) -> dict[str, Any]:
         t1 = time.perf_counter()
         made = [b.unbind(0) for b in blocks]
         t2 = time.perf_counter()
+        if native:
+            describe(tensors)
+            native_reads.append(time.perf_counter() - t2)
         reads.append(t1 - t0)
         views.append(t2 - t1)
         del made
+    read_s, kind = statistics.median(reads), "python"
+    if native_reads and statistics.median(native_reads) < read_s:
+        read_s, kind = statistics.median(native_reads), "native"
     return {"tensors": len(tensors), "groups": len(groups), "reps": reps,
-            "read_s": statistics.median(reads), "view_s": statistics.median(views)}
+            "read_s": read_s, "read_kind": kind, "view_s": statistics.median(views)}
 
 
 def allocate_like_layout(spec: WorkloadSpec) -> list[Any]:

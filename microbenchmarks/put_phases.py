@@ -6,7 +6,10 @@ One process, no Ray and no NIXL: the steps of ``Sender.put`` on the host path, e
 on its own, for the ``experience`` (5 tensors) and ``experience_samples`` (5,120 tensors)
 workloads of ``microbenchmarks.bench`` at full size:
 
-* ``describe``: :func:`ray_rdt_pool.tensors.describe`, every fact read off every tensor;
+* ``describe``: :func:`ray_rdt_pool.tensors.describe`, every fact read off every tensor,
+  once by its Python loop and, where ``python -m ray_rdt_pool.native build`` made the
+  compiled helper for this torch, once more by the helper (rows ``python`` and
+  ``native``);
 * ``group``: :func:`ray_rdt_pool.wire.runs_from`, equal (shape, dtype) tensors grouped;
 * ``offsets``: the packed offset of every tensor, from the groups;
 * ``pack``: :func:`ray_rdt_pool.tensors.pack_into` into one pre-faulted region, with the
@@ -43,8 +46,10 @@ READS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def put_phases(tensors: list[Any], region: Any, reps: int, idle_s: float) -> dict[str, float]:
-    """Median seconds of each phase of a host put of ``tensors`` into ``region``."""
+def put_phases(tensors: list[Any], region: Any, reps: int, idle_s: float,
+               native: bool = True) -> dict[str, float]:
+    """Median seconds of each phase of a host put of ``tensors`` into ``region``;
+    ``native``: ``describe`` may use the compiled helper (``PoolConfig.native``)."""
     from ray_rdt_pool.config import PoolConfig
     from ray_rdt_pool.sender import _block_segments, run_offsets
     from ray_rdt_pool.tensors import describe, pack_into
@@ -55,7 +60,7 @@ def put_phases(tensors: list[Any], region: Any, reps: int, idle_s: float) -> dic
     for _ in range(reps):
         time.sleep(idle_s)
         t0 = time.perf_counter()
-        d = describe(tensors)
+        d = describe(tensors, native=native)
         t1 = time.perf_counter()
         runs = runs_from(d.shapes, d.dtypes)
         t2 = time.perf_counter()
@@ -98,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.reps < 1 or a.idle_ms < 0:
         p.error(f"--reps must be at least 1 and --idle-ms at least 0, got {a.reps}, {a.idle_ms}")
-    from ray_rdt_pool.tensors import HostRegion
+    from ray_rdt_pool.tensors import HostRegion, native_active
 
     idle = a.idle_ms / 1e3
     print(f"put phases: {cpu_model()}, load average {loadavg()}, {a.reps} reps, "
@@ -107,10 +112,15 @@ def main(argv: list[str] | None = None) -> int:
                for name in W.EXPERIENCE_WORKLOADS}
     region = HostRegion(max(sum(t.nbytes for t in ts) for ts in layouts.values()) + (8 << 20),
                         prefault=True)
+    kinds = {"python": False, "native": True} if native_active() else {"python": False}
+    if len(kinds) == 1:
+        print("  (the compiled describe helper is not built for this torch: "
+              "`python -m ray_rdt_pool.native build` adds a row that uses it)")
     for name, tensors in layouts.items():
-        ph = put_phases(tensors, region, a.reps, idle)
-        cells = "  ".join(f"{k} {v * 1e3:6.2f}" for k, v in ph.items())
-        print(f"  {name:19s} {len(tensors):5,} tensors: {cells}")
+        for kind, native in kinds.items():
+            ph = put_phases(tensors, region, a.reps, idle, native=native)
+            cells = "  ".join(f"{k} {v * 1e3:6.2f}" for k, v in ph.items())
+            print(f"  {name:19s} {len(tensors):5,} tensors, {kind:6s}: {cells}")
     per_sample = layouts["experience_samples"]
     costs = read_costs(per_sample, a.reps, idle)
     print(f"  one pass of each read over the {len(per_sample):,} per-sample tensors "

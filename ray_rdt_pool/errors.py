@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "ConfigurationError",
     "InvalidInputError",
+    "NativeBuildError",
     "PoolExhaustedError",
     "RdtPoolError",
     "RegistrationError",
@@ -111,4 +112,14 @@ class InvalidInputError(RdtPoolError, ValueError, TypeError):
     dtypes or devices, and target buffers that do not match the object. It is
     both a ``ValueError`` and a ``TypeError`` so either ``except`` catches it.
     What to do: the message names the offending index and the fix.
+    """
+
+
+class NativeBuildError(RdtPoolError, RuntimeError):
+    """The optional compiled helper (``python -m ray_rdt_pool.native build``) did not build.
+
+    Raised by :func:`ray_rdt_pool.native.build` when no C++ compiler runs or the compile
+    fails; the message carries the compiler's last lines. Nothing else depends on the
+    helper: without it ``describe`` uses its Python loop. What to do: install a C++
+    compiler (or set ``CXX``) and build again, or go on without the helper.
     """

@@ -985,7 +985,7 @@ class Receiver:
                 f.settled = True
                 return f
         if targets:
-            _check_targets(targets, meta)
+            _check_targets(targets, meta, self.config.native)
             device = targets[0].device.type
         else:
             device = device_hint if device_hint in MEM_TYPE else meta.device
@@ -1429,10 +1429,11 @@ def _byte_runs(i: int, shape: tuple[int, ...], item: int, sel: Any
     return out, runs
 
 
-def _check_targets(targets: Sequence[torch.Tensor], meta: WireMeta) -> None:
+def _check_targets(targets: Sequence[torch.Tensor], meta: WireMeta,
+                   native: bool = True) -> None:
     """Raise InvalidInputError, naming the first bad buffer and the fix, unless every
     target is a contiguous tensor of its source tensor's shape and dtype, all on one
-    device type."""
+    device type. ``native``: ``PoolConfig.native``, passed on to ``describe``."""
     import torch
 
     from ray_rdt_pool.tensors import describe, dtype_name
@@ -1445,7 +1446,7 @@ def _check_targets(targets: Sequence[torch.Tensor], meta: WireMeta) -> None:
     # per-sample buffers cost a few ms, not tens); the walk below names the bad buffer.
     found: InvalidInputError | None = None
     try:
-        d = describe(targets, allow_cuda=True)
+        d = describe(targets, allow_cuda=True, native=native)
     except InvalidInputError as e:
         d, found = None, e  # raised below unless the walk names a more specific fault
     if d is not None and all(d.plain):

@@ -324,7 +324,7 @@ class Sender:
         from ray_rdt_pool.tensors import describe, pack_into, pack_torch
 
         t_start = time.perf_counter()
-        d = describe(tensors, allow_cuda=True)
+        d = describe(tensors, allow_cuda=True, native=self.config.native)
         converted = _apply_conversions(d, tensors, convert) if convert else []
         runs = runs_from(d.shapes, d.dtypes)
         offsets, total = run_offsets(runs)
@@ -416,7 +416,7 @@ class Sender:
         from ray_rdt_pool.errors import InvalidInputError
         from ray_rdt_pool.tensors import describe
 
-        d = describe(tensors, allow_cuda=True)
+        d = describe(tensors, allow_cuda=True, native=self.config.native)
         if not all(d.plain):
             i = d.plain.index(False)
             raise InvalidInputError(

@@ -116,15 +116,31 @@ class Described:
     device: str | None
 
 
-def describe(tensors: Sequence[Any], *, allow_cuda: bool = False) -> Described:
+def describe(tensors: Sequence[Any], *, allow_cuda: bool = False,
+             native: bool = True) -> Described:
     """Validate the tensors of one object and return their layout facts, in one pass.
 
     Raises InvalidInputError for a non-tensor item, mixed device types, sparse or meta
     tensors, an unsupported dtype, a CUDA tensor while the CUDA path is off, or a tensor
     with bytes but no memory (a ZeroTensor, a storage resized to 0).
 
-    This runs once per tensor on every put, so it touches each tensor's attributes once
-    and only the cheap ones (``t.device.type`` alone costs microseconds).
+    With ``native`` (``PoolConfig.native``) and the compiled helper built for this torch
+    (:mod:`ray_rdt_pool.native`), the facts of an object of plain dense CPU tensors are
+    read in C++; anything else, and every error, takes the Python loop.
+    """
+    if native and tensors:
+        fn = _native_describe()
+        if fn is not None:
+            facts = fn(tensors)
+            if facts is not None:
+                return Described(*facts, device="cpu")
+    return _describe_py(tensors, allow_cuda)
+
+
+def _describe_py(tensors: Sequence[Any], allow_cuda: bool) -> Described:
+    """The Python loop of :func:`describe`, and the reference the helper is checked
+    against. It runs once per tensor on every put, so it touches each tensor's
+    attributes once and only the cheap ones (``t.device.type`` alone costs microseconds).
     """
     import torch
 
@@ -193,6 +209,86 @@ def describe(tensors: Sequence[Any], *, allow_cuda: bool = False) -> Described:
         plain = [p and not t.is_conj() for p, t in zip(plain, tensors)]
     device = None if not tensors else ("cpu" if cpu else "cuda")
     return Described(shapes, dtypes, nbytes, aligns, ptrs, plain, device)
+
+
+#: What the helper's describe returns: shapes, dtypes, nbytes, aligns, ptrs, plain.
+_Facts = tuple[list[Any], list[Any], list[Any], list[Any], list[Any], list[Any]]
+_NATIVE_LOCK = threading.Lock()
+#: Empty until the first describe that may use the helper; then [its checked describe
+#: function, or None where it is missing or failed its check].
+_NATIVE: list[Callable[[Sequence[Any]], _Facts | None] | None] = []
+
+
+def _native_describe() -> Callable[[Sequence[Any]], _Facts | None] | None:
+    """The helper's describe, bound to this module's dtype tables, once per process."""
+    if not _NATIVE:
+        with _NATIVE_LOCK:
+            if not _NATIVE:
+                _NATIVE.append(_checked_native())
+    return _NATIVE[0]
+
+
+def native_active() -> bool:
+    """Whether :func:`describe` reads facts in C++ in this process (the helper is built
+    for this torch and passed its check)."""
+    return _native_describe() is not None
+
+
+def _checked_native() -> Callable[[Sequence[Any]], _Facts | None] | None:
+    """Load the helper and accept it only if it answers exactly as the Python loop does
+    for every probe tensor (each wire dtype; 0-d to 3-d; views with offsets; transposed,
+    negated and conjugated views; a Parameter)."""
+    import logging
+
+    import torch
+
+    from ray_rdt_pool import native
+
+    mod = native.load()
+    if mod is None:
+        return None
+    facts = _dtype_facts()
+    dtypes = list(facts)
+    index = mod.scalar_types(dtypes)
+    names: list[str | None] = [None] * (max(index) + 1)
+    aligns: list[int] = [0] * (max(index) + 1)
+    for dt, i in zip(dtypes, index):
+        names[i], aligns[i] = facts[dt]
+    types = (torch.Tensor, torch.nn.Parameter)
+
+    def fn(tensors: Sequence[Any]) -> _Facts | None:
+        return mod.describe(tensors, names, aligns, types, _NO_MEMORY)
+
+    for probe in _probe_objects(dtypes):
+        got = fn(probe)
+        if got is None or Described(*got, device="cpu") != _describe_py(probe, False):
+            logging.getLogger(__name__).warning(
+                "ray_rdt_pool: the compiled describe helper disagrees with the Python loop "
+                "on %d probe tensors (%s); describe() uses its Python loop. Rebuild it with "
+                "`python -m ray_rdt_pool.native build --force`",
+                len(probe), sorted({str(t.dtype) for t in probe}))
+            return None
+    return fn
+
+
+def _probe_objects(dtypes: Sequence[Any]) -> list[list[Any]]:
+    """Objects whose facts the helper must read exactly as the Python loop does."""
+    import warnings
+
+    import torch
+
+    per_dtype = []
+    for dt in dtypes:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # complex32 is "experimental"; empty() works
+            base = torch.empty((3, 4, 5), dtype=dt)
+        per_dtype.append([base, base[1], base[1, 2], base[2, 1:3], base.transpose(0, 2),
+                          base[:, 1], torch.empty((), dtype=dt), torch.empty(7, dtype=dt)])
+    f = torch.arange(12.0).view(3, 4)
+    z = torch.zeros(3, 4, dtype=torch.complex64)
+    odd = [f._neg_view(), z.conj(), z.conj().resolve_conj(), torch.nn.Parameter(f.clone()),
+           f.t(), f[::2], f.expand(2, 3, 4), f.unsqueeze(1)]
+    return [*per_dtype, odd, [t for obj in per_dtype for t in obj]]
 
 
 #: Wire dtype name -> element size (what ``t.element_size()`` returns, without the call).
