@@ -570,11 +570,18 @@ def runs_from(shapes: Sequence[Sequence[int]], dtypes: Sequence[str]) -> Runs:
     # thousands of tensors keeps only as many tuples alive as it has kinds of tensor.
     # (Thousands of live tuples survive the cyclic GC's young passes into its oldest
     # generation, and the full passes that follow walk a Ray worker's whole heap: 100+ ms.)
-    canon: dict[Any, Any] = {}
-    try:
-        items: list[Any] = [canon.setdefault(p, p) for p in zip(shapes, dtypes)]
-    except TypeError:  # an unhashable shape, such as a list
-        items = [canon.setdefault(p, p) for p in zip(map(tuple, shapes), dtypes)]
+    items: list[Any]
+    if _one_kind(shapes, dtypes):
+        # Every tensor alike (the rows of one weight, a list of equal buffers): counting
+        # compares by identity first, and the describe helper hands equal shapes over as
+        # one object, so this costs a tenth of hashing a pair per tensor.
+        items = [(shapes[0], dtypes[0])] * len(shapes)
+    else:
+        canon: dict[Any, Any] = {}
+        try:
+            items = [canon.setdefault(p, p) for p in zip(shapes, dtypes)]
+        except TypeError:  # an unhashable shape, such as a list
+            items = [canon.setdefault(p, p) for p in zip(map(tuple, shapes), dtypes)]
     entries: list[RunGroup] = []
     found = _find_repeats(items)
     for element_runs, repeat in found:
@@ -598,6 +605,16 @@ def runs_from(shapes: Sequence[Sequence[int]], dtypes: Sequence[str]) -> Runs:
             f"give them back ({out.num_tensors} grouped); nothing was sent. Please report "
             "this bug with the object's shapes and dtypes")
     return out
+
+
+def _one_kind(shapes: Sequence[Sequence[int]], dtypes: Sequence[str]) -> bool:
+    """Whether all of two or more tensors share one tuple shape and one dtype (C-level
+    counts; a list shape takes the general path, which makes it a tuple)."""
+    if len(shapes) < 2 or not isinstance(shapes[0], tuple):
+        return False
+    seq_s = shapes if isinstance(shapes, (list, tuple)) else list(shapes)
+    seq_d = dtypes if isinstance(dtypes, (list, tuple)) else list(dtypes)
+    return seq_s.count(seq_s[0]) == len(seq_s) and seq_d.count(seq_d[0]) == len(seq_d)
 
 
 def _checked_shape(shape: Sequence[int]) -> tuple[int, ...]:

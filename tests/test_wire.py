@@ -126,6 +126,27 @@ def test_runs_from_groups_consecutive_equal_pairs(pairs: list[tuple[tuple[int, .
         assert (x.shape, x.dtype) != (y.shape, y.dtype)
 
 
+@RELAXED
+@given(st.sampled_from([(), (1,), (2, 3), (0, 4)]), st.sampled_from(["float32", "int64"]),
+       st.integers(0, 40), st.integers(-1, 40), st.sampled_from([(), (5,), [2, 3]]),
+       st.sampled_from(["float32", "bfloat16"]))
+def test_runs_from_of_one_kind_matches_the_general_grouping(
+        shape: tuple[int, ...], dtype: str, n: int, odd_at: int,
+        odd_shape: Any, odd_dtype: str) -> None:
+    """Objects whose tensors are all alike take a counting shortcut; with one tensor
+    made different (or every shape given as a list, which the shortcut leaves to the
+    general path) the grouping must be what the general path gives."""
+    shapes: list[Any] = [shape] * n
+    dtypes = [dtype] * n
+    if 0 <= odd_at < n:
+        shapes[odd_at] = odd_shape if odd_at % 2 else shape
+        dtypes[odd_at] = odd_dtype if odd_at % 3 else dtype
+    fast = runs_from(shapes, dtypes)
+    general = runs_from([list(s) for s in shapes], dtypes)
+    assert fast == general
+    assert [(tuple(s), d) for s, d in zip(shapes, dtypes)] == expand(fast)
+
+
 def test_runs_from_accepts_lists_and_tuple_subclasses() -> None:
     class Size(tuple):  # stands in for torch.Size
         pass
