@@ -1,10 +1,12 @@
 """Where a put's time goes, phase by phase, for the batched and per-sample RL batches.
 
-Not a test. Run as ``python -m microbenchmarks.put_phases [--reps R] [--idle-ms MS]``.
+Not a test. Run as ``python -m microbenchmarks.put_phases [--reps R] [--idle-ms MS]
+[--workloads W,...]``.
 
 One process, no Ray and no NIXL: the steps of ``Sender.put`` on the host path, each timed
 on its own, for the ``experience`` (5 tensors) and ``experience_samples`` (5,120 tensors)
-workloads of ``microbenchmarks.bench`` at full size:
+workloads of ``microbenchmarks.bench`` at full size (``--workloads`` picks others, such
+as ``views``: 10,000 row views of one weight):
 
 * ``describe``: :func:`ray_rdt_pool.tensors.describe`, every fact read off every tensor,
   once by its Python loop and, where ``python -m ray_rdt_pool.native build`` made the
@@ -100,16 +102,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=15, help="puts per layout (default 15)")
     p.add_argument("--idle-ms", type=float, default=30.0,
                    help="sleep before every put or read pass, ms (default 30)")
+    p.add_argument("--workloads", default=",".join(W.EXPERIENCE_WORKLOADS),
+                   help="comma-separated bench workloads of one object each (default: "
+                        f"{','.join(W.EXPERIENCE_WORKLOADS)}; also many, views, big)")
     a = p.parse_args(argv)
     if a.reps < 1 or a.idle_ms < 0:
         p.error(f"--reps must be at least 1 and --idle-ms at least 0, got {a.reps}, {a.idle_ms}")
+    names = [w.strip() for w in a.workloads.split(",") if w.strip()]
+    bad = [w for w in names if w not in W.WORKLOADS or w in W.SYNC_WORKLOADS]
+    if bad or not names:
+        p.error(f"--workloads: {', '.join(bad) or 'none given'} is not a one-object workload; "
+                f"choose from {', '.join(w for w in W.WORKLOADS if w not in W.SYNC_WORKLOADS)}")
     from ray_rdt_pool.tensors import HostRegion, native_active
 
     idle = a.idle_ms / 1e3
     print(f"put phases: {cpu_model()}, load average {loadavg()}, {a.reps} reps, "
           f"{a.idle_ms:g} ms idle before each; medians in ms")
-    layouts = {name: W.build_tensors(W.make_spec(name, W.FULL_SIZES))[0]
-               for name in W.EXPERIENCE_WORKLOADS}
+    layouts = {name: W.build_tensors(W.make_spec(name, W.FULL_SIZES))[0] for name in names}
     region = HostRegion(max(sum(t.nbytes for t in ts) for ts in layouts.values()) + (8 << 20),
                         prefault=True)
     kinds = {"python": False, "native": True} if native_active() else {"python": False}
@@ -121,12 +130,13 @@ def main(argv: list[str] | None = None) -> int:
             ph = put_phases(tensors, region, a.reps, idle, native=native)
             cells = "  ".join(f"{k} {v * 1e3:6.2f}" for k, v in ph.items())
             print(f"  {name:19s} {len(tensors):5,} tensors, {kind:6s}: {cells}")
-    per_sample = layouts["experience_samples"]
-    costs = read_costs(per_sample, a.reps, idle)
-    print(f"  one pass of each read over the {len(per_sample):,} per-sample tensors "
-          f"(ms, and ns per tensor):")
-    for k, v in costs.items():
-        print(f"    {k:16s} {v * 1e3:6.2f}  {v / len(per_sample) * 1e9:5.0f}")
+    per_sample = layouts.get("experience_samples")
+    if per_sample is not None:
+        costs = read_costs(per_sample, a.reps, idle)
+        print(f"  one pass of each read over the {len(per_sample):,} per-sample tensors "
+              f"(ms, and ns per tensor):")
+        for k, v in costs.items():
+            print(f"    {k:16s} {v * 1e3:6.2f}  {v / len(per_sample) * 1e9:5.0f}")
     region.close()
     return 0
 

@@ -907,3 +907,14 @@ def test_put_phases_times_every_phase_and_leaves_the_packed_bytes(capsys: Any) -
     with pytest.raises(SystemExit):
         P.main(["--reps", "0"])
     assert "--reps must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        P.main(["--workloads", "views,sync"])
+    assert "sync is not a one-object workload" in capsys.readouterr().err
+    # native=False keeps describe on its Python loop: the same phases, the same bytes.
+    region = T.HostRegion(total + (1 << 20), prefault=True)
+    try:
+        ph = P.put_phases(tensors, region, reps=1, idle_s=0.0, native=False)
+        assert set(ph) == {"describe", "group", "offsets", "pack", "wire", "put"}
+        assert torch.equal(region.tensor[:first.numel()], first)
+    finally:
+        region.close()

@@ -74,6 +74,11 @@ class Sender:
             self.kept[keep] = tensors
         return [ref], digest(tensors)
 
+    def native_active(self) -> bool:
+        from ray_rdt_pool.tensors import native_active
+
+        return native_active()
+
     def put_dtypes(self, seed: int = 0):
         ts = all_dtype_tensors(seed)
         return [ray.put(ts, _tensor_transport="nixl_pool")], digest(ts)
@@ -302,6 +307,18 @@ def test_all_dtypes_round_trip_between_actors(pair):
     assert ray.get(r.get.remote(refs)) == expected
     names = {e.split("|")[0] for e in expected}
     assert {"torch.bool", "torch.bfloat16", "torch.complex64", "torch.complex128"} <= names
+
+
+def test_actors_read_tensor_facts_in_cpp_where_the_helper_is_built(pair):
+    """Where ``python -m ray_rdt_pool.native build`` ran (make venv does), a sender actor
+    loads the helper and passes its check, so the round trips of this module run
+    through it; the Python loop is covered by tests/test_native.py."""
+    from ray_rdt_pool.native import artifact_path
+
+    if not artifact_path().exists():
+        pytest.skip("the compiled describe helper is not built for this torch")
+    s, _ = pair
+    assert ray.get(s.native_active.remote()) is True
 
 
 def test_odd_tensors_round_trip_contiguous(pair):
