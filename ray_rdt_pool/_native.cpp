@@ -33,107 +33,95 @@
 
 namespace {
 
-// The facts one call needs besides the tensors, handed in by the Python side.
+// The facts every call needs besides the tensors, bound once by init() (owned refs).
 struct Tables {
-  std::vector<PyObject*> names;   // ScalarType index -> wire name (borrowed), or null
+  std::vector<PyObject*> names;   // ScalarType index -> wire name, or null
   std::vector<PyObject*> aligns;  // ScalarType index -> element size as a Python int
-  std::vector<PyTypeObject*> types;  // the exact tensor types accepted
+  std::vector<PyObject*> types;   // the exact tensor types accepted
   uintptr_t min_addr = 0;
+  bool ready = false;
+
+  void clear() {
+    for (auto* v : {&names, &aligns, &types}) {
+      for (PyObject* o : *v) Py_XDECREF(o);
+      v->clear();
+    }
+    ready = false;
+  }
 };
 
-// One shape tuple per distinct size list among the last few seen, so the equal shapes
-// of an object compare by identity and the object holds few tuples (as the Python loop).
-class ShapeCache {
- public:
-  ~ShapeCache() {
-    for (auto& e : entries_) Py_XDECREF(e.tuple);
-  }
-  // A new reference to the tuple for these sizes, or null with a Python error set.
-  PyObject* get(c10::IntArrayRef sizes) {
-    for (auto& e : entries_) {
-      if (e.sizes.size() == sizes.size() &&
-          std::equal(e.sizes.begin(), e.sizes.end(), sizes.begin())) {
-        Py_INCREF(e.tuple);
-        return e.tuple;
-      }
-    }
-    PyObject* tup = PyTuple_New(static_cast<Py_ssize_t>(sizes.size()));
-    if (!tup) return nullptr;
-    for (size_t i = 0; i < sizes.size(); i++) {
-      PyObject* v = PyLong_FromLongLong(sizes[i]);
-      if (!v) {
-        Py_DECREF(tup);
-        return nullptr;
-      }
-      PyTuple_SET_ITEM(tup, static_cast<Py_ssize_t>(i), v);
-    }
-    Entry e{std::vector<int64_t>(sizes.begin(), sizes.end()), tup};
-    Py_INCREF(tup);
-    if (entries_.size() < kSlots) {
-      entries_.push_back(std::move(e));
-    } else {
-      Py_DECREF(entries_[next_].tuple);
-      entries_[next_] = std::move(e);
-      next_ = (next_ + 1) % kSlots;
-    }
-    return tup;
-  }
+Tables g_tables;
 
- private:
-  static constexpr size_t kSlots = 16;
-  struct Entry {
-    std::vector<int64_t> sizes;
-    PyObject* tuple;
-  };
-  std::vector<Entry> entries_;
-  size_t next_ = 0;
-};
-
-// One Python int per distinct byte count among the last few seen: an object's tensors
-// share a handful of sizes, and a new int each would cost an allocation per tensor.
-class IntCache {
+// The Python objects made for the keys seen last in one call, so an object's equal
+// shapes share one tuple (they then compare by identity, and the object holds few
+// tuples, as with the Python loop) and its handful of byte counts share one int each.
+template <typename Key>
+class Recent {
  public:
-  ~IntCache() {
-    for (auto& e : entries_) Py_XDECREF(e.second);
+  ~Recent() {
+    for (auto& e : entries_) Py_DECREF(e.second);
   }
-  // A new reference to the int for v, or null with a Python error set.
-  PyObject* get(int64_t v) {
+  // A new reference to the object kept for a key equal to k, or null.
+  template <typename K>
+  PyObject* find(const K& k) const {
     for (auto& e : entries_) {
-      if (e.first == v) {
+      if (same(e.first, k)) {
         Py_INCREF(e.second);
         return e.second;
       }
     }
-    PyObject* o = PyLong_FromLongLong(v);
-    if (!o) return nullptr;
-    Py_INCREF(o);
+    return nullptr;
+  }
+  // Keeps obj (a new reference, or null) for key; returns it as a new reference.
+  PyObject* keep(Key key, PyObject* obj) {
+    if (!obj) return nullptr;
+    Py_INCREF(obj);
     if (entries_.size() < kSlots) {
-      entries_.emplace_back(v, o);
+      entries_.emplace_back(std::move(key), obj);
     } else {
       Py_DECREF(entries_[next_].second);
-      entries_[next_] = {v, o};
+      entries_[next_] = {std::move(key), obj};
       next_ = (next_ + 1) % kSlots;
     }
-    return o;
+    return obj;
   }
 
  private:
+  static bool same(int64_t a, int64_t b) { return a == b; }
+  static bool same(const std::vector<int64_t>& a, c10::IntArrayRef b) {
+    return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+  }
   static constexpr size_t kSlots = 16;
-  std::vector<std::pair<int64_t, PyObject*>> entries_;
+  std::vector<std::pair<Key, PyObject*>> entries_;
   size_t next_ = 0;
 };
 
-bool accepted_type(const Tables& tb, PyObject* o) {
-  PyTypeObject* tp = Py_TYPE(o);
-  for (PyTypeObject* ok : tb.types) {
+// A new tuple of Python ints for sizes, or null with a Python error set.
+PyObject* shape_tuple(c10::IntArrayRef sizes) {
+  PyObject* tup = PyTuple_New(static_cast<Py_ssize_t>(sizes.size()));
+  for (size_t i = 0; tup && i < sizes.size(); i++) {
+    PyObject* v = PyLong_FromLongLong(sizes[i]);
+    if (!v) {
+      Py_CLEAR(tup);
+      break;
+    }
+    PyTuple_SET_ITEM(tup, static_cast<Py_ssize_t>(i), v);
+  }
+  return tup;
+}
+
+bool accepted_type(PyObject* o) {
+  auto* tp = reinterpret_cast<PyObject*>(Py_TYPE(o));
+  for (PyObject* ok : g_tables.types) {
     if (tp == ok) return true;
   }
   return false;
 }
 
 // Reads one tensor. Returns false (no Python error) where the Python loop must decide.
-bool read_one(const Tables& tb, const at::Tensor& t, int64_t& dtype, int64_t& nbytes,
-              uintptr_t& ptr, bool& plain) {
+bool read_one(const at::Tensor& t, int64_t& dtype, int64_t& nbytes, uintptr_t& ptr,
+              bool& plain) {
+  const Tables& tb = g_tables;
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (impl->is_python_dispatch() || impl->has_symbolic_sizes_strides()) return false;
   if (t.layout() != c10::kStrided || impl->is_nested() || !t.is_cpu()) return false;
@@ -149,45 +137,54 @@ bool read_one(const Tables& tb, const at::Tensor& t, int64_t& dtype, int64_t& nb
   return true;
 }
 
-PyObject* set_tables(Tables& tb, PyObject* names, PyObject* aligns, PyObject* types,
-                     unsigned long long min_addr) {
-  if (!PyList_Check(names) || !PyList_Check(aligns) || !PyTuple_Check(types) ||
-      PyList_GET_SIZE(names) != PyList_GET_SIZE(aligns)) {
-    PyErr_SetString(PyExc_TypeError, "describe(tensors, names, aligns, types, min_addr)");
+// init(names, aligns, types, min_addr): bind the tables every describe() uses.
+PyObject* init(PyObject*, PyObject* args) {
+  PyObject *names, *aligns, *types;
+  unsigned long long min_addr;
+  if (!PyArg_ParseTuple(args, "O!O!O!K", &PyList_Type, &names, &PyList_Type, &aligns,
+                        &PyTuple_Type, &types, &min_addr)) {
     return nullptr;
   }
   Py_ssize_t n = PyList_GET_SIZE(names);
-  tb.names.assign(static_cast<size_t>(n), nullptr);
-  tb.aligns.assign(static_cast<size_t>(n), nullptr);
+  if (PyList_GET_SIZE(aligns) != n) {
+    PyErr_SetString(PyExc_ValueError, "init(): names and aligns differ in length");
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(types); i++) {
+    if (!PyType_Check(PyTuple_GET_ITEM(types, i))) {
+      PyErr_SetString(PyExc_TypeError, "init(): types must be a tuple of types");
+      return nullptr;
+    }
+  }
+  g_tables.clear();
+  g_tables.names.assign(static_cast<size_t>(n), nullptr);
+  g_tables.aligns.assign(static_cast<size_t>(n), nullptr);
   for (Py_ssize_t i = 0; i < n; i++) {
     PyObject* nm = PyList_GET_ITEM(names, i);
     if (nm != Py_None) {
-      tb.names[i] = nm;
-      tb.aligns[i] = PyList_GET_ITEM(aligns, i);
+      PyObject* al = PyList_GET_ITEM(aligns, i);
+      Py_INCREF(nm);
+      Py_INCREF(al);
+      g_tables.names[i] = nm;
+      g_tables.aligns[i] = al;
     }
   }
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(types); i++) {
     PyObject* tp = PyTuple_GET_ITEM(types, i);
-    if (!PyType_Check(tp)) {
-      PyErr_SetString(PyExc_TypeError, "types must be a tuple of types");
-      return nullptr;
-    }
-    tb.types.push_back(reinterpret_cast<PyTypeObject*>(tp));
+    Py_INCREF(tp);
+    g_tables.types.push_back(tp);
   }
-  tb.min_addr = static_cast<uintptr_t>(min_addr);
-  return Py_None;
+  g_tables.min_addr = static_cast<uintptr_t>(min_addr);
+  g_tables.ready = true;
+  Py_RETURN_NONE;
 }
 
-// describe(tensors, names, aligns, types, min_addr)
-//   -> (shapes, dtypes, nbytes, aligns, ptrs, plain) or None
-PyObject* describe(PyObject*, PyObject* args) {
-  PyObject *seq_in, *names, *aligns, *types;
-  unsigned long long min_addr;
-  if (!PyArg_ParseTuple(args, "OOOOK", &seq_in, &names, &aligns, &types, &min_addr)) {
+// describe(tensors) -> (shapes, dtypes, nbytes, aligns, ptrs, plain) or None
+PyObject* describe(PyObject*, PyObject* seq_in) {
+  if (!g_tables.ready) {
+    PyErr_SetString(PyExc_RuntimeError, "describe() before init()");
     return nullptr;
   }
-  Tables tb;
-  if (!set_tables(tb, names, aligns, types, min_addr)) return nullptr;
   PyObject* seq = PySequence_Fast(seq_in, "describe() takes a sequence of tensors");
   if (!seq) return nullptr;
   Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -199,11 +196,11 @@ PyObject* describe(PyObject*, PyObject* args) {
     if (!l) goto fail;
   }
   try {
-    ShapeCache shapes;
-    IntCache sizes;
+    Recent<std::vector<int64_t>> shapes;
+    Recent<int64_t> sizes;
     for (Py_ssize_t i = 0; i < n; i++) {
       PyObject* o = items[i];
-      if (!accepted_type(tb, o)) {
+      if (!accepted_type(o)) {
         fallback = true;
         break;
       }
@@ -211,20 +208,25 @@ PyObject* describe(PyObject*, PyObject* args) {
       int64_t dtype = 0, nbytes = 0;
       uintptr_t ptr = 0;
       bool plain = false;
-      if (!read_one(tb, t, dtype, nbytes, ptr, plain)) {
+      if (!read_one(t, dtype, nbytes, ptr, plain)) {
         fallback = true;
         break;
       }
-      PyObject* shape = shapes.get(t.sizes());
-      PyObject* nb = shape ? sizes.get(nbytes) : nullptr;
+      c10::IntArrayRef dims = t.sizes();
+      PyObject* shape = shapes.find(dims);
+      if (!shape) {
+        shape = shapes.keep(std::vector<int64_t>(dims.begin(), dims.end()), shape_tuple(dims));
+      }
+      PyObject* nb = shape ? sizes.find(nbytes) : nullptr;
+      if (shape && !nb) nb = sizes.keep(nbytes, PyLong_FromLongLong(nbytes));
       PyObject* p = nb ? PyLong_FromUnsignedLongLong(ptr) : nullptr;
       if (!p) {
         Py_XDECREF(shape);
         Py_XDECREF(nb);
         goto fail;
       }
-      PyObject* name = tb.names[dtype];
-      PyObject* align = tb.aligns[dtype];
+      PyObject* name = g_tables.names[dtype];
+      PyObject* align = g_tables.aligns[dtype];
       Py_INCREF(name);
       Py_INCREF(align);
       PyObject* pl = plain ? Py_True : Py_False;
@@ -282,9 +284,13 @@ PyObject* built_for(PyObject*, PyObject*) {
 }
 
 PyMethodDef kMethods[] = {
-    {"describe", describe, METH_VARARGS,
-     "describe(tensors, names, aligns, types, min_addr): the facts of tensors.describe, "
-     "or None where the Python loop must decide."},
+    {"init", init, METH_VARARGS,
+     "init(names, aligns, types, min_addr): bind the dtype tables (ScalarType index -> "
+     "wire name and element size), the exact tensor types accepted and the no-memory "
+     "bound that every describe() uses."},
+    {"describe", describe, METH_O,
+     "describe(tensors): the facts of tensors.describe, or None where the Python loop "
+     "must decide."},
     {"scalar_types", scalar_types, METH_O,
      "scalar_types(dtypes): the ScalarType index of each torch.dtype."},
     {"built_for", built_for, METH_NOARGS, "The torch build this helper was compiled for."},

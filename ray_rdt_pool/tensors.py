@@ -220,7 +220,7 @@ _NATIVE: list[Callable[[Sequence[Any]], _Facts | None] | None] = []
 
 
 def _native_describe() -> Callable[[Sequence[Any]], _Facts | None] | None:
-    """The helper's describe, bound to this module's dtype tables, once per process."""
+    """The helper's describe, its tables bound once per process (``init``)."""
     if not _NATIVE:
         with _NATIVE_LOCK:
             if not _NATIVE:
@@ -254,11 +254,8 @@ def _checked_native() -> Callable[[Sequence[Any]], _Facts | None] | None:
     aligns: list[int] = [0] * (max(index) + 1)
     for dt, i in zip(dtypes, index):
         names[i], aligns[i] = facts[dt]
-    types = (torch.Tensor, torch.nn.Parameter)
-
-    def fn(tensors: Sequence[Any]) -> _Facts | None:
-        return mod.describe(tensors, names, aligns, types, _NO_MEMORY)
-
+    mod.init(names, aligns, (torch.Tensor, torch.nn.Parameter), _NO_MEMORY)
+    fn: Callable[[Sequence[Any]], _Facts | None] = mod.describe
     for probe in _probe_objects(dtypes):
         got = fn(probe)
         if got is None or Described(*got, device="cpu") != _describe_py(probe, False):

@@ -574,7 +574,7 @@ def runs_from(shapes: Sequence[Sequence[int]], dtypes: Sequence[str]) -> Runs:
     if _one_kind(shapes, dtypes):
         # Every tensor alike (the rows of one weight, a list of equal buffers): counting
         # compares by identity first, and the describe helper hands equal shapes over as
-        # one object, so this costs a tenth of hashing a pair per tensor.
+        # one object, so this costs far less than hashing a pair per tensor.
         items = [(shapes[0], dtypes[0])] * len(shapes)
     else:
         canon: dict[Any, Any] = {}
@@ -612,9 +612,8 @@ def _one_kind(shapes: Sequence[Sequence[int]], dtypes: Sequence[str]) -> bool:
     counts; a list shape takes the general path, which makes it a tuple)."""
     if len(shapes) < 2 or not isinstance(shapes[0], tuple):
         return False
-    seq_s = shapes if isinstance(shapes, (list, tuple)) else list(shapes)
-    seq_d = dtypes if isinstance(dtypes, (list, tuple)) else list(dtypes)
-    return seq_s.count(seq_s[0]) == len(seq_s) and seq_d.count(seq_d[0]) == len(seq_d)
+    return (shapes.count(shapes[0]) == len(shapes)
+            and dtypes.count(dtypes[0]) == len(dtypes))
 
 
 def _checked_shape(shape: Sequence[int]) -> tuple[int, ...]:

@@ -149,10 +149,11 @@ def test_a_helper_that_disagrees_with_the_python_loop_is_refused(
 
     class Lying:
         scalar_types = staticmethod(real.scalar_types)
+        init = staticmethod(real.init)
 
         @staticmethod
-        def describe(tensors: Any, *args: Any) -> Any:
-            facts = real.describe(tensors, *args)
+        def describe(tensors: Any) -> Any:
+            facts = real.describe(tensors)
             if facts is not None and len(facts[4]) > 1:
                 facts[4][-1] += 64  # one wrong address in a long object
             return facts
@@ -225,3 +226,36 @@ def test_native_off_never_calls_the_helper(monkeypatch: pytest.MonkeyPatch) -> N
     assert same(roundtrip(s, r, "a", ts, targets), ts)
     with pytest.raises(AssertionError, match="although native is off"):
         T.describe(ts)  # and the default is on: the spy is live
+
+
+@needs_helper
+def test_threads_racing_to_the_first_describe_load_and_check_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The helper is loaded and checked once per process, whichever threads ask first."""
+    import threading
+
+    checks = []
+    real = T._checked_native
+
+    def counted() -> Any:
+        checks.append(threading.get_ident())
+        return real()
+
+    monkeypatch.setattr(T, "_NATIVE", [])
+    monkeypatch.setattr(T, "_checked_native", counted)
+    ts = [torch.arange(6.0).view(2, 3), torch.ones(4, dtype=torch.int64)]
+    start = threading.Barrier(8)
+    got: list[Any] = []
+
+    def first_put() -> None:
+        start.wait()
+        got.append((T._native_describe(), T.describe(ts)))
+
+    threads = [threading.Thread(target=first_put) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(checks) == 1 and len(got) == 8
+    assert len({id(fn) for fn, _ in got}) == 1 and got[0][0] is not None
+    assert all(d == T._describe_py(ts, False) for _, d in got)
