@@ -63,7 +63,7 @@ import shutil
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from microbenchmarks import _bench_env as E
@@ -868,31 +868,43 @@ def _path_label(cfg: Config, spec: W.WorkloadSpec) -> str:
 
 
 def measure_floor(runner: Runner, reps: int = 5) -> dict[str, Any]:
-    """memcpy and NIXL READ GB/s on this machine, now (Ray is down, our actors gone).
+    """Copy and NIXL READ GB/s on this machine, now (Ray is down, our actors gone).
 
     The same measurements as ``python -m microbenchmarks.floor`` (one thread copying into
     a pre-faulted buffer; a READ between two processes with NIXL's progress thread off),
     at the weight set's size (at most 256 MiB), so the sync floors use rates from the
-    same run. Failures are recorded, never raised: the floor is context, not a result.
+    same run. Also the best this design reaches at each of its two steps, for the target
+    floors (:func:`~microbenchmarks._bench_report.target_floors`): the sender's own pack
+    (its threads and streaming stores, ``pack_gbps``) and a READ split over two read
+    lanes (``read_lanes_gbps``). Failures are recorded, never raised: the floor is
+    context, not a result.
     """
+    from microbenchmarks import bench_pack
     from microbenchmarks import floor as F
 
-    w = next(w for w in W.SYNC_WORKLOADS if w in runner.specs)
-    nbytes = min(runner.payloads[w], 256 * _MIB) // _MIB * _MIB or _MIB
+    sync = [w for w in W.SYNC_WORKLOADS if w in runner.payloads]
+    size = runner.payloads[sync[0]] if sync else max(runner.payloads.values(), default=0)
+    nbytes = min(size, 256 * _MIB) // _MIB * _MIB or _MIB
     out: dict[str, Any] = {"bytes": nbytes, "reps": reps}
-    try:
-        m = F.measure_memcpy(nbytes, reps)
-        out["memcpy_gbps"] = m["prefaulted_gbps"]["median"]
-    except Exception as exc:
-        out["memcpy_error"] = f"{type(exc).__name__}: {exc}"
-    try:
-        r = F.measure_nixl_read(nbytes, reps, prog_thread=False)
-        if r.get("checksum_ok") is False:
-            out["read_error"] = "checksum mismatch after the READ"
-        else:
-            out["read_gbps"] = r["gbps"]["median"]
-    except Exception as exc:
-        out["read_error"] = f"{type(exc).__name__}: {exc}"
+
+    def rate(key: str, fn: Callable[[], float]) -> None:
+        try:
+            out[key] = fn()
+        except Exception as exc:
+            out[key.replace("_gbps", "_error")] = f"{type(exc).__name__}: {exc}"
+
+    def checked(r: dict[str, Any], ok_key: str, key: str) -> float:
+        if r.get(ok_key) is False:
+            raise AssertionError("wrong bytes after the copy")
+        return float(r[key]["median"] if isinstance(r[key], dict) else r[key])
+
+    rate("memcpy_gbps", lambda: F.measure_memcpy(nbytes, reps)["prefaulted_gbps"]["median"])
+    rate("read_gbps", lambda: checked(F.measure_nixl_read(nbytes, reps, prog_thread=False),
+                                      "checksum_ok", "gbps"))
+    rate("pack_gbps", lambda: checked(bench_pack.measure_pack_gbps(nbytes, reps),
+                                      "same_bytes", "gbps"))
+    rate("read_lanes_gbps", lambda: checked(F.measure_nixl_lanes(nbytes, reps),
+                                            "checksum_ok", "read_lanes_gbps"))
     return out
 
 
@@ -932,7 +944,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if stop is not None:
             stop()
     floor: dict[str, Any] = {}
-    if cfg.floor and any(s["workload"] in W.SYNC_WORKLOADS for s in runner.samples):
+    if cfg.floor and any(s["workload"] in W.SYNC_WORKLOADS or s["workload"] in R.TARGETS[cfg.nodes]
+                         for s in runner.samples):
         progress.label("floor")
         floor = measure_floor(runner)
     progress.close()
@@ -946,6 +959,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     floors = R.weight_sync_floors(
         floor, runner.payloads, W.stream_bucket_bytes(stream_spec) if stream_spec else None)
     vs_sync = R.stream_vs_sync(summary, cfg.variants)
+    targets = R.target_floors(summary, runner.payloads, floor, cfg.nodes)
     experience = R.experience_put_get(summary, cfg.variants, OUR_VARIANTS,
                                       runner.tensor_floor)
     print(_title(cfg, env, stamp))
@@ -975,6 +989,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if floor and "sync_stream" not in summary:
         print()
         print(R.format_floors(floor, floors, summary, OUR_VARIANTS))
+    if targets:
+        print()
+        print(R.format_targets(targets, floor, cfg.nodes))
     if runner.idle:
         print()
         print(R.format_idle(runner.idle, cfg.idle_s, cfg.idle_settle_s))
@@ -992,6 +1009,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      for n, info in runner.variant_info.items()},
         "summary": summary, "samples": runner.samples,
         "floor": {**floor, "weight_sync": floors}, "sync_stream_vs_sync": vs_sync,
+        "targets": targets,
         "experience_put_get": experience, "tensor_floor": runner.tensor_floor,
         "failures": runner.failures, "checksum_mismatches": runner.mismatches,
     }

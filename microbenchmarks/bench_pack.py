@@ -162,6 +162,22 @@ def format_report(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def measure_pack_gbps(nbytes: int, reps: int = 5) -> dict[str, Any]:
+    """GB/s of the sender's pack of one ``nbytes`` float32 tensor, as ``Sender.put`` runs
+    it with the default :class:`PoolConfig` (its threads, threshold and streaming-store
+    size), into a pre-faulted region: the best this machine copies a large object into
+    the pool. ``same_bytes``: the packed bytes equal the tensor's."""
+    cfg = PoolConfig()
+    w = Workload("one tensor", [torch.randn(max(1, nbytes // 4))])
+    region = HostRegion(w.nbytes + (1 << 20), prefault=True)
+    name = f"{cfg.pack_thread_count} threads"
+    res = _bench_one(w, region, {name: (cfg.pack_thread_count, cfg.pack_threshold_bytes,
+                                        cfg.stream_copy_bytes)}, reps)
+    same = torch.equal(region.tensor[:w.nbytes].view(torch.float32), w.tensors[0])
+    return {"bytes": w.nbytes, "threads": cfg.pack_thread_count, "copy": stream_kind(),
+            "gbps": w.nbytes / res["median_s"][name] / 1e9, "same_bytes": same}
+
+
 def main(argv: list[str] | None = None) -> int:
     config = PoolConfig()
     p = argparse.ArgumentParser(prog="python -m microbenchmarks.bench_pack", description=__doc__,

@@ -106,6 +106,10 @@ def test_cli_smallest_run_writes_complete_json(tmp_path: Path) -> None:
     if ours_reason is None:
         # The floor was measured, and the per-sample vs batched put+get is reported.
         assert data["floor"]["memcpy_gbps"] > 0 and data["floor"]["read_gbps"] > 0
+        assert data["floor"]["pack_gbps"] > 0 and data["floor"]["read_lanes_gbps"] > 0
+        # One node: every target workload has its verdict and its floor.
+        assert set(data["targets"]) == set(R.TARGETS[1])
+        assert all(t["floor_s"] > 0 and t["read_s"] == 0 for t in data["targets"].values())
         assert set(data["floor"]["weight_sync"]) == {"sync", "sync_stream"}
         assert data["experience_put_get"]["nixl_pool"]["target"] == 2.0
         assert data["experience_put_get"]["nixl_pool"]["inside_floor"]["ratio"] >= 1.0
@@ -390,6 +394,51 @@ def test_objstore_views_skip_is_explained() -> None:
     assert runner.skip_reason(variant_by_name("objstore_zc"), "views") is None
     small = Runner(parse_config(TINY), Progress(1, io.StringIO()))
     assert small.skip_reason(variant_by_name("objstore"), "views") is None
+
+
+def test_target_floors_say_met_and_whether_the_floor_fits() -> None:
+    # Two nodes. big: Ray's best 80 ms allows 40 ms at 2x; ours took 60 ms, 10 of them
+    # outside our code; 1 GB at 20 GB/s pack + 10 GB/s READ = 50 + 100 ms: floor 160 ms,
+    # so the miss is beyond the floor. sync: allows 100 ms, ours 90 (met), floor 10 + 5 +
+    # 10 = 25 ms (0.1 GB). many: ours has no inner times, so no floor is stated.
+    samples = [
+        _sample("nixl_target", "big", e2e_s=0.080),
+        _sample("nixl_pool", "big", e2e_s=0.060, ours_put_s=0.020, ours_get_s=0.030),
+        _sample("nixl_target", "sync", e2e_s=0.200),
+        _sample("nixl_pool", "sync", e2e_s=0.090, ours_put_s=0.030, ours_get_s=0.050),
+        _sample("objstore_zc", "many", e2e_s=0.100),
+        _sample("nixl_pool", "many", e2e_s=0.050),
+        _sample("objstore_zc", "views", e2e_s=0.100),  # ours missing: not reported
+    ]
+    payloads = {"big": 10**9, "sync": 10**8, "many": 10**6, "views": 10**6}
+    order = list(payloads)
+    summary = R.summarize(samples, payloads, RAY_VARIANTS, OUR_VARIANTS, order)
+    floor = {"pack_gbps": 20.0, "read_lanes_gbps": 10.0}
+    t = R.target_floors(summary, payloads, floor, nodes=2)
+    assert set(t) == {"big", "sync", "many"}
+    big, sync, many = t["big"], t["sync"], t["many"]
+    assert big["target"] == 2.0 and big["allowance_s"] == pytest.approx(0.040)
+    assert big["met"] is False and big["speedup"] == pytest.approx(80 / 60)
+    assert big["outside_s"] == pytest.approx(0.010)
+    assert big["floor_s"] == pytest.approx(0.010 + 0.050 + 0.100)
+    assert big["reachable"] is False
+    assert sync["met"] is True and sync["floor_s"] == pytest.approx(0.025)
+    assert sync["reachable"] is True
+    assert many["target"] == 1.5 and many["met"] is True and "floor_s" not in many
+    # One node: the receiver maps the pool, so the floor has no READ.
+    one = R.target_floors(summary, payloads, floor, nodes=1)
+    assert one["big"]["target"] == 1.2 and one["big"]["read_s"] == 0.0
+    assert one["big"]["floor_s"] == pytest.approx(0.060)
+    # Without the READ rate, a cross-node floor cannot be stated; the verdict still is.
+    no_read = R.target_floors(summary, payloads, {"pack_gbps": 20.0}, nodes=2)
+    assert "floor_s" not in no_read["big"] and no_read["big"]["met"] is False
+    text = R.format_targets(t, floor, 2)
+    big_line = next(line for line in text.splitlines() if line.startswith("big"))
+    assert "NOT met" in big_line and big_line.rstrip().endswith("NO")
+    sync_line = next(line for line in text.splitlines() if line.startswith("sync"))
+    assert " met" in sync_line and sync_line.rstrip().endswith("yes")
+    assert next(line for line in text.splitlines()
+                if line.startswith("many")).rstrip().endswith("n/a")
 
 
 def test_speedup_is_ray_time_over_our_time() -> None:
