@@ -42,7 +42,12 @@ receivers copy the buckets straight out of the trainer's tensors (source reads: 
 (``reference_buckets``; ``put`` is then the time spent describing them). After the run
 (Ray stopped) the memcpy and NIXL READ rates of :mod:`microbenchmarks.floor` are
 measured and give the floors of ``sync`` (pack + READ) and ``sync_stream``
-(max(pack, READ) + one bucket; with source reads, one cma copy).
+(max(pack, READ) + one bucket; with source reads, one cma copy). So are the sender's own
+pack rate and the rate of a READ over two read lanes; the last table gives each speedup
+target of the topology (:data:`~microbenchmarks._bench_report.TARGETS`), whether ours
+met it, and the least ours could reach in this run: its time outside ``ray_rdt_pool``
+plus the payload at those two rates (see
+:func:`~microbenchmarks._bench_report.target_floors`).
 
 ``experience`` and ``experience_samples`` send one RL batch (batched: a tensor per
 field; per sample: a tensor per (sample, field)); the report compares their put+get.
