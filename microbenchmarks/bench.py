@@ -898,18 +898,18 @@ def measure_floor(runner: Runner, reps: int = 5) -> dict[str, Any]:
         except Exception as exc:
             out[key.replace("_gbps", "_error")] = f"{type(exc).__name__}: {exc}"
 
-    def checked(r: dict[str, Any], ok_key: str, key: str) -> float:
+    def checked(r: dict[str, Any], ok_key: str, key: str, what: str) -> float:
         if r.get(ok_key) is False:
-            raise AssertionError("wrong bytes after the copy")
+            raise AssertionError(f"wrong bytes after the {what}")
         return float(r[key]["median"] if isinstance(r[key], dict) else r[key])
 
     rate("memcpy_gbps", lambda: F.measure_memcpy(nbytes, reps)["prefaulted_gbps"]["median"])
     rate("read_gbps", lambda: checked(F.measure_nixl_read(nbytes, reps, prog_thread=False),
-                                      "checksum_ok", "gbps"))
+                                      "checksum_ok", "gbps", "READ"))
     rate("pack_gbps", lambda: checked(bench_pack.measure_pack_gbps(nbytes, reps),
-                                      "same_bytes", "gbps"))
+                                      "same_bytes", "gbps", "pack"))
     rate("read_lanes_gbps", lambda: checked(F.measure_nixl_lanes(nbytes, reps),
-                                            "checksum_ok", "read_lanes_gbps"))
+                                            "checksum_ok", "read_lanes_gbps", "split READ"))
     return out
 
 

@@ -441,6 +441,45 @@ def test_target_floors_say_met_and_whether_the_floor_fits() -> None:
                 if line.startswith("many")).rstrip().endswith("n/a")
 
 
+def test_measure_floor_records_each_rate_or_why_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from microbenchmarks import bench, bench_pack
+    from microbenchmarks import floor as F
+
+    sizes: list[int] = []
+
+    def memcpy(n: int, reps: int) -> dict:
+        sizes.append(n)
+        return {"prefaulted_gbps": {"median": 10.0}}
+
+    def lanes(n: int, reps: int) -> dict:
+        raise RuntimeError("no second agent")
+
+    monkeypatch.setattr(F, "measure_memcpy", memcpy)
+    monkeypatch.setattr(F, "measure_nixl_read",
+                        lambda n, reps, prog_thread: {"gbps": {"median": 5.0},
+                                                      "checksum_ok": True})
+    monkeypatch.setattr(F, "measure_nixl_lanes", lanes)
+    monkeypatch.setattr(bench_pack, "measure_pack_gbps",
+                        lambda n, reps: {"gbps": 20.0, "same_bytes": False})
+    # The sync weight set's size, capped at 256 MiB and cut to whole MiB.
+    runner = SimpleNamespace(payloads={"big": 300 << 20, "sync": (100 << 20) + 5})
+    out = bench.measure_floor(runner, reps=1)  # type: ignore[arg-type]
+    assert sizes == [100 << 20] and out["bytes"] == 100 << 20
+    assert out["memcpy_gbps"] == 10.0 and out["read_gbps"] == 5.0
+    assert "pack_gbps" not in out and out["pack_error"] == (
+        "AssertionError: wrong bytes after the pack")
+    assert "read_lanes_gbps" not in out
+    assert out["read_lanes_error"] == "RuntimeError: no second agent"
+    # Without a sync workload, the largest payload (capped) is measured.
+    bench.measure_floor(SimpleNamespace(payloads={"big": 300 << 20, "many": 1}), reps=1)  # type: ignore[arg-type]
+    assert sizes[-1] == 256 << 20
+    text = R.format_targets({}, out, 2)
+    assert "pack n/a (AssertionError: wrong bytes after the pack)" in text
+    assert "READ over two lanes n/a (RuntimeError: no second agent)" in text
+
+
 def test_speedup_is_ray_time_over_our_time() -> None:
     def sample(variant: str, e2e: float) -> dict:
         return {"variant": variant, "workload": "big", "rep": 1, "kind": "measured",
