@@ -46,6 +46,10 @@ def _module_environment() -> Iterator[None]:
     for k in [k for k in os.environ if k.startswith(_OURS)]:
         del os.environ[k]
     os.environ.update(saved)
+    if "ray" in sys.modules:  # the module shut its cluster down: see drop_stale_rdt_manager
+        from tests.raycluster import drop_stale_rdt_manager
+
+        drop_stale_rdt_manager()
 
 
 _OURS = "RAY_RDT_POOL_"

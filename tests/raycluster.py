@@ -28,6 +28,25 @@ DEFAULT_ENV = {
 }
 
 
+def drop_stale_rdt_manager() -> bool:
+    """Forget Ray's RDT manager of an ended session in this process; True if one was.
+
+    Ray 2.60 keeps one RDT manager per process across ``ray.shutdown()``: its queue of
+    transfers for the failure monitor survives, and in the next session the monitor
+    thread dies on their owners, now unknown ("owner is unknown": an unhandled thread
+    exception, and no failure monitoring in that process any more). Every field of the
+    manager belongs to one session, and Ray makes a new one on first use. No-op while
+    Ray is initialized.
+    """
+    if ray.is_initialized():
+        return False
+    worker = ray._private.worker.global_worker
+    if getattr(worker, "_rdt_manager", None) is None:
+        return False
+    worker._rdt_manager = None
+    return True
+
+
 def start_ray(env: dict[str, str] | None = None, **init_kwargs: Any) -> dict[str, str]:
     """Start a fresh local cluster whose workers see ``env`` (merged over DEFAULT_ENV)."""
     env_vars = {**DEFAULT_ENV, **(env or {})}
@@ -35,6 +54,7 @@ def start_ray(env: dict[str, str] | None = None, **init_kwargs: Any) -> dict[str
         os.environ[k] = v  # the driver process reads the same settings
     if ray.is_initialized():
         ray.shutdown()
+    drop_stale_rdt_manager()
     init_kwargs.setdefault("num_cpus", 8)
     init_kwargs.setdefault("include_dashboard", False)
     init_kwargs.setdefault("object_store_memory", 512 * 1024 * 1024)

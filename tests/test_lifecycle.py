@@ -111,3 +111,30 @@ def test_blocks_alive_at_exit_make_no_python_calls_during_finalization() -> None
     # The control: without the hook the same script does call back during finalization.
     p = run(["-c", _BLOCKS_AT_EXIT, "none"], timeout=60)
     assert "ctypes callback" in p.stderr, p.stderr[-2000:]
+
+
+def test_the_harness_drops_rays_rdt_manager_of_an_ended_session(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray 2.60 keeps its RDT manager across ``ray.shutdown()`` in one process, and the
+    next session's failure monitor dies on the transfers left queued in it (seen in a
+    full run as an unhandled "owner is unknown" thread exception). The test harness
+    drops it between clusters; it must never drop the manager of a live session."""
+    import ray
+
+    from tests.raycluster import drop_stale_rdt_manager
+
+    if ray.is_initialized():
+        pytest.skip("a cluster of this process is running")
+    worker = ray._private.worker.global_worker
+    stale = object()
+    worker._rdt_manager = stale
+    try:
+        with monkeypatch.context() as m:  # a live session's manager stays
+            m.setattr(ray, "is_initialized", lambda: True)
+            assert drop_stale_rdt_manager() is False and worker._rdt_manager is stale
+        assert drop_stale_rdt_manager() is True
+        assert worker._rdt_manager is None
+        assert drop_stale_rdt_manager() is False  # nothing left to drop
+    finally:
+        if worker._rdt_manager is stale:
+            worker._rdt_manager = None
