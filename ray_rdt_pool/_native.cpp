@@ -133,6 +133,22 @@ bool read_one(const at::Tensor& t, int64_t& dtype, int64_t& nbytes, uintptr_t& p
   ptr = reinterpret_cast<uintptr_t>(t.data_ptr());
   if (ptr < tb.min_addr) return false;
   nbytes = static_cast<int64_t>(t.nbytes());
+  // A storage resized under the view (FSDP frees flat parameters so) leaves an address
+  // that is only an offset, or a view reaching past the storage: the Python loop names it.
+  if (nbytes > 0) {
+    if (!impl->has_storage()) return false;
+    const c10::Storage& st = impl->storage();
+    auto base = reinterpret_cast<uintptr_t>(st.data());
+    if (!base || ptr < base) return false;
+    uint64_t last = 0;
+    auto sizes = t.sizes();
+    auto strides = t.strides();
+    for (size_t d = 0; d < sizes.size(); d++) {
+      last += static_cast<uint64_t>(sizes[d] - 1) * static_cast<uint64_t>(strides[d]);
+    }
+    uint64_t extent = (last + 1) * static_cast<uint64_t>(t.element_size());
+    if (ptr - base + extent > static_cast<uint64_t>(st.nbytes())) return false;
+  }
   plain = t.is_contiguous() && !t.is_neg() && !t.is_conj();
   return true;
 }

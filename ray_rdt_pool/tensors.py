@@ -162,7 +162,7 @@ def _describe_py(tensors: Sequence[Any], allow_cuda: bool) -> Described:
     plain: list[bool] = []
     add_shape, add_dtype, add_nbytes = shapes.append, dtypes.append, nbytes.append
     add_align, add_ptr, add_plain = aligns.append, ptrs.append, plain.append
-    cpu, neg = True, False
+    cpu, neg, short = True, False, False
     seen: dict[int, tuple[int]] = {}  # one tuple per 1-d size: equal shapes compare by identity
     # One Python loop that reads every fact of a tensor while its torch objects are in
     # cache, rather than one C-level map per attribute: after an idle spell (a sender
@@ -190,17 +190,27 @@ def _describe_py(tensors: Sequence[Any], allow_cuda: bool) -> Described:
             add_dtype(name)
             add_nbytes(n)
             add_align(align)
-            add_ptr(t.data_ptr())
+            p = t.data_ptr()
+            add_ptr(p)
             add_plain(t.is_contiguous())
             if t.is_neg():
                 neg = True
+            if n and not short and p >= _NO_MEMORY:  # lower ones are checked below
+                # A view's address is its storage's plus its offset, whatever the
+                # storage holds now: FSDP resizes a flat parameter's storage to 0 under
+                # views whose addresses are then their offsets (any size), and a shrunk
+                # storage leaves a view reaching past it. Either way the pack would read
+                # memory that is not the tensor's, or kill the process.
+                st = t.untyped_storage()
+                base = st.data_ptr()
+                short = not base or p < base or p + _reach(t, n) > base + st.nbytes()
     except (KeyError, RuntimeError):
         _refuse_invalid(tensors, allow_cuda)
         raise
     if not cpu:
         for i in range(len(tensors)):
             _check_device(tensors, i, allow_cuda)
-    if min(ptrs, default=_NO_MEMORY) < _NO_MEMORY:  # one C-level pass; empty tensors land here
+    if short or min(ptrs, default=_NO_MEMORY) < _NO_MEMORY:  # empty tensors land here too
         _refuse_layouts(tensors)
         _refuse_no_memory(tensors, ptrs, nbytes)
     if neg:
@@ -348,13 +358,24 @@ def _refuse_nested(tensors: Sequence[Any]) -> None:
 _NO_MEMORY = 1 << 16
 
 
+def _reach(t: Any, n: int) -> int:
+    """Bytes from ``t``'s first element to the end of its last one (``n`` is its
+    ``nbytes``, not 0): what of its storage a copy of ``t`` reads."""
+    if t.is_contiguous():
+        return n
+    last = sum((k - 1) * s for k, s in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
+
+
 def _refuse_no_memory(tensors: Sequence[Any], ptrs: Sequence[int],
                       nbytes: Sequence[int]) -> None:
     """Raise InvalidInputError for the first tensor with bytes to send but no memory
-    behind them: a ZeroTensor (address 0), or a storage resized to 0 bytes. The pack
-    would copy from a null address and kill the process (torch's own ``clone`` does)."""
+    behind them: a ZeroTensor (address 0), a storage resized to 0 bytes (the address is
+    then the view's offset, of any size), or a storage shrunk under a view that reaches
+    past it. The pack would copy from memory that is not the tensor's and send wrong
+    bytes or kill the process (torch's own ``clone`` does)."""
     for i, (p, n) in enumerate(zip(ptrs, nbytes)):
-        if p >= _NO_MEMORY or not n:
+        if not n:
             continue
         t = tensors[i]
         if t._is_zerotensor():
@@ -364,12 +385,20 @@ def _refuse_no_memory(tensors: Sequence[Any], ptrs: Sequence[int],
                 f"all-zero result): its {n:,} bytes have no memory behind them. Send "
                 "t.clone() instead (real zeros of the same shape)")
         storage = t.untyped_storage()
-        if storage.data_ptr() == 0:
+        base = storage.data_ptr()
+        if base and base <= p and p + _reach(t, n) <= base + storage.nbytes():
+            continue
+        if base == 0:
             raise InvalidInputError(
                 f"tensor {i} ({tuple(t.shape)} {t.dtype}) has {n:,} bytes but its storage "
                 f"holds {storage.nbytes():,} (resized to 0, as FSDP does to free a "
                 "parameter's memory); send it while its storage is allocated, or a copy "
                 "made then")
+        raise InvalidInputError(
+            f"tensor {i} ({tuple(t.shape)} {t.dtype}) reaches byte "
+            f"{p - base + _reach(t, n):,} of its storage, which holds only "
+            f"{storage.nbytes():,} (the storage was resized under the view); send it "
+            "while its storage holds the view, or a copy made then")
 
 
 def _check_device(tensors: Sequence[Any], i: int, allow_cuda: bool) -> None:

@@ -110,6 +110,20 @@ def _resized_to_zero() -> torch.Tensor:
     return t
 
 
+def _far_view_resized_to_zero() -> torch.Tensor:
+    t = torch.ones(100_000)
+    v = t[50_000:]  # its address is then 200,000: no longer under 64 KiB
+    t.untyped_storage().resize_(0)
+    return v
+
+
+def _view_past_shrunk_storage() -> torch.Tensor:
+    t = torch.ones(100_000)
+    v = t[10:]
+    t.untyped_storage().resize_(4096)
+    return v
+
+
 DECLINED = {
     "a non-tensor item": lambda: [torch.ones(2), 3],
     "a Tensor subclass": lambda: [torch.ones(2).as_subclass(_Sub)],
@@ -118,6 +132,8 @@ DECLINED = {
     "a meta tensor": lambda: [torch.empty(4, device="meta")],
     "a ZeroTensor": lambda: [torch.ones(2), _zero_tensor()],
     "a storage resized to 0": lambda: [_resized_to_zero()],
+    "a view far into a storage resized to 0": lambda: [_far_view_resized_to_zero()],
+    "a view past a shrunk storage": lambda: [_view_past_shrunk_storage()],
     "an empty tensor": lambda: [torch.ones(3), torch.empty(0)],
     "an unsupported dtype": lambda: [torch.ones(2), torch.empty(2, dtype=torch.bits8)],
 }

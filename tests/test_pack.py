@@ -741,6 +741,36 @@ def test_describe_refuses_tensors_without_memory_and_keeps_empty_ones() -> None:
     assert d.nbytes == [0, 0, 0, 8]
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_describe_refuses_views_the_storage_no_longer_holds(native: bool) -> None:
+    """FSDP's case: every parameter view of a flat parameter but the first starts far
+    into the storage. Once the storage is resized to 0, such a view's address is its
+    offset, above 64 KiB, and both describe paths took it for memory: the pack copied
+    from there and the sender died with SIGSEGV. A storage shrunk under a view that
+    reaches past it read past the allocation. Both are now refused by name."""
+    from ray_rdt_pool.errors import InvalidInputError
+
+    flat = torch.ones(200_000)
+    params = [flat[:100_000], flat[100_000:]]
+    flat.untyped_storage().resize_(0)
+    assert params[1].data_ptr() >= 1 << 16
+    with pytest.raises(InvalidInputError, match=r"tensor 1 \(\(100000,\) torch.float32\) has "
+                                                r"400,000 bytes but its storage holds 0"):
+        T.describe([torch.ones(2), params[1]], native=native)
+    shrunk = torch.ones(200_000)
+    tail = shrunk[1000:]
+    cols = torch.ones(100, 100).t()[:, 10:]  # strided: reaches element 9,999
+    shrunk.untyped_storage().resize_(4096)
+    with pytest.raises(InvalidInputError, match=r"tensor 0 .* reaches byte 800,000 of its "
+                                                r"storage, which holds only 4,096"):
+        T.describe([tail], native=native)
+    cols.untyped_storage().resize_(39_996)
+    with pytest.raises(InvalidInputError, match=r"reaches byte 40,000 .* holds only 39,996"):
+        T.describe([cols], native=native)
+    cols.untyped_storage().resize_(40_000)  # exactly enough again
+    assert T.describe([cols], native=native).nbytes == [36_000]
+
+
 @RELAXED
 @given(parts=st.lists(st.tuples(
     st.sampled_from(["rows", "cols", "every_other", "blocks", "overlapping", "conj",
