@@ -812,6 +812,16 @@ def _parse_groups(flat: list[Any]) -> list[RunGroup]:
             code = flat[j]
             if type(code) is not int or code not in DTYPE_BY_CODE:
                 raise _bad(f"run {r}: unknown dtype code {code!r:.40}")
+            # Zero dims make the byte count 0, so the layout checks pass any other dims;
+            # torch still refuses a shape whose nonzero dims overflow int64 bytes, with
+            # an untyped error at the receiver. No real sender can describe one.
+            span = DTYPES[DTYPE_BY_CODE[code]][1]
+            for d in dims:
+                span *= d or 1
+            if span >= _I64:
+                raise _bad(f"run {r}: the dims {tuple(dims)!r:.80} span {span:,} bytes or "
+                           "more once their zeros are left out; torch holds at most "
+                           "2**63 - 1")
             count = flat[j + 1]
             if type(count) is not int or count < 1:
                 raise _bad(f"run {r}: count must be an int >= 1, got {count!r:.40}")

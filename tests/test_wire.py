@@ -796,3 +796,17 @@ def test_runs_is_a_sequence_of_the_expanded_runs() -> None:
     assert runs == [a, b, a, b, a, b, a] and runs != (a, b) and runs != "ab"
     assert Runs([RunGroup((a, b, a, b, a, b, a))]) == runs
     assert "RunGroup" in repr(runs)
+
+
+def test_empty_tensors_whose_other_dims_overflow_are_rejected() -> None:
+    """A zero dim makes a run's byte count 0, so the layout checks passed any other
+    dims; torch then refused the shape at the receiver with an untyped RuntimeError
+    (before the READ for an object of empty tensors, after it otherwise). No real sender
+    can describe such a tensor."""
+    huge = [1, 1, 3, 2**62, 2**62, 0, 12, 1]  # one float32 tensor of shape (2**62, 2**62, 0)
+    raw = [2, "agent-0", 0, "cpu", 0, 0, huge, []]
+    msg = rejects(pack(raw), r"run 0: the dims .* span .* 2\*\*63 - 1")
+    assert "4611686018427387904" in msg
+    # Just under the bound is a shape torch can make (empty): accepted.
+    ok = [1, 1, 3, 2**31, 2**29, 0, 12, 1]
+    assert decode(pack([2, "agent-0", 0, "cpu", 0, 0, ok, []])).num_tensors == 1
