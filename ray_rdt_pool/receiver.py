@@ -973,32 +973,33 @@ class Receiver:
         from ray_rdt_pool.tensors import empty_like_run_list, torch_dtype
 
         f = Fetch(obj_id, meta)
+        if targets:
+            _check_targets(targets, meta, self.config.native)
+            device = targets[0].device.type
+        else:
+            device = device_hint if device_hint in MEM_TYPE else meta.device
+        if device == "cuda" and not targets and not _cuda_available():
+            # Checked before the empty-object shortcuts too: they build tensors on
+            # ``device``, which torch refuses with an untyped error in such a process.
+            self.events.error("err")
+            raise TransferError(
+                f"object {obj_id} holds CUDA tensors but this process has no CUDA device; "
+                "give the actor a GPU (num_gpus=1), or land it in host memory with "
+                "ray.experimental.set_target_device_for_ref(ref, 'cpu') before ray.get")
         if selection is not None:
             f.selected = selection_plan(meta, selection)
             f.selection = selection
             if f.selected.total == 0:
                 import torch
 
-                device = device_hint if device_hint in MEM_TYPE else meta.device
                 f.tensors = [torch.empty(s, dtype=torch_dtype(d), device=device)
                              for s, d in zip(f.selected.shapes, f.selected.dtypes)]
                 f.settled = True
                 return f
-        if targets:
-            _check_targets(targets, meta, self.config.native)
-            device = targets[0].device.type
-        else:
-            device = device_hint if device_hint in MEM_TYPE else meta.device
         if meta.num_tensors == 0 or not meta.segments:
             f.tensors = list(targets) if targets else empty_like_run_list(meta.runs, device)
             f.settled = True
             return f
-        if device == "cuda" and not targets and not _cuda_available():
-            self.events.error("err")
-            raise TransferError(
-                f"object {obj_id} holds CUDA tensors but this process has no CUDA device; "
-                "give the actor a GPU (num_gpus=1), or land it in host memory with "
-                "ray.experimental.set_target_device_for_ref(ref, 'cpu') before ray.get")
         self.reap()
         with self.lock:
             self._forget_finished(obj_id)
@@ -1048,18 +1049,28 @@ class Receiver:
         own = timeout if timeout is not None and user_limit else float("inf")
         deadline = min(t.started + self.config.fetch_timeout_s, time.monotonic() + own)
         delay = 20e-6
-        while True:
-            state = self.poll(t)
-            if state != "PROC":
-                break
-            if t.aborted:
-                state = "ABORTED"
-                break
-            if time.monotonic() >= deadline:
-                state = "TIMEOUT"
-                break
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+        try:
+            while True:
+                state = self.poll(t)
+                if state != "PROC":
+                    break
+                if t.aborted:
+                    state = "ABORTED"
+                    break
+                if time.monotonic() >= deadline:
+                    state = "TIMEOUT"
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 1e-3)
+        except BaseException:
+            # Interrupted (Ctrl-C in the sleep, a failing poll): nobody will consume this
+            # READ, so hand it to reap(), which ends it or cuts it at fetch_timeout_s.
+            # Without this a plain Fetch (fetch_selected has no __del__ safety net) kept
+            # its landing and its peer lease for the life of the process.
+            f.settled = True
+            self._finish_id(f.obj_id)
+            self.abandon(t)
+            raise
         f.settled = True
         self._finish_id(f.obj_id)
         if state == "DONE":

@@ -932,3 +932,50 @@ def test_only_rays_rdt_tensor_reducer_is_replaced() -> None:
             dispatch.pop(torch.Tensor, None)
         else:
             dispatch[torch.Tensor] = saved
+
+
+def test_an_interrupted_wait_hands_its_read_to_the_reaper(world, monkeypatch):
+    """fetch_selected (the weights API's partial reads) waits on a plain receiver fetch,
+    which has no __del__ safety net. A KeyboardInterrupt in its poll loop left the READ
+    outstanding but not abandoned: never polled, never cut, its arena block and peer lease
+    held for the life of the process. Now the interrupt abandons it: the READ is cut at
+    fetch_timeout_s and its landing comes back."""
+    from ray_rdt_pool import receiver as receiver_mod
+
+    s, r = make(world), make(world, fetch_timeout_s=0.2)
+    world.mode = "PROC"  # the READ never finishes
+    meta = ship(s.put("a", [torch.arange(1000.)]))
+
+    def interrupted(_delay: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(receiver_mod.time, "sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        r.fetch_selected("a", meta, [(slice(0, 10),)], None)
+    monkeypatch.undo()
+    st = r.stats()
+    assert st.transfers_in_flight == 1 and st.arena_used > 0  # NIXL may still write
+    time.sleep(0.3)  # past fetch_timeout_s
+    r.backend().tick()
+    st = r.stats()
+    assert (st.transfers_in_flight, st.arena_used) == (0, 0), st
+    assert st.transfers_cut + st.abandoned_transfers >= 1
+
+
+def test_an_empty_cuda_object_on_a_receiver_without_cuda_is_a_transfer_error(world):
+    """An object of empty CUDA tensors (a GPU actor's empty batch) took fetch's
+    empty-object shortcut, which built tensors on the sender's device before the no-CUDA
+    check: torch's untyped 'not compiled with CUDA' error reached ray.get."""
+    import msgpack
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a process without CUDA")
+    s, r = make(world), make(world)
+    raw = [2, s.backend().name, 0, "cuda", 0, 0, [1, 1, 2, 0, 4, 12, 1], []]
+    meta = PoolTransportMetadata(tensor_meta=[], tensor_device="cuda",
+                                 wire=msgpack.packb(raw, use_bin_type=True))
+    with pytest.raises(TransferError, match="no CUDA device"):
+        r.fetch("e", meta, None)
+    with pytest.raises(TransferError, match="no CUDA device"):
+        r.fetch_selected("e", meta, [None], None)
+    assert r.stats().arena_used == 0
