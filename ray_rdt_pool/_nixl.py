@@ -33,9 +33,9 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
-from ray_rdt_pool.errors import RegistrationError, TransferError
+from ray_rdt_pool.errors import ReadStillRunningError, RegistrationError, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +246,11 @@ class SplitRead:
         return "SplitRead(" + ", ".join(
             f"lane{p.lane.index}:{p.state}{'' if p.handle is not None else '/released'}"
             for p in self.parts) + ")"
+
+
+def _parts_of(e: ReadStillRunningError) -> list[_Part]:
+    running = e.running
+    return list(running.parts) if isinstance(running, SplitRead) else []
 
 
 class NixlBackend:
@@ -511,8 +516,7 @@ class NixlBackend:
         # The post failed. Release the handle; should NIXL refuse (the READ may be
         # running after all), wait for it to end outside the lane's lock first, so that
         # nothing writes into the local memory once this raises.
-        self._unwind([_Part(lane, handle, "PROC")], remote_name)
-        raise failed
+        self._raise_unwound([_Part(lane, handle, "PROC")], [], remote_name, failed)
 
     def start_read(self, local: Sequence[Desc], remote: Sequence[Desc], remote_name: str,
                    local_mem: str, remote_mem: str, split: bool = False) -> Any:
@@ -550,13 +554,13 @@ class NixlBackend:
                                     remote_mem)
             futures.append((lane, lane.worker(self._worker_guard).submit(job)))
         parts: list[_Part] = []
-        error: BaseException | None = None
+        errors: list[BaseException] = []
         try:
             h, s = self._post(lanes[0], groups[0][0], groups[0][1], remote_name, local_mem,
                               remote_mem)
             parts.append(_Part(lanes[0], h, s))
         except BaseException as e:
-            error = e
+            errors.append(e)
         # Every worker must be heard from, even after an error: until its transfer()
         # returns it may be copying into the local memory.
         for lane, fut in futures:
@@ -566,13 +570,17 @@ class NixlBackend:
                     parts.append(_Part(lane, h, s))
                     break
                 except BaseException as e:
-                    error = error or e
                     if fut.done():
+                        errors.append(e)
                         break
-                    # Interrupted while waiting (KeyboardInterrupt): keep waiting.
+                    # Interrupted while waiting (KeyboardInterrupt): keep waiting, and
+                    # raise the interrupt rather than a lane's error.
+                    errors.insert(0, e)
+        error = errors[0] if errors else None
         if error is not None:
-            self._unwind(parts, remote_name)
-            raise error
+            running = [p for e in errors if isinstance(e, ReadStillRunningError)
+                       for p in _parts_of(e)]
+            self._raise_unwound(parts, running, remote_name, error)
         if self._on_split is not None:
             try:
                 self._on_split()
@@ -580,15 +588,34 @@ class NixlBackend:
                 logger.debug("on_split callback failed", exc_info=True)
         return SplitRead(parts)
 
-    def _unwind(self, parts: list[_Part], remote_name: str) -> None:
-        """Release the posted parts of a split READ that failed to post as a whole.
+    def _raise_unwound(self, parts: list[_Part], running: list[_Part], remote_name: str,
+                       error: BaseException) -> NoReturn:
+        """Unwind ``parts`` (see :meth:`_unwind`) and raise ``error``; or, if a part may
+        still write (``running``: parts a lane's own unwind could not stop), raise
+        :class:`ReadStillRunningError` holding them, so that the caller keeps the local
+        memory reserved until they end."""
+        running = running + self._unwind(parts, remote_name)
+        if running:
+            raise ReadStillRunningError(
+                f"a READ from {remote_name} failed to post ({error}), and {len(running)} "
+                "part(s) of it NIXL could neither cancel nor cut off may still write; the "
+                "memory it reads into stays reserved until they end",
+                SplitRead(running)) from error
+        raise error
+
+    def _unwind(self, parts: list[_Part], remote_name: str) -> list[_Part]:
+        """Release the posted parts of a READ that failed to post as a whole; returns the
+        parts that may still write.
 
         A part NIXL cannot cancel is polled until it ends; one still running after
         ``post_timeout_s`` is cut off by removing the remote agent from its lane (the
-        receiver's peer then fails on that lane and is removed and reloaded later).
+        receiver's peer then fails on that lane and is removed and reloaded later). A
+        part whose cut-off and release both fail keeps its handle and is returned: only
+        NIXL reporting its end makes its memory safe to reuse.
         Runs on the thread that posted: the caller of ``start_read``, or a lane's thread
         for its own failed post.
         """
+        left: list[_Part] = []
         for p in parts:
             if self._try_release(p):
                 continue
@@ -609,10 +636,16 @@ class NixlBackend:
                 except Exception:
                     logger.warning("cutting off the READ part on %s failed", p.lane.name,
                                    exc_info=True)
-                p.state = "ERR"
-            if not self._try_release(p):
+                else:
+                    p.state = "ERR"  # removing the agent ended it
+            if self._try_release(p):
+                continue
+            if p.state == "PROC":
+                left.append(p)  # neither cut off nor cancelled: it may still write
+            else:
                 # Ended (DONE/ERR/cut), so nothing writes; only the handle leaks.
                 logger.warning("releasing an ended READ part on %s failed", p.lane.name)
+        return left
 
     @staticmethod
     def _poll_part(p: _Part) -> None:

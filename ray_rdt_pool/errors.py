@@ -14,6 +14,7 @@ __all__ = [
     "NativeBuildError",
     "PoolExhaustedError",
     "RdtPoolError",
+    "ReadStillRunningError",
     "RegistrationError",
     "TransferError",
     "WireFormatError",
@@ -94,6 +95,24 @@ class TransferError(RdtPoolError):
     buffers are released. What to do: check that the sender actor is alive; the
     object can be fetched again while its ref is in scope.
     """
+
+
+class ReadStillRunningError(TransferError):
+    """A READ failed to post as a whole, and NIXL could neither cancel nor cut off a part
+    of it that did start.
+
+    Raised on the receiver by the NIXL backend when one part of a READ failed to post
+    and another part kept running past ``post_timeout_s`` while removing the sender's
+    agent failed too. ``running`` is the handle of what may still write; the receiver
+    keeps the memory it reads into reserved until NIXL reports it ended (nothing is
+    reused under a late write) and sets ``running`` to None before the error reaches
+    the caller, so the error pickles. What to do: as for :class:`TransferError`; the
+    memory comes back by itself once the READ ends or its peer is removed.
+    """
+
+    def __init__(self, message: str, running: object = None) -> None:
+        super().__init__(message)
+        self.running = running
 
 
 class ConfigurationError(RdtPoolError, ValueError):

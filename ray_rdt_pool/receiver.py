@@ -14,7 +14,10 @@ released exactly once:
   times out, is aborted or is dropped by Ray before its READ ended is *abandoned*: its
   landing stays reserved while NIXL may still write into it, and the progress thread
   polls the transfer until it ends. A READ that has not ended ``fetch_timeout_s`` after
-  it started is cut off by removing the peer's agent; only then does its landing return.
+  it started is cut off by removing the peer's agent; only then does its landing return
+  (a removal NIXL refuses ends nothing: it is tried again, and the landing stays). A READ
+  that failed to post but left a part running (``ReadStillRunningError``) is abandoned
+  the same way.
 * a **peer lease**: one count on the sender's :class:`Peer` while the transfer has not
   ended. A peer's agent is removed only with no lease held, except to cut off a READ
   that never ends.
@@ -62,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 from ray_rdt_pool.errors import (
     InvalidInputError,
     PoolExhaustedError,
+    ReadStillRunningError,
     TransferError,
     WireFormatError,
 )
@@ -97,6 +101,8 @@ PEER_IDLE_S = 120.0
 MAX_PEERS = 256
 #: Senders remembered by agent name for the same-node path (mapped or not).
 MAX_HOSTS = 1024
+#: An idle peer whose removal NIXL refused this many times in a row is forgotten.
+MAX_REMOVE_TRIES = 3
 #: Aborts remembered for fetches that have not started (bounded; see Receiver.abort).
 MAX_PENDING_ABORTS = 1024
 _FINISHED_IDS = 4096
@@ -118,7 +124,10 @@ class Peer:
     in_flight: int = 0  # transfers from this peer that have not ended
     busy: bool = False  # an add/remove is running: take no new lease
     suspect: bool = False  # a READ from it failed: remove it once idle
-    last_used: float = 0.0
+    # Made now: a peer whose first load waits on the GCS is not "idle since 0".
+    last_used: float = field(default_factory=time.monotonic)
+    remove_failures: int = 0  # removals NIXL refused in a row
+    retry_at: float = 0.0  # after a refused removal: when to try again
     load_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -413,18 +422,31 @@ class Receiver:
         self._next_housekeeping = 0.0
 
     def _remove_peer(self, peer: Peer, cut: bool) -> None:
-        """Remove ``peer``'s agent: when idle, or (``cut``) to end READs that never end."""
+        """Remove ``peer``'s agent: when idle, or (``cut``) to end READs that never end.
+
+        Runs on the progress thread and never waits: a load of the same peer (which may
+        wait on the GCS for up to ``fetch_timeout_s``) holds ``load_lock``, and then the
+        removal is tried again at a later reap. A removal NIXL refuses leaves every READ
+        from the peer in flight, their landings reserved (NIXL may still write there);
+        it is tried again after :data:`_HOUSEKEEPING_S`. An idle peer whose removal was
+        refused :data:`MAX_REMOVE_TRIES` times is forgotten (its agent may stay loaded).
+        """
         backend = self._backend()
-        with peer.load_lock:
+        if not peer.load_lock.acquire(blocking=False):
+            return
+        try:
             with self.lock:
                 if self.peers.get(peer.name) is not peer or (peer.in_flight and not cut):
+                    return
+                if time.monotonic() < peer.retry_at:
                     return
                 peer.busy = True
                 victims = [t for t in self.outstanding.values() if t.peer is peer]
             try:
                 backend.remove_remote(peer.name)
-            except Exception:
-                logger.debug("removing remote agent %s failed", peer.name, exc_info=True)
+            except Exception as e:
+                self._removal_refused(peer, victims, cut, e)
+                return
             self.events.add("peers_removed")
             if cut and victims:
                 self.events.add("transfers_cut", len(victims))
@@ -439,8 +461,39 @@ class Receiver:
             with self.lock:
                 peer.loaded = peer.view_since = -1
                 peer.stale = peer.busy = False
+                peer.remove_failures = 0
                 if peer.in_flight == 0 and self.peers.get(peer.name) is peer:
                     del self.peers[peer.name]
+        finally:
+            peer.load_lock.release()
+
+    def _removal_refused(self, peer: Peer, victims: list[Transfer], cut: bool,
+                         e: Exception) -> None:
+        """NIXL refused to remove ``peer``'s agent (caller holds ``load_lock``)."""
+        with self.lock:
+            peer.remove_failures += 1
+            # Some lanes may have dropped it: the next fetch reloads it on every lane.
+            peer.loaded = peer.view_since = -1
+            peer.busy = False
+            peer.retry_at = time.monotonic() + _HOUSEKEEPING_S
+            self._suspect(peer)
+            forget = (not cut and peer.in_flight == 0
+                      and peer.remove_failures >= MAX_REMOVE_TRIES
+                      and self.peers.get(peer.name) is peer)
+            if forget:
+                del self.peers[peer.name]
+        if cut and victims and peer.remove_failures == 1:
+            logger.warning(
+                "cutting off %d READ(s) from %s that did not end within fetch_timeout_s=%ss "
+                "failed (%s); their memory stays reserved while NIXL may write into it, "
+                "and the cut-off is tried again", len(victims), peer.name,
+                self.config.fetch_timeout_s, e)
+        elif forget:
+            logger.warning("NIXL refused to remove remote agent %s %d times (%s); "
+                           "forgetting it (its agent may stay loaded)", peer.name,
+                           peer.remove_failures, e)
+        else:
+            logger.debug("removing remote agent %s failed", peer.name, exc_info=e)
 
     # -- transfers ------------------------------------------------------------------------
 
@@ -1021,7 +1074,14 @@ class Receiver:
                                                     MEM_TYPE[landing.device],
                                                     MEM_TYPE[meta.device],
                                                     split=landing.kind == "arena")
-            except BaseException:
+            except BaseException as e:
+                if (isinstance(e, ReadStillRunningError) and e.running is not None
+                        and landing is not None):
+                    # Part of it may still write: keep the landing and the lease until
+                    # it ends (reap polls it; cut off at fetch_timeout_s).
+                    running, e.running = e.running, None
+                    self._adopt_running(obj_id, running, peer, landing)
+                    raise
                 # Nothing was posted: the landing and the lease can go back at once.
                 if landing is not None:
                     self.release_landing(landing)
@@ -1038,6 +1098,14 @@ class Receiver:
                 t.aborted = True
         f.transfer = t
         return f
+
+    def _adopt_running(self, obj_id: str, handle: Any, peer: Peer, landing: Landing) -> None:
+        """A READ that failed to post left ``handle`` writing into ``landing``: make it
+        an abandoned transfer holding ``peer``'s lease, which reap() ends or cuts off."""
+        t = Transfer(obj_id, handle, peer, landing, time.monotonic(), abandoned=True)
+        with self.lock:
+            self.outstanding[id(t)] = t
+            self._suspect(peer)
 
     def wait(self, f: Fetch, timeout: float | None) -> list[torch.Tensor]:
         """Wait for ``f``'s READ and return the tensors; see the module doc for failures."""

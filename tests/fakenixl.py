@@ -10,7 +10,8 @@ discipline. It models what real NIXL may do, not what is convenient:
   ``World.cancel = "fail"`` (the default, as NIXL documents for a transfer that cannot be
   cancelled) it raises and the handle stays valid, so the READ may still complete and
   write into its landing later. With ``"ok"`` the cancel succeeds and nothing is written.
-* ``release_errors`` makes releasing even an ended handle raise (errors on release).
+* ``release_errors`` makes releasing even an ended handle raise (errors on release);
+  ``remove_errors`` makes removing a remote agent raise, leaving its READs running.
 * Loading an agent's metadata again *merges* its sections, as NIXL does; only
   ``remove_remote`` drops them, and it ends every READ from that agent with ERR.
 * Read lanes: a backend made with ``lanes=K > 1`` decides to split a READ as the real
@@ -54,12 +55,17 @@ class World:
     kv: dict[str, tuple[int, int, bytes]] = field(default_factory=dict)
     #: same-node entries of senders (transport.KVDirectory.publish_host)
     hosts: dict[str, bytes] = field(default_factory=dict)
-    #: what new READs do: "DONE" (copy at once), "PROC" (stall), "ERR" (fail)
+    #: what new READs do: "DONE" (copy at once), "PROC" (stall), "ERR" (fail), or
+    #: "STUCK": the post fails, but a part of the READ started and could be neither
+    #: cancelled nor cut off (ReadStillRunningError carrying its handle, as the real
+    #: backend raises); it stalls like "PROC"
     mode: str = "DONE"
     #: releasing a READ still in flight: "fail" (cannot cancel; it may write later) or "ok"
     cancel: str = "fail"
     #: release() of any handle raises (models errors on release)
     release_errors: bool = False
+    #: remove_remote() raises and changes nothing (the agent stays, its READs run on)
+    remove_errors: bool = False
     violations: list[str] = field(default_factory=list)
     #: remote agents removed while READs from them were in flight (a deliberate cut-off)
     cuts: list[str] = field(default_factory=list)
@@ -142,6 +148,8 @@ class FakeBackend:
         return name
 
     def remove_remote(self, name: str) -> None:
+        if self.world.remove_errors:
+            raise RuntimeError(f"NIXL_ERR_BACKEND: removing {name} failed")
         busy = [x for x in self.xfers.values()
                 if x.remote_name == name and not x.released and x.state == "PROC"]
         if busy:
@@ -181,6 +189,10 @@ class FakeBackend:
             self.complete(h)
         elif self.world.mode == "ERR":
             x.state = "ERR"
+        elif self.world.mode == "STUCK":
+            from ray_rdt_pool.errors import ReadStillRunningError
+
+            raise ReadStillRunningError("NIXL_ERR_BACKEND: post failed, a part runs on", h)
         return h
 
     def complete(self, h: int) -> None:

@@ -30,7 +30,12 @@ from ray_rdt_pool._nixl import (
     split_pairs,
 )
 from ray_rdt_pool.config import PoolConfig, from_env
-from ray_rdt_pool.errors import ConfigurationError, RegistrationError, TransferError
+from ray_rdt_pool.errors import (
+    ConfigurationError,
+    ReadStillRunningError,
+    RegistrationError,
+    TransferError,
+)
 from ray_rdt_pool.transport import Runtime
 from tests.fakenixl import World
 
@@ -480,6 +485,57 @@ def test_a_posted_part_that_never_ends_is_cut_off_after_the_post_timeout():
         # Lane 1 lost the peer (the cut); lane 0 still has it.
         assert "peer" not in r.agents[1].remotes and "peer" in r.agents[0].remotes
         assert not r.agents[1].live()
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("stuck,failing", [(1, 0), (0, 1)])
+def test_a_part_that_can_be_neither_cut_off_nor_cancelled_is_handed_back(stuck, failing):
+    """The cut-off by removing the agent can fail too (NIXL raising on remove). The part
+    may then still write, so start_read must not claim that nothing does: it raises
+    ReadStillRunningError holding the part, which stays pollable until NIXL ends it."""
+    r = Rig(post_timeout_s=0.1)
+    try:
+        r.agents[stuck].post = "PROC"
+        r.agents[stuck].remove_raises = True
+        r.agents[failing].post = "raise"
+        with pytest.raises(ReadStillRunningError, match="may still write") as info:
+            r.read()
+        assert isinstance(info.value, TransferError)
+        assert "post failed" in str(info.value.__cause__)
+        running = info.value.running
+        assert isinstance(running, SplitRead)
+        assert [p.lane.agent for p in running.parts] == [r.agents[stuck]]
+        assert len(r.agents[stuck].live()) == 1 and not r.agents[failing].live()
+        assert r.b.state(running) == "PROC"
+        (h,) = [h for h, x in r.agents[stuck].xfers.items() if not x.released]
+        with r.b._lanes[stuck].lock:
+            r.agents[stuck].complete(h)  # the late write lands; then it has ended
+        assert r.b.state(running) == "DONE"
+        r.b.release(running)
+        assert not r.agents[stuck].live()
+        e = pickle.loads(pickle.dumps(ReadStillRunningError("m")))
+        assert isinstance(e, ReadStillRunningError) and e.running is None
+    finally:
+        r.close()
+
+
+def test_a_single_lane_read_that_cannot_be_stopped_is_handed_back():
+    r = Rig(lanes=1, post_timeout_s=0.1)
+    try:
+        a = r.agents[0]
+        a.post, a.remove_raises = "PROC", True
+        # transfer() says PROC; make the post itself fail after starting the READ:
+        # NIXL returning ERR for a READ it cannot tell is not running.
+        real = a.transfer
+
+        def started_then_failed(h: int) -> str:
+            real(h)
+            raise RuntimeError("NIXL_ERR_BACKEND: post failed")
+        a.transfer = started_then_failed  # type: ignore[method-assign]
+        with pytest.raises(ReadStillRunningError) as info:
+            r.read(split=False)
+        assert r.b.state(info.value.running) == "PROC" and len(a.live()) == 1
     finally:
         r.close()
 

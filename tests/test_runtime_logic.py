@@ -424,6 +424,135 @@ def test_read_past_fetch_timeout_is_a_transfer_error_and_is_cut(world):
     assert st.transfers_in_flight == 0 and st.arena_used == 0 and st.transfers_cut == 1
 
 
+def test_a_failed_cut_off_keeps_the_block_until_the_read_ends(world):
+    """Removing the peer's agent can fail. The READ then runs on, so its block must stay
+    reserved, the cut-off is tried again, and no other object lands there meanwhile."""
+    s, r = make(world), make(world, fetch_timeout_s=0.2)
+    world.mode = "PROC"
+    meta = ship(s.put("a", [torch.full((1000,), 1.0)]))
+    req = r.fetch("a", meta, None)
+    with pytest.raises(TimeoutError):
+        r.wait(req, 0.01)
+    time.sleep(0.25)
+    world.remove_errors = True
+    r.backend().tick()  # overdue: the cut-off is tried and refused
+    st = r.stats()
+    assert st.transfers_cut == 0 and st.abandoned_transfers == 1
+    assert st.arena_live_blocks == 1 and st.transfers_in_flight == 1
+    out_b = _second_object_survives_late_write(world, s, r, req)
+    r.backend().tick()  # the late write ended it
+    st = r.stats()
+    assert st.abandoned_transfers == 0 and st.transfers_in_flight == 0
+    assert st.late_completions == 1 and not world.violations
+    del out_b
+    gc.collect()
+    assert r.stats().arena_used == 0
+
+
+def test_a_refused_cut_off_is_tried_again(world):
+    s, r = make(world), make(world, fetch_timeout_s=0.1)
+    world.mode = "PROC"
+    meta = ship(s.put("a", [torch.randn(100)]))
+    req = r.fetch("a", meta, None)
+    with pytest.raises(TimeoutError):
+        r.wait(req, 0.01)
+    time.sleep(0.15)
+    world.remove_errors = True
+    r.backend().tick()
+    assert r.stats().transfers_cut == 0 and r.stats().arena_used > 0
+    world.remove_errors = False
+    deadline = time.monotonic() + 5
+    while r.stats().transfers_cut == 0 and time.monotonic() < deadline:
+        r.backend().tick()  # retried after the housekeeping interval
+        time.sleep(0.05)
+    st = r.stats()
+    assert st.transfers_cut == 1 and st.arena_used == 0 and st.transfers_in_flight == 0
+    world.mode = "DONE"
+    assert same(roundtrip(s, r, "c", [torch.arange(4)]), [torch.arange(4)])
+
+
+def test_a_read_still_running_after_a_failed_post_keeps_its_block(world):
+    """The backend raises ReadStillRunningError when a READ failed to post but a part of
+    it runs on: its landing and peer lease must stay until NIXL ends it."""
+    s, r = make(world), make(world)
+    world.mode = "STUCK"
+    meta = ship(s.put("a", [torch.full((1000,), 1.0)]))
+    with pytest.raises(TransferError, match="post failed") as info:
+        r.fetch("a", meta, None)
+    assert getattr(info.value, "running", "absent") is None  # picklable for Ray
+    pickle.dumps(info.value)
+    st = r.stats()
+    assert st.abandoned_transfers == 1 and st.arena_live_blocks == 1
+    assert st.transfers_in_flight == 1
+    (h,) = r.backend().in_flight()
+    world.mode = "DONE"
+    b = [torch.full((1000,), 7.0)]
+    out_b = roundtrip(s, r, "b", b)
+    r.backend().complete(h)  # the part that ran on writes late
+    assert same(out_b, b)
+    r.backend().tick()
+    st = r.stats()
+    assert st.abandoned_transfers == 0 and st.transfers_in_flight == 0
+    assert not world.violations
+    del out_b
+    gc.collect()
+    assert r.stats().arena_used == 0
+
+
+def test_a_peer_waiting_for_its_first_metadata_is_not_idle_and_blocks_no_reap(world):
+    """A first load holds the peer's load lock while the GCS lookup waits (up to
+    fetch_timeout_s). The peer was "idle since 0", so housekeeping picked it to remove
+    and blocked on that lock: reap() (the progress thread) stalled behind the GCS."""
+    s, r = make(world), make(world)
+    meta = ship(s.put("a", [torch.arange(5)]))
+    gate, entered = threading.Event(), threading.Event()
+    real_lookup = world.lookup
+
+    def slow_lookup(name):
+        entered.set()
+        gate.wait(10)
+        return real_lookup(name)
+
+    world.lookup = slow_lookup
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(r.wait(r.fetch("a", meta, None), -1)))
+    t.start()
+    assert entered.wait(10)
+    done = threading.Event()
+
+    def reap() -> None:
+        r.receiver._next_housekeeping = 0.0
+        r.backend().tick()
+        done.set()
+
+    threading.Thread(target=reap, daemon=True).start()
+    assert done.wait(3), "reap() blocked behind a metadata lookup"
+    gate.set()
+    t.join(10)
+    world.lookup = real_lookup
+    assert out and same(out[0], [torch.arange(5)])
+    assert r.stats().remote_agents_removed == 0
+
+
+def test_an_idle_peer_whose_removal_nixl_refuses_is_retried_then_forgotten(world, monkeypatch):
+    from ray_rdt_pool import receiver as rmod
+
+    s, r = make(world), make(world)
+    assert same(roundtrip(s, r, "a", [torch.arange(3)]), [torch.arange(3)])
+    monkeypatch.setattr(rmod, "PEER_IDLE_S", 0.0)
+    monkeypatch.setattr(rmod, "_HOUSEKEEPING_S", 0.0)
+    world.remove_errors = True
+    for _ in range(rmod.MAX_REMOVE_TRIES - 1):
+        r.receiver._next_housekeeping = 0.0
+        r.backend().tick()
+        assert r.stats().remote_agents == 1  # kept, to be tried again
+    r.receiver._next_housekeeping = 0.0
+    r.backend().tick()
+    assert r.stats().remote_agents == 0
+    world.remove_errors = False
+    assert same(roundtrip(s, r, "b", [torch.arange(4)]), [torch.arange(4)])
+
+
 def test_failed_read_is_a_transfer_error_and_releases_at_once(world):
     s, r = make(world), make(world)
     world.mode = "ERR"
