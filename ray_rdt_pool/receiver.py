@@ -716,8 +716,10 @@ class Receiver:
                 _d, dev_id, addr = host.device_addr(spans[0][1])
                 length = 0
             elif copy_out and len(spans) == 1:
-                # A copy never writes the pool: read it through the shared read-only view.
-                addr, length = host.shared_view() + spans[0][1], 0
+                # A copy never writes the pool: read it through the shared read-only view
+                # (made under the lock: two first copies would each map the whole pool).
+                with self.lock:
+                    addr, length = host.shared_view() + spans[0][1], 0
             else:
                 addr, length = host.map(spans, meta.total)
                 with self.lock:  # before any view exists (see _before_fork)

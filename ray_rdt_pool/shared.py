@@ -28,10 +28,10 @@ Lifetimes, one owner each:
   table mapping and its row) and every object mapping: created and released by the
   receiver. An object mapping is unmapped *before* its lease is dropped, so copy-on-write
   pages never outlive the lease and a reused block is never seen through old pages.
-  Its table mapping (the row's counts), shared view and CUDA opening (``_CudaMapping``)
-  live as long as the handle, or until the last lease when the handle is closed with
-  leases held (the sender exited, the handle was evicted, the receiver shut down): a
-  lease taken is always returned.
+  Its pool descriptor, table mapping (the row's counts), shared view and CUDA opening
+  (``_CudaMapping``) live as long as the handle, or until the last lease when the handle
+  is closed with leases held (the sender exited, the handle was evicted, the receiver
+  shut down): a lease taken is always returned.
 
 Fork. A receiver's object mappings are private, but their untouched pages are the
 pool's: a forked child that kept them would see the block's next object once the parent's
@@ -558,7 +558,8 @@ class MappedPool:
         self.held += 1
 
     def shared_view(self) -> int:
-        """Address of one read-only, shared mapping of the whole pool, made on first use.
+        """Address of one read-only, shared mapping of the whole pool, made on first use
+        (under the receiver's lock, with a lease held: two first uses would each map it).
 
         Copies out of the pool read through it: it is never written, so it needs no
         copy-on-write, and its pages stay mapped from object to object (a fresh private
@@ -581,8 +582,12 @@ class MappedPool:
             self._release_mappings()
 
     def _release_mappings(self) -> None:
-        """Unmap the shared view and the table; drop the CUDA opening."""
+        """Close the pool's descriptor, unmap the shared view and the table; drop the
+        CUDA opening."""
         self._closing = False
+        if self.pool_fd >= 0:
+            os.close(self.pool_fd)
+            self.pool_fd = -1
         if self._shared:
             unmap(self._shared, self.info.pool_bytes)
             self._shared = 0
@@ -606,7 +611,8 @@ class MappedPool:
 
     def map(self, spans: Sequence[tuple[int, int, int]], total: int) -> tuple[int, int]:
         """Map an object's spans privately, contiguous in this address space; returns
-        (address, mapped length). The pages fault in when first touched."""
+        (address, mapped length). The pages fault in when first touched. Called with a
+        lease held, which keeps the pool's descriptor open (see :meth:`close`)."""
         span = page_up(total)
         if len(spans) == 1:
             (_v, off, n), = spans
@@ -641,15 +647,16 @@ class MappedPool:
         self._release_mappings()  # even with views out: they no longer need the pool
 
     def close(self) -> None:
-        """No new lease from here on; close the descriptors. Object mappings stay valid,
-        and the table mapping (our row), the shared view (a copy may still read it) and
-        the CUDA opening stay until the last lease held now drops."""
+        """No new lease from here on; close the table's descriptor. Object mappings stay
+        valid, and the table mapping (our row), the pool's descriptor and shared view (a
+        lease holder may still be mapping or copying the object it leased, outside the
+        receiver's lock) and the CUDA opening stay until the last lease held now drops.
+        Closing the pool's descriptor earlier would let a mapping made under a lease find
+        its number reused by another file: wrong bytes, silently."""
         self.closed = True
-        for name in ("pool_fd", "table_fd"):
-            fd = getattr(self, name)
-            if fd >= 0:
-                os.close(fd)
-                setattr(self, name, -1)
+        if self.table_fd >= 0:
+            os.close(self.table_fd)
+            self.table_fd = -1
         if self.held:
             self._closing = True
         else:

@@ -403,6 +403,76 @@ def test_a_handle_closed_between_lookup_and_lease_is_looked_up_again(world: Worl
     assert r.stats().mapped_objects == 0 and s.stats().leased_objects == 0
 
 
+@pytest.mark.parametrize("mode", ["map", "copy"])
+def test_a_handle_closed_between_lease_and_mapping_still_maps_the_pool(
+        world: World, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mapping (or the first copy's shared view) is made after the lease, outside the
+    receiver lock, and another thread may close the handle meanwhile. close() used to
+    close the pool's descriptor at once: the mapping then failed (a NIXL READ instead),
+    or, had the number been reused by a file opened meanwhile, mapped that file."""
+    s, r = make(world), make(world, same_node=mode)
+    src = [torch.arange(5000, dtype=torch.int64)]
+    get(s, r, "warm", [torch.arange(3)])  # opens the handle
+    host = r.receiver.hosts[s.agent_name]
+    assert host is not None
+    if host._shared:  # copy mode: make the next copy the first, which maps the pool
+        shared.unmap(host._shared, host.info.pool_bytes)
+        host._shared = 0
+    decoys: list[int] = []
+    name = "map" if mode == "map" else "shared_view"
+    real = getattr(shared.MappedPool, name)
+
+    def close_then_reuse_the_number(self, *args):
+        if not decoys:
+            def evict() -> None:
+                with r.receiver.lock:
+                    r.receiver.hosts.pop(s.agent_name, None)
+                    self.close()
+            if r.receiver.lock._is_owned():
+                evict()  # under our lock: the close came just before it was taken
+            else:
+                t = threading.Thread(target=evict)
+                t.start()
+                t.join()
+            fd = os.memfd_create("decoy")
+            os.ftruncate(fd, 8 << 20)
+            os.pwrite(fd, b"\xee" * 65536, 0)
+            decoys.append(fd)
+        return real(self, *args)
+
+    monkeypatch.setattr(shared.MappedPool, name, close_then_reuse_the_number)
+    try:
+        got = get(s, r, "a", src)
+        assert decoys and torch.equal(got[0], src[0])
+        st = r.stats()
+        assert (st.mapped_gets, st.reads_posted) == (2, 0)
+        del got
+        settle(r, s)
+        assert r.stats().mapped_objects == 0 and s.stats().leased_objects == 0
+        assert host.pool_fd == -1  # closed with the last lease
+    finally:
+        for fd in decoys:
+            os.close(fd)
+
+
+def test_the_shared_view_is_made_under_the_receiver_lock(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two first copies on two threads each mapped the whole pool and one mapping was
+    lost (a pool-sized leak per sender): the view must be made under the lock."""
+    s, r = make(world), make(world, same_node="copy")
+    seen: list[bool] = []
+    real = shared.MappedPool.shared_view
+
+    def checked(self):
+        seen.append(r.receiver.lock._is_owned())
+        return real(self)
+
+    monkeypatch.setattr(shared.MappedPool, "shared_view", checked)
+    src = [torch.arange(100)]
+    assert torch.equal(get(s, r, "a", src)[0], src[0])
+    assert seen and all(seen)
+
+
 def test_handles_are_evicted_least_recently_used_first_even_with_views_out(
         world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     """A hit moves the handle to the end (the busiest sender used to be evicted first);
