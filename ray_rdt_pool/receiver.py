@@ -204,6 +204,8 @@ class Receiver:
         # deleter run by GC) and keeps drains out while a fork is prepared.
         self._self_drain = False
         self._draining = False
+        self._later_lock = threading.Lock()  # guards _later_pending (see _drain_later)
+        self._later_pending = False
         # Object mappings that views may still use, by address: (pool, slot, length).
         # Changed under the lock; a forked child copies each into memory of its own.
         self._live: dict[int, tuple[MappedPool, int, int]] = {}
@@ -236,6 +238,14 @@ class Receiver:
     def _drain_locked(self) -> None:
         if self._draining:
             return  # a deleter run by GC inside a drain: the loop below picks it up
+        while True:
+            self._drain_once_locked()
+            # A deleter that ran (GC) after the loops below but before _draining was
+            # cleared saw a drain in progress and left its release queued: take it too.
+            if not (self._unmaps or self._arena_dead):
+                return
+
+    def _drain_once_locked(self) -> None:
         self._draining = True
         try:
             while self._unmaps:
@@ -259,14 +269,38 @@ class Receiver:
         its release for the next drain, or drain now when no progress thread will."""
         self._unmaps.append(release)
         while self._self_drain and self._unmaps and not self._draining:
-            # Never wait: this may run inside GC in a thread holding any lock. A thread
-            # holding ours drains (or its own deleter does) before long.
+            # Never wait: this may run inside GC in a thread holding any lock. Another
+            # thread holds ours and need not drain before it lets go, so a helper thread
+            # waits for the lock and drains (the lease would be stranded otherwise).
             if not self.lock.acquire(blocking=False):
+                self._drain_later()
                 return
             try:
                 self._drain_locked()
             finally:
                 self.lock.release()
+
+    def _drain_later(self) -> None:
+        """Start one thread that waits for the lock and drains (self-drain mode only)."""
+        with self._later_lock:
+            if self._later_pending:
+                return
+            self._later_pending = True
+
+        def drain() -> None:
+            try:
+                with self.lock:
+                    with self._later_lock:
+                        self._later_pending = False
+                    self._drain_locked()
+            except Exception:
+                logger.warning("returning leases of dead views failed", exc_info=True)
+
+        try:
+            threading.Thread(target=drain, name="rdt-pool-drain", daemon=True).start()
+        except RuntimeError:  # interpreter shutting down: the process exits anyway
+            with self._later_lock:
+                self._later_pending = False
 
     def _arena(self, device: str) -> Region:
         with self.lock:
@@ -897,6 +931,8 @@ class Receiver:
             os.close(r)
         self._forks.clear()
         self._self_drain = True  # no progress thread here
+        self._later_lock = threading.Lock()  # another thread may have held it at the fork
+        self._later_pending = False
         if prep is not None:
             r, w, _extra = prep
             os.close(r)
@@ -909,6 +945,10 @@ class Receiver:
         if self._fork_locked:
             self._fork_locked = False
             self._draining = self._fork_draining
+            if self._self_drain and not self._draining:
+                # Deleters that ran during the fork found drains held off; with no
+                # progress thread, nobody else would return their leases.
+                self._drain_locked()
             self.lock.release()
 
     def _settle_forks_locked(self) -> None:

@@ -366,6 +366,99 @@ def test_leases_taken_before_a_close_drop_when_the_views_die(world: World, mode:
     assert (st.mapped_objects, st.mapped_bytes) == (0, 0)
 
 
+def test_after_shutdown_a_view_dying_while_the_lock_is_held_still_returns_its_lease(
+        world: World) -> None:
+    """With no progress thread (after shutdown, in a forked child), a deleter that found
+    the receiver lock held by a thread that does not drain left its lease queued for
+    good: the sender's block stayed leased for the life of this process."""
+    s, r = make(world), make(world)
+    kept = get(s, r, "a", [torch.arange(5000, dtype=torch.int64)])
+    r.shutdown()
+    assert s.sender.free("a")
+    held, go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with r.receiver.lock:
+            held.set()
+            go.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert held.wait(10)
+    del kept
+    gc.collect()  # the deleter runs now, and cannot take the lock
+    go.set()
+    t.join(10)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        s.sender.reap()
+        if s.stats().leased_objects == 0:
+            break
+        time.sleep(0.02)
+    assert s.stats().leased_objects == 0
+    assert r.receiver.mapped_objects == 0
+
+
+def test_after_shutdown_a_view_dying_during_a_fork_returns_its_lease(world: World) -> None:
+    """The fork hooks hold drains off; a view that died meanwhile (after shutdown: no
+    progress thread) left its lease queued with nobody to return it."""
+    s, r = make(world), make(world)
+    rc = r.receiver
+    kept = get(s, r, "a", [torch.arange(5000, dtype=torch.int64)])
+    r.shutdown()
+    rc._before_fork()
+    try:
+        del kept
+        gc.collect()  # the deleter finds drains held off: its release is queued
+        assert rc._unmaps
+    finally:
+        rc._after_fork_parent()
+    assert not rc._unmaps
+    for fd, _extra in rc._forks:  # no child was made: settle the extra leases
+        os.close(fd)
+    for _fd, extra in rc._forks:
+        for host, slot in extra:
+            host.release_one(slot)
+    rc._forks = []
+    s.sender.free("a")
+    s.sender.reap()
+    assert s.stats().leased_objects == 0
+
+
+def test_a_release_queued_at_the_end_of_a_drain_is_not_left_behind(world: World,
+                                                                   monkeypatch) -> None:
+    """A deleter run by GC inside a drain, after its unmap loop, saw the drain running
+    and left its release for it; the drain had passed that loop and never saw it."""
+    s, r = make(world), make(world)
+    rc = r.receiver
+    kept = get(s, r, "a", [torch.arange(5000, dtype=torch.int64)])
+    views = [kept]
+    real = rc._settle_forks_locked
+
+    def gc_inside_the_drain() -> None:
+        if views:
+            views.clear()
+            gc.collect()  # kept's views die here: their deleter queues the release
+        real()
+
+    pr, pw = os.pipe()  # a fork whose child has not copied yet: the drain settles it
+    os.set_blocking(pr, False)
+    rc._forks = [(pr, [])]
+    monkeypatch.setattr(rc, "_settle_forks_locked", gc_inside_the_drain)
+    del kept
+    try:
+        with rc.lock:
+            rc._drain_locked()
+            assert not rc._unmaps and rc.mapped_objects == 0
+    finally:
+        rc._forks = []
+        os.close(pr)
+        os.close(pw)
+    s.sender.free("a")
+    s.sender.reap()
+    assert s.stats().leased_objects == 0
+
+
 @pytest.mark.parametrize("mode", ["map", "copy"])
 def test_a_handle_closed_between_lookup_and_lease_is_looked_up_again(world: World, mode: str
                                                                     ) -> None:
