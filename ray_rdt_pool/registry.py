@@ -393,8 +393,10 @@ class Registry:
     def has_pins(self) -> bool:
         return bool(self._pinned)
 
-    def pinned_entry(self, addr: int, nbytes: int) -> RegEntry | None:
-        """The pinned entry holding ``[addr, addr+nbytes)``, if one does."""
+    def pinned_entry(self, addr: int, nbytes: int, use: bool = False) -> RegEntry | None:
+        """The pinned entry holding ``[addr, addr+nbytes)``, if one does; with ``use``,
+        one more user of it is taken under the same lock (the caller releases it), so a
+        ``deregister_memory()`` on another thread cannot drop it in between."""
         spans = self._pinned
         if not spans:
             return None
@@ -408,13 +410,10 @@ class Registry:
             start, end = spans[i]
             for e in self._entries.values():
                 if e.pins and e.key[0] == start and e.key[0] + e.key[1] == end:
+                    if use:
+                        e.users += 1
                     return e
         return None
-
-    def use(self, entry: RegEntry) -> None:
-        """One more user of an entry found by :meth:`pinned_entry`."""
-        with self._lock:
-            entry.users += 1
 
     def cached(self) -> tuple[int, int]:
         """(entries, bytes held) of the storage cache."""

@@ -343,12 +343,13 @@ class Sender:
         # memmove reaches host memory only; CUDA on either side packs with one torch op
         # into one contiguous block.
         torch_path = d.device == "cuda" or pool_device == "cuda"
-        p = self._place(obj_id, local_total, torch_path or bool(converted))
         try:
-            for e in pinned or ():
-                if e is not None:
-                    self.registry.use(e)
-                    p.pinned.append(e)
+            p = self._place(obj_id, local_total, torch_path or bool(converted))
+        except BaseException:
+            self._release_entries(pinned)
+            raise
+        try:
+            p.pinned.extend(e for e in pinned or () if e is not None)
             t_copy = time.perf_counter()
             region = p.region
             if p.blocks and region is not None:
@@ -448,18 +449,26 @@ class Sender:
         return meta, wire
 
     def _pinned_entries(self, d: Described, pool_device: str) -> list[RegEntry | None] | None:
-        """Per tensor, the register_memory() storage it is read from, or None (copied)."""
+        """Per tensor, the register_memory() storage it is read from, or None (copied).
+        Each entry found comes with one use taken (see Registry.pinned_entry): the
+        caller hands them to the placement or releases them."""
         if not self.registry.has_pins():
             return None
-        found = [self.registry.pinned_entry(p, n) if n > 0 and ok else None
+        found = [self.registry.pinned_entry(p, n, use=True) if n > 0 and ok else None
                  for n, ok, p in zip(d.nbytes, d.plain, d.ptrs)]
         if not any(e is not None for e in found):
             return None
         copied = any(e is None and n > 0 for e, n in zip(found, d.nbytes))
         if copied and d.device != pool_device:
             # One object names one device on the wire: copy everything to the pool's.
+            self._release_entries(found)
             return None
         return found
+
+    def _release_entries(self, entries: Sequence[RegEntry | None] | None) -> None:
+        for e in entries or ():
+            if e is not None:
+                self.registry.release(e)
 
     def _pack_cuda(self, tensors: Sequence[torch.Tensor], d: Described,
                    offsets: Sequence[int], blocks: Sequence[tuple[int, int]], region: Region,

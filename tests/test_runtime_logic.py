@@ -27,6 +27,7 @@ from ray_rdt_pool.errors import (
     TransferError,
     WireFormatError,
 )
+from ray_rdt_pool.registry import storage_key
 from ray_rdt_pool.transport import PoolTransportMetadata, Runtime
 from tests.fakenixl import World
 
@@ -258,6 +259,52 @@ def test_the_pinned_entry_found_is_the_extent_that_holds_the_bytes(world):
     entry = s.registry.pinned_entry(inside.data_ptr(), inside.nbytes)
     assert entry is not None and entry.key[1] == whole.nbytes
     assert s.registry.pinned_entry(small.data_ptr(), small.nbytes) is not None
+
+
+def test_deregister_memory_during_a_put_never_drops_memory_the_put_names(world,
+                                                                       monkeypatch):
+    """The put found the register_memory() entry, then took its use only after the
+    pool allocation: a deregister_memory() on another thread in between dropped the
+    registration, and the metadata named memory NIXL no longer held."""
+    s, r = make(world), make(world)
+    s.backend()
+    pinned = torch.arange(4096, dtype=torch.float32)
+    s.registry.pin(pinned)
+    real = s.sender._place
+    unpinned: list[bool] = []
+
+    def unpin_first(*args, **kw):
+        if not unpinned:
+            t = threading.Thread(target=lambda: unpinned.append(s.registry.unpin(pinned)))
+            t.start()
+            t.join()
+        return real(*args, **kw)
+
+    monkeypatch.setattr(s.sender, "_place", unpin_first)
+    entry = s.registry.pinned_entry(pinned.data_ptr(), pinned.nbytes)
+    assert entry is not None
+    src = [pinned[100:200], torch.ones(10)]
+    out = roundtrip(s, r, "a", src)
+    assert unpinned == [False]  # the put's use kept it registered
+    assert same(out, src) and not world.violations
+    assert entry.handle in s.backend().regions  # still registered while sent
+    s.free("a")
+    assert s.registry.forget([storage_key(pinned)]) == 1  # then it can go
+
+
+def test_a_failed_allocation_releases_the_pinned_uses(world, monkeypatch):
+    s = make(world)
+    s.backend()
+    pinned = torch.arange(4096, dtype=torch.float32)
+    s.registry.pin(pinned)
+
+    def full(*args, **kw):
+        raise RuntimeError("no block")
+
+    monkeypatch.setattr(s.sender, "_place", full)
+    with pytest.raises(RuntimeError, match="no block"):
+        s.put("a", [pinned[:10], torch.ones(10)])
+    assert s.registry.unpin(pinned)  # no use left behind: it deregisters at once
 
 
 def test_a_forked_child_never_shuts_down_the_runtime_it_inherited(world, monkeypatch):
