@@ -145,6 +145,9 @@ class Landing:
     temp: Any = None  # the one-off buffer (a tensor)
     temp_handle: Any = None
     entries: list[RegEntry] = field(default_factory=list)
+    # Storages of targets that lie in our arena: held, so that their arena blocks stay
+    # theirs until the READ has ended even if the caller drops the targets meanwhile.
+    keep: list[Any] = field(default_factory=list)
     released: bool = False
 
 
@@ -326,12 +329,19 @@ class Receiver:
         total = meta.total if f.selected is None else f.selected.total
         if targets:
             entries: list[RegEntry] = []
+            keep: list[Any] = []
             for t in targets:
+                if self._in_arena(t):
+                    # Our received tensors reused as targets: the arena's registration
+                    # covers them. Caching a registration of them would hold the
+                    # storage, and so the arena block, for as long as the cache keeps it.
+                    keep.append(t.untyped_storage())
+                    continue
                 e = self.registry.acquire_if_seen(t)
                 if e is not None:
                     entries.append(e)
-            if len(entries) == len(targets):
-                landing = Landing("targets", device=device, entries=entries)
+            if len(entries) + len(keep) == len(targets):
+                landing = Landing("targets", device=device, entries=entries, keep=keep)
                 f.targets = list(targets)
                 return (landing, *_target_descs(targets, meta))
             for e in entries:
@@ -375,8 +385,20 @@ class Receiver:
             landing.temp = None
         else:
             entries, landing.entries = landing.entries, []
+            landing.keep = []
             for e in entries:
                 self.registry.release(e)
+
+    def _in_arena(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage lies in one of our receive arenas (a tensor we
+        returned, used again as a target buffer)."""
+        with self.lock:
+            arena = self.arenas.get(t.device.type)
+        if arena is None or int(arena.mem.device_id) != (t.device.index or 0):
+            return False
+        st = t.untyped_storage()
+        lo = st.data_ptr()
+        return arena.addr <= lo and lo + st.nbytes() <= arena.addr + arena.capacity
 
     # -- peers ----------------------------------------------------------------------------
 

@@ -188,6 +188,52 @@ def test_target_buffers_copy_first_then_register_once_and_read_in_place(world):
     assert same(fresh, ts) and r.stats().nixl_registrations == regs
 
 
+def test_received_tensors_reused_as_targets_are_read_into_in_place_and_not_cached(world):
+    """A receiver that passes the tensors it got back as the next targets (a weight-sync
+    loop): they lie in our arena, already registered. The registration cache used to
+    register them on the second sighting and hold their storage, so their arena block
+    never came back while the cache kept the entry."""
+    s, r = make(world), make(world)
+    ts = [torch.randn(33, 3), torch.arange(12, dtype=torch.int16)]
+    bufs = roundtrip(s, r, "a", ts)
+    regs = r.stats().nixl_registrations
+    for k in range(3):
+        ts2 = [t + k + 1 for t in ts]
+        out = roundtrip(s, r, f"b{k}", ts2, bufs)
+        assert all(a is b for a, b in zip(out, bufs)) and same(bufs, ts2)
+        last = r.backend().xfers[max(r.backend().xfers)]
+        assert {a for a, _, _ in last.local} <= {b.data_ptr() for b in bufs}  # in place
+    st = r.stats()
+    assert st.nixl_registrations == regs and st.registration_cache_entries == 0
+    del bufs, out
+    gc.collect()
+    r.receiver.reap()
+    assert r.stats().arena_used == 0
+
+
+def test_arena_targets_dropped_during_their_read_keep_their_block_until_it_ends(world):
+    s, r = make(world), make(world)
+    bufs = roundtrip(s, r, "a", [torch.zeros(1000)])
+    world.mode = "PROC"
+    req = r.fetch("b", ship(s.put("b", [torch.full((1000,), 3.0)])), bufs)
+    r.abort("b")
+    with pytest.raises(TransferError):
+        r.wait(req, -1)
+    handle = req.inner.transfer.handle
+    del bufs, req  # the caller and Ray let go of the targets and the fetch
+    gc.collect()
+    assert r.stats().arena_used > 0  # NIXL may still write there: the block stays
+    world.mode = "DONE"
+    c = [torch.full((1000,), 9.0)]
+    out_c = roundtrip(s, r, "c", c)
+    r.backend().complete(handle)  # the late write
+    assert same(out_c, c)
+    r.backend().tick()
+    del out_c
+    gc.collect()
+    assert r.stats().arena_used == 0 and not world.violations
+
+
 def test_target_buffer_mismatch_is_rejected_before_any_read(world):
     s, r = make(world), make(world)
     meta = ship(s.put("a", [torch.randn(4, 4)]))
