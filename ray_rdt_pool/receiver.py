@@ -443,7 +443,16 @@ class Receiver:
                     return  # removed meanwhile: the caller retries with the current one
                 if peer.loaded >= need and not (peer.stale and peer.in_flight == 0):
                     return
-            version, reset, md = self._lookup(peer.name, max(need, peer.loaded, 0))
+            try:
+                version, reset, md = self._lookup(peer.name, max(need, peer.loaded, 0))
+            except BaseException:
+                with self.lock:
+                    if (peer.loaded < 0 and peer.in_flight == 0
+                            and self.peers.get(peer.name) is peer):
+                        del self.peers[peer.name]  # never in NIXL: nothing to remove
+                    else:
+                        self._suspect(peer)
+                raise
             with self.lock:
                 replace = peer.loaded >= 0 and peer.view_since < reset
                 idle = peer.in_flight == 0

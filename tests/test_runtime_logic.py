@@ -627,6 +627,15 @@ def test_a_peer_waiting_for_its_first_metadata_is_not_idle_and_blocks_no_reap(wo
     assert r.stats().remote_agents_removed == 0
 
 
+def test_a_sender_never_found_in_the_directory_leaves_no_peer(world):
+    s, r = make(world), make(world, fetch_timeout_s=0.1)
+    meta = ship(s.put("a", [torch.arange(3)]))
+    world.kv.pop(s.agent_name)
+    with pytest.raises(TransferError, match="no NIXL metadata"):
+        r.wait(r.fetch("a", meta, None), -1)
+    assert r.stats().remote_agents == 0
+
+
 def test_an_idle_peer_whose_removal_nixl_refuses_is_retried_then_forgotten(world, monkeypatch):
     from ray_rdt_pool import receiver as rmod
 
