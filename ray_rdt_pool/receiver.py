@@ -72,6 +72,7 @@ from ray_rdt_pool.errors import (
 from ray_rdt_pool.merge import merge_descriptors
 from ray_rdt_pool.registry import MEM_TYPE, Directory, RegEntry, Region, Registry
 from ray_rdt_pool.shared import (
+    ChildLeases,
     HostInfo,
     MappedPool,
     NotVisibleError,
@@ -216,7 +217,8 @@ class Receiver:
         # read end of a pipe the child closes once it has, and the extra lease this
         # process took on each mapping's slot for it (see _before_fork).
         self._forks: list[tuple[int, list[tuple[MappedPool, int]]]] = []
-        self._fork_prep: tuple[int, int, list[tuple[MappedPool, int]]] | None = None
+        # (pipe read end, write end, extra leases, parent pid) between the fork hooks
+        self._fork_prep: tuple[int, int, list[tuple[MappedPool, int]], int] | None = None
         self._fork_locked = False  # _before_fork took the lock: the after-hooks release it
         self._fork_draining = False
         self.registry = registry
@@ -927,12 +929,12 @@ class Receiver:
         extra = [(host, slot) for host, slot, _n in live if host.counts is not None]
         for host, slot in extra:
             host.lease(slot)
-        self._fork_prep = (r, w, extra)
+        self._fork_prep = (r, w, extra, os.getpid())
 
     def _after_fork_parent(self) -> None:
         prep, self._fork_prep = self._fork_prep, None
         if prep is not None:
-            r, w, extra = prep
+            r, w, extra, _parent = prep
             os.close(w)  # the child's copy of it is the one whose close we wait for
             os.set_blocking(r, False)
             self._forks.append((r, extra))
@@ -943,6 +945,15 @@ class Receiver:
         same address, and forget every handle (their rows are the parent's: nothing here
         may take or return a lease through them). Then tell the parent."""
         prep, self._fork_prep = self._fork_prep, None
+        own = None
+        if prep is not None and self._live:
+            own = ChildLeases([(host, slot) for host, slot, _n in self._live.values()],
+                              prep[3])
+            if not own.parent_ran:
+                logger.error("the parent of this forked child exited before the child "
+                             "held its inherited same-node mappings; the bytes of %d "
+                             "inherited view(s) may be those of a later object",
+                             len(self._live))
         copied = True
         for addr, (_host, _slot, length) in self._live.items():
             if not privatize(addr, length):
@@ -950,6 +961,8 @@ class Receiver:
                 logger.error("a forked child could not copy a same-node mapping of %d "
                              "bytes; the parent keeps its lease until this process exits",
                              length)
+        if own is not None:
+            own.end()
         handles = {id(h): h for h in self.hosts.values() if h is not None}
         handles.update((id(h), h) for h, _s, _n in self._live.values())
         handles.update((id(u[0]), u[0]) for u in self._unmaps)
@@ -965,7 +978,7 @@ class Receiver:
         self._later_lock = threading.Lock()  # another thread may have held it at the fork
         self._later_pending = False
         if prep is not None:
-            r, w, _extra = prep
+            r, w, _extra, _parent = prep
             os.close(r)
             if copied:
                 os.close(w)

@@ -38,7 +38,9 @@ pool's: a forked child that kept them would see the block's next object once the
 lease dropped. The receiver (its ``os.register_at_fork`` hooks, registered with its first
 handle) has the child replace each by anonymous memory holding the same bytes
 (:func:`privatize`) and forget every handle (:meth:`MappedPool.forget`: the row is the
-parent's), while the parent holds one more lease per mapping until the child has copied.
+parent's), while the parent holds one more lease per mapping until the child has copied
+and the child, first thing, takes leases of its own in a row of its own
+(:class:`ChildLeases`), so a parent killed during the copy cannot free the blocks.
 
 CUDA pools. A sender whose pool is CUDA memory publishes torch's CUDA IPC export of it
 (:class:`CudaExport`) instead of a descriptor; a receiver whose landing GPU is that GPU
@@ -78,10 +80,10 @@ from ray_rdt_pool.tensors import HostRegion
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "HOST_INFO_VERSION", "PAGE", "CudaExport", "HostInfo", "LeaseTable", "MappedPool",
-    "NotVisibleError", "SharedHostRegion", "SourceProcess", "export_cuda_pool", "lease_slot",
-    "lease_slots", "mappable_spans", "peer_batch_reader", "peer_reader", "privatize",
-    "probe_source", "still_running", "this_process", "unmap",
+    "HOST_INFO_VERSION", "PAGE", "ChildLeases", "CudaExport", "HostInfo", "LeaseTable",
+    "MappedPool", "NotVisibleError", "SharedHostRegion", "SourceProcess", "export_cuda_pool",
+    "lease_slot", "lease_slots", "mappable_spans", "peer_batch_reader", "peer_reader",
+    "privatize", "probe_source", "still_running", "this_process", "unmap",
 ]
 
 PAGE = mmap.PAGESIZE
@@ -633,6 +635,24 @@ class MappedPool:
                 raise OSError(err, "mmap of a shared pool block failed")
         return int(base), span
 
+    def give_back(self) -> None:
+        """Close, and free this process's row in the sender's table: the caller returned
+        every lease it took through this handle and takes no more through this table
+        (a forked child's own leases, held only while it copies; see
+        :class:`ChildLeases`). The row's counts are all zero, so the sender may give it
+        to another receiver at once."""
+        if self.held == 0 and self.table_fd >= 0 and self._table is not None:
+            import numpy as np
+
+            header = np.frombuffer(self._table, dtype=np.uint64, count=PAGE // 8)
+            fcntl.flock(self.table_fd, fcntl.LOCK_EX)
+            try:
+                header[_ROW_BASE + 2 * self.row:_ROW_BASE + 2 * self.row + 2] = 0
+            finally:
+                fcntl.flock(self.table_fd, fcntl.LOCK_UN)
+            del header  # the table's exported buffer: gone before close() unmaps it
+        self.close()
+
     def forget(self) -> None:
         """In a forked child: the row and the table are the parent's. Never write them
         again (no lease taken, none returned) and let go of this process's copies of the
@@ -661,6 +681,45 @@ class MappedPool:
             self._closing = True
         else:
             self._release_mappings()
+
+
+class ChildLeases:
+    """A forked child's leases of its own, in a row of its own, on the slots of its
+    inherited object mappings, held while it copies them (:func:`privatize`). Until it
+    holds them, only the parent's extra leases (see the module doc) hold those blocks,
+    and the sender clears a dead process's row: were the parent to die during the copy,
+    a block could be reused under it.
+
+    Made by the receiver's after-fork hook in the child, which calls :meth:`end` once
+    it has copied: every lease goes back and the rows are freed."""
+
+    def __init__(self, held: Sequence[tuple[MappedPool, int]], parent: int) -> None:
+        """``held``: (inherited handle, slot) of each object mapping; ``parent``: the
+        parent's pid, read before the fork. Sets :attr:`parent_ran`, whether the parent
+        still ran once the leases were taken: if it did, its row was intact until then,
+        so the blocks were never unheld. A sender whose pool cannot be opened again (it
+        exited: nothing reuses its blocks) gets no lease."""
+        self._own: dict[int, tuple[MappedPool, list[int]]] = {}
+        for host, slot in held:
+            if host.counts is None or host.cuda is not None:
+                continue  # no mapping of it to copy (a CUDA pool is copied, never mapped)
+            own = self._own.get(id(host))
+            if own is None:
+                try:
+                    own = self._own[id(host)] = (MappedPool(host.info), [])
+                except OSError as e:
+                    logger.debug("no lease row of its own for a forked child: %s", e)
+                    continue
+            own[0].lease(slot)
+            own[1].append(slot)
+        self.parent_ran = os.getppid() == parent
+
+    def end(self) -> None:
+        for handle, slots in self._own.values():
+            for slot in slots:
+                handle.release_one(slot)
+            handle.give_back()
+        self._own.clear()
 
 
 def privatize(addr: int, length: int) -> bool:

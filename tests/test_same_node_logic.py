@@ -767,6 +767,63 @@ def test_until_the_child_copied_its_mappings_the_parent_holds_their_blocks(
     assert s.stats().leased_objects == 0 and r.stats().mapped_objects == 0
 
 
+def test_a_forked_child_holds_its_blocks_if_its_parent_dies_while_it_copies(
+        world: World) -> None:
+    """Only the parent's extra leases held the blocks a forked child was copying. The
+    parent died meanwhile (a receiver process killed just after it forked): the sender
+    cleared the dead parent's row and reused the block, and the child copied the next
+    object's bytes. The child now takes leases of its own, in a row of its own, first.
+    Three processes: this one sends, a forked receiver forks again and dies while its
+    child copies (the copy waits on a pipe)."""
+    s = make(world)
+    n = PAGE
+    meta = ship(s.put("a", [torch.full((n,), 7, dtype=torch.int32)]))
+    off_a = s.sender.sent["a"].blocks[0][0]
+    table = s.sender.leases
+    assert table is not None
+    copying_r, copying_w = os.pipe()  # the grandchild is inside its copy
+    go_r, go_w = os.pipe()  # let it finish
+    done_r, done_w = os.pipe()  # what it saw
+
+    def receiver() -> None:
+        r = make(world)
+        views = r.wait(r.fetch("a", meta, None), -1)
+        assert r.stats().mapped_gets == 1
+        real = receiver_mod.privatize
+
+        def slow_privatize(addr: int, length: int) -> bool:
+            os.write(copying_w, b"c")
+            os.read(go_r, 1)
+            return real(addr, length)
+
+        receiver_mod.privatize = slow_privatize  # type: ignore[assignment]
+        if os.fork() == 0:
+            os.write(done_w, b"1" if (views[0].numpy() == 7).all() else b"0")
+            os._exit(0)
+        os.read(copying_r, 1)
+        os._exit(0)  # dies holding its views, its lease and its extra lease
+
+    pid = _fork(receiver)
+    try:
+        _reap_child(pid)
+        assert s.stats().leased_objects == 0  # leases are counted once the object is freed
+        assert s.sender.free("a")
+        settle(s)  # sweeps the dead receiver's row
+        assert s.stats().leased_objects == 1  # the grandchild's own lease holds the block
+        get(s, make(world, same_node="off"), "b", [torch.full((n,), 9, dtype=torch.int32)])
+        assert s.sender.sent["b"].blocks[0][0] != off_a
+    finally:
+        os.write(go_w, b"x")
+        seen = os.read(done_r, 1)
+        for fd in (copying_r, copying_w, go_r, go_w, done_r, done_w):
+            os.close(fd)
+    assert seen == b"1"  # the grandchild copied "a", not "b"
+    settle(s)
+    st = s.stats()
+    assert (st.leased_objects, st.live_objects) == (0, 1)
+    assert not table._claimed()  # its row was given back once it had copied
+
+
 def test_a_forked_child_never_writes_the_parents_lease_row(world: World) -> None:
     """The child's inherited views die and it drains: it used to lower the parent's
     count through the inherited table (the parent's block freed under its live views,
