@@ -332,12 +332,15 @@ class Receiver:
         if targets:
             entries: list[RegEntry] = []
             keep: list[Any] = []
+            with self.lock:
+                arenas = dict(self.arenas)
             for t in targets:
-                if self._in_arena(t):
+                st = _arena_storage(t, arenas)
+                if st is not None:
                     # Our received tensors reused as targets: the arena's registration
                     # covers them. Caching a registration of them would hold the
                     # storage, and so the arena block, for as long as the cache keeps it.
-                    keep.append(t.untyped_storage())
+                    keep.append(st)
                     continue
                 e = self.registry.acquire_if_seen(t)
                 if e is not None:
@@ -390,17 +393,6 @@ class Receiver:
             landing.keep = []
             for e in entries:
                 self.registry.release(e)
-
-    def _in_arena(self, t: torch.Tensor) -> bool:
-        """Whether ``t``'s storage lies in one of our receive arenas (a tensor we
-        returned, used again as a target buffer)."""
-        with self.lock:
-            arena = self.arenas.get(t.device.type)
-        if arena is None or int(arena.mem.device_id) != (t.device.index or 0):
-            return False
-        st = t.untyped_storage()
-        lo = st.data_ptr()
-        return arena.addr <= lo and lo + st.nbytes() <= arena.addr + arena.capacity
 
     # -- peers ----------------------------------------------------------------------------
 
@@ -1401,6 +1393,19 @@ class Receiver:
 #: A mapping whose views died: (pool, slot, address, length, bytes); see
 #: ``Receiver._unmaps``.
 _Unmap = tuple[MappedPool, int, int, int, int]
+
+def _arena_storage(t: torch.Tensor, arenas: dict[str, Region]) -> Any:
+    """``t``'s storage if it lies in one of ``arenas`` (a tensor we returned, used again
+    as a target buffer), else None."""
+    arena = arenas.get(t.device.type)
+    if arena is None or int(arena.mem.device_id) != (t.device.index or 0):
+        return None
+    st = t.untyped_storage()
+    lo = st.data_ptr()
+    if arena.addr <= lo and lo + st.nbytes() <= arena.addr + arena.capacity:
+        return st
+    return None
+
 
 #: Receivers that have opened a same-node sender's pool: each takes part in every fork.
 _fork_receivers: weakref.WeakSet[Receiver] = weakref.WeakSet()
