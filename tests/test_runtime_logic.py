@@ -15,6 +15,7 @@ import pickle
 import re
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -592,25 +593,47 @@ def test_a_read_still_running_after_a_failed_post_keeps_its_block(world):
     assert r.stats().arena_used == 0
 
 
+class _Gate(threading.Event):
+    """Holds stalled GCS lookups; ``entered`` is set once one waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+
+
+def _stall_lookups(world: World) -> tuple[_Gate, Any]:
+    """Make every metadata lookup of ``world`` wait on the returned gate (set it to let
+    them through); returns the gate and the real lookup, to put back."""
+    gate, real = _Gate(), world.lookup
+
+    def slow_lookup(name):
+        gate.entered.set()
+        gate.wait(10)
+        return real(name)
+
+    world.lookup = slow_lookup
+    return gate, real
+
+
+def _fetch_stalled(r: Runtime, meta: PoolTransportMetadata, gate: _Gate
+                   ) -> tuple[list, threading.Thread]:
+    """Fetch ``meta`` on a thread until its lookup waits on ``gate``; returns the list
+    its result lands in and the thread."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(r.wait(r.fetch("a", meta, None), -1)))
+    t.start()
+    assert gate.entered.wait(10)
+    return out, t
+
+
 def test_a_peer_waiting_for_its_first_metadata_is_not_idle_and_blocks_no_reap(world):
     """A first load holds the peer's load lock while the GCS lookup waits (up to
     fetch_timeout_s). The peer was "idle since 0", so housekeeping picked it to remove
     and blocked on that lock: reap() (the progress thread) stalled behind the GCS."""
     s, r = make(world), make(world)
     meta = ship(s.put("a", [torch.arange(5)]))
-    gate, entered = threading.Event(), threading.Event()
-    real_lookup = world.lookup
-
-    def slow_lookup(name):
-        entered.set()
-        gate.wait(10)
-        return real_lookup(name)
-
-    world.lookup = slow_lookup
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(r.wait(r.fetch("a", meta, None), -1)))
-    t.start()
-    assert entered.wait(10)
+    gate, real_lookup = _stall_lookups(world)
+    out, t = _fetch_stalled(r, meta, gate)
     done = threading.Event()
 
     def reap() -> None:
@@ -973,19 +996,9 @@ def test_gcs_round_trips_hold_no_lock(world):
     the process's other work: stats(), puts, aborts and frees go on meanwhile."""
     s, r = make(world), make(world)
     meta = ship(s.put("a", [torch.arange(3)]))
-    gate, entered = threading.Event(), threading.Event()
-    real_lookup, real_publish = world.lookup, world.publish
-
-    def slow_lookup(name):
-        entered.set()
-        gate.wait(10)
-        return real_lookup(name)
-
-    world.lookup = slow_lookup
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(r.wait(r.fetch("a", meta, None), -1)))
-    t.start()
-    assert entered.wait(10)
+    real_publish = world.publish
+    gate, real_lookup = _stall_lookups(world)
+    out, t = _fetch_stalled(r, meta, gate)
     r.put("own", [torch.ones(3)])  # the blocked process sends meanwhile
     r.free("own")
     r.abort("zz")
@@ -997,11 +1010,11 @@ def test_gcs_round_trips_hold_no_lock(world):
     world.lookup = real_lookup
 
     gate.clear()
-    entered.clear()
+    gate.entered.clear()
 
     def slow_publish(name, *args):
         if name == s.agent_name:
-            entered.set()
+            gate.entered.set()
             gate.wait(10)
         return real_publish(name, *args)
 
@@ -1009,7 +1022,7 @@ def test_gcs_round_trips_hold_no_lock(world):
     s.registry.pin(torch.zeros(16))  # a new registration: the next put publishes
     t = threading.Thread(target=lambda: out.append(s.put("b", [torch.arange(4)])))
     t.start()
-    assert entered.wait(10)
+    assert gate.entered.wait(10)
     assert same(roundtrip(r, s, "c", [torch.arange(2)]), [torch.arange(2)])  # s receives
     s.free("a")
     assert s.stats().live_objects == 0
