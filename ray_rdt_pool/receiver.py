@@ -221,6 +221,9 @@ class Receiver:
         self._fork_prep: tuple[int, int, list[tuple[MappedPool, int]], int] | None = None
         self._fork_locked = False  # _before_fork took the lock: the after-hooks release it
         self._fork_draining = False
+        # In a forked child whose copy of an inherited mapping failed: its own leases
+        # on their blocks, kept until it exits (its row is swept then).
+        self._uncopied_leases: ChildLeases | None = None
         self.registry = registry
         self.events = events
         self._backend = backend
@@ -951,10 +954,13 @@ class Receiver:
             if not privatize(addr, length):
                 copied = False
                 logger.error("a forked child could not copy a same-node mapping of %d "
-                             "bytes; the parent keeps its lease until this process exits",
+                             "bytes; it and its parent hold its block until this process exits",
                              length)
         if own is not None:
-            own.end()
+            if copied:
+                own.end()
+            else:  # the mappings still show the pool: hold their blocks until we exit
+                self._uncopied_leases = own
         handles = {id(h): h for h in self.hosts.values() if h is not None}
         handles.update((id(h), h) for h, _s, _n in self._live.values())
         handles.update((id(u[0]), u[0]) for u in self._unmaps)
@@ -1393,6 +1399,7 @@ class Receiver:
 #: A mapping whose views died: (pool, slot, address, length, bytes); see
 #: ``Receiver._unmaps``.
 _Unmap = tuple[MappedPool, int, int, int, int]
+
 
 def _arena_storage(t: torch.Tensor, arenas: dict[str, Region]) -> Any:
     """``t``'s storage if it lies in one of ``arenas`` (a tensor we returned, used again

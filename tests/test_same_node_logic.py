@@ -767,14 +767,16 @@ def test_until_the_child_copied_its_mappings_the_parent_holds_their_blocks(
     assert s.stats().leased_objects == 0 and r.stats().mapped_objects == 0
 
 
+@pytest.mark.parametrize("copy_fails", [False, True])
 def test_a_forked_child_holds_its_blocks_if_its_parent_dies_while_it_copies(
-        world: World) -> None:
+        world: World, copy_fails: bool) -> None:
     """Only the parent's extra leases held the blocks a forked child was copying. The
     parent died meanwhile (a receiver process killed just after it forked): the sender
     cleared the dead parent's row and reused the block, and the child copied the next
     object's bytes. The child now takes leases of its own, in a row of its own, first.
     Three processes: this one sends, a forked receiver forks again and dies while its
-    child copies (the copy waits on a pipe)."""
+    child copies (the copy waits on a pipe). A child whose copy failed still maps the
+    pool: it keeps its leases until it exits."""
     s = make(world)
     n = PAGE
     meta = ship(s.put("a", [torch.full((n,), 7, dtype=torch.int32)]))
@@ -794,10 +796,13 @@ def test_a_forked_child_holds_its_blocks_if_its_parent_dies_while_it_copies(
         def slow_privatize(addr: int, length: int) -> bool:
             os.write(copying_w, b"c")
             os.read(go_r, 1)
-            return real(addr, length)
+            return False if copy_fails else real(addr, length)
 
         receiver_mod.privatize = slow_privatize  # type: ignore[assignment]
         if os.fork() == 0:
+            if copy_fails:  # its block is still held after its hook has run
+                os.write(done_w, b"1" if table.held(off_a // PAGE) else b"0")
+                os.read(go_r, 1)
             os.write(done_w, b"1" if (views[0].numpy() == 7).all() else b"0")
             os._exit(0)
         os.read(copying_r, 1)
@@ -815,10 +820,19 @@ def test_a_forked_child_holds_its_blocks_if_its_parent_dies_while_it_copies(
     finally:
         os.write(go_w, b"x")
         seen = os.read(done_r, 1)
+        if copy_fails:
+            assert seen == b"1"  # held once its hook had run
+            os.write(go_w, b"x")
+            seen = os.read(done_r, 1)
         for fd in (copying_r, copying_w, go_r, go_w, done_r, done_w):
             os.close(fd)
     assert seen == b"1"  # the grandchild copied "a", not "b"
     settle(s)
+    if copy_fails:  # until the grandchild is gone, its views still show block "a"
+        deadline = time.monotonic() + 10
+        while s.stats().leased_objects and time.monotonic() < deadline:
+            time.sleep(0.05)
+            settle(s)
     st = s.stats()
     assert (st.leased_objects, st.live_objects) == (0, 1)
     assert not table._claimed()  # its row was given back once it had copied
