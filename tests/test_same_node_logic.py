@@ -12,6 +12,7 @@ import errno
 import gc
 import os
 import pickle
+import select
 import threading
 import time
 import traceback
@@ -767,6 +768,15 @@ def test_until_the_child_copied_its_mappings_the_parent_holds_their_blocks(
     assert s.stats().leased_objects == 0 and r.stats().mapped_objects == 0
 
 
+def _read1(fd: int, timeout: float = 20.0) -> bytes:
+    """One byte from a pipe, or TimeoutError: a process of a failed test must not wait
+    forever on a peer that will never write (its own copy keeps the pipe open)."""
+    ready, _w, _x = select.select([fd], [], [], timeout)
+    if not ready:
+        raise TimeoutError("no word on the pipe")
+    return os.read(fd, 1)
+
+
 @pytest.mark.parametrize("copy_fails", [False, True])
 def test_a_forked_child_holds_its_blocks_if_its_parent_dies_while_it_copies(
         world: World, copy_fails: bool) -> None:
@@ -795,17 +805,17 @@ def test_a_forked_child_holds_its_blocks_if_its_parent_dies_while_it_copies(
 
         def slow_privatize(addr: int, length: int) -> bool:
             os.write(copying_w, b"c")
-            os.read(go_r, 1)
+            _read1(go_r)
             return False if copy_fails else real(addr, length)
 
         receiver_mod.privatize = slow_privatize  # type: ignore[assignment]
         if os.fork() == 0:
             if copy_fails:  # its block is still held after its hook has run
                 os.write(done_w, b"1" if table.held(off_a // PAGE) else b"0")
-                os.read(go_r, 1)
+                _read1(go_r)
             os.write(done_w, b"1" if (views[0].numpy() == 7).all() else b"0")
             os._exit(0)
-        os.read(copying_r, 1)
+        _read1(copying_r)
         os._exit(0)  # dies holding its views, its lease and its extra lease
 
     pid = _fork(receiver)
@@ -819,11 +829,11 @@ def test_a_forked_child_holds_its_blocks_if_its_parent_dies_while_it_copies(
         assert s.sender.sent["b"].blocks[0][0] != off_a
     finally:
         os.write(go_w, b"x")
-        seen = os.read(done_r, 1)
+        seen = _read1(done_r)
         if copy_fails:
             assert seen == b"1"  # held once its hook had run
             os.write(go_w, b"x")
-            seen = os.read(done_r, 1)
+            seen = _read1(done_r)
         for fd in (copying_r, copying_w, go_r, go_w, done_r, done_w):
             os.close(fd)
     assert seen == b"1"  # the grandchild copied "a", not "b"
