@@ -51,6 +51,7 @@ through the arena (the copy starts only after the whole READ succeeded).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import threading
@@ -73,6 +74,8 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from ray_rdt_pool.shared import SourceProcess
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -1025,6 +1028,7 @@ class WeightSender:
                 raise
             layout = _layout_of(specs, self.bucket_bytes)
         self.version = v
+        self._used = max(self._used, v)  # the next default is past every version used
         return Manifest(layout, refs, v, tuple(overflow), int(_stats().pool_used),
                         uuid.uuid4().hex)
 
@@ -1095,6 +1099,7 @@ class WeightSender:
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) \
                 or max_inflight < 1:
             raise InvalidInputError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
+        deadline_s = _timeout(timeout_s)
         t0 = time.perf_counter()
         v = self._next_version(version)
         eager, pairs = self._acquire(state)
@@ -1120,7 +1125,6 @@ class WeightSender:
             items = ((p.spec.bucket.nbytes, p.tensors, p.spec, p.spec.entries)
                      for p in _iter_buckets(pairs, bb, self.wire_dtype))
         session = f"{os.getpid()}-{v}-{uuid.uuid4().hex[:8]}"
-        deadline_s = float(timeout_s)
 
         src_proc: SourceProcess | None = None
         if self.source_reads:
@@ -1245,7 +1249,7 @@ class WeightSender:
             # of order): one that was refused, or that failed, holds nothing to drop.
             pending = [a for acks, _keep, _oid in inflight for a in acks] + begins + finishes
             if pending:
-                ray.wait(pending, num_returns=len(pending), timeout=deadline_s)
+                _wait_quietly(pending, deadline_s)
                 for acks, _keep, _oids in inflight:
                     for i, a in enumerate(acks):
                         try:
@@ -1254,7 +1258,7 @@ class WeightSender:
                             pass
             aborts = [r.__ray_call__.remote(_remote_abort, receiver_attr, session)
                       for r in receivers]
-            ray.wait(aborts, num_returns=len(aborts), timeout=min(deadline_s, 30.0))
+            _wait_quietly(aborts, min(deadline_s, 30.0))
             # Only now: a receiver still loading a bucket reads its pool block.
             _free_owned([o for _acks, _keep, oids in inflight for o in oids]
                         + run.owned + [owned])
@@ -1284,6 +1288,29 @@ class WeightSender:
             peak_pool_used=max(samples, default=0), pool_used_samples=tuple(samples),
             fallbacks=int(_stats().fallbacks - fallbacks0), pool_wait_seconds=wait_s,
             loads=loads, source_read_buckets=direct_buckets, reference_buckets=ref_buckets)
+
+
+def _timeout(timeout_s: Any) -> float:
+    """``timeout_s`` as a float, or InvalidInputError: Ray's waits refuse a negative one
+    and overflow on an infinite one, which would surface half-way through a stream."""
+    import numbers
+
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) \
+            or not 0 < float(timeout_s) < math.inf:
+        raise InvalidInputError(f"timeout_s must be a finite number of seconds > 0, got "
+                                f"{timeout_s!r}; pass e.g. timeout_s=300.0")
+    return float(timeout_s)
+
+
+def _wait_quietly(refs: list[Any], timeout_s: float) -> None:
+    """Wait for ``refs`` during a failed stream's clean-up, whose aborts and frees must run
+    whatever the wait raises (the stream's own error is the one raised)."""
+    import ray
+
+    try:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    except Exception as e:  # the stream's error is the one that counts
+        logger.warning("waiting for receivers while a stream failed raised %r", e)
 
 
 def _too_big(b: Bucket, capacity: int) -> PoolExhaustedError:
@@ -1620,6 +1647,9 @@ class _Stream:
     pending: dict[int, tuple[list[ObjectRef], BucketLayout | None]] = field(
         default_factory=dict)
     failed: str | None = None
+    #: it still holds its version's reservation (given back once: by its commit, or by
+    #: its first failure; a second give-back would drop another load's reservation)
+    reserved: bool = True
     draining: bool = False
     #: lazy: destination memory written so far, across buckets (see :class:`_Check`)
     mem: _Claims = field(default_factory=dict)
@@ -2115,17 +2145,20 @@ class WeightReceiver:
         v, mid = manifest.version, manifest.id
         self._reserve(v, "manifest", mid)
         try:
+            # Refused manifests (a layout mismatch, released buckets) write nothing, so
+            # they must not supersede a healthy stream either: check before taking over.
+            plan = self._plan(manifest)
             with self._writing:
                 with self._lock:
                     self._take_over_locked(v, "manifest", mid)
-                report = self._load(manifest, release)
+                report = self._load(manifest, plan, release)
                 with self._lock:
                     self._commit_locked(v, "manifest", mid)
         finally:
             self._unreserve(v)
         return report
 
-    def _load(self, manifest: Manifest, release: bool) -> LoadReport:
+    def _plan(self, manifest: Manifest) -> LoadPlan:
         plan = self.check(manifest.layout)
         missing = [k for k, r in enumerate(manifest.refs) if r is None]
         if missing:
@@ -2133,6 +2166,9 @@ class WeightReceiver:
                 f"bucket(s) {missing[:10]} of manifest version {manifest.version} were "
                 "already released; load a fresh manifest, or pass release=False to load "
                 "one twice")
+        return plan
+
+    def _load(self, manifest: Manifest, plan: LoadPlan, release: bool) -> LoadReport:
         reports: list[BucketReport] = []
         for bp in plan.buckets:
             box = manifest.refs[bp.index]
@@ -2248,7 +2284,9 @@ class WeightReceiver:
     def _fail_locked(self, st: _Stream, why: str) -> None:
         """Stream ``st`` failed here: it keeps the receiver (so its later buckets are
         refused with ``why``) until it is aborted or superseded, and never commits."""
-        self._unreserve_locked(st.version)
+        if st.reserved:
+            st.reserved = False
+            self._unreserve_locked(st.version)
         if st.failed is None:
             st.failed = why
         for b, _s in st.pending.values():
@@ -2306,6 +2344,7 @@ class WeightReceiver:
                                   f"stays {self._version}")
             try:
                 self._commit_locked(st.version, "stream")
+                st.reserved = False  # the commit gave it back
             finally:
                 self._drop_locked(st, "it was committed")  # or lost to a newer version
         return st.plan.skipped if st.plan is not None else st.skipped
@@ -2408,6 +2447,7 @@ def sync(trainer: ActorHandle, receivers: Sequence[ActorHandle], *,
     import ray
 
     receivers = list(receivers)
+    timeout_s = _timeout(timeout_s)
     t0 = time.perf_counter()
     if mode == "stream":
         rep: StreamReport = _get_all(

@@ -10,6 +10,7 @@ real-Ray counterparts are in test_weights.py and test_weights_engine.py.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ import torch
 
 import ray_rdt_pool.transport as T
 from ray_rdt_pool.config import PoolConfig
-from ray_rdt_pool.errors import PoolExhaustedError
+from ray_rdt_pool.errors import InvalidInputError, PoolExhaustedError
 from ray_rdt_pool.transport import Runtime, free_owned, put_owned
 from ray_rdt_pool.weights import (
     BucketLayout,
@@ -33,6 +34,7 @@ from ray_rdt_pool.weights import (
     WeightSender,
     WeightSyncError,
     plan_layout,
+    sync,
 )
 from tests.fakenixl import World
 
@@ -628,3 +630,130 @@ def test_conjugate_and_negative_views_are_not_aliases(runtime: Any) -> None:
     WeightSender(state, source_reads=False).stream([h1])
     for k, v in state.items():
         assert torch.equal(dest[k], v.resolve_conj().resolve_neg()), k
+
+
+def test_a_failed_stream_gives_its_reservation_back_once() -> None:
+    """A stream of v5 failed here (its reservation given back), then a load of v5 took
+    the receiver over: dropping the failed stream gave "its" reservation back a second
+    time, the load's. While the load wrote, another v5 stream was accepted, and its
+    buckets overwrote the committed bytes of the load."""
+    import ray
+
+    get, ray.get = ray.get, _get
+    try:
+        dest = filled(0)
+        rec = FailingReceiver(dest, direct=False)
+        assert rec.load(manifest(4, filled(4))[2]).version == 4
+        layout, groups, _m = manifest(5, filled(5))
+        rec.begin_stream("s5", layout, 5)
+        rec.fail_at = 0
+        with pytest.raises(RuntimeError, match="injected"):
+            rec.load_stream_bucket("s5", 0, [list(groups[0])])
+        rec.fail_at = None
+        writing, go = threading.Event(), threading.Event()
+        real = rec._load_bucket
+
+        def slow(plan: Any, ref: Any, *rest: Any) -> Any:
+            if threading.current_thread().name == "load" and plan.index == 0:
+                writing.set()
+                assert go.wait(10)
+            return real(plan, ref, *rest)
+
+        rec._load_bucket = slow  # type: ignore[method-assign]
+        out: list[Any] = []
+        t = threading.Thread(name="load", target=lambda: out.append(
+            rec.load(manifest(5, filled(5.0), "pub")[2]).version))
+        t.start()
+        try:
+            assert writing.wait(10)
+            other, _g, _m2 = manifest(5, filled(55.0))
+            with pytest.raises(StaleVersionError, match="loading now"):
+                rec.begin_stream("s5b", other, 5)
+        finally:
+            go.set()
+            t.join(10)
+    finally:
+        ray.get = get
+    assert out == [5] and rec.version == 5 and values(dest) == [5.0] * 6
+
+
+def test_a_refused_load_does_not_supersede_the_stream_in_progress() -> None:
+    """A load of v6 whose layout does not match the destination writes nothing; it used
+    to take the receiver over first, so a healthy stream of v5 lost its later buckets."""
+    import ray
+
+    from ray_rdt_pool.weights import ManifestMismatchError
+
+    get, ray.get = ray.get, _get
+    try:
+        dest = filled(0)
+        rec = WeightReceiver(dest, direct=False)
+        layout, groups, _m = manifest(5, filled(5))
+        rec.begin_stream("s5", layout, 5)
+        rec.load_stream_bucket("s5", 0, [list(groups[0])])
+        wrong = {f"w{i}": torch.zeros(3) for i in range(6)}
+        with pytest.raises(ManifestMismatchError):
+            rec.load(manifest(6, wrong)[2])
+        for k in range(1, len(groups)):
+            rec.load_stream_bucket("s5", k, [list(groups[k])])
+        rec.finish_stream("s5", len(groups))
+    finally:
+        ray.get = get
+    assert rec.version == 5 and values(dest) == [5.0] * 6
+
+
+@pytest.mark.parametrize("bad", [-1, 0, math.inf, math.nan, None, True, "300"])
+def test_a_bad_timeout_is_refused_before_anything_is_sent(runtime: Any, bad: Any) -> None:
+    """Ray's waits refuse a negative timeout and overflow on an infinite one: the
+    stream raised that untyped error half-way, and again in its own clean-up, which
+    then never told the receivers to drop the stream nor freed the buckets."""
+    rt = runtime()
+    r, h = receiver_node(filled(0, 4), direct=False)
+    sender = WeightSender(filled(3, 4), bucket_bytes=4096, source_reads=False)
+    with pytest.raises(InvalidInputError, match="timeout_s must be a finite number"):
+        sender.stream([h], timeout_s=bad)
+    with pytest.raises(InvalidInputError, match="timeout_s must be a finite number"):
+        sync(None, [h], timeout_s=bad)  # type: ignore[arg-type]
+    st = rt.stats()
+    assert (st.objects_put, st.live_objects) == (0, 0)
+    assert r.weight_receiver._stream is None
+    assert sender.stream([h], timeout_s=30).version == 1
+
+
+def test_a_failed_stream_cleans_up_even_if_its_waits_raise(
+        runtime: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The clean-up of a failed stream waits for the receivers; a wait that raised ended
+    the clean-up before the aborts and the frees: the trainer held its buckets for good
+    and the receiver kept the stream (and its version's reservation)."""
+    import ray
+
+    rt = runtime()
+    r, h = receiver_node(filled(0, 4), FailingReceiver, direct=False)
+    r.weight_receiver.fail_at = 1  # type: ignore[attr-defined]
+
+    def broken_wait(refs: Any, num_returns: int = 1, timeout: Any = None) -> Any:
+        raise ValueError("wait refused")
+
+    monkeypatch.setattr(ray, "wait", broken_wait)
+    sender = WeightSender(filled(6, 4), bucket_bytes=4096, source_reads=False)
+    with pytest.raises(ValueError, match="wait refused"):
+        sender.stream([h], max_inflight=2)
+    st = rt.stats()
+    assert (st.live_objects, st.pool_used) == (0, 0)
+    assert r.weight_receiver._stream is None  # told to drop it
+    r.weight_receiver.fail_at = None  # type: ignore[attr-defined]
+    assert r.weight_receiver.load(manifest(1, filled(1, 4))[2]).version == 1
+
+
+def test_the_default_version_is_past_every_version_published(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """publish() did not count its version as used: after an explicit lower version the
+    next default one repeated a version receivers had already loaded (and refused)."""
+    import ray_rdt_pool.weights as W
+
+    monkeypatch.setattr(W, "_put_bucket", lambda tensors, entries: [tensors])
+    monkeypatch.setattr(W, "_stats", lambda: type("S", (), {"fallbacks": 0, "pool_used": 0}))
+    sender = WeightSender({"w": torch.zeros(4)})
+    assert [sender.publish().version for _ in range(2)] == [1, 2]
+    assert sender.publish(version=1).version == 1
+    assert sender.publish().version == 3
