@@ -335,20 +335,34 @@ class Receiver:
         if targets:
             entries: list[RegEntry] = []
             keep: list[Any] = []
+            mapped = False
             with self.lock:
                 arenas = dict(self.arenas)
-            for t in targets:
-                st = _arena_storage(t, arenas)
-                if st is not None:
-                    # Our received tensors reused as targets: the arena's registration
-                    # covers them. Caching a registration of them would hold the
-                    # storage, and so the arena block, for as long as the cache keeps it.
-                    keep.append(st)
-                    continue
-                e = self.registry.acquire_if_seen(t)
-                if e is not None:
-                    entries.append(e)
-            if len(entries) + len(keep) == len(targets):
+                live = set(self._live) if self._live else ()
+            try:
+                for t in targets:
+                    st = _arena_storage(t, arenas)
+                    if st is not None:
+                        # Our received tensors reused as targets: the arena's registration
+                        # covers them. Caching a registration of them would hold the
+                        # storage, and so the arena block, for as long as the cache keeps
+                        # it.
+                        keep.append(st)
+                        continue
+                    if live and t.untyped_storage().data_ptr() in live:
+                        # Views of a same-node mapping: no registration covers them, and
+                        # a cached one would hold the mapping, and the sender's lease on
+                        # its block, for as long as the cache keeps it. Copied into.
+                        mapped = True
+                        continue
+                    e = self.registry.acquire_if_seen(t)
+                    if e is not None:
+                        entries.append(e)
+            except BaseException:
+                for e in entries:  # a registration refused: the ones taken go back
+                    self.registry.release(e)
+                raise
+            if not mapped and len(entries) + len(keep) == len(targets):
                 landing = Landing("targets", device=device, entries=entries, keep=keep)
                 f.targets = list(targets)
                 return (landing, *_target_descs(targets, meta))
@@ -618,8 +632,12 @@ class Receiver:
     def reap(self) -> None:
         """Progress-thread housekeeping: end abandoned READs, cut overdue ones, drop
         dead peers. Cheap when there is nothing to do."""
-        while self._dropped:
-            self.abandon(self._dropped.popleft())
+        while True:
+            try:  # another thread (a fetch, the progress thread) may take the last one
+                t = self._dropped.popleft()
+            except IndexError:
+                break
+            self.abandon(t)
         now = time.monotonic()
         with self.lock:
             waiting = [t for t in self.outstanding.values() if t.abandoned]
@@ -1639,6 +1657,11 @@ def _check_targets(targets: Sequence[torch.Tensor], meta: WireMeta,
             raise InvalidInputError(
                 f"target buffer {i} is {tuple(t.shape)} {t.dtype} but the object holds "
                 f"{shape} {dt}; allocate it with that shape and dtype")
+        if t.is_conj() or t.is_neg():
+            raise InvalidInputError(
+                f"target buffer {i} is a lazy {'conjugate' if t.is_conj() else 'negative'} "
+                "view: the READ writes its storage, whose bytes it shows transformed; pass "
+                "a plain tensor (resolve_conj() / resolve_neg() copies)")
         if not t.is_contiguous() or t.device.type != targets[0].device.type:
             raise InvalidInputError(
                 f"target buffer {i} must be contiguous and on the same device type as buffer "

@@ -235,6 +235,70 @@ def test_arena_targets_dropped_during_their_read_keep_their_block_until_it_ends(
     assert r.stats().arena_used == 0 and not world.violations
 
 
+def test_a_refused_target_registration_gives_back_the_ones_taken(world):
+    """Registering the second of two target buffers failed: the first buffer's cache use
+    was never given back, so its registration (and its storage) stayed for good."""
+    s, r = make(world), make(world, registration_cache_bytes=1)
+    meta = ship(s.put("a", [torch.ones(100), torch.ones(200)]))
+    bufs = [torch.empty(100), torch.empty(200)]
+    r.wait(r.fetch("a", meta, bufs), -1)  # the first sighting copies
+    backend = r.backend()
+    real, calls = backend.register, []
+
+    def refuse_the_second(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise RuntimeError("NIXL_ERR_BACKEND: register refused")
+        return real(*args, **kwargs)
+
+    backend.register = refuse_the_second
+    with pytest.raises(TransferError):
+        r.wait(r.fetch("a", meta, bufs), -1)
+    backend.register = real
+    assert len(calls) == 2
+    st = r.stats()
+    # Over its 1-byte bound, the cache keeps only entries in use: none is.
+    assert (st.registration_cache_entries, st.registration_cache_bytes) == (0, 0)
+    assert st.nixl_registrations == st.nixl_deregistrations + 1  # only the arena stays
+
+
+def test_a_lazy_conjugate_target_is_refused(world):
+    """A conjugate view passed describe()'s walk: the READ wrote the sender's bytes into
+    its storage, and the caller read their conjugates."""
+    s, r = make(world), make(world)
+    src = [torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)]
+    meta = ship(s.put("a", src))
+    for bad, text in ((torch.zeros(2, dtype=torch.complex64).conj(), "conjugate"),
+                      (torch.zeros(2, dtype=torch.complex64).conj().imag, "negative")):
+        if text == "negative":
+            meta = ship(s.put("b", [torch.zeros(2)]))
+        with pytest.raises(InvalidInputError, match=f"lazy {text} view"):
+            r.fetch("a" if text == "conjugate" else "b", meta, [bad])
+    assert r.stats().transfers_in_flight == 0
+
+
+def test_reaps_racing_for_the_last_dropped_read_raise_nothing(world):
+    """reap() runs on the progress thread and at every fetch: two of them both saw one
+    dropped READ left, and the second one's pop raised IndexError out of fetch()."""
+    from collections import deque
+
+    from ray_rdt_pool.receiver import Landing, Peer, Transfer
+
+    r = make(world).receiver
+
+    class Raced(deque):
+        def __len__(self) -> int:  # seen non-empty; then another thread takes the entry
+            n = super().__len__()
+            if n:
+                super().popleft()
+            return n
+
+    r._dropped = Raced([Transfer("x", None, Peer("p"), Landing("temp", released=True), 0.0,
+                                 final="DONE")])
+    r.reap()
+    assert not r._dropped
+
+
 def test_target_buffer_mismatch_is_rejected_before_any_read(world):
     s, r = make(world), make(world)
     meta = ship(s.put("a", [torch.randn(4, 4)]))

@@ -681,6 +681,28 @@ def test_sender_and_receiver_agree_on_the_slot_whatever_the_pool_alignment(
     assert s.stats().leased_objects == 0
 
 
+def test_mapped_views_reused_as_targets_are_copied_into_and_not_cached(world: World
+                                                                      ) -> None:
+    """Views of a same-node mapping passed as the targets of READs from another node's
+    sender (a weight-sync loop): the registration cache registered them on the second
+    sighting and held their storage, so the mapping, and the same-node sender's lease on
+    its block, outlived every view (the arena's case is bug 48)."""
+    local, remote, r = make(world), make(world, node="node-b"), make(world)
+    views = get(local, r, "A", [torch.arange(4096, dtype=torch.float32)])
+    assert r.stats().mapped_gets == 1
+    meta = ship(remote.put("B", [torch.full((4096,), 3.0)]))
+    for _ in range(3):
+        out = r.wait(r.fetch("B", meta, views), -1)
+        assert out[0] is views[0] and bool((views[0] == 3).all())
+    st = r.stats()
+    assert st.reads_posted == 3 and st.registration_cache_entries == 0
+    del views, out
+    assert local.sender.free("A")
+    settle(r, local)
+    assert (local.stats().leased_objects, local.stats().pool_used) == (0, 0)
+    assert r.stats().mapped_objects == 0
+
+
 def _fork(child) -> int:
     """Run ``child()`` in a forked child; returns its pid. The child exits 0 if it
     returned, 1 (with the traceback on stderr) if it raised. It checks bytes with numpy,
