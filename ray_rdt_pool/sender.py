@@ -260,8 +260,10 @@ class Sender:
                         continue
                     return Placement(obj_id, region, tuple(blocks), nbytes, True, key=key)
             # Registering a region takes milliseconds: not under the lock.
-            size = max(align_up(max(nbytes, 1), _OVERFLOW_ALIGN), MIN_OVERFLOW_BYTES,
-                       self.config.pool_capacity // 4)
+            # Whole MiBs: a quarter of a pool size (a multiple of 64 only) is often not
+            # one, and the allocator refused it for every overflow put.
+            size = align_up(max(nbytes, 1, MIN_OVERFLOW_BYTES, self.config.pool_capacity // 4),
+                            _OVERFLOW_ALIGN)
             region = self.registry.new_region(size, self.config.device, "overflow region",
                                               False)
             with self.lock:

@@ -476,6 +476,23 @@ def test_full_pool_sends_a_snapshot_from_overflow(world):
     assert s.stats().overflow_objects == 1 and len(keep) == 3
 
 
+@pytest.mark.parametrize("pool_bytes", [(257 << 20) + 64, 300_000_100])
+def test_overflow_works_whatever_the_pool_size(world, pool_bytes):
+    """An overflow region is at least a quarter of the pool; a quarter of a pool size
+    that is a multiple of 64 bytes only was not one, and the allocator refused the region:
+    every object that did not fit such a pool failed with ConfigurationError."""
+    s, r = make(world, pool_bytes=pool_bytes), make(world, arena_bytes=8 << 20)
+    keep = s.put("small", [torch.ones(16)])
+    region = s.sender.ensure_pool()
+    region.alloc.allocate("filler", region.alloc.stats().free - (1 << 20))  # nearly full
+    t = torch.full((2 << 20,), 7, dtype=torch.uint8)
+    meta = ship(s.put("b", [t]))
+    assert torch.equal(r.wait(r.fetch("b", meta, None), -1)[0], t)
+    st = s.stats()
+    assert st.overflow_objects == 1 and st.overflow_capacity % (1 << 20) == 0
+    assert keep is not None
+
+
 def test_strict_mode_raises_instead_of_overflowing(world):
     s = make(world, pool_bytes=1 << 20, strict=True)
     with pytest.raises(PoolExhaustedError, match="strict mode") as e:
