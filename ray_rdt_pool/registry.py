@@ -127,7 +127,7 @@ class RegEntry:
     ``register_memory()`` calls not yet undone. Both change under the registry lock.
     """
 
-    __slots__ = ("handle", "key", "pins", "storage", "users")
+    __slots__ = ("handle", "key", "pins", "storage", "unpinned", "users")
 
     def __init__(self, key: Key, handle: Any, storage: Any) -> None:
         self.key = key
@@ -135,6 +135,9 @@ class RegEntry:
         self.storage = storage  # held: the memory cannot be freed under the registration
         self.users = 0
         self.pins = 0
+        # The last pin was undone while objects still used it: deregister with the last
+        # of them (the user asked for the memory back), not whenever the cache evicts.
+        self.unpinned = False
 
     @property
     def nbytes(self) -> int:
@@ -301,6 +304,7 @@ class Registry:
             else:
                 self._entries.move_to_end(key)
             entry.users += 1
+            entry.unpinned = False  # wanted again: an ordinary cache entry from now on
             self._evict()
             return entry
 
@@ -324,6 +328,10 @@ class Registry:
         """Drop one user taken by :meth:`acquire`."""
         with self._lock:
             entry.users -= 1
+            if (entry.unpinned and entry.users == 0 and not entry.pins
+                    and self._entries.get(entry.key) is entry):
+                self._drop(entry)
+                return
             self._evict()
 
     def pin(self, t: torch.Tensor) -> None:
@@ -354,6 +362,7 @@ class Registry:
             if entry.users == 0:
                 self._drop(entry)
                 return True
+            entry.unpinned = True
             return False
 
     def forget(self, keys: Iterable[Key]) -> int:

@@ -28,7 +28,6 @@ from ray_rdt_pool.errors import (
     TransferError,
     WireFormatError,
 )
-from ray_rdt_pool.registry import storage_key
 from ray_rdt_pool.transport import PoolTransportMetadata, Runtime
 from tests.fakenixl import World
 
@@ -345,11 +344,15 @@ def test_zero_copy_tensors_mix_with_pooled_ones(world):
     assert st.pool_used <= s.sender.pool.alloc.align  # only the small tensor was copied
     assert len(s.put("z2", ts).decoded().segments) == 2
     # deregister_memory while objects still name the storage: it stays registered until
-    # they are freed, then goes.
+    # they are freed, then goes (it used to stay as a cache entry, holding the storage,
+    # until the cache evicted it).
     assert not s.registry.unpin(big)
     s.free("z")
+    assert s.stats().registration_cache_entries == 1  # "z2" still names it
+    regs = s.stats().nixl_deregistrations
     s.free("z2")
-    assert s.stats().registration_cache_entries == 1  # idle, unpinned: evictable now
+    st = s.stats()
+    assert st.registration_cache_entries == 0 and st.nixl_deregistrations == regs + 1
 
 
 
@@ -400,7 +403,8 @@ def test_deregister_memory_during_a_put_never_drops_memory_the_put_names(world,
     assert same(out, src) and not world.violations
     assert entry.handle in s.backend().regions  # still registered while sent
     s.free("a")
-    assert s.registry.forget([storage_key(pinned)]) == 1  # then it can go
+    assert entry.handle not in s.backend().regions  # then it goes, with the put's use
+    assert s.stats().registration_cache_entries == 0
 
 
 def test_a_failed_allocation_releases_the_pinned_uses(world, monkeypatch):
