@@ -325,6 +325,23 @@ def _refuse_invalid(tensors: Sequence[Any], allow_cuda: bool) -> None:
     for t in tensors:
         dtype_name(t.dtype)
     _refuse_layouts(tensors)
+    for i, t in enumerate(tensors):
+        _storage_base(t, i)
+
+
+def _storage_base(t: Any, i: int) -> tuple[Any, int]:
+    """Tensor ``i``'s storage and its address, or InvalidInputError for a tensor subclass
+    with no storage of its own (a DTensor of FSDP2 or tensor parallelism, a wrapper
+    subclass), whose reads raise torch's untyped RuntimeError."""
+    try:
+        t.data_ptr()
+        storage = t.untyped_storage()
+        return storage, storage.data_ptr()
+    except RuntimeError as e:
+        raise InvalidInputError(
+            f"tensor {i} (a {type(t).__name__}) has no memory of its own to send ({e}); "
+            "send plain tensors: for a DTensor its local shard (t.to_local()) or the "
+            "whole tensor (t.full_tensor())") from e
 
 
 def _refuse_layouts(tensors: Sequence[Any]) -> None:
@@ -384,8 +401,7 @@ def _refuse_no_memory(tensors: Sequence[Any], ptrs: Sequence[int],
                 "(torch._efficientzerotensor, which some autograd formulas return for an "
                 f"all-zero result): its {n:,} bytes have no memory behind them. Send "
                 "t.clone() instead (real zeros of the same shape)")
-        storage = t.untyped_storage()
-        base = storage.data_ptr()
+        storage, base = _storage_base(t, i)
         if base and base <= p and p + _reach(t, n) <= base + storage.nbytes():
             continue
         if base == 0:

@@ -771,6 +771,31 @@ def test_describe_refuses_views_the_storage_no_longer_holds(native: bool) -> Non
     assert T.describe([cols], native=native).nbytes == [36_000]
 
 
+class _NoStorage(torch.Tensor):
+    """A wrapper subclass with no storage of its own, as a DTensor or a FakeTensor is."""
+
+    @staticmethod
+    def __new__(cls, shape: tuple[int, ...]) -> Any:
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        raise NotImplementedError(str(func))
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_describe_refuses_a_tensor_with_no_storage_of_its_own(native: bool) -> None:
+    """A DTensor (FSDP2, tensor parallel) or any wrapper subclass: reading its storage
+    raised torch's untyped RuntimeError out of put()."""
+    from ray_rdt_pool.errors import InvalidInputError
+
+    for tensors, i in (([torch.ones(3), _NoStorage((4,))], 1), ([_NoStorage((2, 2))], 0)):
+        with pytest.raises(InvalidInputError, match=rf"tensor {i} \(a _NoStorage\) has no "
+                                                    r"memory of its own.*to_local"):
+            T.describe(tensors, native=native)
+
+
 @RELAXED
 @given(parts=st.lists(st.tuples(
     st.sampled_from(["rows", "cols", "every_other", "blocks", "overlapping", "conj",
