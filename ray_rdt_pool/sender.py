@@ -274,11 +274,27 @@ class Sender:
         the leases of the same-node receivers that map it)."""
         with self.lock:
             old = self.sent.pop(obj_id, None)
-            if old is not None and self._held(old):
-                self.leased[old.key] = old  # a receiver maps the first try: keep it
-                old = None
+            pinned = self._lease_if_held_locked(old) if old is not None else None
         if old is not None:
-            self._release(old)
+            self._retired(old, pinned)
+
+    def _lease_if_held_locked(self, p: Placement) -> list[RegEntry] | None:
+        """A placement Ray no longer names (freed, or replaced by a retry): if a same-node
+        receiver maps it, keep its blocks until the last lease drops and return its
+        ``register_memory()`` uses (nothing maps those: they go back now); else None."""
+        if not self._held(p):
+            return None
+        self.leased[p.key] = p
+        pinned, p.pinned = p.pinned, []
+        return pinned
+
+    def _retired(self, p: Placement, pinned: list[RegEntry] | None) -> None:
+        """After :meth:`_lease_if_held_locked`, outside the lock: release ``p`` whole, or
+        only the uses it returned."""
+        if pinned is None:
+            self._release(p)
+        else:
+            self._release_entries(pinned)
 
     def _warn_overflow(self, nbytes: int, e: PoolExhaustedError) -> None:
         if self._warned_overflow:
@@ -509,7 +525,7 @@ class Sender:
         done = [k for k, p in self.leased.items() if not self._held(p)]
         for k in done:
             p = self.leased.pop(k)
-            self._release_locked(p)
+            self._release_locked(p)  # no uses left to return: they went when it was leased
         if done:
             self.changed.notify_all()
         return bool(done)
@@ -549,18 +565,10 @@ class Sender:
         last same-node receiver's lease on it drops). False if unknown. Never blocks."""
         with self.lock:
             p = self.sent.pop(obj_id, None)
-            if p is not None and self._held(p):
-                self.leased[p.key] = p
-                pinned, p.pinned = p.pinned, []
-            else:
-                pinned = None
+            pinned = self._lease_if_held_locked(p) if p is not None else None
         if p is None:
             return False
-        if pinned is None:
-            self._release(p)
-        else:
-            for entry in pinned:
-                self.registry.release(entry)
+        self._retired(p, pinned)
         self.events.add("objects_freed")
         obs = self.events.observer
         if obs is not None:

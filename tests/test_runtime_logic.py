@@ -407,6 +407,31 @@ def test_deregister_memory_during_a_put_never_drops_memory_the_put_names(world,
     assert s.stats().registration_cache_entries == 0
 
 
+def test_a_retried_put_whose_first_try_is_leased_returns_its_pinned_uses(world,
+                                                                        monkeypatch):
+    """A retried put replaced a first try a same-node receiver still mapped: the first
+    try waited for the lease with its register_memory() uses still taken, and nothing
+    gave them back, so deregister_memory() never deregistered the storage. (A mixed
+    object is never mapped on a 4 KiB-page host: the lease is staged.)"""
+    s = make(world)
+    s.backend()
+    buf = torch.randn(1000)
+    s.registry.pin(buf)
+    obj = [buf[:100], torch.randn(50)]  # one by reference, one copied
+    s.put("id", obj)
+    entry = s.sender.sent["id"].pinned[0]
+    held = [True]
+    monkeypatch.setattr(s.sender, "_held", lambda p: held[0])
+    s.put("id", obj)  # the retry: the first try waits for its lease
+    assert entry.users == 1  # only the retry's use
+    held[0] = False
+    with s.sender.lock:  # the lease dropped: the first try's blocks come back
+        s.sender._reap_leased_locked()
+    s.free("id")
+    assert entry.users == 0 and not s.sender.leased
+    assert s.registry.unpin(buf)  # deregistered at once
+
+
 def test_a_failed_allocation_releases_the_pinned_uses(world, monkeypatch):
     s = make(world)
     s.backend()
