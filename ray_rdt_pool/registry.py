@@ -173,7 +173,8 @@ class Registry:
         # Storage cache, in LRU order (least recent first); changed under _lock.
         self._entries: OrderedDict[Key, RegEntry] = OrderedDict()
         self._cached_bytes = 0  # bytes of unpinned entries
-        self._pinned: list[tuple[int, int]] = []  # sorted (start, end) of pinned extents
+        # Sorted (start, end) of the pinned extents, and the furthest end up to each.
+        self._pinned: tuple[list[tuple[int, int]], list[int]] = ([], [])
         self._seen: OrderedDict[Key, None] = OrderedDict()
         self.regions = 0  # live regions, for stats
 
@@ -396,21 +397,33 @@ class Registry:
                 self._c.add("registration_evictions")
 
     def _reindex(self) -> None:
-        self._pinned = sorted((e.key[0], e.key[0] + e.key[1])
-                              for e in self._entries.values() if e.pins)
+        spans = sorted((e.key[0], e.key[0] + e.key[1])
+                       for e in self._entries.values() if e.pins)
+        reach, top = [], 0
+        for _start, end in spans:
+            top = max(top, end)
+            reach.append(top)  # the furthest end of the spans up to this one
+        # One assignment: pinned_entry() reads both without the lock.
+        self._pinned = (spans, reach)
 
     def has_pins(self) -> bool:
-        return bool(self._pinned)
+        return bool(self._pinned[0])
 
     def pinned_entry(self, addr: int, nbytes: int, use: bool = False) -> RegEntry | None:
         """The pinned entry holding ``[addr, addr+nbytes)``, if one does; with ``use``,
         one more user of it is taken under the same lock (the caller releases it), so a
         ``deregister_memory()`` on another thread cannot drop it in between."""
-        spans = self._pinned
+        spans, reach = self._pinned
         if not spans:
             return None
+        end = addr + nbytes
         i = bisect.bisect_right(spans, (addr, 1 << 64)) - 1
-        if i < 0 or not (spans[i][0] <= addr and addr + nbytes <= spans[i][1]):
+        # The span starting last at or before addr may be nested in a larger one (a
+        # numpy array and a slice of it) that holds the bytes: look further back while
+        # an earlier span still reaches that far.
+        while i >= 0 and spans[i][1] < end and reach[i] >= end:
+            i -= 1
+        if i < 0 or not (spans[i][0] <= addr and end <= spans[i][1]):
             return None
         with self._lock:
             # The entry of exactly that extent: two pinned storages may start at one

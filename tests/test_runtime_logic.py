@@ -375,6 +375,26 @@ def test_the_pinned_entry_found_is_the_extent_that_holds_the_bytes(world):
     assert s.registry.pinned_entry(small.data_ptr(), small.nbytes) is not None
 
 
+def test_a_tensor_past_a_nested_pinned_storage_is_still_sent_by_reference(world):
+    """A pinned storage nested inside another (a slice of a pinned numpy array, pinned
+    too): the search looked only at the span starting last before the tensor, the inner
+    one, so a tensor of the outer storage lying past it was copied."""
+    import numpy as np
+
+    s, r = make(world), make(world)
+    s.backend()
+    arr = np.arange(100_000, dtype=np.float32)
+    outer, inner = torch.from_numpy(arr), torch.from_numpy(arr[1000:2000])
+    s.registry.pin(outer)
+    s.registry.pin(inner)
+    for k, t in enumerate((outer[10:20], outer[1500:1600], outer[50_000:50_100],
+                           outer[1990:2010])):  # the last one straddles the inner's end
+        z0 = s.stats().zero_copy_tensors
+        out = roundtrip(s, r, f"o{k}", [t])
+        assert same(out, [t]) and s.stats().zero_copy_tensors == z0 + 1, k
+    assert s.stats().pool_used == 0
+
+
 def test_deregister_memory_during_a_put_never_drops_memory_the_put_names(world,
                                                                        monkeypatch):
     """The put found the register_memory() entry, then took its use only after the
