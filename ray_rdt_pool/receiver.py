@@ -402,7 +402,7 @@ class Receiver:
                 self._drain_locked()
         elif landing.kind == "temp":
             if landing.temp_handle is not None:
-                self.registry.deregister_buffer(landing.temp_handle)
+                self.registry.deregister_buffer(landing.temp_handle, landing.temp)
                 landing.temp_handle = None
             landing.temp = None
         else:

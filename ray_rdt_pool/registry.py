@@ -15,6 +15,10 @@ Role: the only module that calls the backend's ``register`` and ``deregister``. 
   transfer (``users > 0``) or pinned by ``register_memory()`` is never evicted.
 * **the epoch** (``version``, ``reset_version``) and publishing the agent metadata.
 
+Memory whose deregistration NIXL refuses (a region's, a cached storage, a one-off receive
+buffer) is kept, never freed, until the process exits: NIXL may still hold the
+registration, and freed memory could be handed to anyone under it.
+
 The epoch rule, the one contract a receiver relies on:
 
 * ``version`` grows by one at every registration and every deregistration.
@@ -175,6 +179,8 @@ class Registry:
         self._cached_bytes = 0  # bytes of unpinned entries
         # Sorted (start, end) of the pinned extents, and the furthest end up to each.
         self._pinned: tuple[list[tuple[int, int]], list[int]] = ([], [])
+        # Memory NIXL refused to deregister: never freed (see _deregister).
+        self._stranded: list[Any] = []
         self._seen: OrderedDict[Key, None] = OrderedDict()
         self.regions = 0  # live regions, for stats
 
@@ -195,17 +201,24 @@ class Registry:
         self._changed(False)
         return handle
 
-    def _deregister(self, handle: Any, what: str) -> None:
+    def _deregister(self, handle: Any, what: str, memory: Any = None) -> bool:
+        """Deregister ``handle``; False if NIXL refused. ``memory`` (what holds the bytes
+        registered) is then kept until the process exits: NIXL may still hold the
+        registration, and memory freed under it could be handed out again, a stale
+        registration over someone else's bytes. A leak of a registration, never a stale
+        one."""
+        ok = True
         try:
             self._backend().deregister(handle)
         except Exception:
-            # The memory is not handed to anyone else by us after this point only if NIXL
-            # forgot it; a failing deregister leaves the registration behind, which is a
-            # leak of a registration, never a stale one: its storage is released below
-            # only by the caller that owns it.
-            logger.warning("deregistering %s failed", what, exc_info=True)
+            ok = False
+            logger.warning("deregistering %s failed; its memory is kept until this process "
+                           "exits", what, exc_info=True)
+            if memory is not None:
+                self._stranded.append(memory)
         self._c.add("deregistrations")
         self._changed(True)
+        return ok
 
     def publish(self, agent_name: str) -> int:
         """Make the current metadata visible to receivers; returns the version published.
@@ -271,13 +284,15 @@ class Registry:
 
     def drop_region(self, region: Region) -> None:
         """Deregister a region whose every block is free, then let its memory go."""
+        ok = True
         with self._lock:
             if region.handle is not None:
-                self._deregister(region.handle, f"region {region.alloc.name}")
+                ok = self._deregister(region.handle, f"region {region.alloc.name}",
+                                      region.mem)
                 region.handle = None
                 self.regions -= 1
         close = getattr(region.mem, "close", None)
-        if close is not None:
+        if ok and close is not None:
             close()
 
     def register_buffer(self, addr: int, nbytes: int, device: str, dev: int) -> Any:
@@ -285,10 +300,11 @@ class Registry:
         with self._lock:
             return self._register(addr, nbytes, MEM_TYPE[device], dev)
 
-    def deregister_buffer(self, handle: Any) -> None:
-        """Undo :meth:`register_buffer`; only once nothing can write into the buffer."""
+    def deregister_buffer(self, handle: Any, buffer: Any = None) -> None:
+        """Undo :meth:`register_buffer`; only once nothing can write into the buffer.
+        ``buffer`` (what holds its memory) is kept if NIXL refuses."""
         with self._lock:
-            self._deregister(handle, "receive buffer")
+            self._deregister(handle, "receive buffer", buffer)
 
     # -- the storage cache ----------------------------------------------------------------
 
@@ -383,7 +399,7 @@ class Registry:
         del self._entries[entry.key]
         if not entry.pins:
             self._cached_bytes -= entry.nbytes
-        self._deregister(entry.handle, f"storage at {entry.key[0]:#x}")
+        self._deregister(entry.handle, f"storage at {entry.key[0]:#x}", entry.storage)
         entry.storage = None
 
     def _evict(self) -> None:

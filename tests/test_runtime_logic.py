@@ -395,6 +395,42 @@ def test_a_tensor_past_a_nested_pinned_storage_is_still_sent_by_reference(world)
     assert s.stats().pool_used == 0
 
 
+def test_memory_nixl_refuses_to_deregister_is_never_freed(world, monkeypatch):
+    """A refused deregistration may leave NIXL holding the registration: the storage
+    (and a region's memory) used to be let go anyway, so the allocator could hand the
+    bytes to anyone under a live registration. It is kept now: a leaked registration,
+    never a stale one."""
+    import weakref
+
+    import numpy as np
+
+    from ray_rdt_pool import registry as registry_mod
+
+    s = make(world)
+    backend = s.backend()
+    arr = np.arange(1000, dtype=np.float32)
+    alive = weakref.ref(arr)
+    t = torch.from_numpy(arr)
+    s.registry.pin(t)
+    real = backend.deregister
+
+    def refuse(handle):
+        raise RuntimeError("NIXL_ERR_BACKEND: deregister refused")
+
+    backend.deregister = refuse
+    # A captured log record's traceback would hold the storage too, and hide the bug.
+    monkeypatch.setattr(registry_mod.logger, "warning", lambda *a, **k: None)
+    assert s.registry.unpin(t)  # gone from the cache all the same
+    backend.deregister = real
+    del t, arr
+    gc.collect()
+    assert alive() is not None  # its memory is kept
+    assert s.stats().registration_cache_entries == 0
+    pinned = torch.from_numpy(np.arange(10, dtype=np.float32))  # a fresh one goes
+    s.registry.pin(pinned)
+    assert s.registry.unpin(pinned)
+
+
 def test_deregister_memory_during_a_put_never_drops_memory_the_put_names(world,
                                                                        monkeypatch):
     """The put found the register_memory() entry, then took its use only after the
