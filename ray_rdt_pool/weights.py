@@ -1259,9 +1259,16 @@ class WeightSender:
             aborts = [r.__ray_call__.remote(_remote_abort, receiver_attr, session)
                       for r in receivers]
             _wait_quietly(aborts, min(deadline_s, 30.0))
-            # Only now: a receiver still loading a bucket reads its pool block.
-            _free_owned([o for _acks, _keep, oids in inflight for o in oids]
+            # Only now: a receiver still loading a bucket reads its pool block (or the
+            # source's kept tensors). One whose call has not ended even so (a plain
+            # actor runs the bucket calls queued before the abort; a stuck receiver)
+            # may still read it: such buckets are let go only once that call ends.
+            late = [b for b in inflight if not _ended(b[0])]
+            gone = {id(b) for b in late}
+            _free_owned([o for b in inflight if id(b) not in gone for o in b[2]]
                         + run.owned + [owned])
+            if late:
+                _LATE.add(late, session)
             inflight.clear()
             run = _Run()
             self._ref_keys |= ref_keys  # the next complete stream sorts them out
@@ -1397,6 +1404,75 @@ def _forget_registrations(keys: set[Any]) -> None:
         from ray_rdt_pool.transport import forget_registrations
 
         forget_registrations(keys)
+
+
+def _ended(refs: list[Any]) -> bool:
+    """Whether every call of ``refs`` has ended (done or failed); False if that cannot be
+    told now."""
+    import ray
+
+    try:
+        ready, _rest = ray.wait(refs, num_returns=len(refs), timeout=0)
+    except Exception:
+        return False
+    return len(ready) == len(refs)
+
+
+class _LateBuckets:
+    """Buckets of failed streams that a receiver's call may still read (it had not ended
+    when the stream's clean-up gave up waiting): each is freed, and its kept source
+    tensors dropped, only once every receiver call for it has ended. Freeing them at once
+    let a queued call READ a block the pool had handed to another object, and load those
+    bytes. Held by at most ``max_inflight`` buckets per failed stream.
+
+    Threads: the stream's thread adds; one daemon thread, started on demand and ended
+    when nothing is left, polls twice a second and frees."""
+
+    POLL_S = 0.5
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[_InFlight] = []
+        self._thread: threading.Thread | None = None
+
+    def add(self, items: list[_InFlight], session: str) -> None:
+        logger.warning("stream %s failed while %d bucket(s) were still being read by a "
+                       "receiver; they stay in the sender pool until those calls end",
+                       session, len(items))
+        with self._lock:
+            self._items.extend(items)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="ray_rdt_pool-late-buckets")
+                self._thread.start()
+
+    def held(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.POLL_S)
+            with self._lock:
+                items = list(self._items)
+            for item in items:
+                if not _ended(item[0]):
+                    continue
+                with self._lock:  # by identity: == on tensors is elementwise
+                    self._items = [i for i in self._items if i is not item]
+                if item[1] is not None:
+                    item[1].clear()
+                try:
+                    _free_owned(item[2])
+                except Exception:
+                    logger.warning("freeing a late stream bucket failed", exc_info=True)
+            with self._lock:
+                if not self._items:
+                    self._thread = None
+                    return
+
+
+_LATE = _LateBuckets()
 
 
 def _free_owned(obj_ids: Sequence[str | None]) -> None:

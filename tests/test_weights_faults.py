@@ -732,6 +732,8 @@ def test_a_failed_stream_cleans_up_even_if_its_waits_raise(
     r.weight_receiver.fail_at = 1  # type: ignore[attr-defined]
 
     def broken_wait(refs: Any, num_returns: int = 1, timeout: Any = None) -> Any:
+        if timeout == 0:  # asking which calls ended works; waiting for them does not
+            return refs, []
         raise ValueError("wait refused")
 
     monkeypatch.setattr(ray, "wait", broken_wait)
@@ -757,3 +759,89 @@ def test_the_default_version_is_past_every_version_published(
     assert [sender.publish().version for _ in range(2)] == [1, 2]
     assert sender.publish(version=1).version == 1
     assert sender.publish().version == 3
+
+
+class _Queued:
+    """A call queued on a plain actor busy with something else: it runs on ``run()``."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn, self.ref = fn, None
+
+    def run(self) -> None:
+        self.ref = _Ref(self.fn)  # type: ignore[assignment]
+
+
+class LaggingHandle(Handle):
+    """From its first bucket call on, every call (the abort too) queues, in order, until
+    :meth:`run_queued`: a plain actor stuck past the sender's ``timeout_s``."""
+
+    def __init__(self, actor: Actor) -> None:
+        super().__init__(actor)
+        self.queue: list[_Queued] = []
+        handle = self
+
+        class Call:
+            @staticmethod
+            def remote(fn: Callable[..., Any], *args: Any) -> Any:
+                copied = tuple(list(a) if isinstance(a, list) else a for a in args)
+                call = _Queued(lambda: fn(handle.actor, *copied))
+                if fn.__name__ in ("_remote_bucket", "_remote_run") or handle.queue:
+                    handle.queue.append(call)
+                else:
+                    call.run()
+                return call
+
+        self.__ray_call__ = Call
+
+    def run_queued(self) -> None:
+        for call in self.queue:
+            call.run()
+
+
+def test_a_bucket_a_receiver_still_reads_after_a_timeout_is_not_freed_under_it(
+        runtime: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender gave up (timeout_s) while a plain actor had the bucket call queued; its
+    clean-up freed the bucket's pool block, another object took it, and the queued call
+    then READ that object's bytes into the receiver's weights. The block is now freed only
+    once the receiver's call ends."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    import ray_rdt_pool.weights as W
+
+    def ready(ref: Any) -> bool:
+        return not isinstance(ref, _Queued) or ref.ref is not None
+
+    def get(ref: Any, timeout: float | None = None) -> Any:
+        if isinstance(ref, list):
+            return [get(r, timeout) for r in ref]
+        if isinstance(ref, _Queued):
+            if ref.ref is None:
+                raise GetTimeoutError("still queued")
+            return _get(ref.ref)
+        return _get(ref)
+
+    rt = runtime()
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (
+        [r for r in refs if ready(r)], [r for r in refs if not ready(r)]))
+    monkeypatch.setattr(W._LateBuckets, "POLL_S", 0.05)
+    actor = Actor()
+    actor.weight_receiver = WeightReceiver(filled(0, 4), direct=False)
+    h = LaggingHandle(actor)
+    sender = WeightSender(filled(6, 4), bucket_bytes=4096, source_reads=False)
+    with pytest.raises(W.WeightSyncTimeoutError):
+        sender.stream([h], max_inflight=1, timeout_s=0.1)
+    held = rt.stats().live_objects  # bucket 0: the receiver has not read it yet
+    other = rt.put("other", [torch.full((32, 32), 99.0)])  # would take its block
+    assert other is not None
+    h.run_queued()  # the receiver loads bucket 0, then takes the abort
+    rec = actor.weight_receiver
+    assert values(rec.dest)[0] == 6.0 and rec.version == 0  # type: ignore[arg-type]
+    assert held == 1
+    deadline = time.monotonic() + 10
+    while W._LATE.held() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert W._LATE.held() == 0
+    st = rt.stats()
+    assert st.live_objects == 1  # "other" alone: the late bucket went once it was read
