@@ -1084,7 +1084,9 @@ class WeightSender:
         ``timeout_s``, :class:`DuplicateNameError` if a lazy source repeats a name,
         and re-raises a receiver's error (its other buckets still drain). On any error
         (a begin refused included) every receiver is told to drop the stream, then the
-        sender frees every bucket it still holds, so no bucket stays pinned. A failure
+        sender frees every bucket it still holds, so no bucket stays pinned; a bucket
+        whose receiver call has not ended by then (it outlasted ``timeout_s``) is freed
+        once that call ends, never under it. A failure
         at the commit itself may leave some receivers committed; the version is used
         up either way (the next default version is past it).
         """
