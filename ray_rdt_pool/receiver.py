@@ -335,25 +335,22 @@ class Receiver:
         if targets:
             entries: list[RegEntry] = []
             keep: list[Any] = []
-            mapped = False
+            storages = [t.untyped_storage() for t in targets]
             with self.lock:
                 arenas = dict(self.arenas)
-                live = set(self._live) if self._live else ()
+                live = self._live
+                # Views of a same-node mapping: no registration covers them, and a cached
+                # one would hold the mapping, and the sender's lease on its block, for as
+                # long as the cache keeps it. Then all are copied into, from the arena.
+                mapped = bool(live) and any(st.data_ptr() in live for st in storages)
             try:
-                for t in targets:
-                    st = _arena_storage(t, arenas)
-                    if st is not None:
+                for t, st in zip(targets, [] if mapped else storages):
+                    if _in_arena(t, st, arenas):
                         # Our received tensors reused as targets: the arena's registration
                         # covers them. Caching a registration of them would hold the
                         # storage, and so the arena block, for as long as the cache keeps
                         # it.
                         keep.append(st)
-                        continue
-                    if live and t.untyped_storage().data_ptr() in live:
-                        # Views of a same-node mapping: no registration covers them, and
-                        # a cached one would hold the mapping, and the sender's lease on
-                        # its block, for as long as the cache keeps it. Copied into.
-                        mapped = True
                         continue
                     e = self.registry.acquire_if_seen(t)
                     if e is not None:
@@ -1419,17 +1416,14 @@ class Receiver:
 _Unmap = tuple[MappedPool, int, int, int, int]
 
 
-def _arena_storage(t: torch.Tensor, arenas: dict[str, Region]) -> Any:
-    """``t``'s storage if it lies in one of ``arenas`` (a tensor we returned, used again
-    as a target buffer), else None."""
+def _in_arena(t: torch.Tensor, st: Any, arenas: dict[str, Region]) -> bool:
+    """Whether ``t``'s storage ``st`` lies in one of ``arenas`` (a tensor we returned,
+    used again as a target buffer)."""
     arena = arenas.get(t.device.type)
     if arena is None or int(arena.mem.device_id) != (t.device.index or 0):
-        return None
-    st = t.untyped_storage()
-    lo = st.data_ptr()
-    if arena.addr <= lo and lo + st.nbytes() <= arena.addr + arena.capacity:
-        return st
-    return None
+        return False
+    lo = int(st.data_ptr())
+    return arena.addr <= lo and lo + int(st.nbytes()) <= arena.addr + arena.capacity
 
 
 #: Receivers that have opened a same-node sender's pool: each takes part in every fork.
