@@ -7,6 +7,7 @@ Pure module (no torch, Ray or NIXL). A process builds its :class:`PoolConfig` on
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
@@ -121,6 +122,18 @@ class PoolConfig:
     native: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("strict", "prefault", "metrics", "debug_transfers", "native"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):  # a string such as "no" is truthy
+                raise ConfigurationError(
+                    f"{name} must be True or False, got {value!r}; pass e.g. {name}=False")
+        for name in ("progress_interval_s", "progress_idle_interval_s", "fetch_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                raise ConfigurationError(
+                    f"{name} must be a finite number of seconds, got {value!r}; pass e.g. "
+                    f"{name}={getattr(PoolConfig, name)!r}")
         for name in ("pool_bytes", "arena_bytes", "registration_cache_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -263,10 +276,22 @@ def _parse_size(var: str, text: str) -> int:
         mult, t = _SUFFIX[t[-1]], t[:-1]
     try:
         return int(float(t) * mult) if "." in t else int(t) * mult
-    except ValueError as e:
+    except (ValueError, OverflowError) as e:  # OverflowError: "1e400"
         raise ConfigurationError(
             f"{var}={text!r} is not a size; use bytes or a K/M/G suffix, e.g. {var}=512M"
         ) from e
+
+
+#: Fields that count things, not bytes: no size suffixes.
+_COUNTS = ("pack_threads", "read_lanes")
+
+
+def _parse_count(var: str, text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError as e:
+        raise ConfigurationError(
+            f"{var}={text!r} is not a whole number; e.g. {var}=2 (0: automatic)") from e
 
 
 def _parse_bool(var: str, text: str) -> bool:
@@ -296,10 +321,20 @@ def from_env(environ: Mapping[str, str] | None = None) -> PoolConfig:
         default = getattr(PoolConfig, field_name)
         if isinstance(default, bool):
             values[field_name] = _parse_bool(var, text)
+        elif field_name in _COUNTS:
+            values[field_name] = _parse_count(var, text)
         elif isinstance(default, int):
             values[field_name] = _parse_size(var, text)
         elif isinstance(default, float):
             values[field_name] = _parse_float(var, text)
         else:
             values[field_name] = text.strip().lower()
-    return PoolConfig(**values)
+    try:
+        return PoolConfig(**values)
+    except ConfigurationError as e:
+        # Name the variable that set the refused field, not only the field.
+        set_by = [f"{var}={env[var]!r}" for var, (name, _d) in ENV_VARS.items()
+                  if name in values and var in env and name in str(e)]
+        if not set_by:
+            raise
+        raise ConfigurationError(f"{e} (set by {', '.join(set_by)})") from e

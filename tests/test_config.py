@@ -1,0 +1,66 @@
+"""PoolConfig and the environment table: every bad value is a ConfigurationError that
+names the value (and, from the environment, the variable) and the fix. No Ray, no NIXL."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from ray_rdt_pool.config import ENV_VARS, PoolConfig, from_env
+from ray_rdt_pool.errors import ConfigurationError
+
+
+@pytest.mark.parametrize(("option", "value", "text"), [
+    # A string was truthy: strict="no" turned strict mode on, metrics="0" left it on.
+    ("strict", "no", "strict must be True or False, got 'no'"),
+    ("metrics", "0", "metrics must be True or False, got '0'"),
+    ("native", "false", "native must be True or False"),
+    ("prefault", 1, "prefault must be True or False, got 1"),
+    ("debug_transfers", None, "debug_transfers must be True or False"),
+    # Compared with a number: an untyped TypeError.
+    ("fetch_timeout_s", "30", "fetch_timeout_s must be a finite number of seconds, got '30'"),
+    ("fetch_timeout_s", None, "fetch_timeout_s must be a finite number of seconds"),
+    ("fetch_timeout_s", math.inf, "got inf; pass e.g. fetch_timeout_s=60.0"),
+    ("fetch_timeout_s", True, "fetch_timeout_s must be a finite number of seconds, got True"),
+    ("progress_interval_s", "0.01", "progress_interval_s must be a finite number"),
+    ("progress_idle_interval_s", None, "progress_idle_interval_s must be a finite number"),
+])
+def test_options_of_the_wrong_type_are_refused(option: str, value: Any, text: str) -> None:
+    with pytest.raises(ConfigurationError, match=text.replace("(", r"\(")):
+        PoolConfig(**{option: value})
+    with pytest.raises(ConfigurationError, match=text.replace("(", r"\(")):
+        PoolConfig().with_overrides(**{option: value})
+
+
+def test_options_of_the_right_type_are_taken() -> None:
+    cfg = PoolConfig(strict=True, metrics=False, fetch_timeout_s=30, progress_interval_s=0.01)
+    assert cfg.strict and not cfg.metrics and cfg.fetch_timeout_s == 30
+
+
+@pytest.mark.parametrize(("env", "text"), [
+    # int(float("1e400")) raised OverflowError out of the first put.
+    ({"RAY_RDT_POOL_BYTES": "1.0e400"}, "RAY_RDT_POOL_BYTES='1.0e400' is not a size"),
+    # A count was told to use a K/M/G suffix ("e.g. RAY_RDT_POOL_READ_LANES=512M").
+    ({"RAY_RDT_POOL_READ_LANES": "two"},
+     "RAY_RDT_POOL_READ_LANES='two' is not a whole number; e.g. RAY_RDT_POOL_READ_LANES=2"),
+    ({"RAY_RDT_POOL_PACK_THREADS": "4K"}, "RAY_RDT_POOL_PACK_THREADS='4K' is not a whole"),
+    # A refused value names the variable that set it, not only the field.
+    ({"RAY_RDT_POOL_FETCH_TIMEOUT_S": "inf"}, "set by RAY_RDT_POOL_FETCH_TIMEOUT_S='inf'"),
+    ({"RAY_RDT_POOL_READ_LANES": "99"}, r"read_lanes must be an int in \[0, .*set by "
+                                        "RAY_RDT_POOL_READ_LANES='99'"),
+    ({"RAY_RDT_POOL_STRICT": "maybe"}, "RAY_RDT_POOL_STRICT='maybe' is not a boolean"),
+])
+def test_bad_environment_values_name_the_variable(env: dict[str, str], text: str) -> None:
+    with pytest.raises(ConfigurationError, match=text):
+        from_env(env)
+
+
+def test_environment_values_parse() -> None:
+    cfg = from_env({"RAY_RDT_POOL_BYTES": "64M", "RAY_RDT_POOL_READ_LANES": "2",
+                    "RAY_RDT_POOL_PACK_THREADS": " 3 ", "RAY_RDT_POOL_STRICT": "yes",
+                    "RAY_RDT_POOL_FETCH_TIMEOUT_S": "2.5", "RAY_RDT_POOL_SAME_NODE": "Copy"})
+    assert (cfg.pool_bytes, cfg.read_lanes, cfg.pack_threads) == (64 << 20, 2, 3)
+    assert cfg.strict and cfg.fetch_timeout_s == 2.5 and cfg.same_node == "copy"
+    assert {name for name, _doc in ENV_VARS.values()} <= set(PoolConfig.__dataclass_fields__)
