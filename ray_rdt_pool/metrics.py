@@ -372,6 +372,9 @@ class Observer:
         import ray
 
         if not ray.is_initialized():  # the driver called ray.shutdown()
+            # Keep polling, so a ray.init() later gets the current values: with the
+            # event left pending, no later event would wake the thread again.
+            self._pending, self._active = False, True
             return False
         m = self._m
         assert m is not None
@@ -392,7 +395,10 @@ class Observer:
                 if delta > 0:
                     counter.inc(delta, tags)
                 last_c[name] = v
-            self._active = bool(s.live_objects or s.arena_live_blocks or s.transfers_in_flight)
+            # Poll while anything can change with no event: leases drop on the sender's
+            # ticks, same-node mappings go when their views die.
+            self._active = bool(s.live_objects or s.arena_live_blocks or s.transfers_in_flight
+                                or s.leased_objects or s.mapped_objects)
             self._last_flush = time.monotonic()
             self.flushes += 1
         return True
