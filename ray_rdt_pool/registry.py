@@ -209,7 +209,13 @@ class Registry:
         one."""
         ok = True
         try:
-            self._backend().deregister(handle)
+            backend = self._backend()
+        except RdtPoolError:
+            # Shut down: destroying the agent dropped every registration it held.
+            backend = None
+        try:
+            if backend is not None:
+                backend.deregister(handle)
         except Exception:
             ok = False
             logger.warning("deregistering %s failed; its memory is kept until this process "

@@ -446,10 +446,11 @@ class Runtime:
     def shutdown(self) -> None:
         """Stop everything this process started with NIXL; safe to call twice.
 
-        Abandons READs in flight and removes every peer, frees the sent objects, stops
-        the progress thread and destroys the agent, and deletes the agent's key from
-        Ray's GCS. Memory regions are not deregistered one by one: destroying the agent
-        drops its registrations, and the regions are unmapped with the process.
+        Abandons READs in flight and removes every peer, stops the progress thread and
+        destroys the agent, and deletes the agent's key from Ray's GCS. Memory regions
+        are not deregistered one by one: destroying the agent drops its registrations.
+        Objects already sent stay counted in ``stats()`` until Ray frees them (no
+        receiver can read them any more); their blocks go back then.
         """
         with self._backend_lock:
             if self.closed or self._closing:
