@@ -326,10 +326,10 @@ def _refuse_invalid(tensors: Sequence[Any], allow_cuda: bool) -> None:
         dtype_name(t.dtype)
     _refuse_layouts(tensors)
     for i, t in enumerate(tensors):
-        _storage_base(t, i)
+        storage_base(t, i)
 
 
-def _storage_base(t: Any, i: int) -> tuple[Any, int]:
+def storage_base(t: Any, i: int) -> tuple[Any, int]:
     """Tensor ``i``'s storage and its address, or InvalidInputError for a tensor subclass
     with no storage of its own (a DTensor of FSDP2 or tensor parallelism, a wrapper
     subclass), whose reads raise torch's untyped RuntimeError."""
@@ -401,7 +401,7 @@ def _refuse_no_memory(tensors: Sequence[Any], ptrs: Sequence[int],
                 "(torch._efficientzerotensor, which some autograd formulas return for an "
                 f"all-zero result): its {n:,} bytes have no memory behind them. Send "
                 "t.clone() instead (real zeros of the same shape)")
-        storage, base = _storage_base(t, i)
+        storage, base = storage_base(t, i)
         if base and base <= p and p + _reach(t, n) <= base + storage.nbytes():
             continue
         if base == 0:

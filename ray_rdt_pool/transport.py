@@ -508,6 +508,9 @@ _runtime_lock = threading.Lock()
 _config: PoolConfig | None = None
 _atexit_registered = False
 _configured = False  # configure() was called: later calls must agree with it
+# set_cuda_stream()'s stream, for every runtime this process makes: a configure() after it
+# replaces a runtime not started yet, and the setting must not go with it.
+_cuda_stream: Any = None
 
 
 def configure(**options: Any) -> PoolConfig:
@@ -535,7 +538,7 @@ def configure(**options: Any) -> PoolConfig:
                 "(old, new); configure once per process")
         if _runtime is not None and new != _runtime.config:
             old, _runtime = _runtime, None  # nothing was created yet: start afresh
-            old.shutdown()
+            old.shutdown()  # (a set_cuda_stream() stays set: see _cuda_stream)
         _config = new
         _configured = True
         return new
@@ -552,6 +555,7 @@ def runtime() -> Runtime:
             if _config is None:
                 _config = from_env()
             _runtime = Runtime(_config)
+            _runtime.sender.cuda_stream = _cuda_stream
             try:
                 from ray_rdt_pool import metrics
 
@@ -1254,10 +1258,8 @@ def register_memory(tensor: torch.Tensor) -> None:
     Tensors inside a registered storage are read in place by receivers (no snapshot):
     do not modify them until the objects holding them are freed.
     """
-    import torch
 
-    if not isinstance(tensor, torch.Tensor) or tensor.device.type not in ("cpu", "cuda"):
-        raise InvalidInputError("register_memory() takes a CPU or CUDA torch.Tensor")
+    _check_memory(tensor, "register_memory")
     rt = runtime()
     rt.backend()
     rt.registry.pin(tensor)
@@ -1265,7 +1267,29 @@ def register_memory(tensor: torch.Tensor) -> None:
 
 def deregister_memory(tensor: torch.Tensor) -> None:
     """Undo one :func:`register_memory` of the same tensor's storage."""
+    _check_memory(tensor, "deregister_memory")
     runtime().registry.unpin(tensor)
+
+
+def _check_memory(tensor: Any, what: str) -> None:
+    """InvalidInputError unless ``tensor`` is a CPU or CUDA tensor with memory of its own
+    behind its storage (not a ZeroTensor, a storage resized to 0, or a DTensor)."""
+    import torch
+
+    from ray_rdt_pool.tensors import storage_base
+
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type not in ("cpu", "cuda"):
+        raise InvalidInputError(f"{what}() takes a CPU or CUDA torch.Tensor, got "
+                                f"{type(tensor).__name__}")
+    if tensor._is_zerotensor():
+        raise InvalidInputError(f"{what}() got a ZeroTensor, which has no memory; pass a "
+                                "real tensor (t.clone())")
+    storage, base = storage_base(tensor, 0)
+    if not base or not storage.nbytes():
+        raise InvalidInputError(
+            f"{what}() got a tensor whose storage holds no memory ({storage.nbytes()} bytes "
+            "at address 0, e.g. resized to 0 as FSDP does); register it while its storage "
+            "is allocated")
 
 
 def set_cuda_stream(stream: Any) -> None:
@@ -1274,6 +1298,8 @@ def set_cuda_stream(stream: Any) -> None:
     The pack copy waits for that stream instead of the current one. ``None`` restores
     the default (the current stream of the tensors' device).
     """
+    global _cuda_stream
+    _cuda_stream = stream
     runtime().sender.cuda_stream = stream
 
 

@@ -44,6 +44,50 @@ def test_configure_is_accepted_after_stats_before_first_use() -> None:
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
 
 
+def test_configure_after_set_cuda_stream_keeps_the_stream() -> None:
+    """set_cuda_stream() makes the (unstarted) runtime; a configure() with other values
+    then replaced that runtime and the stream with it: packs waited on the current
+    stream instead, and could race the producer."""
+    code = (
+        "import ray_rdt_pool\n"
+        "from ray_rdt_pool.transport import runtime\n"
+        "marker = object()  # stands in for a torch.cuda.Stream\n"
+        "ray_rdt_pool.set_cuda_stream(marker)\n"
+        "ray_rdt_pool.configure(pool_bytes=3 << 20, metrics=False)\n"
+        "assert runtime().config.pool_bytes == 3 << 20\n"
+        "assert runtime().sender.cuda_stream is marker, runtime().sender.cuda_stream\n"
+        "print('ok')\n"
+    )
+    p = run(["-c", code], timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
+def test_register_memory_refuses_what_has_no_memory_before_anything_starts() -> None:
+    """A ZeroTensor raised torch's untyped RuntimeError; a storage resized to 0 was
+    "registered" as 0 bytes at address 0; deregister_memory() of a non-tensor raised
+    AttributeError."""
+    code = (
+        "import torch, ray_rdt_pool\n"
+        "from ray_rdt_pool.transport import runtime\n"
+        "t = torch.ones(8); t.untyped_storage().resize_(0)\n"
+        "cases = [(ray_rdt_pool.register_memory, torch._efficientzerotensor(4), 'ZeroTensor'),\n"
+        "         (ray_rdt_pool.register_memory, t, 'holds no memory'),\n"
+        "         (ray_rdt_pool.register_memory, torch.empty(0), 'holds no memory'),\n"
+        "         (ray_rdt_pool.deregister_memory, 'x', 'got str')]\n"
+        "for fn, arg, text in cases:\n"
+        "    try:\n"
+        "        fn(arg)\n"
+        "    except ray_rdt_pool.InvalidInputError as e:\n"
+        "        assert text in str(e), (text, str(e))\n"
+        "    else:\n"
+        "        raise SystemExit(f'{fn.__name__}({arg!r}) was accepted')\n"
+        "assert not runtime().started()  # refused before the agent was made\n"
+        "print('ok')\n"
+    )
+    p = run(["-c", code], timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
 @pytest.mark.ray
 def test_driver_that_received_objects_exits_cleanly() -> None:
     """The exit path (atexit) stops the progress thread and destroys the NIXL agent
