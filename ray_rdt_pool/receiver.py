@@ -1578,9 +1578,11 @@ def plan_selection(shapes_dtypes: Iterable[tuple[tuple[int, ...], str]],
     return Selection(shapes, dtypes, offsets, total, runs_out)
 
 
-def _byte_runs(i: int, shape: tuple[int, ...], item: int, sel: Any
-               ) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
-    """The selected shape and the (offset, length) byte runs of a C-contiguous tensor."""
+def selection_bounds(i: int, shape: tuple[int, ...], sel: Any) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` of selection ``sel`` of tensor ``i`` (of ``shape``) on every
+    dim, or InvalidInputError: a tuple of at most one step-1 slice per dim (a lone slice
+    or None also do). The one check of a selection, whether it is read or, for an object
+    this process holds, sliced."""
     if sel is None:
         sel = ()
     if isinstance(sel, slice):
@@ -1598,6 +1600,13 @@ def _byte_runs(i: int, shape: tuple[int, ...], item: int, sel: Any
                 f"selection {i} has step {step} on dim {dim}; only step-1 slices can be "
                 "read as byte ranges: read the range and slice it afterwards")
         bounds.append((start, max(start, stop)))
+    return bounds
+
+
+def _byte_runs(i: int, shape: tuple[int, ...], item: int, sel: Any
+               ) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+    """The selected shape and the (offset, length) byte runs of a C-contiguous tensor."""
+    bounds = selection_bounds(i, shape, sel)
     out = tuple(b - a for a, b in bounds)
     if 0 in out:
         return out, []

@@ -680,10 +680,14 @@ def fetch_selected(ref: ray.ObjectRef, selection: Sequence[tuple[slice, ...] | N
                                 "made with _tensor_transport='nixl_pool'")
     store = mgr.rdt_store
     if store.has_object(obj_id):  # this process holds the object itself: no READ
+        from ray_rdt_pool.receiver import selection_bounds
+
         held = store.get_object(obj_id)
         _check_selection_count(selection, len(held))
-        return [t.contiguous() if sel is None else t[sel].contiguous()
-                for t, sel in zip(held, selection)]
+        # The same checks as a READ's (a step, too many slices: refused, not indexed).
+        return [t[tuple(slice(a, b) for a, b in
+                        selection_bounds(i, tuple(t.shape), sel))].contiguous()
+                for i, (t, sel) in enumerate(zip(held, selection))]
     tmeta = info.tensor_transport_meta
     if tmeta is None:
         wait = timeout_s if timeout_s is not None else 60.0

@@ -597,6 +597,34 @@ def test_objects_freed_after_shutdown_go_without_a_failed_deregistration(world, 
     assert not s.registry._stranded
 
 
+def test_fetch_selected_of_an_object_this_process_holds_checks_the_selection(
+        world, monkeypatch):
+    """transport.fetch_selected() of an object this process holds itself indexed the held
+    tensor with the selection as given: a step-2 slice was taken (a READ refuses it),
+    three slices on a 2-d tensor raised IndexError, a list was taken. Both paths now
+    check the same way. Ray's RDT manager is a stand-in here."""
+    import types
+
+    import ray
+
+    from ray_rdt_pool import transport as tp
+
+    x = torch.arange(24.0).reshape(4, 6)
+    store = types.SimpleNamespace(has_object=lambda oid: True, get_object=lambda oid: [x])
+    mgr = types.SimpleNamespace(get_rdt_metadata=lambda oid: types.SimpleNamespace(),
+                                rdt_store=store)
+    monkeypatch.setattr(ray._private.worker, "global_worker",
+                        types.SimpleNamespace(rdt_manager=mgr))
+    ref = types.SimpleNamespace(hex=lambda: "obj")
+    for bad, text in (([(slice(0, 4, 2),)], "step 2 on dim 0"),
+                      ([(slice(None),) * 3], "at most 2 slices"),
+                      ([[slice(0, 2)]], "pass a tuple"), ([None, None], "2 selections")):
+        with pytest.raises(InvalidInputError, match=re.escape(text)):
+            tp.fetch_selected(ref, bad)  # type: ignore[arg-type]
+    out = tp.fetch_selected(ref, [(slice(1, 3), slice(2, 5))])  # type: ignore[arg-type]
+    assert torch.equal(out[0], x[1:3, 2:5]) and out[0].is_contiguous()
+
+
 def test_strict_mode_raises_instead_of_overflowing(world):
     s = make(world, pool_bytes=1 << 20, strict=True)
     with pytest.raises(PoolExhaustedError, match="strict mode") as e:
