@@ -746,6 +746,12 @@ def _parse(raw: Any) -> WireMeta:
     _, agent, agent_version, device, device_id, total, groups_flat, segs_flat = raw
     if type(agent) is not str or not agent:
         raise _bad(f"agent must be a non-empty str, got {agent!r:.80}")
+    try:  # decode's limit is in UTF-8 bytes; a lone surrogate has no UTF-8 at all
+        agent_bytes = len(agent.encode())
+    except UnicodeEncodeError as e:
+        raise _bad(f"agent {agent!r:.80} is not valid Unicode ({e.reason})") from e
+    if agent_bytes > MAX_STR_LEN:
+        raise _bad(f"agent is {agent_bytes:,} bytes long, over the limit of {MAX_STR_LEN:,}")
     _int_in(agent_version, "agent_version", 0, _U64)
     if type(device) is not str or device not in _DEVICES:
         raise _bad(f"device must be one of {_DEVICES}, got {device!r:.80}")

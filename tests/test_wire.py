@@ -416,6 +416,19 @@ def test_encode_rejects_an_invalid_meta() -> None:
         encode(WireMeta(good.agent, 0, "cpu", 0, good.total, good.runs, ()))
 
 
+@pytest.mark.parametrize("agent", ["a" * 4097, "\u20ac" * 2000, "agent\ud800"])
+def test_encode_refuses_agent_names_decode_would_refuse(agent: str) -> None:
+    """decode() limits strings in UTF-8 bytes; encode() checked only that the agent was a
+    non-empty str, so a long name was encoded and then refused by every receiver, and a
+    lone surrogate raised UnicodeEncodeError out of msgpack."""
+    good = simple_meta()
+    with pytest.raises(WireFormatError, match="agent"):
+        encode(WireMeta(agent, 0, "cpu", 0, good.total, good.runs, good.segments))
+    fits = "\u20ac" * 1365  # 4,095 bytes: within the limit, both ways
+    meta = WireMeta(fits, 0, "cpu", 0, good.total, good.runs, good.segments)
+    assert decode(encode(meta)).agent == fits
+
+
 # -- repeated groups (wire version 2) --
 
 #: A realistic header: agent names are "rdtpool-<pid>-<12 hex>", addresses 47-bit.
