@@ -11,6 +11,7 @@ Threads: any; the counters take their own small lock.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +20,8 @@ from typing import Any, Protocol
 from ray_rdt_pool.errors import InvalidInputError, RdtPoolError, TransferError
 
 __all__ = ["COUNTER_NAMES", "Events", "Observer"]
+
+logger = logging.getLogger(__name__)
 
 #: Every counter; all start at 0 and only grow, except ``in_flight``.
 COUNTER_NAMES = (
@@ -60,12 +63,24 @@ class Events:
         with self._lock:
             return dict(self.c)
 
+    def notify(self, event: str, *args: Any) -> None:
+        """Call the observer's ``on_<event>(source, *args)``, if there is an observer.
+        Never raises: the put, free or fetch it reports has happened, and an exporter's
+        failure (its thread not starting, Ray going down) must not turn it into an error
+        (a put Ray then never frees, or a free left half done)."""
+        obs = self.observer
+        if obs is None:
+            return
+        try:
+            getattr(obs, "on_" + event)(self.source, *args)
+        except Exception:
+            logger.warning("the nixl_pool metrics observer failed on %s", event,
+                           exc_info=True)
+
     def error(self, kind: str) -> None:
         """One failed transfer: counted and reported (``kind``: err, timeout, aborted)."""
         self.add("transfer_errors")
-        obs = self.observer
-        if obs is not None:
-            obs.on_error(self.source, kind)
+        self.notify("error", kind)
 
     @contextmanager
     def failures(self, what: str, hint: str) -> Iterator[None]:

@@ -825,8 +825,7 @@ class Receiver:
         ev.add("objects_received")
         ev.add("mapped_gets")
         ev.add("bytes_received", meta.total if f.selected is None else f.selected.nbytes)
-        if ev.observer is not None:
-            ev.observer.on_fetch(ev.source, meta.total, time.perf_counter() - f.t_start)
+        ev.notify("fetch", meta.total, time.perf_counter() - f.t_start)
         return True
 
     def _from_mapping(self, f: Fetch, addr: int, release: _Unmap,
@@ -1292,9 +1291,7 @@ class Receiver:
         if self.config.debug_transfers:
             logger.debug("fetched %s: %d tensors, %d bytes, %d descriptors", f.obj_id,
                          meta.num_tensors, meta.total, f.ndescs)
-        obs = self.events.observer
-        if obs is not None:
-            obs.on_fetch(self.events.source, meta.total, time.perf_counter() - f.t_start)
+        self.events.notify("fetch", meta.total, time.perf_counter() - f.t_start)
         return f.tensors
 
     def _rebuild_selected(self, landing: Landing, sel: Selection) -> list[torch.Tensor]:

@@ -419,9 +419,7 @@ class Sender:
         if self.config.debug_transfers:
             logger.debug("put %s: %d tensors, %d bytes, %d segments, overflow=%s, wire %d B",
                          obj_id, len(tensors), total, len(segments), p.overflow, len(wire))
-        if ev.observer is not None:
-            ev.observer.on_put(ev.source, total, time.perf_counter() - t_start, pack_s,
-                               p.overflow)
+        ev.notify("put", total, time.perf_counter() - t_start, pack_s, p.overflow)
         return meta, wire
 
     def put_by_reference(self, obj_id: str, tensors: Sequence[torch.Tensor]
@@ -570,9 +568,7 @@ class Sender:
             return False
         self._retired(p, pinned)
         self.events.add("objects_freed")
-        obs = self.events.observer
-        if obs is not None:
-            obs.on_free(self.events.source)
+        self.events.notify("free")
         return True
 
     def overflow_stats(self) -> tuple[int, int, int]:

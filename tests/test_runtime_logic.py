@@ -625,6 +625,26 @@ def test_fetch_selected_of_an_object_this_process_holds_checks_the_selection(
     assert torch.equal(out[0], x[1:3, 2:5]) and out[0].is_contiguous()
 
 
+def test_a_failing_observer_fails_no_put_free_or_fetch(world):
+    """The metrics observer was called unguarded after the put was recorded: an observer
+    that raised (its thread failing to start) turned a finished put into an error, so
+    Ray never learnt of the object and never freed it; a free and a fetch likewise."""
+    class Broken:
+        def __getattr__(self, name):
+            def fail(*args):
+                raise RuntimeError("can't start new thread")
+            return fail
+
+    s, r = make(world), make(world)
+    s.observer = r.observer = Broken()
+    src = [torch.arange(10)]
+    meta = ship(s.put("a", src))  # no error
+    assert same(r.wait(r.fetch("a", meta, None), -1), src)
+    assert s.stats().live_objects == 1
+    s.free("a")
+    assert s.stats().live_objects == 0
+
+
 def test_strict_mode_raises_instead_of_overflowing(world):
     s = make(world, pool_bytes=1 << 20, strict=True)
     with pytest.raises(PoolExhaustedError, match="strict mode") as e:
