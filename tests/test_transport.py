@@ -372,17 +372,19 @@ def test_a_method_return_with_no_tensors_round_trips(pair):
     (it raised TransferError, "no wire bytes"), with nothing put, read or mapped."""
     s, r = pair
     figures = ("objects_put", "objects_received", "reads_posted", "mapped_gets",
-               "arena_capacity", "live_objects")
+               "arena_capacity")
 
     def snap(st):
-        return [getattr(st, f) for f in figures]
+        return [getattr(st, f) for f in figures], st.live_objects
 
     before = [snap(ray.get(a.stats.remote())) for a in (s, r)] + [snap(ray_rdt_pool.stats())]
     for value in [(1, "x"), Fraction(1, 3), {"step": 3, "name": None}, []]:
         assert ray.get(s.echo.remote(value)) == value
         assert ray.get(r.same.remote(s.echo.remote(value))) == value
     after = [snap(ray.get(a.stats.remote())) for a in (s, r)] + [snap(ray_rdt_pool.stats())]
-    assert after == before
+    assert [f for f, _live in after] == [f for f, _live in before]
+    # Ray may free an earlier test's object meanwhile: live objects can only have gone.
+    assert all(a <= b for (_f, a), (_g, b) in zip(after, before)), (before, after)
 
 
 def test_driver_gets_from_actor_and_actor_gets_from_driver(pair):
