@@ -128,6 +128,9 @@ class Peer:
     # Made now: a peer whose first load waits on the GCS is not "idle since 0".
     last_used: float = field(default_factory=time.monotonic)
     remove_failures: int = 0  # removals NIXL refused in a row
+    # NIXL may hold its agent on some lane: a load was tried since the last removal that
+    # worked (``loaded`` is -1 too after a refused removal or a load failing part-way).
+    in_nixl: bool = False
     retry_at: float = 0.0  # after a refused removal: when to try again
     load_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -455,9 +458,9 @@ class Receiver:
                 version, reset, md = self._lookup(peer.name, max(need, peer.loaded, 0))
             except BaseException:
                 with self.lock:
-                    if (peer.loaded < 0 and peer.in_flight == 0
+                    if (not peer.in_nixl and peer.in_flight == 0
                             and self.peers.get(peer.name) is peer):
-                        del self.peers[peer.name]  # never in NIXL: nothing to remove
+                        del self.peers[peer.name]  # not in NIXL: nothing to remove
                     else:
                         self._suspect(peer)
                 raise
@@ -466,6 +469,7 @@ class Receiver:
                 idle = peer.in_flight == 0
                 clean = replace and idle
                 peer.busy = True
+                peer.in_nixl = True  # from the load below on, even if it fails part-way
             removed = False
             try:
                 if clean:
@@ -533,7 +537,7 @@ class Receiver:
                         self._end_locked(t, "CUT")
             with self.lock:
                 peer.loaded = peer.view_since = -1
-                peer.stale = peer.busy = False
+                peer.stale = peer.busy = peer.in_nixl = False
                 peer.remove_failures = 0
                 if peer.in_flight == 0 and self.peers.get(peer.name) is peer:
                     del self.peers[peer.name]

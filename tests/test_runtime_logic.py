@@ -911,6 +911,35 @@ def test_an_idle_peer_whose_removal_nixl_refuses_is_retried_then_forgotten(world
     assert same(roundtrip(s, r, "b", [torch.arange(4)]), [torch.arange(4)])
 
 
+def test_a_peer_nixl_may_still_hold_is_not_forgotten_when_its_lookup_fails(world,
+                                                                        monkeypatch):
+    """After a refused removal a peer's view is "not loaded" (-1), though NIXL may still
+    hold its agent. A fetch whose metadata lookup then failed (the sender exited, its GCS
+    key gone) took it for a peer never loaded and forgot it: nothing removed the agent
+    afterwards, and no warning said so."""
+    from ray_rdt_pool import receiver as rmod
+
+    s, r = make(world), make(world, fetch_timeout_s=0.2)
+    assert same(roundtrip(s, r, "a", [torch.arange(3)]), [torch.arange(3)])
+    monkeypatch.setattr(rmod, "PEER_IDLE_S", 0.0)
+    monkeypatch.setattr(rmod, "_HOUSEKEEPING_S", 0.0)
+    backend = r.backend()
+    world.remove_errors = True
+    r.receiver._next_housekeeping = 0.0
+    backend.tick()  # the idle peer's removal is refused: kept, to be tried again
+    assert s.agent_name in backend.loaded
+    meta = ship(s.put("b", [torch.arange(5)]))
+    world.kv.pop(s.agent_name)  # the sender exited cleanly
+    with pytest.raises(TransferError, match="no NIXL metadata"):
+        r.wait(r.fetch("b", meta, None), -1)
+    world.remove_errors = False
+    for _ in range(3):
+        r.receiver._next_housekeeping = 0.0
+        backend.tick()
+    assert s.agent_name not in backend.loaded  # removed, not forgotten
+    assert r.stats().remote_agents == 0
+
+
 def test_failed_read_is_a_transfer_error_and_releases_at_once(world):
     s, r = make(world), make(world)
     world.mode = "ERR"
