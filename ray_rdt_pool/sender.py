@@ -33,6 +33,7 @@ outside it. Imports no Ray and no NIXL.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -43,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ray_rdt_pool.errors import PoolExhaustedError, RegistrationError
+from ray_rdt_pool.errors import InvalidInputError, PoolExhaustedError, RegistrationError
 from ray_rdt_pool.layout import BlockMap, align_up, packed_offsets, run_layout
 from ray_rdt_pool.merge import merge_segments
 from ray_rdt_pool.registry import Directory, RegEntry, Region, Registry
@@ -264,8 +265,16 @@ class Sender:
             # one, and the allocator refused it for every overflow put.
             size = align_up(max(nbytes, 1, MIN_OVERFLOW_BYTES, self.config.pool_capacity // 4),
                             _OVERFLOW_ALIGN)
-            region = self.registry.new_region(size, self.config.device, "overflow region",
-                                              False)
+            try:
+                region = self.registry.new_region(size, self.config.device,
+                                                  "overflow region", False)
+            except (OSError, OverflowError, MemoryError) as e:
+                # The memory itself could not be had (ENOMEM, or a size no mapping takes).
+                raise PoolExhaustedError(
+                    nbytes, 0, 0, size, what="overflow memory",
+                    remedy=f"no {size:,} bytes of {self.config.device} memory could be "
+                           f"mapped ({type(e).__name__}: {e}); send a smaller object"
+                ) from e
             with self.lock:
                 self.overflow.append(region)
 
@@ -591,6 +600,11 @@ def _apply_conversions(d: Described, tensors: Sequence[torch.Tensor],
         if dt is None or dt == t.dtype:
             continue
         name = dtype_name(dt)  # raises InvalidInputError for a dtype the wire lacks
+        if not _converts(t.dtype, dt):
+            raise InvalidInputError(
+                f"tensor {i} cannot be packed as {dt}: torch has no conversion from "
+                f"{t.dtype} to {dt} (sub-byte dtypes such as float4_e2m1fn_x2 have none); "
+                "leave it out of pack_as, or convert it yourself first")
         item = int(dt.itemsize)
         d.dtypes[i] = name
         d.aligns[i] = item
@@ -598,6 +612,19 @@ def _apply_conversions(d: Described, tensors: Sequence[torch.Tensor],
         d.plain[i] = False
         out.append(i)
     return out
+
+
+@functools.cache
+def _converts(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether torch can copy ``src`` elements into a ``dst`` tensor (asked once per pair:
+    the pack's copy would otherwise raise torch's untyped error half-way)."""
+    import torch
+
+    try:
+        torch.empty(1, dtype=dst).copy_(torch.zeros(1, dtype=src))
+    except (NotImplementedError, RuntimeError, TypeError):
+        return False
+    return True
 
 
 def _device_index(tensors: Sequence[torch.Tensor]) -> int:

@@ -1369,6 +1369,35 @@ def test_pack_as_converts_in_the_pack(world):
         pass
 
 
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="this torch has no float4")
+def test_pack_as_a_dtype_torch_cannot_convert_to_is_refused_before_placing(world):
+    """torch has no copy kernel for float4_e2m1fn_x2: packing into it (or out of it)
+    raised torch's untyped NotImplementedError out of put()."""
+    from ray_rdt_pool.transport import pack_as
+
+    s = make(world)
+    t = torch.randn(4)
+    with pytest.raises(InvalidInputError, match=r"no conversion from torch\.float32"), \
+            pack_as({id(t): torch.float4_e2m1fn_x2}):
+        s.put("a", [t])
+    st = s.stats()
+    assert (st.live_objects, st.pool_used) == (0, 0)
+
+
+def test_an_object_no_overflow_memory_can_hold_is_a_pool_exhausted_error(world):
+    """Outside strict mode an object too large for any memory (mmap refuses the overflow
+    region) raised a raw OSError or OverflowError; strict mode already raised
+    PoolExhaustedError."""
+    s = make(world)
+    # An expanded view of 2**64 bytes: no mapping can be that large, on any host. (A
+    # size the kernel refuses, ENOMEM, takes the same path, but whether it refuses
+    # depends on the host's overcommit policy.)
+    with pytest.raises(PoolExhaustedError, match="overflow memory"):
+        s.put("huge", [torch.zeros(1).expand(1 << 62)])
+    st = s.stats()
+    assert (st.live_objects, st.pool_used, st.overflow_capacity) == (0, 0, 0)
+
+
 def test_flat_values_stand_in_and_rebuild(monkeypatch) -> None:
     """The stand-in for a flat value pickles to a few bytes whatever the tensor count,
     rebuilds the same container from the tensors Ray hands over, and refuses a tensor
