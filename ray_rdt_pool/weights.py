@@ -1453,12 +1453,16 @@ class _LateBuckets:
             return len(self._items)
 
     def _run(self) -> None:
+        import ray
+
         while True:
             time.sleep(self.POLL_S)
             with self._lock:
                 items = list(self._items)
+            # After ray.shutdown() no receiver call runs any more, and none ends either.
+            down = not ray.is_initialized()
             for item in items:
-                if not _ended(item[0]):
+                if not down and not _ended(item[0]):
                     continue
                 with self._lock:  # by identity: == on tensors is elementwise
                     self._items = [i for i in self._items if i is not item]

@@ -23,6 +23,12 @@ def run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess[st
                           text=True, timeout=timeout)
 
 
+def run_ok(code: str) -> None:
+    """Run ``code`` in a fresh interpreter; it must print ok and exit 0."""
+    p = run(["-c", code], timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
 def test_configure_is_accepted_after_stats_before_first_use() -> None:
     code = (
         "import ray_rdt_pool\n"
@@ -40,8 +46,7 @@ def test_configure_is_accepted_after_stats_before_first_use() -> None:
         "    raise SystemExit('a second, different configure() was accepted')\n"
         "print('ok')\n"
     )
-    p = run(["-c", code], timeout=60)
-    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+    run_ok(code)
 
 
 def test_configure_after_set_cuda_stream_keeps_the_stream() -> None:
@@ -58,8 +63,7 @@ def test_configure_after_set_cuda_stream_keeps_the_stream() -> None:
         "assert runtime().sender.cuda_stream is marker, runtime().sender.cuda_stream\n"
         "print('ok')\n"
     )
-    p = run(["-c", code], timeout=60)
-    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+    run_ok(code)
 
 
 def test_register_memory_refuses_what_has_no_memory_before_anything_starts() -> None:
@@ -84,8 +88,7 @@ def test_register_memory_refuses_what_has_no_memory_before_anything_starts() -> 
         "assert not runtime().started()  # refused before the agent was made\n"
         "print('ok')\n"
     )
-    p = run(["-c", code], timeout=60)
-    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+    run_ok(code)
 
 
 @pytest.mark.ray

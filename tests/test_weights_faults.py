@@ -826,6 +826,7 @@ def test_a_bucket_a_receiver_still_reads_after_a_timeout_is_not_freed_under_it(
     monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (
         [r for r in refs if ready(r)], [r for r in refs if not ready(r)]))
     monkeypatch.setattr(W._LateBuckets, "POLL_S", 0.05)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # no ray.shutdown() here
     actor = Actor()
     actor.weight_receiver = WeightReceiver(filled(0, 4), direct=False)
     h = LaggingHandle(actor)
@@ -845,3 +846,23 @@ def test_a_bucket_a_receiver_still_reads_after_a_timeout_is_not_freed_under_it(
     assert W._LATE.held() == 0
     st = rt.stats()
     assert st.live_objects == 1  # "other" alone: the late bucket went once it was read
+
+
+def test_late_buckets_go_once_ray_is_shut_down(runtime: Any,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """After ray.shutdown() no receiver call ends any more: the late buckets of a failed
+    stream are freed then, instead of being polled for the life of the process."""
+    import ray
+
+    import ray_rdt_pool.weights as W
+
+    rt = runtime()
+    monkeypatch.setattr(W._LateBuckets, "POLL_S", 0.05)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(W, "_ended", lambda refs: False)  # the calls never end
+    rt.put("late", [torch.ones(10)])
+    W._LATE.add([([object()], None, ["late"])], "s")
+    deadline = time.monotonic() + 10
+    while W._LATE.held() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert W._LATE.held() == 0 and rt.stats().live_objects == 0
