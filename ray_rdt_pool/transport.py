@@ -1271,20 +1271,26 @@ def register_memory(tensor: torch.Tensor) -> None:
 
 def deregister_memory(tensor: torch.Tensor) -> None:
     """Undo one :func:`register_memory` of the same tensor's storage."""
-    _check_memory(tensor, "deregister_memory")
+    # The type only: a storage FSDP has resized to 0 since is no error here (it finds
+    # no registration, as before).
+    _check_tensor(tensor, "deregister_memory")
     runtime().registry.unpin(tensor)
+
+
+def _check_tensor(tensor: Any, what: str) -> None:
+    import torch
+
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type not in ("cpu", "cuda"):
+        raise InvalidInputError(f"{what}() takes a CPU or CUDA torch.Tensor, got "
+                                f"{type(tensor).__name__}")
 
 
 def _check_memory(tensor: Any, what: str) -> None:
     """InvalidInputError unless ``tensor`` is a CPU or CUDA tensor with memory of its own
     behind its storage (not a ZeroTensor, a storage resized to 0, or a DTensor)."""
-    import torch
-
     from ray_rdt_pool.tensors import storage_base
 
-    if not isinstance(tensor, torch.Tensor) or tensor.device.type not in ("cpu", "cuda"):
-        raise InvalidInputError(f"{what}() takes a CPU or CUDA torch.Tensor, got "
-                                f"{type(tensor).__name__}")
+    _check_tensor(tensor, what)
     if tensor._is_zerotensor():
         raise InvalidInputError(f"{what}() got a ZeroTensor, which has no memory; pass a "
                                 "real tensor (t.clone())")
