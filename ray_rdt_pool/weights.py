@@ -898,8 +898,7 @@ class WeightSender:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) \
                 or bucket_bytes <= 0:
             raise InvalidInputError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-        if not isinstance(source_reads, bool):
-            raise InvalidInputError(f"source_reads must be True or False, got {source_reads!r}")
+        _check_flag("source_reads", source_reads)
         _check_wire_dtype(wire_dtype)
         self.source = source
         self.bucket_bytes = bucket_bytes
@@ -1092,12 +1091,7 @@ class WeightSender:
         """
         import ray
 
-        if not receivers:
-            raise InvalidInputError("stream() needs at least one receiver actor")
-        receivers = list(receivers)
-        ids = [r._actor_id.hex() for r in receivers]
-        if len(set(ids)) != len(ids):
-            raise InvalidInputError("stream() got the same receiver actor twice")
+        receivers = _actor_handles(receivers, "stream()")
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) \
                 or max_inflight < 1:
             raise InvalidInputError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
@@ -1297,6 +1291,42 @@ class WeightSender:
             peak_pool_used=max(samples, default=0), pool_used_samples=tuple(samples),
             fallbacks=int(_stats().fallbacks - fallbacks0), pool_wait_seconds=wait_s,
             loads=loads, source_read_buckets=direct_buckets, reference_buckets=ref_buckets)
+
+
+def _actor_handles(receivers: Any, what: str) -> list[ActorHandle]:
+    """``receivers`` as a list of distinct actor handles, or InvalidInputError: anything
+    else would fail later as an AttributeError deep in a Ray call, after the stream's
+    version was used."""
+    if _is_actor(receivers):
+        raise InvalidInputError(f"{what} takes a list of receiver actors, got one actor "
+                                f"handle; pass [handle]")
+    try:
+        handles = list(receivers)
+    except TypeError:
+        raise InvalidInputError(f"{what} takes a list of receiver actors, got "
+                                f"{type(receivers).__name__}") from None
+    if not handles:
+        raise InvalidInputError(f"{what} needs at least one receiver actor")
+    for i, r in enumerate(handles):
+        if not _is_actor(r):
+            raise InvalidInputError(f"{what}: receiver {i} is a {type(r).__name__}, not an "
+                                    f"actor handle; pass the handles that .remote() on an "
+                                    f"actor class returned")
+    ids = [r._actor_id.hex() for r in handles]
+    if len(set(ids)) != len(ids):
+        raise InvalidInputError(f"{what} got the same receiver actor twice")
+    return handles
+
+
+def _is_actor(obj: Any) -> bool:
+    """Whether ``obj`` can be called as an actor here (what a stream uses of a handle)."""
+    return hasattr(obj, "__ray_call__") and hasattr(obj, "_actor_id")
+
+
+def _check_flag(name: str, value: Any) -> None:
+    """A bool option, or InvalidInputError: a string such as "no" is truthy."""
+    if not isinstance(value, bool):
+        raise InvalidInputError(f"{name} must be True or False, got {value!r}")
 
 
 def _timeout(timeout_s: Any) -> float:
@@ -1793,6 +1823,8 @@ class WeightReceiver:
         if select is not None and not callable(select):
             raise InvalidInputError(f"select must be callable (name, full_shape) -> slices | "
                                     f"None, got {type(select).__name__}")
+        _check_flag("strict", strict)
+        _check_flag("direct", direct)
         if dest is None and load_weights is None:
             raise InvalidInputError("WeightReceiver needs a dest (module or mapping), a "
                                     "load_weights callable, or both")
@@ -2224,6 +2256,10 @@ class WeightReceiver:
         bucket's ref is removed from ``manifest`` (this process's copy) as soon as the
         bucket is loaded.
         """
+        _check_flag("release", release)
+        if not isinstance(manifest, Manifest):
+            raise InvalidInputError(f"load() takes a Manifest (from WeightSender.publish), "
+                                    f"got {type(manifest).__name__}")
         v, mid = manifest.version, manifest.id
         self._reserve(v, "manifest", mid)
         try:
@@ -2528,8 +2564,13 @@ def sync(trainer: ActorHandle, receivers: Sequence[ActorHandle], *,
     """
     import ray
 
-    receivers = list(receivers)
     timeout_s = _timeout(timeout_s)
+    if not _is_actor(trainer):
+        raise InvalidInputError(f"sync() takes the trainer's actor handle first, got "
+                                f"{type(trainer).__name__}")
+    receivers = _actor_handles(receivers, "sync()")
+    if mode not in ("stream", "publish"):
+        raise InvalidInputError(f"mode must be 'stream' or 'publish', got {mode!r}")
     t0 = time.perf_counter()
     if mode == "stream":
         rep: StreamReport = _get_all(
@@ -2538,8 +2579,6 @@ def sync(trainer: ActorHandle, receivers: Sequence[ActorHandle], *,
             timeout_s * 2, "the streaming sync")[0]
         return SyncReport("stream", rep.version, time.perf_counter() - t0, rep.nbytes,
                           rep.buckets, rep.loads, rep, rep.peak_pool_used)
-    if mode != "publish":
-        raise InvalidInputError(f"mode must be 'stream' or 'publish', got {mode!r}")
     manifest: Manifest = ray.get(trainer.__ray_call__.remote(_remote_publish, sender_attr, version),
                                  timeout=timeout_s)
     layout, version, used = manifest.layout, manifest.version, manifest.sender_pool_used

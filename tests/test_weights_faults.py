@@ -720,6 +720,48 @@ def test_a_bad_timeout_is_refused_before_anything_is_sent(runtime: Any, bad: Any
     assert sender.stream([h], timeout_s=30).version == 1
 
 
+@pytest.mark.parametrize("bad", ["actor", None, 3, "one", "receiver object", "twice"])
+def test_receivers_that_are_not_actor_handles_are_refused_up_front(runtime: Any,
+                                                                   bad: str) -> None:
+    """A stream given one handle, a receiver object or a name failed deep in a Ray
+    call with an AttributeError or TypeError; the checks now name what was passed."""
+    rt = runtime()
+    r, h = receiver_node(filled(0, 4), direct=False)
+    arg: Any = {"actor": h, None: None, 3: 3, "one": ["r1"],
+                "receiver object": [r.weight_receiver], "twice": [h, h]}[bad]
+    want = {"actor": "got one actor handle; pass \\[handle\\]",
+            None: "got NoneType", 3: "got int", "one": "receiver 0 is a str",
+            "receiver object": "receiver 0 is a WeightReceiver",
+            "twice": "same receiver actor twice"}[bad]
+    sender = WeightSender(filled(3, 4), bucket_bytes=4096, source_reads=False)
+    with pytest.raises(InvalidInputError, match=want):
+        sender.stream(arg, timeout_s=30)
+    with pytest.raises(InvalidInputError, match=want):
+        sync(Handle(Actor()), arg, timeout_s=30)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="trainer's actor handle first, got str"):
+        sync("trainer", [h])  # type: ignore[arg-type]
+    st = rt.stats()
+    assert (st.objects_put, st.live_objects) == (0, 0)
+    assert sender.stream([h], timeout_s=30).version == 1
+
+
+@pytest.mark.parametrize("opt", ["strict", "direct"])
+def test_receiver_flags_must_be_bools(opt: str) -> None:
+    """``strict="no"`` is truthy: it turned strict checking on, the opposite of what it
+    says."""
+    with pytest.raises(InvalidInputError, match=f"{opt} must be True or False, got 'no'"):
+        WeightReceiver(filled(0, 2), **{opt: "no"})
+
+
+def test_load_refuses_what_is_not_a_manifest_and_a_non_bool_release() -> None:
+    rec = WeightReceiver(filled(0, 2))
+    with pytest.raises(InvalidInputError, match=r"takes a Manifest .* got dict"):
+        rec.load({"version": 1})  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="release must be True or False"):
+        rec.load(manifest(1, filled(1, 2))[2], release="no")  # type: ignore[arg-type]
+    assert rec.version == 0 and rec._reserved == []
+
+
 def test_a_failed_stream_cleans_up_even_if_its_waits_raise(
         runtime: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The clean-up of a failed stream waits for the receivers; a wait that raised ended
