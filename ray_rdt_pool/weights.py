@@ -787,6 +787,8 @@ class StreamReport:
 
     version: int
     buckets: int
+    #: payload bytes the sender sent (every bucket, in the wire dtype, without padding),
+    #: whatever each receiver selected of them (its ``loads[i].nbytes``)
     nbytes: int
     receivers: int
     max_inflight: int
@@ -1159,6 +1161,7 @@ class WeightSender:
         acked: list[list[BucketReport]] = [[] for _ in receivers]
         wait_s = 0.0
         k = 0
+        sent = 0  # payload bytes of every bucket sent (a module's layout.total_bytes)
         try:
             began = _get_all(begins, deadline_s, "validating the layout on the receivers")
             # Source reads only when every receiver can: a bucket is then never packed.
@@ -1186,6 +1189,7 @@ class WeightSender:
                     break
                 nbytes, tensors, spec, entries = item
                 del item
+                sent += sum(e.nbytes for e in entries)
                 if nbytes > capacity:
                     assert spec is not None
                     raise _too_big(spec.bucket, capacity)
@@ -1281,11 +1285,10 @@ class WeightSender:
             # Tensors the source no longer holds (replaced) need not stay registered.
             _forget_registrations(self._ref_keys - ref_keys)
             self._ref_keys = ref_keys
-        nbytes_total = sum(r.nbytes for r in acked[0])
         loads = tuple(_summarise(v, sorted(reps, key=lambda r: r.bucket), sk)
                       for reps, sk in zip(acked, skipped))
         return StreamReport(
-            version=v, buckets=k, nbytes=layout.total_bytes if layout else nbytes_total,
+            version=v, buckets=k, nbytes=sent,
             receivers=len(receivers), max_inflight=max_inflight,
             seconds=time.perf_counter() - t0, pool_capacity=capacity,
             peak_pool_used=max(samples, default=0), pool_used_samples=tuple(samples),

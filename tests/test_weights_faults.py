@@ -745,6 +745,25 @@ def test_receivers_that_are_not_actor_handles_are_refused_up_front(runtime: Any,
     assert sender.stream([h], timeout_s=30).version == 1
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["mapping", "lazy"])
+def test_stream_report_counts_the_bytes_sent_whatever_a_receiver_selects(
+        runtime: Any, lazy: bool) -> None:
+    """A lazy stream reported the first receiver's loaded bytes as the bytes sent: with
+    a selecting receiver first, half of what a mapping's stream of the same state
+    reported."""
+    runtime()
+    state = filled(2, 4)
+    half = {k: torch.zeros(16, 32) for k in state}
+    _r1, h1 = receiver_node(half, direct=False, select=lambda name, shape: (slice(0, 16),))
+    r2, h2 = receiver_node(filled(0, 4), direct=False)
+    src: Any = (lambda: iter(state.items())) if lazy else state
+    rep = WeightSender(src, bucket_bytes=4096, source_reads=False).stream([h1, h2])
+    full = sum(t.nbytes for t in state.values())
+    assert rep.nbytes == full
+    assert [ld.nbytes for ld in rep.loads] == [full // 2, full]
+    assert values(half) == [2.0] * 4 and values(r2.weight_receiver.dest) == [2.0] * 4
+
+
 @pytest.mark.parametrize("opt", ["strict", "direct"])
 def test_receiver_flags_must_be_bools(opt: str) -> None:
     """``strict="no"`` is truthy: it turned strict checking on, the opposite of what it
