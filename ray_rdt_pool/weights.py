@@ -2084,8 +2084,13 @@ class WeightReceiver:
             entries = sorted(by_bucket.get(b.index, []), key=lambda e: e.index)
             targets = [resolved.get(e.name) for e in entries]
             dests = [t if isinstance(t, torch.Tensor) else None for t in targets]
-            land = self.direct and all(d is not None and _can_land(d, e)
-                                       for d, e in zip(dests, entries))
+            # A bucket that must first be compared with what an earlier bucket wrote into
+            # a tied destination is read into the arena, so a refusal writes none of it.
+            checked = any(isinstance(t, _Check) for t in targets) or any(
+                isinstance(resolved.get(a), _Check) for e in entries
+                for a in alias_of.get(e.name, ()))
+            land = self.direct and not checked and all(
+                d is not None and _can_land(d, e) for d, e in zip(dests, entries))
             if land:
                 ptrs = [d.data_ptr() for d in dests if d is not None and d.numel() > 0]
                 land = len(ptrs) == len(set(ptrs))

@@ -610,6 +610,27 @@ def test_a_tie_a_lazy_source_sends_twice_is_compared_not_rewritten(runtime: Any)
     assert rec.version == 0
 
 
+def test_a_refused_tie_leaves_its_whole_bucket_unwritten_when_it_could_land(
+        runtime: Any) -> None:
+    """A bucket whose other tensor could land directly was landed before the tie was
+    compared: the refusal said "bucket 1 was not written" while ``mid`` held the new
+    bytes. Such a bucket now goes through the arena and a refusal writes none of it."""
+    runtime()
+    a, b = torch.full((8, 8), 1.0), torch.full((8, 8), 2.0)
+    sd = {"embed.weight": a, "mid": b, "head.weight": b}  # head is mid's alias in bucket 1
+    e, m = torch.zeros(8, 8), torch.zeros(8, 8)
+    r, h = receiver_node({"embed.weight": e, "head.weight": e, "mid": m}, direct=True)
+    sender = WeightSender(lambda: iter(sd.items()), bucket_bytes=256, source_reads=False)
+    with pytest.raises(DuplicateTargetError, match="bucket 1 was not written"):
+        sender.stream([h])
+    assert torch.equal(e, a) and torch.equal(m, torch.zeros(8, 8))
+    assert r.weight_receiver.version == 0
+    # Equal bytes into the tie still load, and the untied tensors of the bucket land.
+    sd["head.weight"] = a
+    rep = sender.stream([h])
+    assert torch.equal(e, a) and torch.equal(m, b) and r.weight_receiver.version == rep.version
+
+
 # ---------------------------------------------------------------------------------------
 # Finding 7: conjugate and negative views are other tensors
 # ---------------------------------------------------------------------------------------
