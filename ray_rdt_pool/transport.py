@@ -1204,7 +1204,8 @@ def _transfers_before_their_tasks() -> None:
             ours = True
             if info.tensor_transport_meta is None:
                 ready, _ = ray.wait([arg], timeout=ORDER_WAIT_S)
-                if ready:  # finished (or failed: then no metadata comes, and Ray says so)
+                # A failed producer's return is its error: no metadata ever comes for it.
+                if ready and not _holds_an_error(arg):
                     self.wait_for_tensor_transport_metadata(arg.hex(), ORDER_WAIT_S)
         out = submit(self, dst_actor, task_args)
         if ours:
@@ -1215,6 +1216,20 @@ def _transfers_before_their_tasks() -> None:
 
     RDTManager.queue_or_trigger_out_of_band_tensor_transfer = ordered  # type: ignore[method-assign]
     RDTManager._nixl_pool_ordered = True  # type: ignore[attr-defined]
+
+
+def _holds_an_error(ref: Any) -> bool:
+    """Whether the finished object ``ref`` is an error (its task failed) rather than a
+    value, read from its metadata as Ray's own get does before it fetches RDT tensors,
+    without deserializing (which would fetch them). False where that cannot be told."""
+    try:
+        from ray._private import ray_constants
+
+        core = ray._private.worker.global_worker.core_worker  # type: ignore[attr-defined]
+        meta = core.get_objects([ref], 0)[0][1]
+        return bool(meta) and meta.split(b",")[0] != ray_constants.OBJECT_METADATA_TYPE_PYTHON
+    except Exception:  # not local, or a Ray laid out otherwise: wait as before
+        return False
 
 
 def _made_by_this_actor(ref: Any) -> bool:

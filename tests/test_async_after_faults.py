@@ -60,6 +60,10 @@ class Sender:
     def block(self, signal_actor):
         ray.get(signal_actor.wait.remote())
 
+    @ray.method(tensor_transport="nixl_pool")
+    def fail(self):
+        raise ValueError("the producer failed")
+
     def rdt_objects(self):
         return ray._private.worker.global_worker.rdt_manager.rdt_store.get_num_objects()
 
@@ -181,6 +185,34 @@ def test_receiver_ray_system_blocked():
     # Unblocked, the same receiver takes new objects again.
     assert ray.get(r.take.remote(s.make.remote(9, 1024))) == pytest.approx(expected(9, 1024))
     ray.kill(r)
+    ray.kill(s)
+
+
+def test_an_argument_whose_producer_failed_is_not_waited_for(recv, monkeypatch):
+    """The ordering workaround waited for the metadata of a failed producer's return,
+    which never comes: each such ``.remote()`` to an out-of-order actor stalled for
+    ORDER_WAIT_S. With that bound raised far past this test's own, the call must still
+    return, and the consumer gets the producer's error."""
+    import threading
+
+    monkeypatch.setattr("ray_rdt_pool.transport.ORDER_WAIT_S", 600.0)
+    s = Sender.remote()
+    ref = s.fail.remote()
+    ray.wait([ref], timeout=60)
+    out: list = []
+    caller = threading.Thread(target=lambda: out.append(recv.take.remote(ref)), daemon=True)
+    caller.start()
+    caller.join(timeout=60)
+    assert out, ".remote() still waits for the metadata of a failed producer's return"
+    with pytest.raises(ray.exceptions.RayTaskError, match="the producer failed"):
+        ray.get(out[0], timeout=60)
+    # A good argument is still told apart (and so still ordered), and is exact.
+    from ray_rdt_pool.transport import _holds_an_error
+
+    good = s.make.remote(12, 1024)
+    made(good)
+    assert _holds_an_error(ref) and not _holds_an_error(good)
+    assert ray.get(recv.take.remote(good), timeout=60) == pytest.approx(expected(12, 1024))
     ray.kill(s)
 
 
