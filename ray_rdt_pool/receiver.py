@@ -210,6 +210,7 @@ class Receiver:
         # a deleter drains itself. _draining guards against a drain inside a drain (a
         # deleter run by GC) and keeps drains out while a fork is prepared.
         self._self_drain = False
+        self._shut = False  # shutdown() ran: no new sender handle is kept
         self._draining = False
         self._later_lock = threading.Lock()  # guards _later_pending (see _drain_later)
         self._later_pending = False
@@ -283,7 +284,10 @@ class Receiver:
             # Never wait: this may run inside GC in a thread holding any lock. Another
             # thread holds ours and need not drain before it lets go, so a helper thread
             # waits for the lock and drains (the lease would be stranded otherwise).
-            if not self.lock.acquire(blocking=False):
+            # The lock is re-entrant: this thread may hold it already, in the middle of
+            # changing what a drain changes (an allocation carving a block), so a drain
+            # here would run inside that change. The helper drains once it is let go.
+            if self.lock._is_owned() or not self.lock.acquire(blocking=False):  # type: ignore[attr-defined]
                 self._drain_later()
                 return
             try:
@@ -704,6 +708,11 @@ class Receiver:
                        "read with NIXL, and it is asked again in %.0f s", agent,
                        type(e).__name__, e, HOST_RETRY_S)
         with self.lock:
+            if self._shut:  # shutdown() closed the handles meanwhile: nothing may keep one
+                if host is not None:
+                    host.close()
+                raise TransferError("nixl_pool was shut down in this process "
+                                    "(ray_rdt_pool.shutdown()); start a new process to use it")
             current = self.hosts.get(agent)
             if current is not None:  # another thread opened it meanwhile
                 if host is not None:
@@ -1406,6 +1415,7 @@ class Receiver:
                     h.close()
             self.hosts.clear()
             self._self_drain = True
+            self._shut = True
         for t in live:
             self.abandon(t)
         for p in peers:

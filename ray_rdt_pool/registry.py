@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ray_rdt_pool.allocator import BlockAllocator
-from ray_rdt_pool.errors import RdtPoolError, RegistrationError
+from ray_rdt_pool.errors import RdtPoolError, RegistrationError, TransferError
 from ray_rdt_pool.layout import BLOCK_ALIGN
 
 if TYPE_CHECKING:
@@ -167,6 +167,7 @@ class Registry:
         self._region_factory = region_factory or _default_region
         self._lock = threading.RLock()
         self._publish_lock = threading.Lock()
+        self._unpublished = False  # unpublish() ran: never write the key again
         # Epoch: changed only by _changed(), under _lock.
         self.version = 0
         self.reset_version = 0
@@ -236,6 +237,9 @@ class Registry:
         if self._published == self.version and self._published_session == now:
             return self._published
         with self._publish_lock:
+            if self._unpublished:
+                raise TransferError("nixl_pool was shut down in this process "
+                                    "(ray_rdt_pool.shutdown()) while this put ran")
             with self._lock:
                 version, reset = self.version, self.reset_version
                 if self._published == version and self._published_session == now:
@@ -245,6 +249,14 @@ class Registry:
             self._published = version
             self._published_session = now
             return version
+
+    def unpublish(self, agent_name: str) -> None:
+        """At shutdown: delete the agent's key, and refuse every later :meth:`publish`
+        (a put still registering memory would otherwise write the key back for an agent
+        about to be destroyed)."""
+        with self._publish_lock:
+            self._unpublished = True
+            self.directory.remove(agent_name)
 
     # -- regions --------------------------------------------------------------------------
 

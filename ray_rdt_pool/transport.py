@@ -45,6 +45,7 @@ from ray_rdt_pool.config import PoolConfig, from_env
 from ray_rdt_pool.errors import (
     ConfigurationError,
     InvalidInputError,
+    RdtPoolError,
     TransferError,
     WireFormatError,
 )
@@ -238,8 +239,13 @@ class Runtime:
                              self.directory, node)
         self.receiver = Receiver(config, self.registry, self.events, self.backend,
                                  self.directory, node)
-        self.closed = False
+        # shutdown() began (or configure() retired this runtime before its first use):
+        # no new put, fetch or agent is admitted. ``closed`` is set only once the agent
+        # is destroyed: until then READs may still write, so they are not "ended" early.
         self._closing = False
+        self.closed = False
+        self._retired = False
+        self._shut = threading.Event()  # set when the first shutdown() has finished
         # The process that made it: a forked child inherits this object, and its agent,
         # agent name and GCS key are the parent's (see the module-level shutdown()).
         self.pid = os.getpid()
@@ -262,9 +268,8 @@ class Runtime:
         if b is not None and not self.closed:
             return b
         with self._backend_lock:
-            if self.closed:
-                raise TransferError("nixl_pool was shut down in this process "
-                                    "(ray_rdt_pool.shutdown()); start a new process to use it")
+            if self.closed or (self._backend is None and self._closing):
+                raise self._gone()
             if self._backend is None:
                 name = _nixl.new_agent_name()
                 cfg = self.config
@@ -284,14 +289,48 @@ class Runtime:
                 self._backend = b
             return self._backend
 
+    def _gone(self) -> RdtPoolError:
+        if self._retired:
+            return ConfigurationError(
+                "configure() replaced nixl_pool's configuration while this operation was "
+                "starting it in another thread; call configure() before the first "
+                "ray.put or ray.get, e.g. at the top of the actor's __init__")
+        return TransferError("nixl_pool was shut down in this process "
+                             "(ray_rdt_pool.shutdown()); start a new process to use it")
+
+    def admit(self) -> None:
+        """Before a put or a fetch: refuse new work once shutdown() began."""
+        if self._closing:
+            raise self._gone()
+
     def started(self) -> bool:
         """True once the NIXL agent exists (the configuration is fixed from then on)."""
         return self._backend is not None
+
+    def retire(self) -> bool:
+        """For configure(): close this runtime if its agent does not exist yet, so no
+        operation can start it any more; False (nothing done) if it exists already.
+        Taken under the agent's lock, so an agent being made meanwhile counts as
+        existing."""
+        with self._backend_lock:
+            if self._backend is not None:
+                return False
+            if self._closing:
+                return True
+            self._closing = self._retired = True
+        try:
+            if self.observer is not None and hasattr(self.observer, "close"):
+                self.observer.close()
+        finally:
+            self.closed = True
+            self._shut.set()
+        return True
 
     def sending(self) -> None:
         """Before a put: the agent exists, and its progress thread runs at the fast
         interval for a while, since the object's readers may connect for the first time
         (a connection needs this side's progress calls)."""
+        self.admit()
         self.backend()
         self._active()
 
@@ -336,6 +375,7 @@ class Runtime:
             # An object with no tensors (a method return such as ``(1, "x")``: Ray stores
             # and fetches it all the same): nothing to read, as Ray's own nixl returns.
             return PoolFetch(obj_id=obj_id, tensors=[])
+        self.admit()
         meta = pmeta.decoded()
         inner = self.receiver.fetch(obj_id, meta, pmeta.tensor_device, targets)
         return PoolFetch(obj_id=obj_id, tensors=inner.tensors, inner=inner,
@@ -347,6 +387,7 @@ class Runtime:
         if pmeta.wire is None:  # no tensors (see fetch)
             _check_selection_count(selection, 0)
             return []
+        self.admit()
         inner = self.receiver.fetch(obj_id, pmeta.decoded(), pmeta.tensor_device, None,
                                     selection=selection)
         return self.receiver.wait(inner, timeout_s)
@@ -451,27 +492,39 @@ class Runtime:
         are not deregistered one by one: destroying the agent drops its registrations.
         Objects already sent stay counted in ``stats()`` until Ray frees them (no
         receiver can read them any more); their blocks go back then.
+
+        New puts and fetches are refused from the start; a second call (another thread,
+        atexit) returns once the first one has finished, waiting up to
+        :data:`SHUTDOWN_WAIT_S`. READs still running are not taken for ended until the
+        agent is destroyed, so their memory is never given back under a late write.
         """
         with self._backend_lock:
-            if self.closed or self._closing:
-                return
+            first = not self._closing
             self._closing = True
             backend = self._backend
-        if self.observer is not None and hasattr(self.observer, "close"):
-            self.observer.close()
-        if backend is None:
-            self.closed = True
+        if not first:
+            if not self._shut.wait(SHUTDOWN_WAIT_S):
+                logger.warning("ray_rdt_pool.shutdown(): another thread's shutdown has not "
+                               "finished after %.0f s; returning without it", SHUTDOWN_WAIT_S)
             return
         try:
-            self.receiver.shutdown()
-        except Exception:
-            logger.debug("receiver shutdown failed", exc_info=True)
-        self.closed = True
-        try:
-            self.directory.remove(self.agent_name)
-        except Exception:
-            logger.debug("removing the directory entry failed", exc_info=True)
-        backend.close()
+            if self.observer is not None and hasattr(self.observer, "close"):
+                self.observer.close()
+            if backend is None:
+                return
+            try:
+                self.receiver.shutdown()
+            except Exception:
+                logger.debug("receiver shutdown failed", exc_info=True)
+            try:
+                # After this no put's registration can publish the agent's key again.
+                self.registry.unpublish(self.agent_name)
+            except Exception:
+                logger.debug("removing the directory entry failed", exc_info=True)
+            backend.close()
+        finally:
+            self.closed = True
+            self._shut.set()
 
 
 # ---------------------------------------------------------------------------------------
@@ -537,8 +590,15 @@ def configure(**options: Any) -> PoolConfig:
                 f"configure() was already called in this process with other values {changed} "
                 "(old, new); configure once per process")
         if _runtime is not None and new != _runtime.config:
-            old, _runtime = _runtime, None  # nothing was created yet: start afresh
-            old.shutdown()  # (a set_cuda_stream() stays set: see _cuda_stream)
+            # Nothing was created yet: start afresh (a set_cuda_stream() stays set, see
+            # _cuda_stream). An agent made meanwhile by another thread's first put wins.
+            if not _runtime.retire():
+                raise ConfigurationError(
+                    "configure() was called while nixl_pool was first used in another "
+                    f"thread (a pool of {_runtime.config.pool_bytes:,} bytes now exists); "
+                    "call it before the first ray.put or ray.get, e.g. at the top of the "
+                    "actor's __init__")
+            _runtime = None
         _config = new
         _configured = True
         return new
@@ -718,7 +778,9 @@ def read_source(src: SourceProcess, tensors: Sequence[tuple[int, tuple[int, ...]
                 selection: Sequence[Any] | None = None,
                 targets: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Copy tensors out of a same-node source process: see ``Receiver.read_source``."""
-    return runtime().receiver.read_source(src, tensors, selection, targets)
+    rt = runtime()
+    rt.admit()
+    return rt.receiver.read_source(src, tensors, selection, targets)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1150,6 +1212,9 @@ def _snapshots_through_the_object_store() -> None:
     _rays_fetch_rdt_object = current
     rdt_store.__ray_fetch_rdt_object__ = _fetch_rdt_object
 
+
+#: Longest a second shutdown() waits for the first one (another thread's) to finish.
+SHUTDOWN_WAIT_S = 30.0
 
 #: Longest a ``.remote()`` waits for the producer of a nixl_pool argument (see below).
 ORDER_WAIT_S = 10.0

@@ -198,7 +198,7 @@ class FakeBackend:
     def complete(self, h: int) -> None:
         """The READ finishes now: its bytes land (late, if it was given up on)."""
         x = self.xfers[h]
-        if x.state != "PROC":
+        if x.state != "PROC" or getattr(self, "closed", False):
             return
         if x.released:
             self.world.violations.append(f"READ {h} completed after its handle was released")
@@ -245,4 +245,5 @@ class FakeBackend:
         return [h for h, x in self.xfers.items() if not x.released]
 
     def close(self) -> None:
-        pass
+        # The agent is destroyed: its READs make no progress and write nothing any more.
+        self.closed = True

@@ -24,6 +24,7 @@ import torch
 from ray_rdt_pool import tensors as rdt_tensors
 from ray_rdt_pool.config import PoolConfig
 from ray_rdt_pool.errors import (
+    ConfigurationError,
     InvalidInputError,
     PoolExhaustedError,
     TransferError,
@@ -595,6 +596,126 @@ def test_objects_freed_after_shutdown_go_without_a_failed_deregistration(world, 
     st = s.stats()
     assert (st.live_objects, st.overflow_objects, st.overflow_capacity) == (0, 0, 0)
     assert not s.registry._stranded
+
+
+def test_a_read_running_through_shutdown_keeps_its_memory_until_the_agent_is_gone(world):
+    """shutdown() marked the runtime closed before it removed the GCS key and destroyed
+    the agent; in that window a waiter's poll took the "shut down" error for the READ's
+    end and gave its arena block back while NIXL could still write into it (a READ the
+    shutdown could not cut: a metadata load of its peer held the peer's lock). Now the
+    runtime counts as closed only once the agent is destroyed; new puts and fetches are
+    refused from the start, and a second shutdown() returns only after the first."""
+    world.mode = "PROC"
+    s, r = make(world), make(world)
+    f = r.fetch("o1", ship(s.put("o1", [torch.ones(1024)])), None)
+    (h,) = r._backend.in_flight()
+    peer = f.inner.transfer.peer
+    peer.load_lock.acquire()  # a concurrent fetch is loading this peer's metadata
+    gate, removing = threading.Event(), threading.Event()
+    remove = world.remove
+
+    def slow_remove(name):  # the GCS round trip of the shutdown
+        removing.set()
+        gate.wait(30)
+        remove(name)
+
+    world.remove = slow_remove
+    first = threading.Thread(target=r.shutdown)
+    first.start()
+    assert removing.wait(10)
+    out: dict[str, Any] = {}
+
+    def waiter():
+        try:
+            r.wait(f, -1)
+        except TransferError as e:
+            out["err"] = e
+
+    threads = [threading.Thread(target=waiter), threading.Thread(target=r.shutdown)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    # In the window: the READ is still running and its memory still reserved, the second
+    # shutdown() has not returned, and nothing new starts.
+    assert all(t.is_alive() for t in threads)
+    assert r.stats().arena_used == 4096 and r._backend.xfers[h].state == "PROC"
+    with pytest.raises(TransferError, match="shut down"):
+        r.put("late", [torch.ones(4)])
+    with pytest.raises(TransferError, match="shut down"):
+        r.fetch("o2", ship(s.put("o2", [torch.ones(4)])), None)
+    gate.set()
+    first.join(10)
+    for t in threads:
+        t.join(10)
+    peer.load_lock.release()
+    assert not first.is_alive() and not any(t.is_alive() for t in threads)
+    assert isinstance(out.get("err"), TransferError)
+    r._backend.complete(h)  # a destroyed agent writes nothing: the block may go back now
+    assert r.stats().arena_used == 0 and r.closed and world.violations == []
+    assert r.agent_name not in world.hosts and r.agent_name not in world.kv
+    with pytest.raises(TransferError, match="shut down"):
+        r.registry.publish(r.agent_name)  # a put still registering writes no key back
+
+
+def test_configure_during_the_first_put_in_another_thread(monkeypatch):
+    """configure() checked "not started" under its own lock while another thread's first
+    put was making the agent under the runtime's: it replaced (and shut down) the runtime
+    under that put, which then failed blaming a shutdown() nobody called, or succeeded
+    into the closed runtime (an object nothing would ever free). Now exactly one wins:
+    configure() raises ConfigurationError, and the put lands in the live runtime."""
+    from ray_rdt_pool import _nixl
+    from ray_rdt_pool import transport as tp
+
+    w = World()
+    making, go = threading.Event(), threading.Event()
+
+    def slow_factory(name, interval, **kw):  # making an agent takes a while (UCX)
+        making.set()
+        go.wait(10)
+        return w.factory(name, interval, **kw)
+
+    monkeypatch.setattr(_nixl, "NixlBackend", slow_factory)
+    monkeypatch.setattr(tp, "KVDirectory", lambda: w)
+    monkeypatch.setattr(tp, "_ray_node_id", lambda: None)
+    for name, value in (("_runtime", None), ("_config", None), ("_configured", False),
+                        ("_atexit_registered", True)):
+        monkeypatch.setattr(tp, name, value)
+    monkeypatch.setenv("RAY_RDT_POOL_METRICS", "0")
+    rt = tp.runtime()  # an early stats(), say: nothing started
+    res: dict[str, Any] = {}
+
+    def put():
+        try:
+            res["meta"] = tp.runtime().put("obj", [torch.arange(16.0)])
+        except Exception as e:
+            res["err"] = e
+
+    t = threading.Thread(target=put)
+    t.start()
+    assert making.wait(10)
+    threading.Timer(0.2, go.set).start()
+    try:
+        with pytest.raises(ConfigurationError, match="first used in another thread"):
+            tp.configure(pool_bytes=2 << 20)
+    finally:
+        go.set()
+        t.join(10)
+    assert "err" not in res and tp.runtime() is rt and not rt.closed
+    assert rt.stats().live_objects == 1
+    rt.free("obj")
+    assert rt.stats().live_objects == 0
+    rt.shutdown()
+    # configure() before anything started still replaces the runtime, and a put that
+    # reaches the retired one is told so.
+    monkeypatch.setattr(tp, "_runtime", None)
+    monkeypatch.setattr(tp, "_configured", False)
+    old = tp.runtime()
+    go.set()
+    tp.configure(pool_bytes=2 << 20)
+    assert tp.runtime() is not old and old.closed
+    with pytest.raises(ConfigurationError, match="configure\\(\\) replaced"):
+        old.put("x", [torch.ones(4)])
+    tp.runtime().shutdown()
 
 
 def test_fetch_selected_of_an_object_this_process_holds_checks_the_selection(

@@ -963,3 +963,77 @@ def test_leases_of_a_dropped_sender_handle_still_count_until_the_views_die(world
     settle(r)
     st = r.stats()
     assert (st.mapped_objects, st.mapped_bytes) == (0, 0)
+
+
+def test_a_self_drain_never_runs_inside_a_locked_change_of_the_arena(world):
+    """With no progress thread (a forked child, after shutdown()) a dying mapping's
+    deleter drains at once; the receiver's lock is re-entrant, so when GC ran that
+    deleter on a thread inside an arena allocation (under the lock, between planning and
+    carving the block) the drain freed a block in the middle of it: a KeyError out of the
+    landing, and the arena's free lists broken for every later landing. The deleter now
+    leaves the drain to a helper thread when its thread holds the lock."""
+    s, r = make(world), make(world)
+    rc = r.receiver
+    mapped = r.wait(r.fetch("m", ship(s.put("m", [torch.ones(1024)])), None), -1)
+    assert r.stats().mapped_objects == 1
+    src = shared.this_process("node-a")
+    x = torch.full((100_000,), 3.0)
+
+    def land(n=1024):
+        return rc.read_source(src, [(x.data_ptr(), (n,), "float32")])[0]
+
+    a1, a2, b = land(), land(), land()  # the arena: a1 [0,4K), a2 [4K,8K), b [8K,12K)
+    rc._self_drain = True  # as in a forked child: no progress thread drains
+    del a2
+    gc.collect()  # a hole at [4K,8K), given back at the next drain
+    holder, cycle = [b], [mapped]
+    cycle.append(cycle)  # the mapped views die only when GC collects this cycle
+    del b, mapped, cycle
+    alloc = rc.arenas["cpu"].alloc
+    plan = alloc._plan
+
+    def plan_then_collect(*args):
+        p = plan(*args)
+        holder.clear()  # b dies meanwhile (another thread lets go of it)
+        gc.collect()  # and GC runs the mapping's deleter on this thread, under the lock
+        return p
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    alloc._plan = plan_then_collect
+    try:
+        got = land()
+    finally:
+        alloc._plan = plan
+        if was_enabled:
+            gc.enable()
+    assert torch.equal(got, x[:1024])
+    kept = [land(100_000) for _ in range(3)]  # later landings are fine too
+    assert all(torch.equal(k, x) for k in kept)
+    del got, kept, a1
+    gc.collect()
+    deadline = time.monotonic() + 10  # the helper thread drains once the lock is free
+    while (r.stats().mapped_objects, r.stats().arena_used) != (0, 0):
+        assert time.monotonic() < deadline, r.stats()
+        time.sleep(0.01)
+
+
+def test_a_fetch_after_shutdown_keeps_no_handle_on_a_same_node_sender(world):
+    """A same-node fetch after shutdown() opened a handle on the sender's pool (its
+    descriptors and a row of its lease table) before it found the runtime shut down;
+    shutdown() had closed the handles already, so this one stayed open for good."""
+    s, r = make(world), make(world)
+    meta = ship(s.put("a", [torch.arange(1024.0)]))
+    got = r.wait(r.fetch("a", meta, None), -1)
+    del got
+    gc.collect()
+    r.receiver.reap()
+    r.shutdown()
+    fds = len(os.listdir("/proc/self/fd"))
+    meta2 = ship(s.put("b", [torch.arange(1024.0)]))
+    for _ in range(3):
+        with pytest.raises(Exception, match="shut down"):
+            r.fetch("b", meta2, None)
+        with pytest.raises(Exception, match="shut down"):  # past the runtime's own check
+            r.receiver._host(meta2.decoded().agent)
+    assert not r.receiver.hosts and len(os.listdir("/proc/self/fd")) == fds
