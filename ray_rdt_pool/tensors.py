@@ -387,34 +387,48 @@ def _reach(t: Any, n: int) -> int:
 def _refuse_no_memory(tensors: Sequence[Any], ptrs: Sequence[int],
                       nbytes: Sequence[int]) -> None:
     """Raise InvalidInputError for the first tensor with bytes to send but no memory
-    behind them: a ZeroTensor (address 0), a storage resized to 0 bytes (the address is
-    then the view's offset, of any size), or a storage shrunk under a view that reaches
-    past it. The pack would copy from memory that is not the tensor's and send wrong
-    bytes or kill the process (torch's own ``clone`` does)."""
+    behind them (see :func:`memory_problem`). The pack would copy from memory that is
+    not the tensor's and send wrong bytes or kill the process (torch's own ``clone``
+    does)."""
     for i, (p, n) in enumerate(zip(ptrs, nbytes)):
         if not n:
             continue
         t = tensors[i]
-        if t._is_zerotensor():
-            raise InvalidInputError(
-                f"tensor {i} ({tuple(t.shape)} {t.dtype}) is a ZeroTensor "
-                "(torch._efficientzerotensor, which some autograd formulas return for an "
-                f"all-zero result): its {n:,} bytes have no memory behind them. Send "
-                "t.clone() instead (real zeros of the same shape)")
-        storage, base = storage_base(t, i)
-        if base and base <= p and p + _reach(t, n) <= base + storage.nbytes():
-            continue
-        if base == 0:
-            raise InvalidInputError(
-                f"tensor {i} ({tuple(t.shape)} {t.dtype}) has {n:,} bytes but its storage "
-                f"holds {storage.nbytes():,} (resized to 0, as FSDP does to free a "
-                "parameter's memory); send it while its storage is allocated, or a copy "
-                "made then")
-        raise InvalidInputError(
-            f"tensor {i} ({tuple(t.shape)} {t.dtype}) reaches byte "
-            f"{p - base + _reach(t, n):,} of its storage, which holds only "
-            f"{storage.nbytes():,} (the storage was resized under the view); send it "
-            "while its storage holds the view, or a copy made then")
+        why = memory_problem(t, n, p)
+        if why is not None:
+            raise InvalidInputError(f"tensor {i} ({tuple(t.shape)} {t.dtype}) {why}")
+
+
+def memory_problem(t: Any, n: int | None = None, p: int | None = None) -> str | None:
+    """Why the bytes of dense tensor ``t`` (``n`` of them from address ``p``; by default
+    its own) have no memory behind them, or None when they have: a ZeroTensor (address
+    0), a storage with no memory of its own (a DTensor), a storage resized to 0 bytes
+    (the address is then the view's offset, of any size), or a storage shrunk under a
+    view that reaches past it. Reading or writing such a tensor touches memory that is
+    not its own."""
+    n = t.nbytes if n is None else n
+    if not n:
+        return None
+    if t._is_zerotensor():
+        return ("is a ZeroTensor (torch._efficientzerotensor, which some autograd formulas "
+                f"return for an all-zero result): its {n:,} bytes have no memory behind "
+                "them. Use t.clone() instead (real zeros of the same shape)")
+    try:
+        storage, base = storage_base(t, 0)
+    except InvalidInputError as e:
+        return f"is a {type(t).__name__} with no memory of its own ({e.__cause__}); use " \
+               "plain tensors: for a DTensor its local shard (t.to_local()) or the whole " \
+               "tensor (t.full_tensor())"
+    p = t.data_ptr() if p is None else p
+    if base and base <= p and p + _reach(t, n) <= base + storage.nbytes():
+        return None
+    if base == 0:
+        return (f"has {n:,} bytes but its storage holds {storage.nbytes():,} (resized to 0, "
+                "as FSDP does to free a parameter's memory); use it while its storage is "
+                "allocated, or a copy made then")
+    return (f"reaches byte {p - base + _reach(t, n):,} of its storage, which holds only "
+            f"{storage.nbytes():,} (the storage was resized under the view); use it while "
+            "its storage holds the view, or a copy made then")
 
 
 def _check_device(tensors: Sequence[Any], i: int, allow_cuda: bool) -> None:

@@ -448,8 +448,9 @@ class Manifest:
             self.refs[k] = None
 
 
-def named_tensors(state: StateLike) -> list[tuple[str, torch.Tensor]]:
-    """The ``(name, tensor)`` pairs of a state, in order.
+def named_tensors(state: StateLike, what: str = "weight") -> list[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` pairs of a state, in order, each checked with
+    :func:`_check_weight` (``what`` names the tensors in its errors).
 
     For an ``nn.Module`` these are ``state_dict(keep_vars=True)``: parameters and
     persistent buffers, under every name a tied tensor has, as the module's own
@@ -468,7 +469,34 @@ def named_tensors(state: StateLike) -> list[tuple[str, torch.Tensor]]:
             raise InvalidInputError(
                 f"weight state entry {name!r} is {type(t).__name__}; every entry must map a "
                 "str name to a torch.Tensor")
+        _check_weight(name, t, what)
     return items
+
+
+def _check_weight(name: str, t: torch.Tensor, what: str) -> None:
+    """InvalidInputError unless ``t`` is a dense CPU or CUDA tensor whose bytes have
+    memory behind them (not on the meta device, a ZeroTensor, a DTensor, or a storage
+    resized or shrunk under it), and, as a destination, one whose elements each have
+    bytes of their own. Anything else is read or written out of bounds, or not at all."""
+    from ray_rdt_pool.tensors import memory_problem
+
+    desc = f"{what} {name!r} ({tuple(t.shape)} {t.dtype})"
+    if t.is_nested or t.layout is not torch.strided:
+        raise InvalidInputError(f"{desc} has layout {t.layout}; only dense (strided) "
+                                "tensors are synced: convert with t.to_dense()")
+    if t.device.type not in ("cpu", "cuda"):
+        raise InvalidInputError(
+            f"{desc} is on the {t.device.type} device, which holds no bytes to "
+            f"{'write' if what != 'weight' else 'send'}; materialize it on cpu or cuda "
+            "first (for a module built on meta: module.to_empty(device=...))")
+    why = memory_problem(t)
+    if why is not None:
+        raise InvalidInputError(f"{desc} {why}")
+    if what != "weight" and t.numel() > 1 and torch._debug_has_internal_overlap(t) == 1:
+        raise InvalidInputError(
+            f"{desc} has elements that share memory (strides {t.stride()}, an expanded "
+            "view): a load would write several weights into one place. Load into a "
+            "tensor with memory of its own (t.contiguous()) and expand that")
 
 
 def _identity_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -476,6 +504,19 @@ def _identity_key(t: torch.Tensor) -> tuple[Any, ...]:
     # shares c's memory but is another tensor.
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
             tuple(t.stride()), t.dtype, t.device, t.is_conj(), t.is_neg())
+
+
+def _copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``d.copy_(src)`` for each pair as a load does it: outside autograd, and for a
+    destination made under ``torch.inference_mode()`` (an engine's weights, often)
+    inside that mode, the only one that lets it be written in place."""
+    with torch.no_grad():
+        for d, src in pairs:
+            if d.is_inference():
+                with torch.inference_mode():
+                    d.copy_(src)
+            else:
+                d.copy_(src)
 
 
 def _check_wire_dtype(wire_dtype: WireDtype) -> None:
@@ -719,9 +760,14 @@ def _iter_buckets(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
     end = 0
     k = 0
     for name, t in pairs:
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise InvalidInputError(
+                f"a lazy source yielded ({type(name).__name__}, {type(t).__name__}); it must "
+                "yield (str name, torch.Tensor) pairs")
         if name in names:
             raise DuplicateNameError(name, k)
         names.add(name)
+        _check_weight(name, t, "weight")
         key = _identity_key(t)
         if t.numel() > 0 and key in keys:
             aliases.append((name, keys[key]))
@@ -1744,9 +1790,52 @@ class _Check:
 
 
 _Target = torch.Tensor | _ToLoader | _Check | None
-#: Destination memory claimed so far: identity key -> (canonical manifest name, its
-#: bucket, the manifest name written there, the destination name).
-_Claims = dict[tuple[Any, ...], tuple[str, int, str, str]]
+class _Claims(dict[tuple[Any, ...], tuple[str, int, str, str]]):
+    """Destination memory claimed so far: identity key -> (canonical manifest name, its
+    bucket, the manifest name written there, the destination name). ``spans`` holds the
+    byte ranges of the contiguous claimed tensors, (device, start, end, destination
+    name), sorted and disjoint, so a destination that shares bytes with another without
+    being the same tensor (a slice of it, a dtype view, a conjugate) is found."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans: list[tuple[str, int, int, str]] = []
+
+    def copy(self) -> _Claims:
+        c = _Claims()
+        c.update(self)
+        c.spans = list(self.spans)
+        return c
+
+    def overlap(self, d: torch.Tensor, dn: str) -> str | None:
+        """The claimed destination ``d`` (named ``dn``, not claimed yet) shares bytes
+        with, or None; records ``d`` when it is contiguous and shares none. A strided
+        ``d`` is caught when its first or last byte lies in a contiguous claimed tensor
+        (a transpose of one, say); two strided tensors that interleave are not checked."""
+        import bisect
+
+        dev, start = str(d.device), d.data_ptr()
+        if d.is_contiguous():
+            end = start + d.nbytes
+        else:
+            last = sum((k - 1) * st for k, st in zip(d.shape, d.stride()))
+            end = start + (last + 1) * d.element_size()
+        # The last span starting at or before ``start``, and the one after it.
+        i = bisect.bisect_right(self.spans, (dev, start, math.inf, ""))
+        before = self.spans[i - 1] if i > 0 and self.spans[i - 1][0] == dev else None
+        if before is not None and before[1] <= start < before[2]:
+            return before[3]
+        if d.is_contiguous():
+            after = self.spans[i] if i < len(self.spans) and self.spans[i][0] == dev else None
+            if after is not None and after[1] < end:
+                return after[3]
+            self.spans.insert(i, (dev, start, end, dn))
+            return None
+        j = bisect.bisect_right(self.spans, (dev, end - 1, math.inf, ""))
+        at_end = self.spans[j - 1] if j > 0 and self.spans[j - 1][0] == dev else None
+        if at_end is not None and at_end[1] <= end - 1 < at_end[2]:
+            return at_end[3]
+        return None
 
 
 @dataclass
@@ -1767,7 +1856,7 @@ class _Stream:
     reserved: bool = True
     draining: bool = False
     #: lazy: destination memory written so far, across buckets (see :class:`_Check`)
-    mem: _Claims = field(default_factory=dict)
+    mem: _Claims = field(default_factory=_Claims)
     #: the sender process this receiver accepted source-read buckets from, if any
     source: SourceProcess | None = None
 
@@ -1835,7 +1924,7 @@ class WeightReceiver:
             raise InvalidInputError(f"load_weights must be callable, got "
                                     f"{type(load_weights).__name__}")
         if dest is not None:
-            named_tensors(dest)  # validate early
+            named_tensors(dest, "destination tensor")  # validate early
         can_cast(torch.float32, torch.float32, casting)
         _mapper(name_map)
         self.dest = dest
@@ -1917,7 +2006,8 @@ class WeightReceiver:
     # -- validation --
 
     def _dests(self) -> dict[str, torch.Tensor]:
-        return dict(named_tensors(self.dest)) if self.dest is not None else {}
+        return dict(named_tensors(self.dest, "destination tensor")) \
+            if self.dest is not None else {}
 
     def _resolve(self, sources: Sequence[tuple[str, TensorEntry]],
                  dests: Mapping[str, torch.Tensor], claimed: dict[str, str],
@@ -1932,7 +2022,7 @@ class WeightReceiver:
         ``duplicate`` problem, since only the last one written would stay; in a ``lazy``
         stream, where a tie across buckets is sent twice, a later bucket's tensor is
         compared with what the earlier one wrote instead (:class:`_Check`)."""
-        mem = {} if mem is None else mem
+        mem = _Claims() if mem is None else mem
         mapname = _mapper(self.name_map)
         resolved: dict[str, _Target] = {}
         selections: dict[str, Selection | None] = {}
@@ -1992,6 +2082,14 @@ class WeightReceiver:
         key = _identity_key(d)
         prior = mem.get(key)
         if prior is None:
+            other = mem.overlap(d, dn)
+            if other is not None:
+                problems.append(("duplicate", name, (
+                    f"destination {dn!r} (for {name!r}) shares memory with destination "
+                    f"{other!r} without being the same tensor (a slice, a view of another "
+                    "dtype or layout of it): one would overwrite the other's bytes. Give "
+                    "each weight memory of its own, or map one of them to None")))
+                return None
             mem[key] = (e.name, e.bucket, name, dn)
             return d
         canon, bucket, pname, pdn = prior
@@ -2063,7 +2161,7 @@ class WeightReceiver:
         sources += [(a, by_name[c]) for a, c in layout.aliases if c in by_name]
         problems: list[tuple[str, str, str]] = []
         claimed: dict[str, str] = {}
-        mem: _Claims = {}
+        mem = _Claims()
         resolved, skipped, selections = self._resolve(sources, dests, claimed, problems, mem)
         self._missing(dests, claimed, problems, mem)
         self._raise(problems)
@@ -2174,9 +2272,7 @@ class WeightReceiver:
                    for g, t in zip(got, plan.targets)):
                 # Ray ignored the targets (e.g. one was collected): copy instead.
                 direct = False
-                with torch.no_grad():
-                    for g, t in zip(got, plan.targets):
-                        t.copy_(g)
+                _copy_all(zip(plan.targets, got))
             src = plan.targets
         else:
             got = ray.get(ref)
@@ -2190,9 +2286,7 @@ class WeightReceiver:
                     "the sender, map one of them to None, or untie the destination",
                     [("duplicate", what, "different bytes into one destination tensor")])
         if plan.copies:
-            with torch.no_grad():
-                for idx, d in plan.copies:
-                    d.copy_(src[idx])
+            _copy_all((d, src[idx]) for idx, d in plan.copies)
         if plan.loads:
             assert self.load_weights is not None
             batch = [(name, src[idx]) for idx, name in plan.loads]
@@ -2432,7 +2526,7 @@ class WeightReceiver:
         sources = [(e.name, e) for e in spec.entries]
         sources += [(a, by_name[c]) for a, c in spec.aliases if c in by_name]
         problems: list[tuple[str, str, str]] = []
-        claimed, mem = dict(st.claimed), dict(st.mem)
+        claimed, mem = dict(st.claimed), st.mem.copy()
         resolved, skipped, selections = self._resolve(sources, self._dests(), claimed,
                                                       problems, mem, lazy=True)
         self._raise(problems, f"bucket {k} was not written; bucket(s) {_ranges(range(k))} "

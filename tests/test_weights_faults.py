@@ -948,3 +948,123 @@ def test_late_buckets_go_once_ray_is_shut_down(runtime: Any,
     while W._LATE.held() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert W._LATE.held() == 0 and rt.stats().live_objects == 0
+
+
+# ---------------------------------------------------------------------------------------
+# Fourth review: destinations and weights with no memory, overlapping destinations
+# ---------------------------------------------------------------------------------------
+
+
+def _resized(n: int) -> torch.Tensor:
+    t = torch.zeros(32, 32)
+    t.untyped_storage().resize_(n)
+    return t
+
+
+_NO_MEMORY_DESTS = {
+    "resized to 0 (FSDP)": (lambda: _resized(0), "its storage holds 0 .resized to 0"),
+    "shrunk under it": (lambda: _resized(256), "which holds only 256"),
+    "meta device": (lambda: torch.zeros(32, 32, device="meta"), "on the meta device"),
+    "expanded (stride 0)": (lambda: torch.zeros(32).expand(32, 32), "share memory"),
+    "sparse": (lambda: torch.zeros(32, 32).to_sparse(), "layout torch.sparse_coo"),
+}
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "arena"])
+@pytest.mark.parametrize("kind", list(_NO_MEMORY_DESTS))
+def test_a_destination_without_memory_of_its_own_is_refused_before_anything_is_written(
+        runtime: Any, kind: str, direct: bool) -> None:
+    """A destination whose storage was resized to 0 or shrunk crashed the receiver
+    (SIGSEGV, heap corruption: the copy wrote past the storage) or failed after the
+    earlier buckets were written; one on the meta device committed a version with no
+    byte stored; an expanded one failed half-way with torch's untyped RuntimeError."""
+    rt = runtime()
+    make, match = _NO_MEMORY_DESTS[kind]
+    with pytest.raises(InvalidInputError, match=f"destination tensor 'w1' .*{match}"):
+        WeightReceiver({"w1": make()})
+    dest = {"w0": torch.zeros(32, 32), "w1": torch.zeros(32, 32)}
+    r, h = receiver_node(dest, direct=direct)
+    dest["w1"] = make()  # after the receiver was made (FSDP frees a parameter so)
+    with pytest.raises(InvalidInputError, match=f"destination tensor 'w1' .*{match}"):
+        WeightSender(filled(7, 2), bucket_bytes=4096, source_reads=False).stream([h])
+    assert float(dest["w0"][0, 0]) == 0.0 and r.weight_receiver.version == 0
+    st = rt.stats()
+    assert (st.live_objects, st.pool_used, st.arena_used) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["mapping", "lazy"])
+@pytest.mark.parametrize("kind", ["resized to 0 (FSDP)", "shrunk under it", "meta device",
+                                  "zero tensor"])
+def test_a_weight_without_memory_is_refused_before_anything_is_sent(
+        runtime: Any, kind: str, lazy: bool) -> None:
+    """A ZeroTensor weight raised torch's untyped RuntimeError from the layout; a shrunk
+    weight read in place by a same-node receiver sent the bytes past its storage."""
+    rt = runtime()
+    bad = (torch._efficientzerotensor(32, 32) if kind == "zero tensor"
+           else _NO_MEMORY_DESTS[kind][0]())
+    state = {"w0": torch.ones(32, 32), "w1": bad}
+    r, h = receiver_node(filled(0, 2), direct=False)
+    src: Any = (lambda: iter(state.items())) if lazy else state
+    with pytest.raises(InvalidInputError, match="weight 'w1'"):
+        WeightSender(src, bucket_bytes=4096, source_reads=False).stream([h])
+    assert r.weight_receiver.version == 0
+    st = rt.stats()
+    assert (st.live_objects, st.pool_used) == (0, 0)
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["mapping", "lazy"])
+@pytest.mark.parametrize("kind", ["slice", "dtype view", "conjugate", "transpose"])
+def test_destinations_that_share_memory_without_being_one_tensor_are_refused(
+        runtime: Any, kind: str, lazy: bool) -> None:
+    """A destination that is a slice, a dtype view, a conjugate or a transpose of another
+    was not seen as a tie: both were written, the later won, and the version committed
+    with wrong bytes and no error."""
+    runtime()
+    base = torch.zeros(8, 8, dtype=torch.complex64 if kind == "conjugate" else torch.float32)
+    other = {"slice": lambda: base[2:6], "dtype view": lambda: base.view(torch.int32),
+             "conjugate": lambda: base.conj(), "transpose": lambda: base.t()}[kind]()
+    dest = {"big": base, "part": other}
+    state = {"big": torch.ones_like(base), "part": torch.full_like(other, 2)}
+    r, h = receiver_node(dest, direct=False)
+    src: Any = (lambda: iter(state.items())) if lazy else state
+    with pytest.raises(DuplicateTargetError, match=r"'part' .* shares memory with "
+                                                   "destination 'big'"):
+        WeightSender(src, bucket_bytes=256, source_reads=False).stream([h])
+    assert r.weight_receiver.version == 0
+    if not lazy:  # a lazy stream refuses at the bucket of 'part': 'big' is loaded
+        assert not base.abs().any()
+
+
+def test_disjoint_slices_of_one_buffer_and_ties_still_load(runtime: Any) -> None:
+    """What the overlap check must let through: weights that are disjoint parts of one
+    flat buffer (row slices, column slices of a fused matrix), and tied weights."""
+    runtime()
+    flat = torch.zeros(4, 16)
+    fused = torch.zeros(8, 8)
+    dest = {"a": flat[:2], "b": flat[2:], "q": fused[:, :4], "k": fused[:, 4:],
+            "emb": fused, "head": fused}
+    dest.pop("emb"), dest.pop("head")
+    tied = torch.zeros(4, 4)
+    dest.update({"emb": tied, "head": tied})
+    state = {k: torch.full_like(v, float(i + 1)) for i, (k, v) in enumerate(dest.items())}
+    state["head"] = state["emb"]
+    r, h = receiver_node(dest, direct=False)
+    WeightSender(state, bucket_bytes=256, source_reads=False).stream([h])
+    assert r.weight_receiver.version == 1
+    for k, v in dest.items():
+        assert torch.equal(v, state[k]), k
+
+
+def test_destinations_made_in_inference_mode_load_through_the_arena(runtime: Any) -> None:
+    """An engine's weights made under torch.inference_mode() land directly, but a bucket
+    copied through the arena (a cast, a strided destination) failed with torch's "Inplace
+    update to inference tensor outside InferenceMode" after earlier buckets were written."""
+    runtime()
+    with torch.inference_mode():
+        w0, w1 = torch.zeros(32, 32, dtype=torch.float64), torch.zeros(32, 32)
+    dest = {"w0": w0, "w1": w1.t()}
+    r, h = receiver_node(dest, direct=True)
+    WeightSender(filled(7, 2), bucket_bytes=4096, source_reads=False).stream([h])
+    assert r.weight_receiver.version == 1
+    assert torch.equal(w0, torch.full((32, 32), 7.0, dtype=torch.float64))
+    assert torch.equal(w1, torch.full((32, 32), 7.0))
