@@ -1661,6 +1661,7 @@ def _check_targets(targets: Sequence[torch.Tensor], meta: WireMeta,
     if d is not None and all(d.plain):
         want = list(meta.shapes_dtypes())
         if d.shapes == [s for s, _ in want] and d.dtypes == [dt for _, dt in want]:
+            _refuse_overlapping(d.ptrs, d.nbytes)
             return
     for i, (t, (shape, dt)) in enumerate(zip(targets, meta.shapes_dtypes())):
         if not isinstance(t, torch.Tensor):
@@ -1685,3 +1686,29 @@ def _check_targets(targets: Sequence[torch.Tensor], meta: WireMeta,
         # A buffer describe() refuses for another reason (one with no memory behind its
         # bytes: a READ into it would write near address 0).
         raise InvalidInputError(f"target buffers: {found}") from found
+    _refuse_overlapping([t.data_ptr() for t in targets], [t.nbytes for t in targets])
+
+
+def _refuse_overlapping(ptrs: Sequence[int], nbytes: Sequence[int]) -> None:
+    """InvalidInputError if two (contiguous) target buffers share bytes: the READs or
+    copies into them would overwrite each other, in no fixed order."""
+    import itertools
+
+    end = 0
+    for p, n in zip(ptrs, nbytes):  # the common case: in address order, one pass
+        if n:
+            if p < end:
+                break
+            end = p + n
+    else:
+        return
+    # Targets are on one device type, and CUDA's unified addressing keeps the addresses
+    # of every device and the host apart: addresses alone tell.
+    spans = sorted((p, p + n, i) for i, (p, n) in enumerate(zip(ptrs, nbytes)) if n)
+    for (_s0, e0, i0), (s1, _e1, i1) in itertools.pairwise(spans):
+        if s1 < e0:
+            a, b = sorted((i0, i1))
+            raise InvalidInputError(
+                f"target buffers {a} and {b} share memory: the bytes of one would overwrite "
+                "the other's. Pass buffers that do not overlap (separate tensors, or "
+                "disjoint slices of one)")

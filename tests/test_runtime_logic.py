@@ -278,6 +278,32 @@ def test_a_lazy_conjugate_target_is_refused(world):
     assert r.stats().transfers_in_flight == 0
 
 
+@pytest.mark.parametrize("order", ["in order", "reversed", "many, last overlaps first"])
+def test_overlapping_target_buffers_are_refused_and_disjoint_slices_are_not(world, order):
+    """Target buffers that share bytes were accepted: tensor 1's bytes overwrote part of
+    tensor 0 (on the copy path the last written won; NIXL writes them in no fixed
+    order), and the fetch returned normally."""
+    s, r = make(world), make(world)
+    n = 40 if order.startswith("many") else 2
+    src = [torch.full((4,), float(i)) for i in range(n)]
+    meta = ship(s.put("o", src))
+    buf = torch.empty(4 * n + 2)
+    bad = [buf[4 * i:4 * i + 4] for i in range(n)]
+    if order == "reversed":
+        bad = [buf[2:6], buf[0:4]]
+    elif order.startswith("many"):
+        bad[-1] = buf[2:6]
+    else:
+        bad[1] = buf[2:6]
+    with pytest.raises(InvalidInputError, match="target buffers .* share memory"):
+        r.fetch("o", meta, bad)
+    st = r.stats()
+    assert (st.transfers_in_flight, st.arena_used) == (0, 0)
+    good = [buf[4 * i:4 * i + 4] for i in range(n)][::-1]  # disjoint, out of address order
+    out = r.wait(r.fetch("o", meta, good), -1)
+    assert all(torch.equal(o, t) for o, t in zip(out, src))
+
+
 def test_reaps_racing_for_the_last_dropped_read_raise_nothing(world):
     """reap() runs on the progress thread and at every fetch: two of them both saw one
     dropped READ left, and the second one's pop raised IndexError out of fetch()."""
