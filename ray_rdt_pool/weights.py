@@ -2029,7 +2029,16 @@ class WeightReceiver:
         bad_select: set[str] = set()
         skipped = 0
         for name, e in sources:
-            dn = mapname(name)
+            try:
+                dn = mapname(name)
+                if dn is not None and not isinstance(dn, str):
+                    raise TypeError(f"returned a {type(dn).__name__}")
+            except Exception as err:
+                resolved[name] = None
+                problems.append(("unexpected", name, (
+                    f"name_map({name!r}) failed ({type(err).__name__}: {err}); make it "
+                    "return a destination name (a str), or None to skip the tensor")))
+                continue
             if dn is None:
                 resolved[name] = None
                 skipped += 1

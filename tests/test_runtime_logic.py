@@ -295,7 +295,7 @@ def test_overlapping_target_buffers_are_refused_and_disjoint_slices_are_not(worl
         bad[-1] = buf[2:6]
     else:
         bad[1] = buf[2:6]
-    with pytest.raises(InvalidInputError, match="target buffers .* share memory"):
+    with pytest.raises(InvalidInputError, match=r"target buffers .* share memory"):
         r.fetch("o", meta, bad)
     st = r.stats()
     assert (st.transfers_in_flight, st.arena_used) == (0, 0)

@@ -29,6 +29,7 @@ from ray_rdt_pool.weights import (
     Manifest,
     MissingWeightsError,
     StaleVersionError,
+    UnexpectedWeightsError,
     WeightLayout,
     WeightReceiver,
     WeightSender,
@@ -1068,3 +1069,23 @@ def test_destinations_made_in_inference_mode_load_through_the_arena(runtime: Any
     assert r.weight_receiver.version == 1
     assert torch.equal(w0, torch.full((32, 32), 7.0, dtype=torch.float64))
     assert torch.equal(w1, torch.full((32, 32), 7.0))
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["mapping", "lazy"])
+def test_a_name_map_that_raises_or_returns_a_non_name_is_a_mismatch(runtime: Any,
+                                                                     lazy: bool) -> None:
+    """A name_map callable's KeyError reached the caller raw, in a lazy stream after the
+    earlier buckets were written; one returning an int was taken for a missing name."""
+    runtime()
+    state = filled(3, 3)
+    for bad, text in (({"w0": "w0", "w1": "w1"}.__getitem__, "KeyError"),
+                      (lambda n: 5 if n == "w2" else n, "returned a int")):
+        dest = filled(0, 3)
+        r, h = receiver_node(dest, direct=False, name_map=bad)
+        src: Any = (lambda: iter(state.items())) if lazy else state
+        with pytest.raises((MissingWeightsError, UnexpectedWeightsError),
+                           match=f"name_map\\(.w2.\\) failed .*{text}"):
+            WeightSender(src, bucket_bytes=4096, source_reads=False).stream([h])
+        assert r.weight_receiver.version == 0
+        if not lazy:
+            assert values(dest) == [0.0] * 3
