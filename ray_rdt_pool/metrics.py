@@ -312,6 +312,11 @@ class Observer:
         m.fetch_seconds.observe(seconds, self._tags)
         self._schedule()
 
+    def on_change(self, rt: Runtime) -> None:
+        """State changed with no put, free or fetch (a peer removed by housekeeping)."""
+        if self._ready():
+            self._schedule()
+
     def on_error(self, rt: Runtime, kind: str) -> None:
         """One READ failed: ``kind`` is ``"err"``, ``"timeout"`` or ``"aborted"``."""
         if not self._ready():

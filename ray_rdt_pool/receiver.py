@@ -529,6 +529,7 @@ class Receiver:
                 self._removal_refused(peer, victims, cut, e)
                 return
             self.events.add("peers_removed")
+            self.events.notify("change")  # housekeeping's removals come with no event
             if cut and victims:
                 self.events.add("transfers_cut", len(victims))
                 logger.warning(
@@ -838,6 +839,10 @@ class Receiver:
         ev.add("objects_received")
         ev.add("mapped_gets")
         ev.add("bytes_received", meta.total if f.selected is None else f.selected.nbytes)
+        if self.config.debug_transfers:
+            logger.debug("fetched %s: %d tensors, %d bytes, mapped from the same-node "
+                         "sender's pool (%s)", f.obj_id, meta.num_tensors, meta.total,
+                         self.config.same_node)
         ev.notify("fetch", meta.total, time.perf_counter() - f.t_start)
         return True
 
@@ -1068,6 +1073,8 @@ class Receiver:
         from ray_rdt_pool.tensors import copy_moves
         from ray_rdt_pool.wire import DTYPES
 
+        t_start = time.perf_counter()
+
         sizes = []
         for _addr, shape, dt in tensors:
             if dt not in DTYPES:
@@ -1122,6 +1129,10 @@ class Receiver:
             raise
         self.events.add("source_reads")
         self.events.add("bytes_received", nbytes)
+        if self.config.debug_transfers:
+            logger.debug("read %d tensors, %d bytes in place from pid %d", len(tensors),
+                         nbytes, src.pid)
+        self.events.notify("fetch", nbytes, time.perf_counter() - t_start)
         if targets is not None:
             return list(targets)
         assert landing is not None and sel is not None

@@ -5,6 +5,7 @@ is what the exporter last set on each gauge, against ``stats()``."""
 from __future__ import annotations
 
 import gc
+import math
 import pickle
 import time
 from collections.abc import Callable
@@ -40,7 +41,11 @@ def _runtime(world: World, node: str | None = None) -> Runtime:
 
 
 def _gauge(rt: Runtime, name: str) -> float:
-    return rt.observer._last_gauges[_NAMES.index(name)]  # type: ignore[union-attr]
+    """The value last exported, NaN before the exporter's first flush set it (so every
+    comparison an :func:`_eventually` waits on is false until then)."""
+    gauges = rt.observer._last_gauges  # type: ignore[union-attr]
+    value = gauges[_NAMES.index(name)] if gauges else None
+    return math.nan if value is None else value
 
 
 def _eventually(check: Callable[[], bool], timeout: float = 10.0) -> bool:
@@ -93,6 +98,59 @@ def test_lease_and_mapping_gauges_drop_without_an_event(ray_up: dict[str, bool])
         assert (s.stats().leased_bytes, r.stats().mapped_bytes) == (0, 0)
         assert _eventually(lambda: _gauge(s, "sender_leased_bytes") == 0
                            and _gauge(r, "mapped_bytes") == 0)
+    finally:
+        s.shutdown()
+        r.shutdown()
+
+
+def test_source_reads_are_exported(ray_up: dict[str, bool]) -> None:
+    """A weights stream read in place on one node fired no observer event: a receiver
+    whose streams all went so never exported its source reads, received bytes or arena
+    use."""
+    from ray_rdt_pool.shared import this_process
+
+    rt = _runtime(World(), node="n1")
+    try:
+        a = torch.randn(300, 40)
+        spec = [(a.data_ptr(), tuple(a.shape), "float32")]
+        dst = torch.empty_like(a)
+        for _ in range(3):
+            rt.receiver.read_source(this_process("n1"), spec, targets=[dst])
+        assert torch.equal(dst, a)
+        counters = rt.observer._last_counters  # type: ignore[union-attr]
+        assert _eventually(lambda: counters.get("source_reads") == 3)
+        assert counters.get("bytes_received") == 3 * a.nbytes
+        out = rt.receiver.read_source(this_process("n1"), spec)  # into the arena
+        assert _eventually(lambda: _gauge(rt, "arena_used_bytes") == rt.stats().arena_used > 0)
+        del out
+    finally:
+        rt.shutdown()
+
+
+def test_a_peer_removed_by_housekeeping_is_exported(ray_up: dict[str, bool],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The progress thread's removal of an idle peer is no event, and nothing is live by
+    then, so the exporter had stopped polling: the remote_agents gauge stayed at 1 and
+    remote_agents_removed at 0 for good."""
+    from ray_rdt_pool import receiver as receiver_mod
+
+    monkeypatch.setattr(receiver_mod, "PEER_IDLE_S", 0.3)  # for the 120 s
+    monkeypatch.setattr(receiver_mod, "_HOUSEKEEPING_S", 0.05)
+    w = World()
+    s, r = _runtime(w), _runtime(w)
+    try:
+        m = pickle.loads(pickle.dumps(s.put("a", [torch.ones(1000)])))
+        out = r.wait(r.fetch("a", m, None), -1)
+        del out
+        gc.collect()
+        s.free("a")
+        assert _eventually(lambda: _gauge(r, "remote_agents") == 1)
+        time.sleep(1.0)  # idle for longer than PEER_IDLE_S, the exporter quiet by now
+        r.receiver.reap()  # what the progress thread does
+        assert _eventually(lambda: r.stats().remote_agents == 0)
+        counters = r.observer._last_counters  # type: ignore[union-attr]
+        assert _eventually(lambda: _gauge(r, "remote_agents") == 0)
+        assert counters.get("remote_agents_removed") == 1
     finally:
         s.shutdown()
         r.shutdown()

@@ -1037,3 +1037,25 @@ def test_a_fetch_after_shutdown_keeps_no_handle_on_a_same_node_sender(world):
         with pytest.raises(Exception, match="shut down"):  # past the runtime's own check
             r.receiver._host(meta2.decoded().agent)
     assert not r.receiver.hosts and len(os.listdir("/proc/self/fd")) == fds
+
+
+@pytest.mark.parametrize("mode", ["map", "copy"])
+def test_debug_logging_names_every_same_node_get_and_source_read(world, caplog, mode):
+    """RAY_RDT_POOL_DEBUG promises a line for every put and every fetch; gets mapped from
+    a same-node sender's pool (the default path on one node) and source reads logged
+    none."""
+    import logging
+
+    s, r = make(world, debug_transfers=True), make(world, debug_transfers=True,
+                                                   same_node=mode)
+    x = torch.arange(1024.0)
+    with caplog.at_level(logging.DEBUG, logger="ray_rdt_pool"):
+        got = r.wait(r.fetch("a", ship(s.put("a", [x])), None), -1)
+        r.receiver.read_source(shared.this_process("node-a"),
+                               [(x.data_ptr(), (1024,), "float32")], targets=[torch.empty(1024)])
+    lines = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.DEBUG]
+    assert any(ln.startswith("put a:") for ln in lines)
+    assert any(ln.startswith("fetched a:") and f"same-node sender's pool ({mode})" in ln
+               for ln in lines), lines
+    assert any(ln.startswith("read 1 tensors, 4096 bytes in place") for ln in lines), lines
+    assert torch.equal(got[0], x)
