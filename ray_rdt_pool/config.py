@@ -40,6 +40,10 @@ MAX_AUTO_READ_LANES = 2
 MAX_READ_LANES = 16
 
 
+#: The default of ``PoolConfig.progress_idle_interval_s``.
+_IDLE_DEFAULT_S = 0.02
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     """Settings of one process's transport. Immutable once the pool exists.
@@ -62,7 +66,9 @@ class PoolConfig:
             that first reads from a sender idle for over a second connects about 50 ms
             slower (90 ms instead of 40 on a 2-core VM), and the thread of an idle actor
             costs a third as much (0.009 against 0.027 core there). Equal to
-            ``progress_interval_s``: always the fast interval.
+            ``progress_interval_s``: always the fast interval. Never shorter than
+            ``progress_interval_s``; the default (0.02 s) becomes
+            ``progress_interval_s`` when that is longer.
         fetch_timeout_s: Upper bound for one READ on the receiver; Ray's own
             ``RAY_rdt_fetch_fail_timeout_milliseconds`` applies on top.
         metrics: Export gauges, counters and histograms through ``ray.util.metrics``.
@@ -108,7 +114,7 @@ class PoolConfig:
     strict: bool = False
     prefault: bool = False
     progress_interval_s: float = 0.005
-    progress_idle_interval_s: float = 0.02
+    progress_idle_interval_s: float = 0.02  # _IDLE_DEFAULT_S
     fetch_timeout_s: float = 60.0
     metrics: bool = True
     debug_transfers: bool = False
@@ -184,11 +190,16 @@ class PoolConfig:
             raise ConfigurationError(
                 f"progress_interval_s must be in (0, 1] seconds, got {self.progress_interval_s!r}"
             )
+        if self.progress_idle_interval_s == _IDLE_DEFAULT_S < self.progress_interval_s:
+            # The default idle interval follows a longer active one (setting only the
+            # active interval is what one expects to need).
+            object.__setattr__(self, "progress_idle_interval_s", self.progress_interval_s)
         if not (self.progress_interval_s <= self.progress_idle_interval_s <= 1.0):
             raise ConfigurationError(
                 "progress_idle_interval_s must be between progress_interval_s "
                 f"({self.progress_interval_s!r}) and 1 second, got "
-                f"{self.progress_idle_interval_s!r}; pass e.g. progress_idle_interval_s=0.02"
+                f"{self.progress_idle_interval_s!r}; pass e.g. progress_idle_interval_s="
+                f"{max(_IDLE_DEFAULT_S, self.progress_interval_s)!r}"
             )
         if not self.fetch_timeout_s > 0:
             raise ConfigurationError(

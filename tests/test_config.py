@@ -64,3 +64,15 @@ def test_environment_values_parse() -> None:
     assert (cfg.pool_bytes, cfg.read_lanes, cfg.pack_threads) == (64 << 20, 2, 3)
     assert cfg.strict and cfg.fetch_timeout_s == 2.5 and cfg.same_node == "copy"
     assert {name for name, _doc in ENV_VARS.values()} <= set(PoolConfig.__dataclass_fields__)
+
+
+def test_a_longer_progress_interval_alone_is_accepted() -> None:
+    """Setting only progress_interval_s above the idle default (0.02 s) was refused, and
+    the message suggested progress_idle_interval_s=0.02, the value already in force."""
+    assert PoolConfig(progress_interval_s=0.05).progress_idle_interval_s == 0.05
+    cfg = from_env({"RAY_RDT_POOL_PROGRESS_INTERVAL_S": "0.05"})
+    assert (cfg.progress_interval_s, cfg.progress_idle_interval_s) == (0.05, 0.05)
+    assert PoolConfig(progress_interval_s=0.01).progress_idle_interval_s == 0.02
+    with pytest.raises(ConfigurationError,
+                       match=r"got 0\.03; pass e\.g\. progress_idle_interval_s=0\.05"):
+        PoolConfig(progress_interval_s=0.05, progress_idle_interval_s=0.03)
