@@ -246,12 +246,14 @@ class Sender:
                     blocks = pool.alloc.allocate(key, nbytes, max_blocks=max_blocks)
                 return Placement(obj_id, pool, tuple(blocks), nbytes, False, key=key)
             except PoolExhaustedError as e:
+                leased = self._leased_note_locked()
                 if self.config.strict:
                     raise PoolExhaustedError(
                         e.needed, e.free, e.largest_free, e.capacity, what="sender pool",
-                        remedy="raise pool_bytes (RAY_RDT_POOL_BYTES), or turn strict mode "
-                               "off to copy oversized objects into overflow memory") from None
-                self._warn_overflow(nbytes, e)
+                        remedy=f"{leased}raise pool_bytes (RAY_RDT_POOL_BYTES), or turn "
+                               "strict mode off to copy oversized objects into overflow "
+                               "memory") from None
+                self._warn_overflow(nbytes, e, leased)
         while True:
             with self.lock:
                 for region in self.overflow:
@@ -305,7 +307,18 @@ class Sender:
         else:
             self._release_entries(pinned)
 
-    def _warn_overflow(self, nbytes: int, e: PoolExhaustedError) -> None:
+    def _leased_note_locked(self) -> str:
+        """What of a full pool same-node receivers hold (their views of objects Ray
+        freed), and the fix, for the message of a put that does not fit; "" if none."""
+        if not self.leased:
+            return ""
+        n = sum(p.nbytes for p in self.leased.values())
+        return (f"{n:,} bytes of it are objects already freed whose blocks same-node "
+                f"receivers still hold views of ({len(self.leased)} objects): drop those "
+                "views sooner, or set same_node='copy' on those receivers (their tensors "
+                "then hold no lease); or ")
+
+    def _warn_overflow(self, nbytes: int, e: PoolExhaustedError, leased: str = "") -> None:
         if self._warned_overflow:
             return
         self._warned_overflow = True
@@ -313,9 +326,10 @@ class Sender:
             "an object of %s bytes does not fit the nixl_pool sender pool (%s bytes free, "
             "largest block %s of %s); it is copied into overflow memory registered for it, "
             "which costs a NIXL registration and makes receivers reload this sender's "
-            "metadata. Raise pool_bytes (RAY_RDT_POOL_BYTES) to keep objects in the pool, "
+            "metadata. %sRaise pool_bytes (RAY_RDT_POOL_BYTES) to keep objects in the pool, "
             "or set strict=True to raise instead. This warning is shown once per process.",
-            f"{nbytes:,}", f"{e.free:,}", f"{e.largest_free:,}", f"{e.capacity:,}")
+            f"{nbytes:,}", f"{e.free:,}", f"{e.largest_free:,}", f"{e.capacity:,}",
+            leased[:-len("or ")].rstrip("; ") + ". " if leased else "")
 
     def _release_locked(self, p: Placement) -> list[RegEntry]:
         if p.region is not None:

@@ -12,6 +12,7 @@ import errno
 import gc
 import os
 import pickle
+import re
 import select
 import threading
 import time
@@ -23,7 +24,7 @@ import torch
 from ray_rdt_pool import receiver as receiver_mod
 from ray_rdt_pool import shared
 from ray_rdt_pool.config import PoolConfig
-from ray_rdt_pool.errors import RegistrationError, WireFormatError
+from ray_rdt_pool.errors import PoolExhaustedError, RegistrationError, WireFormatError
 from ray_rdt_pool.shared import PAGE, HostInfo, LeaseTable, process_start, still_running
 from ray_rdt_pool.transport import PoolTransportMetadata, Runtime
 from tests.fakenixl import World
@@ -1059,3 +1060,28 @@ def test_debug_logging_names_every_same_node_get_and_source_read(world, caplog, 
                for ln in lines), lines
     assert any(ln.startswith("read 1 tensors, 4096 bytes in place") for ln in lines), lines
     assert torch.equal(got[0], x)
+
+
+def test_a_pool_full_of_leased_blocks_says_so(world, caplog):
+    """A pool held by same-node receivers' views of objects Ray freed refused a put
+    (strict) with "drop refs to free objects sooner" and no word of the leases, and the
+    overflow warning likewise: the fix is on the receivers."""
+    import logging
+
+    for strict in (True, False):
+        s, r = make(world, pool_bytes=1 << 20, strict=strict), make(world)
+        kept = get(s, r, "a", [torch.ones((1 << 20) // 4 - 4096)])
+        s.sender.free("a")
+        settle(s)
+        assert s.stats().leased_bytes > 0 and s.stats().live_objects == 0
+        want = r"bytes of it are objects already freed whose blocks same-node receivers " \
+               r"still hold views of \(1 objects\).*same_node='copy'"
+        if strict:
+            with pytest.raises(PoolExhaustedError, match=want):
+                s.put("b", [torch.ones(100_000)])
+        else:
+            with caplog.at_level(logging.WARNING, logger="ray_rdt_pool"):
+                s.put("b", [torch.ones(100_000)])
+            assert any(re.search(want, rec.getMessage()) for rec in caplog.records)
+            s.free("b")
+        del kept
