@@ -842,7 +842,7 @@ def _pack_threaded(tensors: Sequence[torch.Tensor], d: Described, offsets: Seque
     def materialise() -> None:
         for i in leftovers:
             # As in the one-thread path: torch materialises the logical values.
-            t = tensors[i].resolve_conj().resolve_neg().contiguous()
+            t = _logical(tensors[i], i).contiguous()
             for dst, src, n in physical(offsets[i], t.data_ptr(), nbytes[i]):
                 copy(dst, src, n)
 
@@ -1091,8 +1091,21 @@ def pack_into(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[i
     for i in leftovers:
         # Strided, conjugated or negated views: let torch materialise the logical
         # values, then move the bytes like any other span.
-        t = tensors[i].resolve_conj().resolve_neg().contiguous()
+        t = _logical(tensors[i], i).contiguous()
         move(offsets[i], t.data_ptr(), nbytes[i])
+
+
+def _logical(t: torch.Tensor, i: int) -> torch.Tensor:
+    """Tensor ``i``'s logical values (its lazy conjugate and negative bits applied), or
+    InvalidInputError where torch has no kernel for that (a negative view of a dtype it
+    cannot negate: bool, unsigned, float8, made with ``torch._neg_view``)."""
+    try:
+        return t.resolve_conj().resolve_neg()
+    except (NotImplementedError, RuntimeError) as e:
+        raise InvalidInputError(
+            f"tensor {i} ({tuple(t.shape)} {t.dtype}) is a lazy "
+            f"{'negative' if t.is_neg() else 'conjugate'} view that torch cannot resolve "
+            f"({type(e).__name__}: {e}); send a tensor without that bit") from e
 
 
 def rebuild(block: torch.Tensor, runs: Sequence[TensorRun],
@@ -1384,7 +1397,7 @@ def pack_torch(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[
         o = offsets[first]
         if k == 1:
             dsts.append(block[o:o + n].view(dt).view(t.shape))
-            srcs.append(t.resolve_conj().resolve_neg())
+            srcs.append(_logical(t, first))
             continue
         item = t.element_size()
         span = block[o:o + dst_step * (k - 1) + n].view(dt)

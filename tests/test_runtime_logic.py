@@ -304,6 +304,21 @@ def test_overlapping_target_buffers_are_refused_and_disjoint_slices_are_not(worl
     assert all(torch.equal(o, t) for o, t in zip(out, src))
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint16, torch.float8_e4m3fn])
+def test_a_negative_view_torch_cannot_resolve_is_a_typed_error(world, dtype):
+    """A lazy negative view (torch._neg_view) of a dtype torch cannot negate raised
+    torch's NotImplementedError out of the pack; nothing leaked, but the error was
+    untyped."""
+    s = make(world)
+    v = torch._neg_view(torch.zeros(8, dtype=torch.uint8).view(dtype) if dtype.itemsize == 1
+                        else torch.zeros(8, dtype=dtype))
+    with pytest.raises(InvalidInputError, match="lazy negative view that torch cannot"):
+        s.put("o", [torch.ones(4), v])
+    st = s.stats()
+    assert (st.pool_used, st.live_objects) == (0, 0)
+    s.put("ok", [torch._neg_view(torch.ones(4))])  # a float one still goes
+
+
 def test_reaps_racing_for_the_last_dropped_read_raise_nothing(world):
     """reap() runs on the progress thread and at every fetch: two of them both saw one
     dropped READ left, and the second one's pop raised IndexError out of fetch()."""
