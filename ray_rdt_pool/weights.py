@@ -1274,10 +1274,13 @@ class WeightSender:
                     continue
                 try:
                     samples.append(int(_stats().pool_used))
-                    inflight.append(([r.__ray_call__.remote(_remote_bucket, receiver_attr,
-                                                            session, k, box, spec)
-                                      for r in receivers], keep, [owned] if owned else []))
+                    # In flight before the first call (see _Run.send).
+                    acks: list[Any] = []
+                    inflight.append((acks, keep, [owned] if owned else []))
                     owned = None
+                    for r in receivers:
+                        acks.append(r.__ray_call__.remote(_remote_bucket, receiver_attr,
+                                                          session, k, box, spec))
                 finally:
                     box.clear()
                     del keep
@@ -1474,10 +1477,14 @@ class _Run:
              attr: str, session: str) -> None:
         if not self.ks:
             return
-        acks = [r.__ray_call__.remote(_remote_run, attr, session, self.ks, self.boxes)
-                for r in receivers]
+        # In flight before the first call: if a later receiver's call cannot even be
+        # made, the clean-up still sees the earlier calls, which may read these buckets.
+        acks: list[Any] = []
         inflight.append((acks, self.kept, self.owned))
+        ks, boxes = self.ks, self.boxes
         self.ks, self.boxes, self.kept, self.owned = [], [], [], []
+        for r in receivers:
+            acks.append(r.__ray_call__.remote(_remote_run, attr, session, ks, boxes))
 
 
 def _forget_registrations(keys: set[Any]) -> None:

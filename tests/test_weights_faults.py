@@ -931,6 +931,63 @@ def test_a_bucket_a_receiver_still_reads_after_a_timeout_is_not_freed_under_it(
     assert st.live_objects == 1  # "other" alone: the late bucket went once it was read
 
 
+def test_a_bucket_call_that_cannot_be_made_frees_nothing_an_earlier_call_reads(
+        runtime: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bucket calls of all receivers were made in one expression: when a later
+    receiver's ``.remote()`` raised (Ray going down, an argument it cannot serialize),
+    the bucket was not yet in flight, so the clean-up freed it at once while the first
+    receiver's queued call was still to READ it. It is now in flight before any call."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    import ray_rdt_pool.weights as W
+
+    def ready(ref: Any) -> bool:
+        return not isinstance(ref, _Queued) or ref.ref is not None
+
+    def get(ref: Any, timeout: float | None = None) -> Any:
+        if isinstance(ref, list):
+            return [get(r, timeout) for r in ref]
+        if isinstance(ref, _Queued):
+            if ref.ref is None:
+                raise GetTimeoutError("still queued")
+            return _get(ref.ref)
+        return _get(ref)
+
+    rt = runtime()
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (
+        [r for r in refs if ready(r)], [r for r in refs if not ready(r)]))
+    monkeypatch.setattr(W._LateBuckets, "POLL_S", 0.05)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    first = Actor()
+    first.weight_receiver = WeightReceiver(filled(0, 4), direct=False)
+    h1 = LaggingHandle(first)
+    _r2, h2 = receiver_node(filled(0, 4), direct=False)
+    real = h2.__ray_call__
+
+    class Refusing:
+        @staticmethod
+        def remote(fn: Callable[..., Any], *args: Any) -> Any:
+            if fn.__name__ == "_remote_bucket":
+                raise RuntimeError("the call cannot be submitted")
+            return real.remote(fn, *args)
+
+    h2.__ray_call__ = Refusing  # type: ignore[assignment]
+    sender = WeightSender(filled(6, 4), bucket_bytes=4096, source_reads=False)
+    with pytest.raises(RuntimeError, match="cannot be submitted"):
+        sender.stream([h1, h2], max_inflight=1, timeout_s=0.2)
+    assert rt.stats().live_objects == 1  # bucket 0, which h1's queued call still reads
+    other = rt.put("other", [torch.full((32, 32), 99.0)])  # would take its block
+    assert other is not None
+    h1.run_queued()
+    assert values(first.weight_receiver.dest)[0] == 6.0  # type: ignore[arg-type]
+    deadline = time.monotonic() + 10
+    while W._LATE.held() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert W._LATE.held() == 0 and rt.stats().live_objects == 1  # "other" alone
+
+
 def test_late_buckets_go_once_ray_is_shut_down(runtime: Any,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """After ray.shutdown() no receiver call ends any more: the late buckets of a failed
