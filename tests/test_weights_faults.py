@@ -881,12 +881,9 @@ class LaggingHandle(Handle):
             call.run()
 
 
-def test_a_bucket_a_receiver_still_reads_after_a_timeout_is_not_freed_under_it(
-        runtime: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sender gave up (timeout_s) while a plain actor had the bucket call queued; its
-    clean-up freed the bucket's pool block, another object took it, and the queued call
-    then READ that object's bytes into the receiver's weights. The block is now freed only
-    once the receiver's call ends."""
+def queued_calls_pend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's get and wait for :class:`LaggingHandle` calls: a queued call is not ready
+    (its get times out) until it has run. Late buckets are polled every 50 ms."""
     import ray
     from ray.exceptions import GetTimeoutError
 
@@ -904,11 +901,24 @@ def test_a_bucket_a_receiver_still_reads_after_a_timeout_is_not_freed_under_it(
             return _get(ref.ref)
         return _get(ref)
 
-    rt = runtime()
     monkeypatch.setattr(ray, "get", get)
     monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (
         [r for r in refs if ready(r)], [r for r in refs if not ready(r)]))
     monkeypatch.setattr(W._LateBuckets, "POLL_S", 0.05)
+
+
+def test_a_bucket_a_receiver_still_reads_after_a_timeout_is_not_freed_under_it(
+        runtime: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender gave up (timeout_s) while a plain actor had the bucket call queued; its
+    clean-up freed the bucket's pool block, another object took it, and the queued call
+    then READ that object's bytes into the receiver's weights. The block is now freed only
+    once the receiver's call ends."""
+    import ray
+
+    import ray_rdt_pool.weights as W
+
+    rt = runtime()
+    queued_calls_pend(monkeypatch)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)  # no ray.shutdown() here
     actor = Actor()
     actor.weight_receiver = WeightReceiver(filled(0, 4), direct=False)
@@ -938,27 +948,11 @@ def test_a_bucket_call_that_cannot_be_made_frees_nothing_an_earlier_call_reads(
     the bucket was not yet in flight, so the clean-up freed it at once while the first
     receiver's queued call was still to READ it. It is now in flight before any call."""
     import ray
-    from ray.exceptions import GetTimeoutError
 
     import ray_rdt_pool.weights as W
 
-    def ready(ref: Any) -> bool:
-        return not isinstance(ref, _Queued) or ref.ref is not None
-
-    def get(ref: Any, timeout: float | None = None) -> Any:
-        if isinstance(ref, list):
-            return [get(r, timeout) for r in ref]
-        if isinstance(ref, _Queued):
-            if ref.ref is None:
-                raise GetTimeoutError("still queued")
-            return _get(ref.ref)
-        return _get(ref)
-
     rt = runtime()
-    monkeypatch.setattr(ray, "get", get)
-    monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (
-        [r for r in refs if ready(r)], [r for r in refs if not ready(r)]))
-    monkeypatch.setattr(W._LateBuckets, "POLL_S", 0.05)
+    queued_calls_pend(monkeypatch)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     first = Actor()
     first.weight_receiver = WeightReceiver(filled(0, 4), direct=False)
