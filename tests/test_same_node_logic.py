@@ -1047,13 +1047,21 @@ def test_debug_logging_names_every_same_node_get_and_source_read(world, caplog, 
     none."""
     import logging
 
-    s, r = make(world, debug_transfers=True), make(world, debug_transfers=True,
-                                                   same_node=mode)
-    x = torch.arange(1024.0)
-    with caplog.at_level(logging.DEBUG, logger="ray_rdt_pool"):
-        got = r.wait(r.fetch("a", ship(s.put("a", [x])), None), -1)
-        r.receiver.read_source(shared.this_process("node-a"),
-                               [(x.data_ptr(), (1024,), "float32")], targets=[torch.empty(1024)])
+    from ray_rdt_pool.logs import disable_debug_logging
+
+    # The runtimes add the package's stderr handler: it must not outlive this test (a
+    # later one in this process would find it bound to this test's captured stderr).
+    try:
+        s, r = make(world, debug_transfers=True), make(world, debug_transfers=True,
+                                                       same_node=mode)
+        x = torch.arange(1024.0)
+        with caplog.at_level(logging.DEBUG, logger="ray_rdt_pool"):
+            got = r.wait(r.fetch("a", ship(s.put("a", [x])), None), -1)
+            r.receiver.read_source(shared.this_process("node-a"),
+                                   [(x.data_ptr(), (1024,), "float32")],
+                                   targets=[torch.empty(1024)])
+    finally:
+        disable_debug_logging()
     lines = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.DEBUG]
     assert any(ln.startswith("put a:") for ln in lines)
     assert any(ln.startswith("fetched a:") and f"same-node sender's pool ({mode})" in ln
