@@ -97,6 +97,13 @@ class TransferError(RdtPoolError):
     """
 
 
+def shut_down_error() -> TransferError:
+    """The error of a put, fetch or registration once ``ray_rdt_pool.shutdown()`` began
+    in this process: the transport cannot be used in it again."""
+    return TransferError("nixl_pool was shut down in this process "
+                         "(ray_rdt_pool.shutdown()); start a new process to use it")
+
+
 class ReadStillRunningError(TransferError):
     """A READ failed to post as a whole, and NIXL could neither cancel nor cut off a part
     of it that did start.

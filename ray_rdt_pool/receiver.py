@@ -68,6 +68,7 @@ from ray_rdt_pool.errors import (
     ReadStillRunningError,
     TransferError,
     WireFormatError,
+    shut_down_error,
 )
 from ray_rdt_pool.merge import merge_descriptors
 from ray_rdt_pool.registry import MEM_TYPE, Directory, RegEntry, Region, Registry
@@ -712,8 +713,7 @@ class Receiver:
             if self._shut:  # shutdown() closed the handles meanwhile: nothing may keep one
                 if host is not None:
                     host.close()
-                raise TransferError("nixl_pool was shut down in this process "
-                                    "(ray_rdt_pool.shutdown()); start a new process to use it")
+                raise shut_down_error()
             current = self.hosts.get(agent)
             if current is not None:  # another thread opened it meanwhile
                 if host is not None:

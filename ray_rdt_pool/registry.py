@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ray_rdt_pool.allocator import BlockAllocator
-from ray_rdt_pool.errors import RdtPoolError, RegistrationError, TransferError
+from ray_rdt_pool.errors import RdtPoolError, RegistrationError, shut_down_error
 from ray_rdt_pool.layout import BLOCK_ALIGN
 
 if TYPE_CHECKING:
@@ -238,8 +238,7 @@ class Registry:
             return self._published
         with self._publish_lock:
             if self._unpublished:
-                raise TransferError("nixl_pool was shut down in this process "
-                                    "(ray_rdt_pool.shutdown()) while this put ran")
+                raise shut_down_error()
             with self._lock:
                 version, reset = self.version, self.reset_version
                 if self._published == version and self._published_session == now:

@@ -250,9 +250,9 @@ class Sender:
                 if self.config.strict:
                     raise PoolExhaustedError(
                         e.needed, e.free, e.largest_free, e.capacity, what="sender pool",
-                        remedy=f"{leased}raise pool_bytes (RAY_RDT_POOL_BYTES), or turn "
-                               "strict mode off to copy oversized objects into overflow "
-                               "memory") from None
+                        remedy=f"{leased + '; or ' if leased else ''}raise pool_bytes "
+                               "(RAY_RDT_POOL_BYTES), or turn strict mode off to copy "
+                               "oversized objects into overflow memory") from None
                 self._warn_overflow(nbytes, e, leased)
         while True:
             with self.lock:
@@ -316,7 +316,7 @@ class Sender:
         return (f"{n:,} bytes of it are objects already freed whose blocks same-node "
                 f"receivers still hold views of ({len(self.leased)} objects): drop those "
                 "views sooner, or set same_node='copy' on those receivers (their tensors "
-                "then hold no lease); or ")
+                "then hold no lease)")
 
     def _warn_overflow(self, nbytes: int, e: PoolExhaustedError, leased: str = "") -> None:
         if self._warned_overflow:
@@ -329,7 +329,7 @@ class Sender:
             "metadata. %sRaise pool_bytes (RAY_RDT_POOL_BYTES) to keep objects in the pool, "
             "or set strict=True to raise instead. This warning is shown once per process.",
             f"{nbytes:,}", f"{e.free:,}", f"{e.largest_free:,}", f"{e.capacity:,}",
-            leased[:-len("or ")].rstrip("; ") + ". " if leased else "")
+            leased + ". " if leased else "")
 
     def _release_locked(self, p: Placement) -> list[RegEntry]:
         if p.region is not None:

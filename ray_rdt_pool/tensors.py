@@ -203,7 +203,7 @@ def _describe_py(tensors: Sequence[Any], allow_cuda: bool) -> Described:
                 # memory that is not the tensor's, or kill the process.
                 st = t.untyped_storage()
                 base = st.data_ptr()
-                short = not base or p < base or p + _reach(t, n) > base + st.nbytes()
+                short = not base or p < base or p + reach(t, n) > base + st.nbytes()
     except (KeyError, RuntimeError):
         _refuse_invalid(tensors, allow_cuda)
         raise
@@ -375,7 +375,7 @@ def _refuse_nested(tensors: Sequence[Any]) -> None:
 _NO_MEMORY = 1 << 16
 
 
-def _reach(t: Any, n: int) -> int:
+def reach(t: Any, n: int) -> int:
     """Bytes from ``t``'s first element to the end of its last one (``n`` is its
     ``nbytes``, not 0): what of its storage a copy of ``t`` reads."""
     if t.is_contiguous():
@@ -420,13 +420,13 @@ def memory_problem(t: Any, n: int | None = None, p: int | None = None) -> str | 
                "plain tensors: for a DTensor its local shard (t.to_local()) or the whole " \
                "tensor (t.full_tensor())"
     p = t.data_ptr() if p is None else p
-    if base and base <= p and p + _reach(t, n) <= base + storage.nbytes():
+    if base and base <= p and p + reach(t, n) <= base + storage.nbytes():
         return None
     if base == 0:
         return (f"has {n:,} bytes but its storage holds {storage.nbytes():,} (resized to 0, "
                 "as FSDP does to free a parameter's memory); use it while its storage is "
                 "allocated, or a copy made then")
-    return (f"reaches byte {p - base + _reach(t, n):,} of its storage, which holds only "
+    return (f"reaches byte {p - base + reach(t, n):,} of its storage, which holds only "
             f"{storage.nbytes():,} (the storage was resized under the view); use it while "
             "its storage holds the view, or a copy made then")
 

@@ -48,6 +48,7 @@ from ray_rdt_pool.errors import (
     RdtPoolError,
     TransferError,
     WireFormatError,
+    shut_down_error,
 )
 from ray_rdt_pool.events import Events
 from ray_rdt_pool.receiver import Fetch, Receiver
@@ -295,8 +296,7 @@ class Runtime:
                 "configure() replaced nixl_pool's configuration while this operation was "
                 "starting it in another thread; call configure() before the first "
                 "ray.put or ray.get, e.g. at the top of the actor's __init__")
-        return TransferError("nixl_pool was shut down in this process "
-                             "(ray_rdt_pool.shutdown()); start a new process to use it")
+        return shut_down_error()
 
     def admit(self) -> None:
         """Before a put or a fetch: refuse new work once shutdown() began."""

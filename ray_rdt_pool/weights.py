@@ -448,9 +448,10 @@ class Manifest:
             self.refs[k] = None
 
 
-def named_tensors(state: StateLike, what: str = "weight") -> list[tuple[str, torch.Tensor]]:
+def named_tensors(state: StateLike, what: str | None = "weight"
+                  ) -> list[tuple[str, torch.Tensor]]:
     """The ``(name, tensor)`` pairs of a state, in order, each checked with
-    :func:`_check_weight` (``what`` names the tensors in its errors).
+    :func:`_check_weight` (``what`` names the tensors in its errors; None: not checked).
 
     For an ``nn.Module`` these are ``state_dict(keep_vars=True)``: parameters and
     persistent buffers, under every name a tied tensor has, as the module's own
@@ -469,7 +470,8 @@ def named_tensors(state: StateLike, what: str = "weight") -> list[tuple[str, tor
             raise InvalidInputError(
                 f"weight state entry {name!r} is {type(t).__name__}; every entry must map a "
                 "str name to a torch.Tensor")
-        _check_weight(name, t, what)
+        if what is not None:
+            _check_weight(name, t, what)
     return items
 
 
@@ -1821,12 +1823,10 @@ class _Claims(dict[tuple[Any, ...], tuple[str, int, str, str]]):
         (a transpose of one, say); two strided tensors that interleave are not checked."""
         import bisect
 
+        from ray_rdt_pool.tensors import reach
+
         dev, start = str(d.device), d.data_ptr()
-        if d.is_contiguous():
-            end = start + d.nbytes
-        else:
-            last = sum((k - 1) * st for k, st in zip(d.shape, d.stride()))
-            end = start + (last + 1) * d.element_size()
+        end = start + reach(d, d.nbytes)
         # The last span starting at or before ``start``, and the one after it.
         i = bisect.bisect_right(self.spans, (dev, start, math.inf, ""))
         before = self.spans[i - 1] if i > 0 and self.spans[i - 1][0] == dev else None
@@ -2013,8 +2013,9 @@ class WeightReceiver:
     # -- validation --
 
     def _dests(self) -> dict[str, torch.Tensor]:
-        return dict(named_tensors(self.dest, "destination tensor")) \
-            if self.dest is not None else {}
+        # Unchecked: a lazy stream asks for them at every bucket, and only the ones a
+        # manifest tensor writes need checking (_claim does, once per load or bucket).
+        return dict(named_tensors(self.dest, None)) if self.dest is not None else {}
 
     def _resolve(self, sources: Sequence[tuple[str, TensorEntry]],
                  dests: Mapping[str, torch.Tensor], claimed: dict[str, str],
@@ -2095,6 +2096,7 @@ class WeightReceiver:
         manifest tensor already writes that memory (see :meth:`_resolve`)."""
         if d.numel() == 0:
             return d
+        _check_weight(dn, d, "destination tensor")  # its memory may have gone since
         key = _identity_key(d)
         prior = mem.get(key)
         if prior is None:
