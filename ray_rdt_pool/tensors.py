@@ -18,6 +18,7 @@ alive into a C no-op, so nothing calls back into Python while the interpreter te
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import operator
 import os
@@ -382,6 +383,44 @@ def reach(t: Any, n: int) -> int:
         return n
     last = sum((k - 1) * s for k, s in zip(t.shape, t.stride()))
     return (last + 1) * t.element_size()
+
+
+#: The most runs :func:`byte_runs` lists for one tensor (32 MiB of run starts).
+MAX_BYTE_RUNS = 1 << 22
+
+
+def byte_runs(t: Any) -> tuple[Any, int] | None:
+    """The bytes dense tensor ``t`` covers, as ``(starts, length)``: a sorted int64 tensor
+    of run start addresses, each run ``length`` bytes long; None when that takes more
+    than :data:`MAX_BYTE_RUNS` runs. Dimensions that tile memory densely merge into one
+    run, so a contiguous tensor or a transpose of one is a single run and a column slice
+    of a matrix is one run per row."""
+    import torch
+
+    item = t.element_size()
+    dims = sorted((st * item, k) for k, st in zip(t.shape, t.stride()) if k > 1)
+    length = item
+    while dims and dims[0][0] == length:
+        length *= dims.pop(0)[1]
+    count = math.prod(k for _st, k in dims)
+    if count > MAX_BYTE_RUNS:
+        return None
+    starts = torch.tensor([t.data_ptr()], dtype=torch.int64)
+    for st, k in dims:
+        starts = (starts[:, None] + torch.arange(k, dtype=torch.int64) * st).reshape(-1)
+    return starts.sort().values, length
+
+
+def runs_meet(a: tuple[Any, int], b: tuple[Any, int]) -> bool:
+    """Whether two :func:`byte_runs` results share a byte. Runs of one tensor have one
+    length, so for each run of ``b`` the run of ``a`` starting last before it ends is the
+    one of ``a`` that reaches furthest into it."""
+    import torch
+
+    (sa, la), (sb, lb) = a, b
+    i = torch.searchsorted(sa, sb + lb) - 1
+    hit = i >= 0
+    return bool((sa[i[hit]] + la > sb[hit]).any())
 
 
 def _refuse_no_memory(tensors: Sequence[Any], ptrs: Sequence[int],

@@ -1799,50 +1799,78 @@ class _Check:
 
 
 _Target = torch.Tensor | _ToLoader | _Check | None
+
+
 class _Claims(dict[tuple[Any, ...], tuple[str, int, str, str]]):
     """Destination memory claimed so far: identity key -> (canonical manifest name, its
     bucket, the manifest name written there, the destination name). ``spans`` holds the
     byte ranges of the contiguous claimed tensors, (device, start, end, destination
-    name), sorted and disjoint, so a destination that shares bytes with another without
-    being the same tensor (a slice of it, a dtype view, a conjugate) is found."""
+    name), sorted and disjoint; ``strided`` the others with their byte runs
+    (:func:`~ray_rdt_pool.tensors.byte_runs`), so that a destination that shares bytes
+    with another without being the same tensor (a slice of it, a dtype view, a
+    conjugate, a transpose, a column slice crossing another) is found, while strided
+    views that interleave without sharing a byte are not."""
 
     def __init__(self) -> None:
         super().__init__()
         self.spans: list[tuple[str, int, int, str]] = []
+        self.strided: list[tuple[str, int, int, str, tuple[Any, int] | None]] = []
 
     def copy(self) -> _Claims:
         c = _Claims()
         c.update(self)
         c.spans = list(self.spans)
+        c.strided = list(self.strided)
         return c
 
-    def overlap(self, d: torch.Tensor, dn: str) -> str | None:
-        """The claimed destination ``d`` (named ``dn``, not claimed yet) shares bytes
-        with, or None; records ``d`` when it is contiguous and shares none. A strided
-        ``d`` is caught when its first or last byte lies in a contiguous claimed tensor
-        (a transpose of one, say); two strided tensors that interleave are not checked."""
+    def overlap(self, d: torch.Tensor, dn: str) -> tuple[str, bool] | None:
+        """The claimed destination that ``d`` (named ``dn``, not claimed yet) shares
+        bytes with, as (its name, False), or None, when ``d`` is then recorded. (name,
+        True) when ``d`` and a strided claimed tensor span each other's bytes but have
+        too many runs to compare (over ``MAX_BYTE_RUNS``): they are refused, since they
+        could not be shown apart."""
         import bisect
 
-        from ray_rdt_pool.tensors import reach
+        from ray_rdt_pool.tensors import byte_runs, reach, runs_meet
 
+        if not d.nbytes:
+            return None
         dev, start = str(d.device), d.data_ptr()
         end = start + reach(d, d.nbytes)
-        # The last span starting at or before ``start``, and the one after it.
+        dense = d.is_contiguous()
+        mine: list[tuple[Any, int] | None] = []  # d's runs, made once when first needed
+
+        def meets(theirs: tuple[Any, int] | None, name: str) -> tuple[str, bool] | None:
+            if not mine:
+                mine.append((_one(start), end - start) if dense else byte_runs(d))
+            if mine[0] is None or theirs is None:
+                return name, True
+            return (name, False) if runs_meet(mine[0], theirs) else None
+
+        # The last span starting at or before ``start``, then those starting before ``end``.
         i = bisect.bisect_right(self.spans, (dev, start, math.inf, ""))
-        before = self.spans[i - 1] if i > 0 and self.spans[i - 1][0] == dev else None
-        if before is not None and before[1] <= start < before[2]:
-            return before[3]
-        if d.is_contiguous():
-            after = self.spans[i] if i < len(self.spans) and self.spans[i][0] == dev else None
-            if after is not None and after[1] < end:
-                return after[3]
+        j = i - 1 if i and self.spans[i - 1][0] == dev and self.spans[i - 1][2] > start else i
+        while j < len(self.spans) and self.spans[j][0] == dev and self.spans[j][1] < end:
+            _dev, s, e, name = self.spans[j]
+            found = (name, False) if dense else meets((_one(s), e - s), name)
+            if found is not None:
+                return found
+            j += 1
+        for sdev, s, e, name, theirs in self.strided:
+            if sdev == dev and s < end and start < e:
+                found = meets(theirs, name)
+                if found is not None:
+                    return found
+        if dense:
             self.spans.insert(i, (dev, start, end, dn))
-            return None
-        j = bisect.bisect_right(self.spans, (dev, end - 1, math.inf, ""))
-        at_end = self.spans[j - 1] if j > 0 and self.spans[j - 1][0] == dev else None
-        if at_end is not None and at_end[1] <= end - 1 < at_end[2]:
-            return at_end[3]
+        else:
+            self.strided.append((dev, start, end, dn, mine[0] if mine else byte_runs(d)))
         return None
+
+
+def _one(addr: int) -> torch.Tensor:
+    """The start of a single run, as :func:`~ray_rdt_pool.tensors.byte_runs` lists it."""
+    return torch.tensor([addr], dtype=torch.int64)
 
 
 @dataclass
@@ -2100,13 +2128,20 @@ class WeightReceiver:
         key = _identity_key(d)
         prior = mem.get(key)
         if prior is None:
-            other = mem.overlap(d, dn)
-            if other is not None:
+            met = mem.overlap(d, dn)
+            if met is not None:
+                other, unsure = met
+                from ray_rdt_pool.tensors import MAX_BYTE_RUNS
+
+                how = (f"spans the bytes of destination {other!r} in over "
+                       f"{MAX_BYTE_RUNS:,} strided runs, too many to show that they do "
+                       "not overlap" if unsure else
+                       f"shares memory with destination {other!r} without being the same "
+                       "tensor (a slice, a view of another dtype or layout of it): one "
+                       "would overwrite the other's bytes")
                 problems.append(("duplicate", name, (
-                    f"destination {dn!r} (for {name!r}) shares memory with destination "
-                    f"{other!r} without being the same tensor (a slice, a view of another "
-                    "dtype or layout of it): one would overwrite the other's bytes. Give "
-                    "each weight memory of its own, or map one of them to None")))
+                    f"destination {dn!r} (for {name!r}) {how}. Give each weight memory "
+                    "of its own, or map one of them to None")))
                 return None
             mem[key] = (e.name, e.bucket, name, dn)
             return d

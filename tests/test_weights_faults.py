@@ -1087,6 +1087,27 @@ def test_destinations_that_share_memory_without_being_one_tensor_are_refused(
         assert not base.abs().any()
 
 
+@pytest.mark.parametrize("kind", ["row, then the transpose", "transpose, then a row",
+                                  "column slices that cross", "a column and a row"])
+def test_strided_destinations_that_share_bytes_are_refused(runtime: Any, kind: str) -> None:
+    """A strided destination was compared only by its first and last byte, and a strided
+    one claimed first was not recorded at all: a row of a matrix and the matrix's
+    transpose, or two column slices that cross, were both written and committed."""
+    runtime()
+    base = torch.zeros(8, 8)
+    dest = {"row, then the transpose": {"a": base[1], "b": base.t()},
+            "transpose, then a row": {"a": base.t(), "b": base[1]},
+            "column slices that cross": {"a": base[:, 0:4], "b": base[:, 2:6]},
+            "a column and a row": {"a": base[:, 3], "b": base[5, 2:6]}}[kind]
+    state = {"a": torch.ones_like(dest["a"]), "b": torch.full_like(dest["b"], 2)}
+    r, h = receiver_node(dest, direct=False)
+    with pytest.raises(DuplicateTargetError, match=r"'b' .* shares memory with "
+                                                   "destination 'a'"):
+        WeightSender(state, bucket_bytes=256, source_reads=False).stream([h])
+    assert r.weight_receiver.version == 0
+    assert not base.any()
+
+
 def test_disjoint_slices_of_one_buffer_and_ties_still_load(runtime: Any) -> None:
     """What the overlap check must let through: weights that are disjoint parts of one
     flat buffer (row slices, column slices of a fused matrix), and tied weights."""
@@ -1098,6 +1119,9 @@ def test_disjoint_slices_of_one_buffer_and_ties_still_load(runtime: Any) -> None
     dest.pop("emb"), dest.pop("head")
     tied = torch.zeros(4, 4)
     dest.update({"emb": tied, "head": tied})
+    woven = torch.zeros(6, 8)  # interleaved columns, and a column beside a row's remainder
+    dest.update({"even": woven[:4, 0::2], "odd": woven[:4, 1::2], "col": woven[4:, 0],
+                 "rest": woven[4:, 1:]})
     state = {k: torch.full_like(v, float(i + 1)) for i, (k, v) in enumerate(dest.items())}
     state["head"] = state["emb"]
     r, h = receiver_node(dest, direct=False)
