@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-from ray_rdt_pool.errors import InvalidInputError, RdtPoolError, TransferError
+from ray_rdt_pool.errors import ConfigurationError, InvalidInputError, RdtPoolError, TransferError
 
 __all__ = ["COUNTER_NAMES", "Events", "Observer"]
 
@@ -87,7 +87,8 @@ class Events:
     def failures(self, what: str, hint: str) -> Iterator[None]:
         """Run a step of a transfer: every failure leaves as a typed, counted error.
 
-        * ``InvalidInputError`` passes through uncounted: the caller's input was wrong.
+        * ``InvalidInputError`` and ``ConfigurationError`` pass through uncounted: the
+          caller's input or the process's configuration was wrong, not a transfer.
         * Other ``RdtPoolError`` pass through and are counted once, here, unless the
           raise site counted it already (``counted`` attribute set).
         * ``TimeoutError`` passes through (Ray expects it) and is counted.
@@ -96,7 +97,7 @@ class Events:
         """
         try:
             yield
-        except InvalidInputError:
+        except (InvalidInputError, ConfigurationError):
             raise
         except (RdtPoolError, TimeoutError) as e:
             if not getattr(e, "counted", False):

@@ -324,7 +324,8 @@ class Receiver:
         if arena is None:
             arena = self.registry.new_region(self.config.arena_capacity, device,
                                              f"{device} receive arena", self.config.prefault,
-                                             lanes=True)
+                                             lanes=True,
+                                             sized_by="arena_bytes (RAY_RDT_POOL_ARENA_BYTES)")
             with self.lock:
                 if device in self.arenas:  # another thread won the race
                     extra, arena = arena, self.arenas[device]

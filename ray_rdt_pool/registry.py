@@ -49,7 +49,12 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ray_rdt_pool.allocator import BlockAllocator
-from ray_rdt_pool.errors import RdtPoolError, RegistrationError, shut_down_error
+from ray_rdt_pool.errors import (
+    ConfigurationError,
+    RdtPoolError,
+    RegistrationError,
+    shut_down_error,
+)
 from ray_rdt_pool.layout import BLOCK_ALIGN
 
 if TYPE_CHECKING:
@@ -260,24 +265,37 @@ class Registry:
     # -- regions --------------------------------------------------------------------------
 
     def new_region(self, capacity: int, device: str, name: str, prefault: bool,
-                   shared: bool = False, lanes: bool = False) -> Region:
+                   shared: bool = False, lanes: bool = False,
+                   sized_by: str | None = None) -> Region:
         """Create and register a region; the caller owns it until :meth:`drop_region`.
 
         ``shared``: host memory in a memfd that same-node receivers may map (the sender
         pool); falls back to private memory where a memfd cannot be made. ``lanes``:
         register it with every read lane of the backend (the receive arenas, which
-        large READs land in in parallel parts); one registration all the same."""
+        large READs land in in parallel parts); one registration all the same.
+        ``sized_by``: the option that set ``capacity`` (e.g. ``"pool_bytes
+        (RAY_RDT_POOL_BYTES)"``): memory that cannot be had at that size is then a
+        ConfigurationError naming it; without it the OSError, OverflowError or
+        MemoryError reaches the caller."""
         mem: Any = None
-        if shared and device == "cpu" and self._region_factory is _default_region:
-            try:
-                from ray_rdt_pool.shared import SharedHostRegion
+        try:
+            if shared and device == "cpu" and self._region_factory is _default_region:
+                try:
+                    from ray_rdt_pool.shared import SharedHostRegion
 
-                mem = SharedHostRegion(capacity, prefault=prefault)
-            except OSError as e:
-                logger.warning("no shared memory for the sender pool (%s); same-node "
-                               "receivers will read it with NIXL", e)
-        if mem is None:
-            mem = self._region_factory(capacity, device, prefault)
+                    mem = SharedHostRegion(capacity, prefault=prefault)
+                except OSError as e:
+                    logger.warning("no shared memory for the sender pool (%s); same-node "
+                                   "receivers will read it with NIXL", e)
+            if mem is None:
+                mem = self._region_factory(capacity, device, prefault)
+        except (OSError, OverflowError, MemoryError) as e:
+            if sized_by is None or isinstance(e, RdtPoolError):
+                raise
+            raise ConfigurationError(
+                f"the {name} of {capacity:,} bytes of {device} memory could not be "
+                f"mapped ({type(e).__name__}: {e}); lower {sized_by} to what this host "
+                "can spare") from e
         try:
             region = Region(mem, name)
             with self._lock:

@@ -164,7 +164,8 @@ class Sender:
                 # Raises RegistrationError, having let the memory go, if NIXL refuses it.
                 pool = self.registry.new_region(
                     cfg.pool_capacity, cfg.device, "sender pool", cfg.prefault,
-                    shared=cfg.same_node != "off" and cfg.device == "cpu")
+                    shared=cfg.same_node != "off" and cfg.device == "cpu",
+                    sized_by="pool_bytes (RAY_RDT_POOL_BYTES)")
                 try:
                     self._share(pool)
                 except BaseException:  # an interrupt: no second pool on the next put

@@ -1676,3 +1676,29 @@ def test_an_empty_cuda_object_on_a_receiver_without_cuda_is_a_transfer_error(wor
     with pytest.raises(TransferError, match="no CUDA device"):
         r.fetch_selected("e", meta, [None], None)
     assert r.stats().arena_used == 0
+
+
+@pytest.mark.parametrize("size", [1 << 60, 10 ** 30], ids=["ENOMEM", "overflow"])
+@pytest.mark.parametrize("same_node", ["map", "off"])
+def test_a_pool_or_arena_the_host_cannot_map_is_a_configuration_error(
+        world: World, size: int, same_node: str) -> None:
+    """A pool_bytes or arena_bytes larger than the host can map (a typo such as 64G on a
+    smaller machine) raised a raw OSError or OverflowError from the first put; for the
+    arena, a TransferError that blamed the sender, never named arena_bytes, and counted
+    as a transfer failure."""
+    s = make(world, pool_bytes=size, same_node=same_node)
+    with pytest.raises(ConfigurationError, match=r"sender pool of .* lower pool_bytes "
+                                                 r"\(RAY_RDT_POOL_BYTES\)"):
+        s.put("a", [torch.ones(4)])
+    assert s.stats().pool_capacity == 0
+    ok = make(world)
+    r = make(world, arena_bytes=size, same_node="off")
+    m = pickle.loads(pickle.dumps(ok.put("b", [torch.ones(4)])))
+    with pytest.raises(ConfigurationError, match=r"receive arena of .* lower arena_bytes "
+                                                 r"\(RAY_RDT_POOL_ARENA_BYTES\)"):
+        r.wait(r.fetch("b", m, None), 10)
+    st = r.stats()
+    assert st.transfer_errors == 0 and st.arena_used == 0 and st.transfers_in_flight == 0
+    ok.free("b")
+    for rt in (s, ok, r):
+        rt.shutdown()
