@@ -44,6 +44,24 @@ MAX_READ_LANES = 16
 _IDLE_DEFAULT_S = 0.02
 
 
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+class _Follows(float):
+    """An idle interval nobody set: ``_IDLE_DEFAULT_S``, or a longer
+    ``progress_interval_s``. Its type marks it, so that a copy with another
+    ``progress_interval_s`` (``with_overrides``, ``configure()`` over the environment)
+    follows the new value instead of keeping one followed from the old, and an explicit
+    0.02 is checked like any value given."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Follows, (float(self),))
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     """Settings of one process's transport. Immutable once the pool exists.
@@ -114,7 +132,7 @@ class PoolConfig:
     strict: bool = False
     prefault: bool = False
     progress_interval_s: float = 0.005
-    progress_idle_interval_s: float = 0.02  # _IDLE_DEFAULT_S
+    progress_idle_interval_s: float = _Follows(_IDLE_DEFAULT_S)
     fetch_timeout_s: float = 60.0
     metrics: bool = True
     debug_transfers: bool = False
@@ -136,7 +154,7 @@ class PoolConfig:
         for name in ("progress_interval_s", "progress_idle_interval_s", "fetch_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value):
+                    or not _finite(value):
                 raise ConfigurationError(
                     f"{name} must be a finite number of seconds, got {value!r}; pass e.g. "
                     f"{name}={getattr(PoolConfig, name)!r}")
@@ -190,10 +208,11 @@ class PoolConfig:
             raise ConfigurationError(
                 f"progress_interval_s must be in (0, 1] seconds, got {self.progress_interval_s!r}"
             )
-        if self.progress_idle_interval_s == _IDLE_DEFAULT_S < self.progress_interval_s:
+        if isinstance(self.progress_idle_interval_s, _Follows):
             # The default idle interval follows a longer active one (setting only the
             # active interval is what one expects to need).
-            object.__setattr__(self, "progress_idle_interval_s", self.progress_interval_s)
+            object.__setattr__(self, "progress_idle_interval_s", _Follows(
+                max(_IDLE_DEFAULT_S, self.progress_interval_s)))
         if not (self.progress_interval_s <= self.progress_idle_interval_s <= 1.0):
             raise ConfigurationError(
                 "progress_idle_interval_s must be between progress_interval_s "

@@ -4,6 +4,7 @@ names the value (and, from the environment, the variable) and the fix. No Ray, n
 from __future__ import annotations
 
 import math
+import pickle
 from typing import Any
 
 import pytest
@@ -26,6 +27,9 @@ from ray_rdt_pool.errors import ConfigurationError
     ("fetch_timeout_s", True, "fetch_timeout_s must be a finite number of seconds, got True"),
     ("progress_interval_s", "0.01", "progress_interval_s must be a finite number"),
     ("progress_idle_interval_s", None, "progress_idle_interval_s must be a finite number"),
+    # math.isfinite of an int too large for a float raised a raw OverflowError.
+    pytest.param("fetch_timeout_s", 10 ** 400, "fetch_timeout_s must be a finite number of "
+                 "seconds", id="fetch_timeout_s-int-too-large-for-a-float"),
 ])
 def test_options_of_the_wrong_type_are_refused(option: str, value: Any, text: str) -> None:
     with pytest.raises(ConfigurationError, match=text.replace("(", r"\(")):
@@ -76,3 +80,23 @@ def test_a_longer_progress_interval_alone_is_accepted() -> None:
     with pytest.raises(ConfigurationError,
                        match=r"got 0\.03; pass e\.g\. progress_idle_interval_s=0\.05"):
         PoolConfig(progress_interval_s=0.05, progress_idle_interval_s=0.03)
+
+
+def test_a_followed_idle_interval_follows_every_later_progress_interval() -> None:
+    """The followed idle interval was baked into the config: configure(
+    progress_interval_s=0.005) over RAY_RDT_POOL_PROGRESS_INTERVAL_S=0.5 kept an idle
+    interval of 0.5 s (new peers then connect a hundred times slower than the default
+    says), and an explicit progress_idle_interval_s=0.02 below a longer interval was
+    silently raised instead of refused."""
+    base = from_env({"RAY_RDT_POOL_PROGRESS_INTERVAL_S": "0.5"})
+    assert base.progress_idle_interval_s == 0.5
+    cfg = base.with_overrides(progress_interval_s=0.005)
+    assert (cfg.progress_interval_s, cfg.progress_idle_interval_s) == (0.005, 0.02)
+    assert cfg == PoolConfig(progress_interval_s=0.005)
+    again = pickle.loads(pickle.dumps(base)).with_overrides(progress_interval_s=0.1)
+    assert again.progress_idle_interval_s == 0.1
+    kept = PoolConfig(progress_idle_interval_s=0.5).with_overrides(progress_interval_s=0.1)
+    assert kept.progress_idle_interval_s == 0.5
+    with pytest.raises(ConfigurationError, match=r"got 0\.02; pass e\.g\. "
+                                                 r"progress_idle_interval_s=0\.05"):
+        PoolConfig(progress_interval_s=0.05, progress_idle_interval_s=0.02)
