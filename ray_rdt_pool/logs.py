@@ -24,7 +24,8 @@ import sys
 from typing import TextIO
 
 __all__ = [
-    "LOGGER_NAME", "disable_debug_logging", "enable_debug_logging", "quiet_nixl_stdout",
+    "LOGGER_NAME", "debug_handler", "disable_debug_logging", "enable_debug_logging",
+    "quiet_nixl_stdout",
 ]
 
 #: The package logger; every module's logger is a child of it.
@@ -39,28 +40,38 @@ def enable_debug_logging(stream: TextIO | None = None) -> logging.Handler:
 
     Idempotent: a second call returns the handler installed by the first. Records still
     propagate to the root logger, so an application that configured its own handlers
-    sees them too.
+    sees them too. The logger's level is set to DEBUG until :func:`disable_debug_logging`
+    puts back the one it had.
     """
     pkg = logging.getLogger(LOGGER_NAME)
-    for h in pkg.handlers:
-        if getattr(h, _MARK, False):
-            return h
+    found = debug_handler()
+    if found is not None:
+        return found
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setLevel(logging.DEBUG)
     handler.setFormatter(logging.Formatter(_FORMAT))
-    setattr(handler, _MARK, True)
+    setattr(handler, _MARK, pkg.level)  # the level to put back
     pkg.addHandler(handler)
     pkg.setLevel(logging.DEBUG)
     return handler
 
 
-def disable_debug_logging() -> None:
-    """Remove the handler of :func:`enable_debug_logging` and reset the logger's level."""
+def debug_handler() -> logging.Handler | None:
+    """The handler :func:`enable_debug_logging` installed, or None."""
+    for h in logging.getLogger(LOGGER_NAME).handlers:
+        if hasattr(h, _MARK):
+            return h
+    return None
+
+
+def disable_debug_logging(handler: logging.Handler | None = None) -> None:
+    """Remove the handler of :func:`enable_debug_logging` (only if it is ``handler``,
+    when given) and give the logger back the level it had before."""
     pkg = logging.getLogger(LOGGER_NAME)
     for h in list(pkg.handlers):
-        if getattr(h, _MARK, False):
+        if hasattr(h, _MARK) and (handler is None or h is handler):
             pkg.removeHandler(h)
-    pkg.setLevel(logging.NOTSET)
+            pkg.setLevel(getattr(h, _MARK))
 
 
 def quiet_nixl_stdout() -> int:

@@ -250,10 +250,14 @@ class Runtime:
         # The process that made it: a forked child inherits this object, and its agent,
         # agent name and GCS key are the parent's (see the module-level shutdown()).
         self.pid = os.getpid()
+        # The handler this runtime added (None: it added none), which retire() takes
+        # away again: the runtime configure() makes instead may not want it.
+        self._debug_handler: Any = None
         if config.debug_transfers:
-            from ray_rdt_pool.logs import enable_debug_logging
+            from ray_rdt_pool.logs import debug_handler, enable_debug_logging
 
-            enable_debug_logging()
+            if debug_handler() is None:
+                self._debug_handler = enable_debug_logging()
 
     @property
     def observer(self) -> Any:
@@ -307,6 +311,10 @@ class Runtime:
         """True once the NIXL agent exists (the configuration is fixed from then on)."""
         return self._backend is not None
 
+    def shut_down(self) -> bool:
+        """shutdown() was called on this runtime (configure()'s retire() does not count)."""
+        return self._closing and not self._retired
+
     def retire(self) -> bool:
         """For configure(): close this runtime if its agent does not exist yet, so no
         operation can start it any more; False (nothing done) if it exists already.
@@ -321,6 +329,10 @@ class Runtime:
         try:
             if self.observer is not None and hasattr(self.observer, "close"):
                 self.observer.close()
+            if self._debug_handler is not None:
+                from ray_rdt_pool.logs import disable_debug_logging
+
+                disable_debug_logging(self._debug_handler)
         finally:
             self.closed = True
             self._shut.set()
@@ -589,6 +601,11 @@ def configure(**options: Any) -> PoolConfig:
             raise ConfigurationError(
                 f"configure() was already called in this process with other values {changed} "
                 "(old, new); configure once per process")
+        if _runtime is not None and _runtime.shut_down():
+            raise ConfigurationError(
+                "configure() was called after ray_rdt_pool.shutdown() in this process; the "
+                "transport cannot be used again here. Configure it before the first use, "
+                "and shut it down last")
         if _runtime is not None and new != _runtime.config:
             # Nothing was created yet: start afresh (a set_cuda_stream() stays set, see
             # _cuda_stream). An agent made meanwhile by another thread's first put wins.

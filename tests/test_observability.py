@@ -27,7 +27,7 @@ import ray_rdt_pool
 from ray_rdt_pool import metrics as rdt_metrics
 from ray_rdt_pool import view
 from ray_rdt_pool.config import PoolConfig, from_env
-from ray_rdt_pool.logs import disable_debug_logging, quiet_nixl_stdout
+from ray_rdt_pool.logs import debug_handler, disable_debug_logging, quiet_nixl_stdout
 from ray_rdt_pool.snapshot import TransportStats
 from ray_rdt_pool.transport import Runtime
 from tests.raycluster import start_ray, wait_for
@@ -340,7 +340,7 @@ def test_debug_logging_variable(caplog: pytest.LogCaptureFixture,
         assert rdt_metrics.observer_for(rt) is None  # metrics off, debug handler on
         pkg = logging.getLogger("ray_rdt_pool")
         assert pkg.level == logging.DEBUG
-        assert any(getattr(h, "_ray_rdt_pool_debug_handler", False) for h in pkg.handlers)
+        assert debug_handler() in pkg.handlers
         rt.put("dbg-obj", [torch.ones(100), torch.ones(28)])
         rt.free("dbg-obj")
         puts = [r.getMessage() for r in caplog.records
@@ -353,8 +353,7 @@ def test_debug_logging_variable(caplog: pytest.LogCaptureFixture,
     out, err = capsys.readouterr()
     assert out == ""
     assert "DEBUG ray_rdt_pool.sender" in err and "put dbg-obj" in err
-    assert not any(getattr(h, "_ray_rdt_pool_debug_handler", False)
-                   for h in logging.getLogger("ray_rdt_pool").handlers)
+    assert debug_handler() is None
 
 
 _NIXL_AGENT = textwrap.dedent("""

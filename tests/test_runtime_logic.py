@@ -11,6 +11,7 @@ other object's bytes changed.
 from __future__ import annotations
 
 import gc
+import io
 import logging
 import pickle
 import re
@@ -757,6 +758,55 @@ def test_configure_during_the_first_put_in_another_thread(monkeypatch):
     with pytest.raises(ConfigurationError, match="configure\\(\\) replaced"):
         old.put("x", [torch.ones(4)])
     tp.runtime().shutdown()
+
+
+def test_configure_after_shutdown_is_refused_and_a_retired_runtime_takes_its_debug_handler(
+        monkeypatch):
+    """shutdown() promises the transport cannot be used again in the process, but a
+    configure() with other values after it (the runtime had only served stats()) made a
+    fresh, open runtime. And with RAY_RDT_POOL_DEBUG=1, the stderr handler of a runtime
+    that configure(debug_transfers=False) replaced stayed installed for good."""
+    import logging
+
+    from ray_rdt_pool import transport as tp
+    from ray_rdt_pool.logs import debug_handler, disable_debug_logging
+
+    w = World()
+    monkeypatch.setattr(tp, "KVDirectory", lambda: w)
+    monkeypatch.setattr(tp, "_ray_node_id", lambda: None)
+    for name, value in (("_runtime", None), ("_config", None), ("_configured", False),
+                        ("_atexit_registered", True)):
+        monkeypatch.setattr(tp, name, value)
+    monkeypatch.setenv("RAY_RDT_POOL_METRICS", "0")
+    monkeypatch.setenv("RAY_RDT_POOL_DEBUG", "1")
+    pkg = logging.getLogger("ray_rdt_pool")
+    level = pkg.level
+    try:
+        first = tp.runtime()  # a stats() before configure(): nothing started
+        assert debug_handler() is not None and pkg.level == logging.DEBUG
+        tp.configure(debug_transfers=False, pool_bytes=2 << 20)
+        assert first.closed and debug_handler() is None and pkg.level == level
+        # A handler the user installed is not the runtime's to take away.
+        from ray_rdt_pool.logs import enable_debug_logging
+
+        theirs = enable_debug_logging(io.StringIO())
+        monkeypatch.setattr(tp, "_runtime", None)
+        monkeypatch.setattr(tp, "_configured", False)
+        monkeypatch.setattr(tp, "_config", None)
+        tp.runtime()
+        tp.configure(debug_transfers=False)
+        assert debug_handler() is theirs
+        disable_debug_logging()
+        for name, value in (("_runtime", None), ("_config", None), ("_configured", False)):
+            monkeypatch.setattr(tp, name, value)
+        rt = tp.runtime()
+        tp.shutdown()
+        with pytest.raises(ConfigurationError, match=r"after ray_rdt_pool\.shutdown"):
+            tp.configure(pool_bytes=4 << 20)
+        assert tp.runtime() is rt and rt.closed
+    finally:
+        disable_debug_logging()
+        pkg.setLevel(level)
 
 
 def test_fetch_selected_of_an_object_this_process_holds_checks_the_selection(
