@@ -1107,6 +1107,8 @@ def _flat_from_rdt(kind: str, n: int, keys: list[str] | None,
         raise WireFormatError(
             f"a nixl_pool object's value names {n} tensors but {len(got)} arrived; run "
             "the same ray_rdt_pool version on the sender and the receiver")
+    if order is not None:
+        _check_order(order, n)
     items = got if order is None else [got[i] for i in order]
     if kind == "list":
         return list(items)
@@ -1116,6 +1118,24 @@ def _flat_from_rdt(kind: str, n: int, keys: list[str] | None,
         raise WireFormatError(f"a nixl_pool object's dict value of {len(items)} tensors "
                               f"carries {None if keys is None else len(keys)} keys")
     return dict(zip(keys, items))
+
+
+def _check_order(order: Sequence[Any], n: int) -> None:
+    """WireFormatError unless ``order`` is what :func:`flat_tensors` makes for ``n``
+    distinct tensors: each of 0..n-1 at least once, first seen in increasing order (a
+    repeat names one seen before)."""
+    seen = 0
+    for i in order:
+        if type(i) is not int or not 0 <= i <= seen or i >= n:
+            raise WireFormatError(
+                f"a nixl_pool object's value places tensor {i!r} where only tensors 0 to "
+                f"{min(seen, n - 1)} of its {n} may come; run the same ray_rdt_pool version "
+                "on the sender and the receiver")
+        seen += i == seen
+    if seen != n:
+        raise WireFormatError(
+            f"a nixl_pool object's value places {seen} of its {n} tensors; run the same "
+            "ray_rdt_pool version on the sender and the receiver")
 
 
 def flat_tensors(value: Any, tensor_type: type) -> tuple[_FlatTensors, list[Any]] | None:

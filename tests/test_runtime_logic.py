@@ -1752,3 +1752,25 @@ def test_a_pool_or_arena_the_host_cannot_map_is_a_configuration_error(
     ok.free("b")
     for rt in (s, ok, r):
         rt.shutdown()
+
+
+def test_a_value_whose_order_is_not_one_flat_tensors_makes_is_a_wire_format_error(
+        monkeypatch):
+    """The receiver rebuilt a flat value's repeats with the order as it came: an index
+    past the tensors was a raw IndexError, and a negative one or a tensor left out
+    ([1, 1]) silently put another tensor in its place."""
+    import types
+
+    from ray_rdt_pool import transport as tp
+
+    a, b, c = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
+    monkeypatch.setattr(tp, "_rdt_context_local",
+                        lambda: types.SimpleNamespace(rdt_tensors=[a, b]))
+    for order in ([0, 5], [0, -1], [1, 1], [1, 0], [0, 0], [0, True], [0, 1.0]):
+        with pytest.raises(WireFormatError, match="same ray_rdt_pool version"):
+            tp._flat_from_rdt("list", 2, None, order)
+    stand_in, tensors = tp.flat_tensors([a, b, a, c, b], torch.Tensor)
+    monkeypatch.setattr(tp, "_rdt_context_local",
+                        lambda: types.SimpleNamespace(rdt_tensors=tensors))
+    out = tp._flat_from_rdt(stand_in.kind, stand_in.n, stand_in.keys, stand_in.order)
+    assert [t is x for t, x in zip(out, [a, b, a, c, b])] == [True] * 5
