@@ -575,6 +575,11 @@ class Sender:
             with self.lock:
                 self._reap_leased_locked()
 
+    def live_ids(self) -> list[str]:
+        """The objects held now (put and not freed)."""
+        with self.lock:
+            return list(self.sent)
+
     def leased_stats(self) -> tuple[int, int]:
         """(objects, bytes) freed by Ray whose blocks wait for receivers' leases."""
         with self.lock:

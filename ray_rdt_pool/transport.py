@@ -246,6 +246,9 @@ class Runtime:
         self._closing = False
         self.closed = False
         self._retired = False
+        # The Ray session of the latest put (see _objects_of_ended_sessions).
+        self._session: object = None
+        self._session_lock = threading.Lock()
         self._shut = threading.Event()  # set when the first shutdown() has finished
         # The process that made it: a forked child inherits this object, and its agent,
         # agent name and GCS key are the parent's (see the module-level shutdown()).
@@ -338,11 +341,35 @@ class Runtime:
             self._shut.set()
         return True
 
+    def _objects_of_ended_sessions(self) -> None:
+        """At the first put after ``ray.shutdown()`` and a new ``ray.init()`` in this
+        process (a notebook, a test harness): free the objects put in the ended session.
+        Ray never frees those whose refs were alive at its shutdown, and no ref of the
+        new session can name them, so their blocks would stay taken for the life of the
+        process (with ``strict``, every later put that needs them fails). Blocks that
+        same-node receivers still hold views of wait for their leases, as on any free."""
+        session = getattr(self.directory, "session", None)
+        now = session() if session is not None else None
+        if now is None or now == self._session:
+            return
+        with self._session_lock:
+            if now == self._session:
+                return
+            # Listed with the session switched under one lock: a put of the new session
+            # on another thread comes after and is not among them.
+            ended = self.sender.live_ids() if self._session is not None else []
+            self._session = now
+        freed = sum(self.sender.free(obj_id) for obj_id in ended)
+        if freed:
+            logger.info("freed %d nixl_pool object(s) of an ended Ray session (their refs "
+                        "were alive at ray.shutdown(), so Ray never freed them)", freed)
+
     def sending(self) -> None:
         """Before a put: the agent exists, and its progress thread runs at the fast
         interval for a while, since the object's readers may connect for the first time
         (a connection needs this side's progress calls)."""
         self.admit()
+        self._objects_of_ended_sessions()
         self.backend()
         self._active()
 

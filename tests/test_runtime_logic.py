@@ -1774,3 +1774,27 @@ def test_a_value_whose_order_is_not_one_flat_tensors_makes_is_a_wire_format_erro
                         lambda: types.SimpleNamespace(rdt_tensors=tensors))
     out = tp._flat_from_rdt(stand_in.kind, stand_in.n, stand_in.keys, stand_in.order)
     assert [t is x for t, x in zip(out, [a, b, a, c, b])] == [True] * 5
+
+
+def test_objects_of_an_ended_ray_session_are_freed_at_the_first_put_of_the_next(world):
+    """A driver that calls ray.shutdown() and ray.init() again never got back the pool
+    blocks of objects whose refs were alive at the shutdown: Ray never frees them, so
+    every later session had less pool, and with strict=True its puts failed."""
+    session = ["s1"]
+    world.session = lambda: session[0]  # type: ignore[attr-defined]
+    rt = make(world, pool_bytes=1 << 20, strict=True)
+    for i in range(3):
+        rt.put(f"old{i}", [torch.ones(60_000)])  # 240 KB each: the pool holds four
+    assert rt.stats().live_objects == 3
+    session[0] = "s2"  # ray.shutdown(); ray.init()
+    for i in range(3):
+        rt.put(f"new{i}", [torch.full((60_000,), float(i))])
+    st = rt.stats()
+    assert st.live_objects == 3 and st.objects_freed == 3
+    session[0] = "s2"
+    rt.put("more", [torch.ones(4)])  # the same session: nothing of it is freed
+    assert rt.stats().live_objects == 4
+    for oid in ("new0", "new1", "new2", "more"):
+        rt.free(oid)
+    assert rt.stats().pool_used == 0 and rt.stats().live_objects == 0
+    rt.shutdown()
