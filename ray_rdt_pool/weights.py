@@ -1682,6 +1682,82 @@ def _mapper(name_map: NameMap) -> Callable[[str], str | None]:
                             f"{type(name_map).__name__}")
 
 
+def _check_layout(entries: Sequence[TensorEntry], buckets: Sequence[Bucket],
+                  first: int = 0) -> None:
+    """WeightSyncError unless the layout agrees with itself, as the sender makes it:
+    bucket ``i`` of ``buckets`` has index ``first + i``; each entry names one of them and
+    a known dtype, a shape of non-negative ints and the bytes it makes; each bucket's
+    entries sit at positions 0 to n-1, in the order of its names. The receiver plans
+    its writes on these facts: a layout that breaks one left a destination unwritten
+    with the version committed, or gave it another tensor's bytes."""
+    problems: list[str] = []
+    positions: dict[int, int] = {}
+    for i, b in enumerate(buckets):
+        if b.index != first + i:
+            problems.append(f"bucket {first + i} is listed as bucket {b.index!r}")
+        positions[b.index] = i
+    names: dict[int, dict[int, str]] = {}
+    seen: set[str] = set()
+    for e in entries:
+        if e.name in seen:
+            problems.append(f"{e.name!r} is listed twice")
+        seen.add(e.name)
+        shape_ok = type(e.shape) is tuple and all(type(k) is int and k >= 0 for k in e.shape)
+        try:
+            size = _itemsize(_dtype_of(e.dtype)) if isinstance(e.dtype, str) else None
+        except InvalidInputError:
+            size = None
+        if not shape_ok or size is None:
+            problems.append(f"{e.name!r} has shape {e.shape!r} and dtype {e.dtype!r}")
+        elif e.nbytes != math.prod(e.shape) * size:
+            problems.append(f"{e.name!r} ({e.shape} {e.dtype}) is said to be "
+                            f"{e.nbytes!r} bytes")
+        if e.bucket not in positions:
+            problems.append(f"{e.name!r} is in bucket {e.bucket!r}, which the layout does "
+                            "not list")
+        elif names.setdefault(e.bucket, {}).setdefault(e.index, e.name) != e.name:
+            problems.append(f"{e.name!r} and {names[e.bucket][e.index]!r} are both at "
+                            f"position {e.index!r} of bucket {e.bucket}")
+    for b in buckets:
+        at = names.get(b.index, {})
+        if [at.get(i) for i in range(len(b.names))] != list(b.names) or len(at) != len(b.names):
+            problems.append(f"bucket {b.index}'s tensors are not at positions 0 to "
+                            f"{len(b.names) - 1} in the order of its names")
+    if problems:
+        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise WeightSyncError(
+            f"the weight layout contradicts itself: {'; '.join(problems[:3])}{more}. Nothing "
+            "was written; run the same ray_rdt_pool version on the sender and the receivers")
+
+
+def _check_arrived(plan: BucketPlan, got: Sequence[torch.Tensor] | None = None,
+                   wire: bytes | None = None) -> None:
+    """WeightSyncError unless bucket ``plan.index`` arrived as its layout says: one
+    tensor per entry, of the entry's dtype and shape (or, read in part, the selected
+    part's). ``got``: the tensors received; ``wire``: the object's metadata (whole
+    tensors), for a bucket not fetched yet. Checked before anything is written: ``copy_`` would
+    broadcast or cast a tensor of another shape or dtype into the destination without a
+    word, and a landing would blame the destination."""
+    from ray_rdt_pool.wire import decode
+
+    facts = list(decode(wire).shapes_dtypes()) if wire is not None else [
+        (tuple(g.shape), _dtype_str(g.dtype)) for g in got or ()]
+    entries = plan.entries
+    # The metadata describes whole tensors; what a partial read returns, the parts.
+    whole = wire is not None or plan.select is None
+    want = [(e.shape if whole else _selected_shape(plan.select[e.index], e.shape),  # type: ignore[index]
+             e.dtype) for e in entries]
+    if len(facts) == len(entries) and all(
+            facts[e.index] == (tuple(w), d) for e, (w, d) in zip(entries, want)):
+        return
+    raise WeightSyncError(
+        f"bucket {plan.index} arrived as {len(facts)} tensor(s) {facts[:4]}"
+        f"{' ...' if len(facts) > 4 else ''}, but its layout lists {len(entries)}: "
+        f"{want[:4]}{' ...' if len(want) > 4 else ''}; nothing of it was written. The "
+        "sender and this receiver disagree on the layout: run the same ray_rdt_pool "
+        "version on both")
+
+
 @dataclass
 class BucketPlan:
     """How one bucket is loaded: landed in ``targets`` (direct) or copied via ``copies``."""
@@ -2206,8 +2282,10 @@ class WeightReceiver:
     def check(self, layout: WeightLayout) -> LoadPlan:
         """Validate ``layout`` against the destination and plan the load; writes nothing.
 
-        Raises a :class:`ManifestMismatchError` subclass listing every problem.
+        Raises a :class:`ManifestMismatchError` subclass listing every problem, or
+        :class:`WeightSyncError` for a layout that contradicts itself.
         """
+        _check_layout(layout.entries, layout.buckets)
         dests = self._dests()
         by_name = layout.by_name()
         sources = [(e.name, e) for e in layout.entries]
@@ -2306,6 +2384,8 @@ class WeightReceiver:
         elif isinstance(ref, PoolBucket):
             from ray_rdt_pool.transport import fetch_owned
 
+            _check_arrived(plan, wire=ref.wire)
+
             # Targets are written in place (or copied into on first sight), as a get
             # with set_target_for_ref would.
             got = fetch_owned(ref.obj_id, ref.wire, ref.device,
@@ -2325,11 +2405,15 @@ class WeightReceiver:
                    for g, t in zip(got, plan.targets)):
                 # Ray ignored the targets (e.g. one was collected): copy instead.
                 direct = False
+                _check_arrived(plan, got)
                 _copy_all(zip(plan.targets, got))
             src = plan.targets
         else:
             got = ray.get(ref)
             src = got
+        if src is got and not isinstance(ref, PoolBucket):
+            # (Landed in the targets, the transport compared them with the object first.)
+            _check_arrived(plan, got)
         for idx, d, what in plan.verify:
             if not _same_bytes(d, src[idx]):
                 del got, src
@@ -2575,6 +2659,7 @@ class WeightReceiver:
         if spec.bucket.index != k:
             raise WeightSyncError(f"bucket {k} arrived with the layout of bucket "
                                   f"{spec.bucket.index}")
+        _check_layout(spec.entries, (spec.bucket,), k)
         by_name = {e.name: e for e in spec.entries}
         sources = [(e.name, e) for e in spec.entries]
         sources += [(a, by_name[c]) for a, c in spec.aliases if c in by_name]

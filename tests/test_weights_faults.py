@@ -1164,3 +1164,92 @@ def test_a_name_map_that_raises_or_returns_a_non_name_is_a_mismatch(runtime: Any
         assert r.weight_receiver.version == 0
         if not lazy:
             assert values(dest) == [0.0] * 3
+
+
+def _stream_direct(layout: WeightLayout | None, objects: list[list[torch.Tensor]],
+                   dest: dict[str, torch.Tensor], specs: list[BucketLayout] | None = None,
+                   **opts: Any) -> WeightReceiver:
+    """Stream ``objects`` (bucket k's tensors) to a receiver of ``dest`` under
+    ``layout`` (or the lazy ``specs``), as a sender whose layout disagrees would."""
+    from ray_rdt_pool.weights import PoolBucket
+
+    recv = WeightReceiver(dest, **opts)
+    recv.begin_stream("s", layout, 1)
+    try:
+        for k, tensors in enumerate(objects):
+            wire, dev = put_owned(f"b{k}", tensors)
+            try:
+                recv.load_stream_bucket("s", k, [PoolBucket(f"b{k}", wire, dev)],
+                                        specs[k] if specs is not None else None)
+            finally:
+                free_owned(f"b{k}")
+        recv.finish_stream("s", len(objects))
+    finally:
+        recv.abort_stream("s")
+    return recv
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "arena"])
+@pytest.mark.parametrize("sent", ["a row", "one value", "int8", "fewer tensors"])
+def test_a_bucket_unlike_its_layout_is_refused_before_it_is_written(
+        runtime: Any, sent: str, direct: bool) -> None:
+    """The receiver compared the layout with its destinations, never the bucket that
+    came with the layout: one copied through the arena was broadcast or cast into the
+    destination (a (4,) row into every row of a (4, 4) weight, one value into all of
+    them) and the version committed; fewer tensors than listed raised a raw IndexError.
+    Landed directly, the error blamed the destination."""
+    from ray_rdt_pool.weights import Bucket, TensorEntry
+
+    runtime()
+    layout = WeightLayout((TensorEntry("w", (4, 4), "float32", 0, 0, 64),
+                           TensorEntry("v", (4,), "float32", 0, 1, 16)),
+                          (Bucket(0, ("w", "v"), 128),))
+    tensors = {"a row": [torch.arange(4.0), torch.ones(4)],
+               "one value": [torch.tensor([9.0]), torch.ones(4)],
+               "int8": [torch.ones(4, 4, dtype=torch.int8), torch.ones(4)],
+               "fewer tensors": [torch.ones(4, 4)]}[sent]
+    dest = {"w": torch.zeros(4, 4), "v": torch.zeros(4)}
+    with pytest.raises(WeightSyncError, match=r"bucket 0 arrived as .* its layout lists "
+                                              r".* same ray_rdt_pool version"):
+        _stream_direct(layout, [tensors], dest, direct=direct)
+    assert not dest["w"].any() and not dest["v"].any()
+
+
+@pytest.mark.parametrize("case", ["a bucket it does not list", "two at one position",
+                                  "a position past the object", "buckets out of order",
+                                  "bytes that do not add up", "a name twice"])
+def test_a_layout_that_contradicts_itself_is_refused(runtime: Any, case: str) -> None:
+    """Nothing checked that a layout agreed with itself: an entry in a bucket the layout
+    does not list was never written (strict or not) and the version committed; two
+    entries at one position gave one the other's bytes when copied, and buckets listed
+    out of order swapped two weights in a stream."""
+    from ray_rdt_pool.weights import Bucket, TensorEntry
+
+    runtime()
+
+    def e(name: str, bucket: int, index: int, nbytes: int = 16) -> TensorEntry:
+        return TensorEntry(name, (4,), "float32", bucket, index, nbytes)
+
+    one = (Bucket(0, ("a", "b"), 64),)
+    two = (Bucket(0, ("a",), 64), Bucket(1, ("b",), 64))
+    layout = {"a bucket it does not list": WeightLayout((e("a", 0, 0), e("b", 7, 0)),
+                                                        (Bucket(0, ("a",), 64),)),
+              "two at one position": WeightLayout((e("a", 0, 0), e("b", 0, 0)), one),
+              "a position past the object": WeightLayout((e("a", 0, 0), e("b", 0, 5)), one),
+              "buckets out of order": WeightLayout((e("a", 0, 0), e("b", 1, 0)),
+                                                   (two[1], two[0])),
+              "bytes that do not add up": WeightLayout((e("a", 0, 0), e("b", 0, 1, 8)), one),
+              "a name twice": WeightLayout((e("a", 0, 0), e("a", 0, 1)), one)}[case]
+    objects = [[torch.ones(4), torch.full((4,), 2.0)]] if len(layout.buckets) == 1 else \
+        [[torch.ones(4)], [torch.full((4,), 2.0)]]
+    for direct in (True, False):
+        dest = {"a": torch.zeros(4), "b": torch.zeros(4)}
+        with pytest.raises(WeightSyncError, match="the weight layout contradicts itself"):
+            _stream_direct(layout, objects, dest, direct=direct, strict=False)
+        assert not dest["a"].any() and not dest["b"].any()
+    # A lazy stream's bucket layouts are checked the same way.
+    spec = BucketLayout(Bucket(0, ("a", "b"), 64), (e("a", 0, 0), e("b", 0, 0)))
+    dest = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    with pytest.raises(WeightSyncError, match="the weight layout contradicts itself"):
+        _stream_direct(None, [[torch.ones(4), torch.full((4,), 2.0)]], dest, [spec])
+    assert not dest["a"].any()
