@@ -505,8 +505,10 @@ class NixlBackend:
             handle = agent.initialize_xfer("READ", ldl, rdl, remote_name, b"")
             try:
                 state = str(agent.transfer(handle))
-            except Exception as e:
-                failed: Exception = e
+            except BaseException as e:
+                # A Ctrl-C raised as transfer() returns leaves the READ posted, and maybe
+                # running: it is unwound like a failed post, then re-raised.
+                failed: BaseException = e
             else:
                 if state != "ERR":
                     return handle, state

@@ -816,9 +816,11 @@ class Receiver:
                 addr, length = host.map(spans, meta.total)
                 with self.lock:  # before any view exists (see _before_fork)
                     self._live[addr] = (host, slot, length)
-        except OSError as e:
+        except BaseException as e:
             with self.lock:
                 self._unlease_locked(host, slot, meta.total)
+            if not isinstance(e, OSError):  # a Ctrl-C: the lease goes back all the same
+                raise
             logger.warning("mapping object %s of same-node sender %s failed (%s); reading "
                            "it with NIXL", f.obj_id, meta.agent, e)
             return False
@@ -1187,9 +1189,10 @@ class Receiver:
         what = f"starting the READ of object {obj_id} ({meta.total:,} bytes) from {meta.agent}"
         with self.events.failures(what, "the sender may have exited; fetch again while the "
                                         "ref is in scope"):
-            peer = self._lease_peer(meta)
+            peer: Peer | None = None
             landing: Landing | None = None
             try:
+                peer = self._lease_peer(meta)
                 landing, local, remote = self._land(f, device, targets)
                 local, remote = merge_descriptors(local, remote)
                 f.ndescs = len(local)
@@ -1197,9 +1200,24 @@ class Receiver:
                                                     MEM_TYPE[landing.device],
                                                     MEM_TYPE[meta.device],
                                                     split=landing.kind == "arena")
+                # Tracked before anything else can raise (a Ctrl-C): reap() must be able
+                # to end it, or its landing and the peer's lease stay held for good.
+                t = Transfer(obj_id, handle, peer, landing, time.monotonic())
+                with self.lock:
+                    self.outstanding[id(t)] = t
+                    if self._pending_abort(obj_id):  # arrived while the READ was posted
+                        t.aborted = True
+                f.transfer = t
+                self.events.add("reads_posted")
             except BaseException as e:
+                if f.transfer is not None:
+                    # Posted, then interrupted: nobody will wait for it.
+                    f.settled = True
+                    self._finish_id(obj_id)
+                    self.abandon(f.transfer)
+                    raise
                 if (isinstance(e, ReadStillRunningError) and e.running is not None
-                        and landing is not None):
+                        and landing is not None and peer is not None):
                     # Part of it may still write: keep the landing and the lease until
                     # it ends (reap polls it; cut off at fetch_timeout_s).
                     running, e.running = e.running, None
@@ -1208,18 +1226,12 @@ class Receiver:
                 # Nothing was posted: the landing and the lease can go back at once.
                 if landing is not None:
                     self.release_landing(landing)
-                with self.lock:
-                    peer.in_flight -= 1
-                    self._suspect(peer)
-                    self.events.add("in_flight", -1)
+                if peer is not None:
+                    with self.lock:
+                        peer.in_flight -= 1
+                        self._suspect(peer)
+                        self.events.add("in_flight", -1)
                 raise
-        self.events.add("reads_posted")
-        t = Transfer(obj_id, handle, peer, landing, time.monotonic())
-        with self.lock:
-            self.outstanding[id(t)] = t
-            if self._pending_abort(obj_id):  # arrived while the READ was being posted
-                t.aborted = True
-        f.transfer = t
         return f
 
     def _adopt_running(self, obj_id: str, handle: Any, peer: Peer, landing: Landing) -> None:

@@ -626,13 +626,15 @@ class MappedPool:
                           -1, 0)
         if base in (None, _MAP_FAILED):
             raise OSError(ctypes.get_errno(), "reserving address space failed")
-        for v, off, n in spans:
-            got = _libc.mmap(base + v, page_up(n), _PROT_RW, mmap.MAP_PRIVATE | _MAP_FIXED,
-                             self.pool_fd, off)
-            if got != base + v:
-                err = ctypes.get_errno()
-                _libc.munmap(base, span)
-                raise OSError(err, "mmap of a shared pool block failed")
+        try:
+            for v, off, n in spans:
+                got = _libc.mmap(base + v, page_up(n), _PROT_RW,
+                                 mmap.MAP_PRIVATE | _MAP_FIXED, self.pool_fd, off)
+                if got != base + v:
+                    raise OSError(ctypes.get_errno(), "mmap of a shared pool block failed")
+        except BaseException:  # a failed mmap, or a Ctrl-C between two
+            _libc.munmap(base, span)
+            raise
         return int(base), span
 
     def give_back(self) -> None:

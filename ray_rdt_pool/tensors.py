@@ -1399,8 +1399,21 @@ def device_block(addr: int, nbytes: int, device: str, device_id: int,
     capsule_new = ctypes.pythonapi.PyCapsule_New
     capsule_new.restype = ctypes.py_object
     capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    capsule = capsule_new(ctypes.addressof(managed), b"dltensor", None)
-    return torch.utils.dlpack.from_dlpack(capsule)
+    capsule: Any = None
+    try:
+        capsule = capsule_new(ctypes.addressof(managed), b"dltensor", None)
+        return torch.utils.dlpack.from_dlpack(capsule)
+    except BaseException:
+        # No tensor took the capsule (torch renames the one it takes): nothing will call
+        # the deleter, so the memory's owner is told now (a Ctrl-C, say).
+        valid = ctypes.pythonapi.PyCapsule_IsValid
+        valid.restype = ctypes.c_int
+        valid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+        if capsule is None or valid(capsule, b"dltensor"):
+            entry = _live_blocks.pop(ctypes.addressof(managed), None)
+            if entry is not None and entry[2] is not None:
+                entry[2]()
+        raise
 
 
 def pack_torch(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[int],

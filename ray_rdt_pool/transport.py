@@ -417,8 +417,13 @@ class Runtime:
         self.admit()
         meta = pmeta.decoded()
         inner = self.receiver.fetch(obj_id, meta, pmeta.tensor_device, targets)
-        return PoolFetch(obj_id=obj_id, tensors=inner.tensors, inner=inner,
-                         receiver=self.receiver)
+        try:
+            return PoolFetch(obj_id=obj_id, tensors=inner.tensors, inner=inner,
+                             receiver=self.receiver)
+        except BaseException:  # a Ctrl-C before the request's __del__ net exists
+            if inner.transfer is not None and not inner.settled:
+                self.receiver.dropped(inner.transfer)
+            raise
 
     def fetch_selected(self, obj_id: str, pmeta: PoolTransportMetadata,
                        selection: Sequence[tuple[slice, ...] | None],

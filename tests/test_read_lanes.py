@@ -825,3 +825,32 @@ def test_two_real_lanes_read_byte_exact_between_two_processes():
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+
+
+@pytest.mark.parametrize("cancel", [True, False], ids=["cancelled", "cannot-cancel"])
+def test_a_ctrl_c_as_the_post_returns_unwinds_the_read_it_started(cancel):
+    """A KeyboardInterrupt raised as transfer() returned (the user's Ctrl-C during the
+    post) passed `except Exception` with the READ running, neither released nor handed
+    back: the receiver took it for "nothing posted" and gave the landing to the next
+    object, which the READ then overwrote."""
+    r = Rig(lanes=1, post_timeout_s=0.1)
+    try:
+        a = r.agents[0]
+        a.post, a.cancel, a.remove_raises = "PROC", cancel, not cancel
+        real = a.transfer
+
+        def interrupted(h: int) -> str:
+            real(h)
+            raise KeyboardInterrupt
+        a.transfer = interrupted  # type: ignore[method-assign]
+        if cancel:
+            with pytest.raises(KeyboardInterrupt):
+                r.read(split=False)
+            assert not a.live() and [x.state for x in a.xfers.values()] == ["CANCELLED"]
+        else:
+            with pytest.raises(ReadStillRunningError) as info:
+                r.read(split=False)
+            assert isinstance(info.value.__cause__, KeyboardInterrupt)
+            assert r.b.state(info.value.running) == "PROC" and len(a.live()) == 1
+    finally:
+        r.close()

@@ -1798,3 +1798,37 @@ def test_objects_of_an_ended_ray_session_are_freed_at_the_first_put_of_the_next(
         rt.free(oid)
     assert rt.stats().pool_used == 0 and rt.stats().live_objects == 0
     rt.shutdown()
+
+
+def test_a_ctrl_c_right_after_a_read_is_posted_leaves_nothing_held(world, monkeypatch):
+    """A KeyboardInterrupt after start_read() returned, before the READ was recorded as
+    a transfer: reap() never saw it, so its arena block, the peer's in-flight count and
+    the NIXL handle stayed held for the life of the process."""
+    s, r = make(world), make(world)
+    meta = pickle.loads(pickle.dumps(s.put("a", [torch.full((50_000,), 1.0)])))
+    real = r.events.add
+
+    def add(name, *a, **k):
+        real(name, *a, **k)
+        if name == "reads_posted":
+            raise KeyboardInterrupt
+    monkeypatch.setattr(r.events, "add", add)
+    with pytest.raises(KeyboardInterrupt):
+        r.wait(r.fetch("a", meta, None), 10)
+    monkeypatch.setattr(r.events, "add", real)
+    deadline = time.monotonic() + 5
+    while (r.stats().arena_used or r.stats().transfers_in_flight) and \
+            time.monotonic() < deadline:
+        gc.collect()
+        r.receiver.reap()
+        time.sleep(0.01)
+    st = r.stats()
+    assert st.arena_used == 0 and st.transfers_in_flight == 0
+    assert not [x for x in world.agents[r.agent_name].xfers.values() if not x.released]
+    got = r.wait(r.fetch("a", meta, None), 10)  # the next get of it is exact
+    assert torch.equal(got[0], torch.full((50_000,), 1.0))
+    del got
+    s.free("a")
+    for rt in (s, r):
+        rt.shutdown()
+

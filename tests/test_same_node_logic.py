@@ -1093,3 +1093,42 @@ def test_a_pool_full_of_leased_blocks_says_so(world, caplog):
             assert any(re.search(want, rec.getMessage()) for rec in caplog.records)
             s.free("b")
         del kept
+
+
+def test_a_ctrl_c_inside_a_mapped_get_gives_the_lease_back(world, monkeypatch):
+    """A KeyboardInterrupt while a same-node get mapped the sender's block (only
+    OSError was undone there), or while the block's tensor was being made, kept the
+    lease: the sender's block stayed leased after Ray freed the object, for good."""
+    from ray_rdt_pool import shared
+
+    s, r = make(world), make(world)
+    src = [torch.full((100_000,), 3.0)]
+    assert torch.equal(get(s, r, "w", src)[0], src[0])  # opens the sender's pool
+    s.free("w")
+    settle(s, r)
+    assert r.stats().mapped_gets == 1
+    real_map, real_dlpack = shared.MappedPool.map, torch.utils.dlpack.from_dlpack
+
+    def map_then_interrupted(self, spans, total):
+        real_map(self, spans, total)
+        raise KeyboardInterrupt
+
+    def dlpack_interrupted(capsule):
+        raise KeyboardInterrupt
+
+    for where in ("map", "tensor"):
+        if where == "map":
+            monkeypatch.setattr(shared.MappedPool, "map", map_then_interrupted)
+        else:
+            monkeypatch.setattr(torch.utils.dlpack, "from_dlpack", dlpack_interrupted)
+        meta = ship(s.put(where, src))
+        with pytest.raises(KeyboardInterrupt):
+            r.wait(r.fetch(where, meta, None), 10)
+        monkeypatch.setattr(shared.MappedPool, "map", real_map)
+        monkeypatch.setattr(torch.utils.dlpack, "from_dlpack", real_dlpack)
+        s.free(where)
+        settle(s, r)
+        ss, rs = s.stats(), r.stats()
+        assert (ss.leased_objects, ss.pool_used, rs.mapped_objects) == (0, 0, 0), where
+    for rt in (s, r):
+        rt.shutdown()
