@@ -10,7 +10,7 @@ value above 1 means our transport is faster.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 #: Phases summarised in the tables, in column order (keys of a sample, in seconds).
@@ -21,6 +21,8 @@ EXTRA_PHASES: tuple[str, ...] = ("put_get_s", "ours_put_s", "ours_get_s", "dispa
                                  "receiver_checksum_s", "sender_stream_s", "pool_wait_s")
 _MEASURED = ("measured", "warm")
 _FIRST = ("warmup", "cold")
+#: The error of a variant that was to run a workload and left no sample of it.
+NO_SAMPLES = "no samples: setup failed (its actors or this workload's; see FAILED at the end)"
 
 
 def _stat(values: Iterable[float | None]) -> dict[str, float] | None:
@@ -33,17 +35,24 @@ def _stat(values: Iterable[float | None]) -> dict[str, float] | None:
 def summarize(samples: Sequence[dict[str, Any]], payloads: dict[str, int],
               ray_variants: Sequence[str], our_variants: Sequence[str],
               workload_order: Sequence[str], ray_pool: str = "nixl_pool_ray",
-              other_variants: Sequence[str] = ()) -> dict[str, Any]:
+              other_variants: Sequence[str] = (),
+              expected: Mapping[str, Sequence[str]] | None = None) -> dict[str, Any]:
     """Per workload (in ``workload_order``): per-variant phase medians/minima, our speedups.
 
     ``other_variants`` (neither Ray's nor ours, e.g. TransferQueue) never count as the
-    best Ray variant; our speedup over each is reported on its own.
+    best Ray variant; our speedup over each is reported on its own. ``expected`` (per
+    workload, the variants that were to run it: neither unavailable nor skipped) gives
+    a variant that left no sample a row whose error is :data:`NO_SAMPLES`, so a Ray
+    variant whose actors never started still counts as failed in the ratios.
     """
     out: dict[str, Any] = {}
-    present = {s["workload"] for s in samples}
+    expected = expected or {}
+    present = {s["workload"] for s in samples} | {w for w, vs in expected.items() if vs}
     for workload in [w for w in workload_order if w in present]:
         rows: dict[str, Any] = {}
-        for variant in dict.fromkeys(s["variant"] for s in samples if s["workload"] == workload):
+        for variant in dict.fromkeys([*(s["variant"] for s in samples
+                                        if s["workload"] == workload),
+                                      *expected.get(workload, ())]):
             mine = [s for s in samples if s["workload"] == workload and s["variant"] == variant]
             measured = [s for s in mine if s.get("kind") in _MEASURED and not s.get("error")]
             first = [s for s in mine if s.get("kind") in _FIRST and s.get("rep") == 0]
@@ -60,7 +69,8 @@ def summarize(samples: Sequence[dict[str, Any]], payloads: dict[str, int],
                 "meta_bytes": int(statistics.median(metas)) if metas else None,
                 "checksums_ok": all(s.get("checksum_ok") for s in mine if not s.get("error"))
                 and any(s.get("checksum_ok") for s in mine),
-                "errors": [s["error"] for s in mine if s.get("error")],
+                "errors": [s["error"] for s in mine if s.get("error")] or (
+                    [] if mine else [NO_SAMPLES]),
                 "into_targets": _all_or_none(s.get("into_targets") for s in mine),
             }
         out[workload] = {"variants": rows,
@@ -92,15 +102,44 @@ def _median_e2e(row: dict[str, Any] | None) -> float | None:
     return e2e["median"] if e2e else None
 
 
+def _failure(row: dict[str, Any]) -> str | None:
+    """Why a variant's row cannot be compared (None: it can): its first error, or wrong
+    bytes."""
+    errors = row["errors"]
+    if errors:
+        first = errors[0].splitlines()[0][:100]
+        if errors == [NO_SAMPLES]:
+            return first
+        return f"{len(errors)} transfer{'s' if len(errors) > 1 else ''} failed: {first}"
+    if not row["checksums_ok"]:
+        return "checksum mismatch"
+    return None
+
+
 def _ratios(rows: dict[str, Any], ray_variants: Sequence[str], our_variants: Sequence[str],
             ray_pool: str, other_variants: Sequence[str] = ()) -> dict[str, Any]:
+    """Our speedups over the best Ray variant, Ray's pool and each other variant.
+
+    The best Ray variant is the fastest of those that completed. A Ray variant that
+    failed might have been faster still, so it is named in ``best_ray_incomplete`` (with
+    its e2e median over the transfers that did complete, when any did, in
+    ``failed_ray_e2e_s``): then our speedup over the best Ray variant is only an upper
+    bound. ``failed`` gives the reason of every variant that failed.
+    """
+    failed = {v: why for v, row in rows.items() if (why := _failure(row))}
     ray_times = {v: t for v in ray_variants if (t := _median_e2e(rows.get(v))) is not None}
     other_times = {v: t for v in other_variants if (t := _median_e2e(rows.get(v))) is not None}
     best = min(ray_times, key=ray_times.__getitem__) if ray_times else None
+    ray_failed = [v for v in ray_variants if v in failed]
     res: dict[str, Any] = {
         "convention": "speedup = ray_e2e_median / our_e2e_median (>1: ours faster)",
         "best_ray": best,
         "best_ray_e2e_s": ray_times.get(best) if best else None,
+        "best_ray_incomplete": ray_failed,
+        "failed_ray_e2e_s": {v: (e2e["median"] if (e2e := rows[v]["phases"]["e2e_s"])
+                                 else None) for v in ray_failed},
+        "failed": failed,
+        "failed_other": [v for v in other_variants if v in failed],
         "ray_pool_e2e_s": ray_times.get(ray_pool),
         "speedup": {},
     }
@@ -150,19 +189,23 @@ def format_workload(workload: str, description: str, summary: dict[str, Any],
             lines.append(f"{v:<17}skipped: {skipped[v]}")
             continue
         r = rows.get(v)
-        if r is None:
+        if r is None:  # neither unavailable nor skipped, so it was to run here
+            lines.append(f"{v:<17}ERROR: {NO_SAMPLES}")
             continue
         if r["errors"] and not r["n_measured"]:
             lines.append(f"{v:<17}ERROR: {r['errors'][0].splitlines()[0][:100]}")
             continue
         p = r["phases"]
-        ok = "yes" if r["checksums_ok"] else "NO"
+        # A failed transfer leaves no checksum, so "yes" would speak for the others only.
+        ok = "NO" if not r["checksums_ok"] else "ERROR" if r["errors"] else "yes"
         if r["into_targets"] is False:
             ok += " (not into targets)"
         first_ms = r["first_e2e_s"] * 1e3 if r["first_e2e_s"] is not None else None
         lines.append(f"{v:<17}{_ms(p['put_s']):>15}{_ms(p['fetch_s']):>15}{_ms(p['e2e_s']):>15}"
                      f"{_ms(p['release_s']):>15}{_num(first_ms, '.1f'):>11}"
                      f"{_num(r['gbps'], '.2f'):>7}{_num(r['meta_bytes'], ','):>9}  {ok}")
+        if r["errors"]:
+            lines.append(f"{'':<17}ERROR: {_failure(r)}; the medians are of the others")
     lines.append(format_ratios(summary["ratios"], unavailable))
     return "\n".join(lines)
 
@@ -171,22 +214,41 @@ def _x(ratio: float | None) -> str:
     return "n/a" if ratio is None else f"x{ratio:.2f}"
 
 
+def _incomplete(ratios: dict[str, Any]) -> str:
+    """The Ray variants that failed, for the text ('' when none did)."""
+    parts = []
+    for v in ratios.get("best_ray_incomplete", ()):
+        t = ratios.get("failed_ray_e2e_s", {}).get(v)
+        parts.append(f"{v} failed" + (f" ({t * 1e3:.1f} ms over the transfers that completed)"
+                                      if t is not None else ""))
+    return ", ".join(parts)
+
+
 def format_ratios(ratios: dict[str, Any], unavailable: dict[str, str]) -> str:
     best = ratios["best_ray"]
+    failed = ratios.get("failed", {})
+    incomplete = _incomplete(ratios)
     lines = [f"  speedup = ray e2e median / our e2e median (>1 means ours is faster); "
              f"best Ray variant: {best or 'n/a'}"
-             + (f" ({ratios['best_ray_e2e_s'] * 1e3:.1f} ms)" if best else "")]
+             + (f" ({ratios['best_ray_e2e_s'] * 1e3:.1f} ms)" if best else "")
+             + (f"; INCOMPLETE: {incomplete}: ours vs best Ray is an upper bound"
+                if incomplete else "")]
     for ours, unavailable_reason in (("nixl_pool", unavailable.get("nixl_pool")),
                                      ("nixl_pool_target", unavailable.get("nixl_pool_target"))):
         sp = ratios["speedup"].get(ours)
         if sp is None:
-            why = f"not available: {unavailable_reason}" if unavailable_reason else "no data"
+            why = (f"not available: {unavailable_reason}" if unavailable_reason
+                   else f"ERROR: {failed[ours]}" if ours in failed else "no data")
             lines.append(f"  {ours:<17}n/a ({why})")
             continue
         others = "".join(f", {_x(x)} vs {k[3:]}" for k, x in sp.items()
                          if k not in ("vs_best_ray", "vs_ray_pool"))
-        lines.append(f"  {ours:<17}{_x(sp['vs_best_ray'])} vs best Ray ({best}), "
-                     f"{_x(sp['vs_ray_pool'])} vs Ray's pool (nixl_pool_ray){others}")
+        others += "".join(f", n/a vs {v} (failed)" for v in ratios.get("failed_other", ()))
+        pool = ("nixl_pool_ray failed" if "nixl_pool_ray" in failed else "nixl_pool_ray")
+        bound = "<= " if incomplete and sp["vs_best_ray"] is not None else ""
+        lines.append(f"  {ours:<17}{bound}{_x(sp['vs_best_ray'])} vs best "
+                     f"Ray ({best or 'none completed'}), "
+                     f"{_x(sp['vs_ray_pool'])} vs Ray's pool ({pool}){others}")
     return "\n".join(lines)
 
 
@@ -347,6 +409,11 @@ def target_floors(summary: dict[str, Any], payloads: dict[str, int], floor: dict
     variant's e2e over the target; a target missed with ``reachable`` False cannot be
     met in this run by a sender that snapshots its tensors at put time. Workloads or
     rates that are missing are left out.
+
+    When a variant failed, ``incomplete`` names it and ``met`` is None (not
+    determinable), with one exception: a failed Ray variant can only have been faster
+    than the best one that completed, so a target missed against that one is missed
+    (``met`` False) all the same.
     """
     pack, lanes = floor.get("pack_gbps"), floor.get("read_lanes_gbps")
     out: dict[str, Any] = {}
@@ -354,13 +421,23 @@ def target_floors(summary: dict[str, Any], payloads: dict[str, int], floor: dict
         ratios = summary.get(w, {}).get("ratios", {})
         row = summary.get(w, {}).get("variants", {}).get(ours)
         best, e2e = ratios.get("best_ray_e2e_s"), _median_e2e(row)
-        if best is None or e2e is None or row is None:
+        ray_failed = ratios.get("best_ray_incomplete", [])
+        ours_failed = ratios.get("failed", {}).get(ours)
+        if row is None or (e2e is None and not ours_failed) or (best is None and not ray_failed):
             continue
+        speedup = best / e2e if best is not None and e2e is not None else None
         res: dict[str, Any] = {"target": want, "best_ray": ratios.get("best_ray"),
-                               "best_ray_e2e_s": best, "allowance_s": best / want,
-                               "e2e_s": e2e, "speedup": best / e2e, "met": best / e2e >= want}
+                               "best_ray_e2e_s": best,
+                               "allowance_s": best / want if best is not None else None,
+                               "e2e_s": e2e, "speedup": speedup,
+                               "met": speedup >= want if speedup is not None else None}
+        failed = ([ours] if ours_failed else []) + list(ray_failed)
+        if failed:
+            res["incomplete"] = ", ".join(f"{v} failed" for v in failed)
+            if res["met"]:
+                res["met"] = None
         outside = row["phases"].get("outside_ours_s")
-        if outside is not None and pack and (nodes == 1 or lanes):
+        if e2e is not None and outside is not None and pack and (nodes == 1 or lanes):
             n = payloads[w]
             read = n / (lanes * 1e9) if nodes > 1 and lanes else 0.0
             res.update(outside_s=outside["median"], pack_s=n / (pack * 1e9), read_s=read)
@@ -382,13 +459,22 @@ def format_targets(targets: dict[str, Any], floor: dict[str, Any], nodes: int) -
              f"ours can reach in this run ({', '.join(rates)}, measured after the transfers) ==",
              f"{'workload':<13}{'target':>7}{'best Ray ms':>13}{'allows ms':>11}{'ours ms':>9}"
              f"{'x':>8}{'':>9}{'outside':>9}{'pack':>7}{'READ':>7}{'floor':>8}  floor fits?"]
+
+    def ms(x: float | None) -> float | None:
+        return None if x is None else x * 1e3
+
     for w, t in targets.items():
         floor_cols = (f"{t['outside_s'] * 1e3:>9.1f}{t['pack_s'] * 1e3:>7.1f}"
                       f"{t['read_s'] * 1e3:>7.1f}{t['floor_s'] * 1e3:>8.1f}  "
                       f"{'yes' if t['reachable'] else 'NO'}" if "floor_s" in t else "  n/a")
-        lines.append(f"{w:<13}{t['target']:>6g}x{t['best_ray_e2e_s'] * 1e3:>13.1f}"
-                     f"{t['allowance_s'] * 1e3:>11.1f}{t['e2e_s'] * 1e3:>9.1f}"
-                     f"{_x(t['speedup']):>8}{'met' if t['met'] else 'NOT met':>9}" + floor_cols)
+        verdict = {True: "met", False: "NOT met", None: "unknown"}[t["met"]]
+        lines.append(f"{w:<13}{t['target']:>6g}x{_num(ms(t['best_ray_e2e_s']), '.1f'):>13}"
+                     f"{_num(ms(t['allowance_s']), '.1f'):>11}{_num(ms(t['e2e_s']), '.1f'):>9}"
+                     f"{_x(t['speedup']):>8}{verdict:>9}" + floor_cols)
+        if t.get("incomplete"):
+            lines.append(f"{'':<13}INCOMPLETE: {t['incomplete']}"
+                         + ("; missed even against the best Ray variant that completed"
+                            if t["met"] is False else "; not determinable"))
     lines.append("  allows: the best Ray e2e over the target. floor: ours' time outside "
                  "ray_rdt_pool (Ray's hand-offs and plumbing, median) + the payload at the "
                  "pack rate" + (" + the payload at the two-lane READ rate" if nodes > 1 else
@@ -465,13 +551,22 @@ def experience_put_get(summary: dict[str, Any], order: Sequence[str],
     for ours, the least the per-sample layout can cost inside this project's code: the
     batched put+get plus the per-tensor work no transport avoids (see
     :func:`inside_floor`).
+
+    A variant whose layout failed (an error, wrong bytes) has ``failed`` instead of the
+    times, and ``met`` None: a ratio of wrong transfers says nothing.
     """
     out: dict[str, Any] = {}
     if "experience" not in summary or "experience_samples" not in summary:
         return out
     for v in order:
         rows = [summary[w]["variants"].get(v) for w in ("experience", "experience_samples")]
-        stats = [r["phases"].get("put_get_s") if r and not r["errors"] else None for r in rows]
+        failed = [f"{w}: {why}" for w, r in zip(("experience", "experience_samples"), rows)
+                  if r and (why := _failure(r))]
+        if failed:
+            out[v] = {"failed": "; ".join(failed),
+                      "target": EXPERIENCE_TARGET if v in our_variants else None, "met": None}
+            continue
+        stats = [r["phases"].get("put_get_s") if r else None for r in rows]
         if stats[0] is None or stats[1] is None:
             continue
         b, p = stats[0]["median"], stats[1]["median"]
@@ -526,6 +621,10 @@ def format_experience(cmp: dict[str, Any], n_batched: int, n_samples: int) -> st
              f"{EXPERIENCE_TARGET:g}x ==",
              f"{'variant':<17}{'batched ms':>12}{'per-sample ms':>15}{'ratio':>8}  target"]
     for v, c in cmp.items():
+        if c.get("failed"):
+            lines.append(f"{v:<17}ERROR: {c['failed']}"
+                         + ("; target unknown" if c["target"] is not None else ""))
+            continue
         target = "" if c["target"] is None else ("met" if c["met"] else "NOT met")
         lines.append(f"{v:<17}{c['batched_s'] * 1e3:>12.1f}{c['per_sample_s'] * 1e3:>15.1f}"
                      f"{_x(c['ratio']):>8}  {target}")
@@ -623,7 +722,9 @@ def write_plot(path: str, summary: dict[str, Any], order: Sequence[str],
                          va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
     ax2.axhline(1.0, color="black", lw=1)
     ax2.set_xticks(range(len(workloads)),
-                   [f"{w}\n(best Ray: {summary[w]['ratios']['best_ray'] or 'n/a'})"
+                   [f"{w}\n(best Ray: {summary[w]['ratios']['best_ray'] or 'n/a'}"
+                    + ("; incomplete" if summary[w]["ratios"].get("best_ray_incomplete")
+                       else "") + ")"
                     for w in workloads])
     ax2.set_ylabel("speedup = ray e2e / our e2e")
     ax2.set_title("Our transport vs Ray (above 1: ours faster)")

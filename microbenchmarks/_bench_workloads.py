@@ -20,6 +20,7 @@ Workload families:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -438,16 +439,30 @@ def _digests(words: np.ndarray) -> np.ndarray:
     return whole + np.uint64(3) * strided + np.uint64(17 * words.shape[1])
 
 
+def _meta_digest(shape: Sequence[int], dtype: Any) -> int:
+    """A fixed 64-bit digest of a tensor's shape and dtype.
+
+    The sender and the receiver digest in different processes, and ``hash()`` of a str
+    is salted per process, so a fixed hash of their text is used instead.
+    """
+    key = repr((tuple(int(d) for d in shape), str(dtype))).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+
+
 def tensor_digest(t: Any) -> int:
-    """Digest of every byte of one tensor: word sum plus a weighted strided word sum.
+    """Digest of one tensor: every byte (word sum plus a weighted strided word sum), its
+    shape and its dtype.
 
     The strided term makes the digest sensitive to most reorderings inside a tensor.
     bf16 (and any dtype) is read as raw integer words, so NaN payloads compare exactly.
+    The bytes alone would pass a receiver that rebuilt the right bytes with the wrong
+    shape or dtype (a transposed header, a float read as int), so both are folded in.
     """
+    meta = _meta_digest(t.shape, t.dtype)
     if t.numel() == 0:
-        return 0
+        return meta
     w = _word_view(t)
-    return int(_digests(w.reshape(1, -1))[0])
+    return (int(_digests(w.reshape(1, -1))[0]) + meta) % (1 << 64)
 
 
 #: Groups of at least this many same-shape, same-dtype tensors are digested stacked.
@@ -457,7 +472,8 @@ _STACK_MAX = 4096
 
 
 def checksum(tensors: Sequence[Any]) -> int:
-    """Order-sensitive digest of a list of tensors (covers every byte of every tensor).
+    """Order-sensitive digest of a list of tensors (covers every byte, the shape and the
+    dtype of every tensor).
 
     ``sum((i + 1) * tensor_digest(t_i)) mod 2**64``. Tensors of the same shape and dtype
     (many small tensors, row views, the per-sample experience fields, wherever they sit
@@ -469,16 +485,17 @@ def checksum(tensors: Sequence[Any]) -> int:
     total = np.uint64(len(tensors))
     groups: dict[tuple[Any, ...], list[int]] = {}
     for i, t in enumerate(tensors):
-        if t.numel() > 0:  # an empty tensor's digest is 0
-            groups.setdefault((tuple(t.shape), t.dtype), []).append(i)
+        groups.setdefault((tuple(t.shape), t.dtype), []).append(i)
     with np.errstate(over="ignore"):
-        for idx in groups.values():
+        for (shape, dtype), idx in groups.items():
+            meta = np.uint64(_meta_digest(shape, dtype))
             for c in range(0, len(idx), _STACK_MAX):
                 chunk = idx[c:c + _STACK_MAX]
-                if len(chunk) >= _STACK_RUN:
+                # Empty tensors have no bytes to stack: their digest is the shape's alone.
+                if len(chunk) >= _STACK_RUN and _numel(shape) > 0:
                     stacked = torch.stack([tensors[i].detach().reshape(-1) for i in chunk])
                     raw = stacked.view(torch.uint8).numpy().reshape(len(chunk), -1)
-                    digests = _digests(_words(raw))
+                    digests = _digests(_words(raw)) + meta
                 else:
                     digests = np.array([tensor_digest(tensors[i]) for i in chunk],
                                        dtype=np.uint64)

@@ -131,6 +131,11 @@ class Config:
 
 def _csv(text: str, allowed: Sequence[str], what: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        # An empty list would start Ray and measure nothing (or, for workloads, crash
+        # sizing the pool): refuse it here.
+        raise argparse.ArgumentTypeError(
+            f"--{what}s {text!r} names no {what}: choose from {', '.join(allowed)} or 'all'")
     if items == ["all"]:
         return list(allowed)
     bad = [x for x in items if x not in allowed]
@@ -184,9 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--actor-logs", action="store_true", help="forward actor logs")
     p.add_argument("--no-ucx-probe", action="store_true",
                    help="skip the UCX protocol probe (a tiny NIXL READ in a subprocess)")
+    floor_for = [w for w in W.WORKLOADS
+                 if w in W.SYNC_WORKLOADS or any(w in t for t in R.TARGETS.values())]
     p.add_argument("--no-floor", action="store_true",
-                   help="skip the memcpy and NIXL READ floor measured after the transfers "
-                        "when sync or sync_stream ran (a few seconds)")
+                   help="skip the floor measured after the transfers (memcpy, NIXL READ, "
+                        "the sender's pack and a READ over two lanes; a few seconds), "
+                        f"which runs when any of {', '.join(floor_for)} ran: the "
+                        "weight-sync floors and the targets' floors need it")
     p.add_argument("--json", metavar="PATH", help="write every sample and the summary")
     p.add_argument("--plot", metavar="PATH.png", help="write the chart")
     p.add_argument("--out", metavar="DIR",
@@ -205,12 +214,27 @@ def parse_config(argv: Sequence[str] | None) -> Config:
     base = W.QUICK_SIZES if a.quick else W.FULL_SIZES
     overrides = {f.name: getattr(a, f.name) for f in dataclasses.fields(W.Sizes)
                  if getattr(a, f.name) is not None}
+    for name, value in overrides.items():
+        # The first sync step is the cold one; only the later (warm) ones are measured.
+        least = 2 if name == "sync_iters" else 1
+        if value < least:
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} {value}: must be >= {least} (default "
+                         f"{getattr(base, name)}); leave it out for the default")
     sizes = dataclasses.replace(base, **overrides)
+    for flag, value in (("--pool-mib", a.pool_mib), ("--object-store-mib", a.object_store_mib)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} {value}: must be >= 1 (MiB); leave it out for the default")
+    for flag, secs in (("--timeout-s", a.timeout_s), ("--idle-s", a.idle_s)):
+        if secs is not None and not secs > 0:
+            parser.error(f"{flag} {secs:g}: must be > 0 seconds")
     largest = max(W.payload_bytes(W.make_spec(w, sizes)) for w in workloads)
-    pool = a.pool_mib * _MIB if a.pool_mib else _round_up(int(largest * 1.25) + 8 * _MIB, _MIB)
+    pool = (a.pool_mib * _MIB if a.pool_mib is not None
+            else _round_up(int(largest * 1.25) + 8 * _MIB, _MIB))
     reps = a.reps if a.reps is not None else (3 if a.quick else 5)
     if reps < 1 or a.warmup < 0:
-        parser.error("--reps must be >= 1 and --warmup >= 0")
+        parser.error(f"--reps {reps} and --warmup {a.warmup}: --reps must be >= 1 and "
+                     "--warmup >= 0")
     return Config(
         quick=a.quick, sizes=sizes, variants=variants, workloads=workloads, reps=reps,
         warmup=a.warmup, nodes=a.nodes, schedule=a.schedule, fetch=a.fetch,
@@ -958,8 +982,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     wall = time.monotonic() - wall0
 
     display = [w for w in W.WORKLOADS if w in runner.specs]
+    # Every variant that was to run a workload: one that left no sample (its actors did
+    # not start) then reads as failed, and never leaves a slower Ray variant the best.
+    expected = {w: [v for v in cfg.variants
+                    if v not in unavailable and v not in runner.skipped.get(w, {})]
+                for w in display}
     summary = R.summarize(runner.samples, runner.payloads, RAY_VARIANTS, OUR_VARIANTS, display,
-                          other_variants=OTHER_VARIANTS)
+                          other_variants=OTHER_VARIANTS, expected=expected)
     stream_spec = runner.specs.get("sync_stream")
     floors = R.weight_sync_floors(
         floor, runner.payloads, W.stream_bucket_bytes(stream_spec) if stream_spec else None)

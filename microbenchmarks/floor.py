@@ -268,7 +268,9 @@ def measure_nixl_lanes(nbytes: int, reps: int) -> dict[str, Any]:
     One target process (progress thread off, as the transport runs it); in this process
     two raw agents that both register the destination and load the target, and a
     ``NixlBackend`` with two lanes over its own destination. ``*_ratio``: median GB/s
-    over the one-agent median. Every variant's bytes are checked after the last rep.
+    over the one-agent median. Each READ's destination is zeroed before it and checked
+    after it, outside the timing; ``checksum_failed`` names the variants whose bytes
+    were wrong.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -315,21 +317,32 @@ def measure_nixl_lanes(nbytes: int, reps: int) -> dict[str, Any]:
 
         samples: dict[str, list[float]] = {"one_agent": [], "two_agents": [],
                                            "read_lanes": []}
+        # The one-agent and two-agent READs share dst: without zeroing it before each
+        # READ, a two-agent path that moves no byte would pass on the one-agent bytes.
+        dsts = {"one_agent": dst, "two_agents": dst, "read_lanes": dst2}
+        failed: set[str] = set()
+
+        def checked_run(key: str) -> float:
+            dsts[key].zero_()
+            t = time.perf_counter()
+            runs[key]()
+            elapsed = time.perf_counter() - t
+            if checksum([dsts[key]]) != expected:
+                failed.add(key)
+            return elapsed
+
         with ThreadPoolExecutor(max_workers=1) as pool:
             runs: dict[str, Callable[[], Any]] = {
                 "one_agent": lambda: _timed_reads(agents[0], *full, peers[0], 1),
                 "two_agents": lambda: _read_halves(pool, agents, halves, peers),
                 "read_lanes": lanes_read,
             }
-            for fn in runs.values():  # connect every agent, start the threads
-                fn()
+            for key in runs:  # connect every agent, start the threads
+                checked_run(key)
             order = list(runs)
             for rep in range(reps):
                 for key in order[rep % 3:] + order[:rep % 3]:
-                    t = time.perf_counter()
-                    runs[key]()
-                    samples[key].append(nbytes / (time.perf_counter() - t) / 1e9)
-        ok = checksum([dst]) == expected and checksum([dst2]) == expected
+                    samples[key].append(nbytes / checked_run(key) / 1e9)
         parent.send("stop")
     finally:
         if backend is not None:
@@ -337,7 +350,8 @@ def measure_nixl_lanes(nbytes: int, reps: int) -> dict[str, Any]:
         proc.join(10)
         if proc.is_alive():
             proc.kill()
-    out: dict[str, Any] = {"bytes": nbytes, "checksum_ok": ok}
+    out: dict[str, Any] = {"bytes": nbytes, "checksum_ok": not failed,
+                           "checksum_failed": [k for k in samples if k in failed]}
     for key, values in samples.items():
         out[f"{key}_gbps"] = _median_best(values, True)
     for key in ("two_agents", "read_lanes"):
@@ -596,10 +610,14 @@ def format_report(res: dict[str, Any]) -> str:
                          f"{r['small_read_us']['median']:6.1f} us"))
     if "nixl_lanes" in res:
         r = res["nixl_lanes"]
-        ok = "" if r["checksum_ok"] else "  CHECKSUM MISMATCH"
+        # Each row names its own bad bytes: a ratio over a one-agent READ that went
+        # wrong is as unusable as a wrong two-lane one.
+        bad = set(r.get("checksum_failed", ()))
         one = r["one_agent_gbps"]["median"]
         for key, what in (("two_agents", "two agents, halves on 2 threads"),
                           ("read_lanes", "NixlBackend read lanes=2")):
+            wrong = [k for k in ("one_agent", key) if k in bad]
+            ok = f"  CHECKSUM MISMATCH ({', '.join(wrong)})" if wrong else ""
             rows.append((f"NIXL READ {r['bytes'] // _MIB} MiB, two lanes: {what}",
                          f"{r[f'{key}_gbps']['median']:6.2f} GB/s vs 1 agent {one:6.2f}"
                          f"  = {r[f'{key}_ratio']:.2f}x{ok}"))

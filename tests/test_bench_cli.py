@@ -506,3 +506,189 @@ def test_other_variant_is_never_best_ray() -> None:
     assert ratios["speedup"]["nixl_pool"]["vs_transferqueue"] == pytest.approx(0.5)
     text = R.format_ratios(ratios, {})
     assert "x0.50 vs transferqueue" in text
+
+
+def _ray_run(variant: str, e2e: float, reps: int = 5, failed_rep: int | None = None,
+             workload: str = "big") -> list[dict]:
+    """A warm-up and ``reps`` measured samples; ``failed_rep`` raised instead."""
+    out = [{**_sample(variant, workload, e2e_s=e2e), "rep": 0, "kind": "warmup"}]
+    for rep in range(1, reps + 1):
+        if rep == failed_rep:
+            out.append({"variant": variant, "workload": workload, "rep": rep,
+                        "kind": "measured", "error": "GetTimeoutError: timed out"})
+        else:
+            out.append({**_sample(variant, workload, e2e_s=e2e), "rep": rep})
+    return out
+
+
+def test_a_failed_ray_variant_never_lets_a_target_read_met() -> None:
+    # objstore_zc (10 ms) times out on its last rep; of those that completed, nixl (30 ms)
+    # is the best, and ours (15 ms) beats it 2x: against the failed one it might not.
+    samples = (_ray_run("objstore_zc", 0.010, failed_rep=5) + _ray_run("nixl", 0.030)
+               + _ray_run("nixl_pool", 0.015))
+    payloads = {"big": 256 << 20}
+    summary = R.summarize(samples, payloads, RAY_VARIANTS, OUR_VARIANTS, ["big"],
+                          other_variants=OTHER_VARIANTS)
+    t = R.target_floors(summary, payloads, {}, 1)["big"]
+    assert t["met"] is None and t["incomplete"] == "objstore_zc failed"
+    ratios = summary["big"]["ratios"]
+    assert ratios["best_ray"] == "nixl" and ratios["best_ray_incomplete"] == ["objstore_zc"]
+    assert ratios["failed_ray_e2e_s"] == {"objstore_zc": pytest.approx(0.010)}
+    assert ratios["failed"]["objstore_zc"].startswith("1 transfer failed: GetTimeoutError")
+    text = R.format_ratios(ratios, {})
+    assert "INCOMPLETE: objstore_zc failed (10.0 ms over the transfers that completed)" in text
+    assert "<= x2.00 vs best Ray (nixl)" in text
+    line = next(x for x in R.format_targets({"big": t}, {}, 1).splitlines()
+                if x.startswith("big"))
+    assert "unknown" in line and " met" not in line
+    assert "INCOMPLETE: objstore_zc failed; not determinable" in R.format_targets(
+        {"big": t}, {}, 1)
+    # A miss against the best that completed stands: a failed one can only be faster.
+    slow = (_ray_run("objstore_zc", 0.010, failed_rep=5) + _ray_run("nixl", 0.030)
+            + _ray_run("nixl_pool", 0.029))
+    summary = R.summarize(slow, payloads, RAY_VARIANTS, OUR_VARIANTS, ["big"])
+    assert R.target_floors(summary, payloads, {}, 1)["big"]["met"] is False
+    # A Ray variant that was to run and left no sample (its actors did not start) is
+    # failed too, not absent; so is ours, whose target then is not determinable.
+    samples = _ray_run("nixl", 0.030) + _ray_run("nixl_pool", 0.015)
+    summary = R.summarize(samples, payloads, RAY_VARIANTS, OUR_VARIANTS, ["big"],
+                          expected={"big": ["objstore_zc", "nixl", "nixl_pool"]})
+    ratios = summary["big"]["ratios"]
+    assert ratios["best_ray_incomplete"] == ["objstore_zc"]
+    assert ratios["failed_ray_e2e_s"] == {"objstore_zc": None}
+    assert R.target_floors(summary, payloads, {}, 1)["big"]["met"] is None
+    samples = _ray_run("nixl", 0.030) + _ray_run("nixl_pool", 0.015, failed_rep=2)
+    summary = R.summarize(samples, payloads, RAY_VARIANTS, OUR_VARIANTS, ["big"])
+    t = R.target_floors(summary, payloads, {}, 1)["big"]
+    assert t["met"] is None and t["e2e_s"] is None and t["incomplete"] == "nixl_pool failed"
+    assert "unknown" in R.format_targets({"big": t}, {}, 1)
+
+
+def test_report_shows_every_failed_variant() -> None:
+    # A per-sample layout whose bytes were wrong has no put+get ratio, let alone "met".
+    samples = [_sample("nixl_pool", "experience", e2e_s=0.02, put_get_s=0.010),
+               {**_sample("nixl_pool", "experience_samples", e2e_s=0.02, put_get_s=0.015),
+                "checksum_ok": False}]
+    order = list(W.EXPERIENCE_WORKLOADS)
+    summary = R.summarize(samples, {w: 1 for w in order}, RAY_VARIANTS, OUR_VARIANTS, order)
+    cmp = R.experience_put_get(summary, ["nixl_pool"], OUR_VARIANTS)
+    assert cmp["nixl_pool"]["met"] is None
+    assert cmp["nixl_pool"]["failed"] == "experience_samples: checksum mismatch"
+    text = R.format_experience(cmp, 5, 5120)
+    assert "nixl_pool        ERROR: experience_samples: checksum mismatch" in text
+    assert " met" not in text
+    # objstore_zc's actors did not start; nixl_pool failed one of its measured reps.
+    samples = _ray_run("nixl", 0.030) + _ray_run("nixl_pool", 0.010, failed_rep=4)
+    payloads = {"big": 256 << 20}
+    order = ["objstore_zc", "nixl", "nixl_pool"]
+    for expected in (None, {"big": order}):
+        summary = R.summarize(samples, payloads, RAY_VARIANTS, OUR_VARIANTS, ["big"],
+                              expected=expected)
+        lines = R.format_workload("big", "x", summary["big"], {}, {}, order, False,
+                                  "get").splitlines()
+        row = {x.split()[0]: x for x in lines if x[:1].strip() and x.split()[0] in order}
+        assert row["objstore_zc"].startswith("objstore_zc      ERROR: no samples: setup failed")
+        assert row["nixl"].endswith("yes") and row["nixl_pool"].endswith("ERROR")
+        detail = lines[lines.index(row["nixl_pool"]) + 1]
+        assert detail.strip().startswith("ERROR: 1 transfer failed: GetTimeoutError")
+        speed = next(x for x in lines if x.startswith("  nixl_pool "))
+        assert "n/a (ERROR: 1 transfer failed: GetTimeoutError" in speed
+    # A workload no variant left a sample of still gets its table.
+    summary = R.summarize([], payloads, RAY_VARIANTS, OUR_VARIANTS, ["big"],
+                          expected={"big": ["nixl"]})
+    assert summary["big"]["variants"]["nixl"]["errors"] == [R.NO_SAMPLES]
+
+
+def test_checksum_sees_shape_and_dtype() -> None:
+    import torch
+
+    torch.manual_seed(0)
+    sent = [torch.randn(64, 32), torch.randint(0, 1000, (128,), dtype=torch.int64)]
+    ref = W.checksum(sent)
+    # The same bytes, read with another shape or dtype, are a different transfer.
+    assert W.checksum([sent[0].reshape(32, 64), sent[1]]) != ref
+    assert W.checksum([sent[0], sent[1].reshape(8, 16)]) != ref
+    assert W.checksum([sent[0].view(torch.int32), sent[1]]) != ref
+    assert W.checksum([sent[0], sent[1].view(torch.float64)]) != ref
+    # The stacked path (>= 8 same-shape tensors) sees them too, and still agrees with
+    # the per-tensor definition.
+    many = [torch.randn(16) for _ in range(10)]
+    for group in (many, [t.reshape(4, 4) for t in many], [t.view(torch.int32) for t in many]):
+        expected = len(group)
+        for i, t in enumerate(group):
+            expected = (expected + (i + 1) * W.tensor_digest(t)) % (1 << 64)
+        assert W.checksum(group) == expected
+    assert W.checksum([t.reshape(4, 4) for t in many]) != W.checksum(many)
+    assert W.checksum([t.view(torch.int32) for t in many]) != W.checksum(many)
+    # Empty tensors have no bytes, but a shape and a dtype, stacked or not.
+    for n in (1, 10):
+        assert W.checksum([torch.empty(0, 3)] * n) != W.checksum([torch.empty(3, 0)] * n)
+        assert W.checksum([torch.empty(0)] * n) != W.checksum(
+            [torch.empty(0, dtype=torch.int64)] * n)
+
+
+def test_checksum_is_the_same_in_every_process() -> None:
+    # The sender and the receiver digest in different processes, where hash() differs.
+    code = ("import torch; from microbenchmarks import _bench_workloads as W; "
+            "print(W.checksum([torch.arange(12, dtype=torch.int16).reshape(3, 4)] * 9 "
+            "+ [torch.empty(0, 2)]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, check=True,
+                         env={**os.environ, "PYTHONHASHSEED": "12345",
+                              "PYTHONPATH": str(ROOT)}).stdout
+    import torch
+
+    mine = W.checksum([torch.arange(12, dtype=torch.int16).reshape(3, 4)] * 9
+                      + [torch.empty(0, 2)])
+    assert int(out) == mine
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--workloads="], "--workloads '' names no workload"),
+    (["--workloads", " , "], "--workloads ' , ' names no workload"),
+    (["--variants="], "--variants '' names no variant"),
+    (["--pool-mib", "0"], "--pool-mib 0: must be >= 1"),
+    (["--pool-mib", "-5"], "--pool-mib -5: must be >= 1"),
+    (["--object-store-mib", "0"], "--object-store-mib 0: must be >= 1"),
+    (["--timeout-s", "-1"], "--timeout-s -1: must be > 0"),
+    (["--timeout-s", "0"], "--timeout-s 0: must be > 0"),
+    (["--idle-s", "-1"], "--idle-s -1: must be > 0"),
+    (["--sync-iters", "0"], "--sync-iters 0: must be >= 2"),
+    (["--sync-iters", "1"], "--sync-iters 1: must be >= 2"),
+    (["--many-count", "-3"], "--many-count -3: must be >= 1"),
+    (["--big-mib", "0"], "--big-mib 0: must be >= 1"),
+    (["--reps", "0"], "--reps 0 and --warmup 1"),
+])
+def test_cli_rejects_values_that_measure_nothing(argv: list[str], message: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_config(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_pool_size_and_floor_help() -> None:
+    assert parse_config(["--pool-mib", "1"]).pool_bytes == 1 << 20
+    assert parse_config(["--sync-iters", "2"]).sizes.sync_iters == 2
+    from microbenchmarks.bench import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    # main() measures the floor after any workload with a target, not only after sync.
+    assert ("which runs when any of big, many, views, transformer, sync, sync_stream ran"
+            in text)
+    assert set(R.TARGETS[1]) | set(W.SYNC_WORKLOADS) == {
+        "big", "many", "views", "transformer", "sync", "sync_stream"}
+
+
+def test_floor_lanes_check_each_variants_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-agent and two-agent READs share a destination: a two-agent READ that moves
+    no byte must not pass on the bytes the one-agent READ left there."""
+    pytest.importorskip("nixl._api")
+    from microbenchmarks import floor as F
+
+    good = F.measure_nixl_lanes(1 << 20, 1)
+    assert good["checksum_ok"] is True
+    monkeypatch.setattr(F, "_read_halves", lambda pool, agents, halves, peers: None)
+    bad = F.measure_nixl_lanes(1 << 20, 1)
+    assert bad["checksum_ok"] is False
+    assert good["checksum_failed"] == [] and bad["checksum_failed"] == ["two_agents"]
