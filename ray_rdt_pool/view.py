@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -223,7 +224,8 @@ def rows_from_prometheus(samples: Sequence[tuple[str, dict[str, str], float]]
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for name, labels, value in samples:
         field = _PROM_FIELDS.get(name.removeprefix("ray_"))
-        if field is None or "actor" not in labels:
+        # NaN and +Inf are valid samples of the format (a gauge never set): no count.
+        if field is None or "actor" not in labels or not math.isfinite(value):
             continue
         actor = labels["actor"]
         key = (actor, labels.get("WorkerId", ""))

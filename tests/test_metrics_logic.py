@@ -154,3 +154,14 @@ def test_a_peer_removed_by_housekeeping_is_exported(ray_up: dict[str, bool],
     finally:
         s.shutdown()
         r.shutdown()
+
+
+def test_the_pool_table_skips_samples_that_are_not_finite() -> None:
+    """``python -m ray_rdt_pool.view --prometheus`` crashed (ValueError, OverflowError)
+    on a NaN or +Inf sample, both valid in the Prometheus text format."""
+    from ray_rdt_pool.view import parse_prometheus, rows_from_prometheus
+
+    text = "".join(f'ray_rdt_pool_sender_used_bytes{{actor="a{i}",WorkerId="w"}} {v}\n'
+                   for i, v in enumerate(("NaN", "+Inf", "-Inf", "4096")))
+    rows = rows_from_prometheus(parse_prometheus(text))
+    assert [(r["actor_id"], r["pool_used"]) for r in rows] == [("a3", 4096)]
