@@ -135,7 +135,7 @@ GAUGES: tuple[tuple[str, str, Callable[[TransportStats], float]], ...] = (
 COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("objects_put", "Objects packed by this process (ray.put or method returns).",
      "objects_put"),
-    ("objects_freed", "Objects whose pool blocks were returned (garbage_collect).",
+    ("objects_freed", "Objects Ray freed (garbage_collect); leased blocks return later.",
      "objects_freed"),
     ("bytes_packed", "Bytes copied into the sender pool.", "bytes_packed"),
     ("zero_copy_tensors", "Tensors sent without a copy (register_memory(), by-reference "

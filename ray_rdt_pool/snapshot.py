@@ -76,7 +76,9 @@ class TransportStats:
     remote_agents_removed: int = 0
     #: aborts remembered for fetches that have not started (bounded)
     pending_aborts: int = 0
-    #: user storages registered in the registration cache, and their bytes
+    #: user storages registered in the registration cache, and their bytes: those kept
+    #: for reuse (bounded by the option ``registration_cache_bytes``) and those pinned by
+    #: ``register_memory()`` (outside that bound, until unregistered)
     registration_cache_entries: int = 0
     registration_cache_bytes: int = 0
     #: cache entries deregistered by its LRU bound
