@@ -1244,8 +1244,9 @@ def _flat_values_as_one_object() -> None:
 # sender (on ``_ray_system``), which returns the tensors of the object's primary copy in
 # Ray's RDT store for Ray's object store to pickle: the caller's own tensors, as they are
 # at that moment, so a change made after the put reached the receiver. ``register()``
-# puts the function below in that name's place (the receiver imports it by that name
-# and pickles it by reference; the sender resolves the name in its own module). For an
+# puts the function below in that name's place: the receiver finds it under that name
+# and pickles it by reference to this module, so the sender runs this function even
+# where it never called ``register()`` (it then falls back to Ray's own). For an
 # object this transport holds it returns copies of the pool's snapshot; otherwise it is
 # Ray's function. Ray's RDT store is left as it is, so an actor's plain ``ray.get`` of
 # its own ref still returns its original tensors, and nobody gets a view of the pool.
