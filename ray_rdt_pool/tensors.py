@@ -1281,6 +1281,17 @@ def copy_bytes(moves: Sequence[tuple[int, int, int]], device: str, device_id: in
     torch.cuda.current_stream(device_id).synchronize()
 
 
+def own_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of contiguous ``t`` in a storage of its own, byte for byte (``clone`` makes
+    every nonzero byte of a bool 1)."""
+    import torch
+
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    if t.numel():
+        out.reshape(-1).view(torch.uint8).copy_(t.reshape(-1).view(torch.uint8))
+    return out
+
+
 def empty_like_run_list(runs: Sequence[TensorRun], device: str = "cpu") -> list[torch.Tensor]:
     """Fresh tensors matching the runs (used when an object has no bytes to read)."""
     import torch

@@ -394,7 +394,7 @@ class Runtime:
         never views of the pool. None for an object this transport does not hold."""
         import torch
 
-        from ray_rdt_pool.tensors import copy_bytes, rebuild
+        from ray_rdt_pool.tensors import copy_bytes, own_copy, rebuild
 
         with self.sender.lock:  # the blocks cannot be freed (and reused) meanwhile
             p = self.sender.sent.get(obj_id)
@@ -406,7 +406,7 @@ class Runtime:
             at = buf.data_ptr()
             copy_bytes([(at + off, addr, n) for off, addr, n in meta.segments],
                        meta.device, meta.device_id)
-        return [t.clone() for t in rebuild(buf, meta.runs, meta.run_starts())]
+        return [own_copy(t) for t in rebuild(buf, meta.runs, meta.run_starts())]
 
     def fetch(self, obj_id: str, pmeta: PoolTransportMetadata,
               targets: Sequence[torch.Tensor] | None) -> PoolFetch:
@@ -1247,9 +1247,14 @@ def _flat_values_as_one_object() -> None:
 # puts the function below in that name's place: the receiver finds it under that name
 # and pickles it by reference to this module, so the sender runs this function even
 # where it never called ``register()`` (it then falls back to Ray's own). For an
-# object this transport holds it returns copies of the pool's snapshot; otherwise it is
-# Ray's function. Ray's RDT store is left as it is, so an actor's plain ``ray.get`` of
-# its own ref still returns its original tensors, and nobody gets a view of the pool.
+# object this transport holds it returns copies of the pool's snapshot, each host tensor
+# wrapped so that it pickles as its dtype's wire name, its shape and its bytes (a uint8
+# array Ray keeps out of band): torch cannot load back its own pickle of a tensor of
+# several wire dtypes (uint16/32/64, complex32, the float8 kinds, float4_e2m1fn_x2; its
+# legacy storage loader raises AttributeError), which failed such gets with Ray's
+# RaySystemError for either transport. Otherwise it is Ray's function. Ray's RDT store
+# is left as it is, so an actor's plain ``ray.get`` of its own ref still returns its
+# original tensors, and nobody gets a view of the pool.
 # The one gap: a get that reaches the sender while the put itself is still packing (a
 # ref of a method return that is still running) finds no snapshot yet and gets the
 # tensors as they are then; their task is inside the put, so only another thread of
@@ -1267,7 +1272,42 @@ def _fetch_rdt_object(self: Any, obj_id: str) -> Any:
     live = fetch(self, obj_id)  # waits until the object exists, raises its error
     rt = _runtime
     snapshot = rt.get_snapshot(obj_id) if rt is not None else None
-    return live if snapshot is None else snapshot
+    if snapshot is None:
+        return live
+    return [_StoredTensor(t) if t.device.type == "cpu" else t for t in snapshot]
+
+
+class _StoredTensor:
+    """A host tensor of a snapshot on its way through Ray's object store: pickled as its
+    dtype's wire name, its shape and its bytes, whatever its dtype (see above)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        import torch
+
+        from ray_rdt_pool.tensors import dtype_name
+
+        t = self.tensor
+        return _tensor_from_store, (dtype_name(t.dtype), tuple(t.shape),
+                                    t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _tensor_from_store(dtype: str, shape: tuple[int, ...], raw: Any) -> Any:
+    """The receiver's side of :class:`_StoredTensor`: a new tensor with a storage of its
+    own (Ray's buffer is read-only and shared), holding ``raw`` byte for byte."""
+    import numpy
+    import torch
+
+    from ray_rdt_pool.tensors import torch_dtype
+
+    out = torch.empty(shape, dtype=torch_dtype(dtype))
+    if out.numel():
+        numpy.copyto(out.reshape(-1).view(torch.uint8).numpy(), raw)
+    return out
 
 
 def _snapshots_through_the_object_store() -> None:
