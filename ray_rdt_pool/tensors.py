@@ -1186,7 +1186,28 @@ def _rebuild_run(block: torch.Tensor, run: TensorRun, start: int,
         out.append(block[start:start + each].view(dt).view(run.shape))
         return
     flat = block[start:start + each * run.count].view(dt)
-    out.extend(flat.view((run.count, *run.shape)).unbind(0))
+    if each or _stack_fits(run.count, run.shape):
+        out.extend(flat.view((run.count, *run.shape)).unbind(0))
+    else:
+        # Empty tensors whose other dims make the stack (count, *shape) overflow the
+        # 64-bit counts torch keeps (``(2**60, 0)`` sixteen times: each tensor is
+        # valid, their stack is not): one view each. With bytes, the stack is never
+        # larger than the block.
+        out.extend(flat.view(run.shape) for _ in range(run.count))
+
+
+#: torch keeps element counts and strides in signed 64-bit integers.
+_I64_LIMIT = 1 << 63
+
+
+def _stack_fits(lead: int, shape: tuple[int, ...]) -> bool:
+    """Whether torch can make a ``(lead, *shape)`` tensor: its element count, and its
+    strides, are at most ``lead`` times the product of the nonzero dims."""
+    n = lead
+    for d in shape:
+        if d:
+            n *= d
+    return n < _I64_LIMIT
 
 
 def _rebuild_group(block: torch.Tensor, g: RunGroup, starts: Sequence[int], stride: int,
@@ -1207,7 +1228,13 @@ def _rebuild_group(block: torch.Tensor, g: RunGroup, starts: Sequence[int], stri
         dt = torch_dtype(run.dtype)
         n = run.nbytes_each
         c = run.count
-        if c <= rep:
+        if not n and not _stack_fits(max(c, rep), run.shape):
+            # Empty tensors too large to stack (see _rebuild_run): one view each.
+            empty = block[s:s].view(dt)
+            for k in range(rep):
+                at = k * per_rep + col
+                res[at:at + c] = [empty.view(run.shape) for _ in range(c)]
+        elif c <= rep:
             # A typed view over every repetition of the run; its storage offset is in
             # elements of dt (the layout keeps s and the stride multiples of the itemsize).
             typed = block[s:s + (rep - 1) * stride + c * n].view(dt)

@@ -232,3 +232,27 @@ def test_a_batch_sent_per_sample_round_trips_through_the_transport() -> None:
         del out
         s.free(name)
     assert not world.violations
+
+
+@pytest.mark.parametrize("layout", ["run", "group_by_field", "group_by_repetition"])
+def test_empty_tensors_whose_dims_overflow_when_stacked_are_rebuilt(layout: str) -> None:
+    """A run of n empty tensors was rebuilt as one ``(n, *shape)`` view (or a strided
+    view over the repetitions of a group): torch counts that view's elements in 64 bits,
+    so empty tensors whose other dims are large enough (``(2**60, 0)``, valid for torch
+    and for the wire) failed the receiver with torch's untyped RuntimeError ("numel:
+    integer multiplication overflow") after the put had worked; Ray's own transport
+    sends them. Each such tensor is one view now."""
+    huge = ((1 << 60, 0), "uint8")
+    if layout == "run":
+        pairs = [huge] * 16 + [((3,), "float32")]
+    elif layout == "group_by_field":  # a field of every repetition: one strided view
+        pairs = [huge, ((2,), "int64")] * 16
+    else:  # runs longer than the repetitions: one view per repetition
+        pairs = ([huge] * 16 + [((2,), "int64")]) * 2
+    meta, offsets = decoded(pairs)
+    block = torch.randint(0, 256, (meta.total + 64,), dtype=torch.uint8)
+    got = rebuild(block, meta.runs, meta.run_starts())
+    want = expected_views(block, pairs, offsets)
+    assert len(got) == len(want) == len(pairs)
+    assert all(same_view(g, w) for g, w in zip(got, want))
+    assert len({id(g) for g in got}) == len(got)  # distinct tensors, as sent
