@@ -1305,7 +1305,14 @@ def _tensor_from_store(dtype: str, shape: tuple[int, ...], raw: Any) -> Any:
     from ray_rdt_pool.tensors import torch_dtype
 
     out = torch.empty(shape, dtype=torch_dtype(dtype))
-    if out.numel():
+    want = out.numel() * out.element_size()
+    if getattr(raw, "nbytes", None) != want:
+        # copyto would broadcast a short array over the tensor: never fill it so.
+        raise WireFormatError(
+            f"a snapshot tensor of shape {tuple(shape)} and dtype {dtype} came through "
+            f"Ray's object store with {getattr(raw, 'nbytes', None)} bytes, not {want}; "
+            "the sender runs another ray_rdt_pool version: install the same one on both")
+    if want:
         numpy.copyto(out.reshape(-1).view(torch.uint8).numpy(), raw)
     return out
 

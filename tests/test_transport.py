@@ -460,6 +460,28 @@ def test_a_get_through_the_object_store_carries_every_wire_dtype(pair):
     assert ray.get(r.raw_bytes_through_store.remote(refs)) == [[0, 1, 2, 255]]
 
 
+def test_a_stored_snapshot_tensor_round_trips_and_refuses_a_wrong_byte_count():
+    """The object-store form of a snapshot tensor, pickled and loaded without Ray: exact
+    bytes for a dtype torch's own pickle cannot load, and a byte count that does not
+    match the shape is a WireFormatError (numpy would have broadcast a short array
+    over the whole tensor)."""
+    import pickle
+
+    import numpy as np
+
+    from ray_rdt_pool.errors import WireFormatError
+    from ray_rdt_pool.transport import _StoredTensor, _tensor_from_store
+
+    t = torch.arange(6, dtype=torch.int32).view(torch.uint16).reshape(3, 4)
+    back = pickle.loads(pickle.dumps(_StoredTensor(t)))
+    assert back.dtype == torch.uint16 and back.shape == (3, 4)
+    assert torch.equal(back.view(torch.int16), t.view(torch.int16))
+    assert back.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    with pytest.raises(WireFormatError, match="1 bytes, not 24"):
+        _tensor_from_store("float32", (2, 3), np.zeros(1, dtype=np.uint8))
+    assert _tensor_from_store("float32", (0, 3), np.zeros(0, dtype=np.uint8)).shape == (0, 3)
+
+
 def test_get_snapshot_follows_the_sender_through_retried_puts():
     """Runtime.get_snapshot, unit-level (the in-process fake NIXL): the put's bytes after
     the tensors changed, copies with storages of their own; a retried put that fails
