@@ -76,7 +76,8 @@ __all__ = [
 #: 2: runs travel in repeated groups (version 1 sent every run).
 WIRE_VERSION = 2
 
-#: Most dimensions a tensor may have (torch allows 64 at most too).
+#: Most dimensions a tensor may have. torch 2.13 builds more on the CPU, but its CUDA
+#: kernels and many operators take at most 64 (a put of more is an InvalidInputError).
 MAX_DIMS = 64
 
 #: Most tensors one object may hold, 2**20. It bounds the work a malformed or
@@ -819,8 +820,10 @@ def _parse_groups(flat: list[Any]) -> list[RunGroup]:
             if type(code) is not int or code not in DTYPE_BY_CODE:
                 raise _bad(f"run {r}: unknown dtype code {code!r:.40}")
             # Zero dims make the byte count 0, so the layout checks pass any other dims;
-            # torch still refuses a shape whose nonzero dims overflow int64 bytes, with
-            # an untyped error at the receiver. No real sender can describe one.
+            # a shape whose nonzero dims reach 2**63 bytes is refused here, before torch
+            # meets it at the receiver with an untyped error. torch itself builds some of
+            # them ((0, 2**62) float32: its limits count elements), so such a put is
+            # refused too, typed; no real tensor has such a shape.
             span = DTYPES[DTYPE_BY_CODE[code]][1]
             for d in dims:
                 span *= d or 1
