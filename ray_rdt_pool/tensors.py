@@ -235,7 +235,16 @@ def _native_describe() -> Callable[[Sequence[Any]], _Facts | None] | None:
     if not _NATIVE:
         with _NATIVE_LOCK:
             if not _NATIVE:
-                _NATIVE.append(_checked_native())
+                try:
+                    checked = _checked_native()
+                except Exception as e:  # a put must never fail for the optional helper
+                    import logging
+
+                    logging.getLogger(__name__).warning(
+                        "ray_rdt_pool: checking the compiled describe helper failed "
+                        "(%s: %s); describe() uses its Python loop", type(e).__name__, e)
+                    checked = None
+                _NATIVE.append(checked)
     return _NATIVE[0]
 
 
@@ -285,13 +294,20 @@ def _probe_objects(dtypes: Sequence[Any]) -> list[list[Any]]:
 
     import torch
 
+    def uninitialized(*shape: int, dtype: Any) -> Any:
+        # Bytes viewed as ``dtype``: ``torch.empty`` of the dtype itself fills its memory
+        # under torch.use_deterministic_algorithms(True), which torch cannot do for every
+        # wire dtype (float4_e2m1fn_x2), and only the facts matter here, not the values.
+        n = math.prod(shape) * dtype.itemsize
+        return torch.empty(n, dtype=torch.uint8).view(dtype).view(shape)
+
     per_dtype = []
     for dt in dtypes:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # complex32 is "experimental"; empty() works
-            base = torch.empty((3, 4, 5), dtype=dt)
-        per_dtype.append([base, base[1], base[1, 2], base[2, 1:3], base.transpose(0, 2),
-                          base[:, 1], torch.empty((), dtype=dt), torch.empty(7, dtype=dt)])
+            warnings.simplefilter("ignore")  # complex32 is "experimental"
+            base = uninitialized(3, 4, 5, dtype=dt)
+            per_dtype.append([base, base[1], base[1, 2], base[2, 1:3], base.transpose(0, 2),
+                              base[:, 1], uninitialized(dtype=dt), uninitialized(7, dtype=dt)])
     f = torch.arange(12.0).view(3, 4)
     z = torch.zeros(3, 4, dtype=torch.complex64)
     odd = [f._neg_view(), z.conj(), z.conj().resolve_conj(), torch.nn.Parameter(f.clone()),

@@ -275,3 +275,38 @@ def test_threads_racing_to_the_first_describe_load_and_check_once(
     assert len(checks) == 1 and len(got) == 8
     assert len({id(fn) for fn, _ in got}) == 1 and got[0][0] is not None
     assert all(d == T._describe_py(ts, False) for _, d in got)
+
+
+@needs_helper
+def test_the_first_put_under_deterministic_algorithms_checks_and_loads_the_helper(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.use_deterministic_algorithms(True)`` (as examples/weight_sync.py and many
+    training scripts set) makes ``torch.empty`` fill what it allocates, which torch cannot
+    do for every wire dtype (float4_e2m1fn_x2): the probe objects of the helper's check
+    must not depend on that, or the first put of such a process fails untyped."""
+    monkeypatch.setattr(T, "_NATIVE", [])
+    ts = [torch.arange(6.0).view(2, 3), torch.ones(4, dtype=torch.int64)]
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        got = T.describe(ts)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert got == T._describe_py(ts, False)
+    assert T._native_describe() is not None, "the helper passed its check: it is used"
+
+
+def test_a_helper_whose_check_raises_leaves_describe_on_the_python_loop(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Whatever goes wrong while the helper is loaded and checked, a put takes the Python
+    loop (with one warning), never the error."""
+    def broken() -> Any:
+        raise NotImplementedError("a probe torch cannot make")
+
+    monkeypatch.setattr(T, "_NATIVE", [])
+    monkeypatch.setattr(T, "_checked_native", broken)
+    ts = [torch.arange(6.0).view(2, 3)]
+    with caplog.at_level(logging.WARNING, logger="ray_rdt_pool.tensors"):
+        assert T.describe(ts) == T._describe_py(ts, False)
+    assert T._native_describe() is None
+    assert "a probe torch cannot make" in caplog.text
