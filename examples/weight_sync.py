@@ -8,12 +8,15 @@ then runs a forward pass on a fixed input:
 * the bf16 actor (weights converted on load) must match a bf16 copy of the trainer's
   model bit for bit, and the fp32 output within bf16 tolerances.
 
-By default every sync streams, and the sender pool is smaller than the model, so the
-syncs show bounded sender memory (``--mode publish`` or ``both`` default to a 2 MiB pool,
-which holds the model, since publishing puts every bucket at once).
+By default every sync streams. All actors share one Ray node, so the receivers copy each
+bucket straight out of the trainer's tensors (source reads): the trainer packs nothing and
+its pool is never created. With ``--packed`` the stream packs every bucket into a sender
+pool smaller than the model instead (as across nodes for state that cannot be read by
+reference), which shows bounded sender memory. ``--mode publish`` or ``both`` default to a
+2 MiB pool, which holds the model, since publishing puts every bucket at once.
 Prints a summary; exits 0 only if every check passed.
 
-Run: python examples/weight_sync.py [--steps N]
+Run: python examples/weight_sync.py [--steps N] [--mode stream|publish|both] [--packed]
 (pool sizes come from RAY_RDT_POOL_BYTES / RAY_RDT_POOL_ARENA_BYTES when set)
 """
 
@@ -67,14 +70,15 @@ def fixed_input() -> torch.Tensor:
 
 @ray.remote(enable_tensor_transport=True)
 class Trainer:
-    def __init__(self) -> None:
+    def __init__(self, source_reads: bool = True) -> None:
         ray_rdt_pool.register()
         deterministic()
         torch.manual_seed(0)
         self.model = TinyLM()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.data = torch.Generator().manual_seed(42)
-        self.weight_sender = WeightSender(self.model, bucket_bytes=BUCKET_BYTES)
+        self.weight_sender = WeightSender(self.model, bucket_bytes=BUCKET_BYTES,
+                                          source_reads=source_reads)
 
     def train_step(self) -> float:
         self.model.train()
@@ -125,20 +129,24 @@ def main() -> int:
     parser.add_argument("--mode", choices=["stream", "publish", "both"], default="stream",
                         help="stream: bounded sender memory (default); publish: every bucket "
                              "at once (the pool must hold the model); both: alternate")
+    parser.add_argument("--packed", action="store_true",
+                        help="streams pack every bucket into the sender pool instead of "
+                             "letting the receivers read the trainer's tensors in place")
     args = parser.parse_args()
 
-    # The default sender pool (256 KiB) is smaller than the model (about 670 KB): the
-    # streaming sync holds at most two 128 KiB buckets in it at a time.
-    # Publishing puts every bucket at once, so then the default pool holds the model.
+    # The default sender pool (256 KiB) is smaller than the model (about 670 KB): a
+    # packed streaming sync holds at most two 128 KiB buckets in it at a time (an
+    # unpacked one puts nothing there). Publishing puts every bucket at once, so then the
+    # default pool holds the model.
     default_pool = "256K" if args.mode == "stream" else "2M"
     env = {"RAY_RDT_POOL_BYTES": os.environ.get("RAY_RDT_POOL_BYTES", default_pool),
            "RAY_RDT_POOL_ARENA_BYTES": os.environ.get("RAY_RDT_POOL_ARENA_BYTES", "4M")}
     ray_rdt_pool.register()  # in the driver, before the actors exist
-    # A new local cluster, or the one in RAY_ADDRESS (the tests attach to theirs).
+    # A new local cluster, or the one in RAY_ADDRESS.
     extra = {} if os.environ.get("RAY_ADDRESS") else {"include_dashboard": False}
     ray.init(runtime_env={"env_vars": env}, **extra)
     deterministic()
-    trainer = Trainer.remote()
+    trainer = Trainer.remote(source_reads=not args.packed)
     fp32 = [Inference.remote(), Inference.remote()]
     bf16 = Inference.remote(torch.bfloat16)
     receivers = [*fp32, bf16]
@@ -146,12 +154,15 @@ def main() -> int:
 
     failures: list[str] = []
     peak = 0
+    in_place = streamed = 0
     for step in range(1, args.steps + 1):
         loss = ray.get(trainer.train_step.remote())
         mode = args.mode if args.mode != "both" else ("stream" if step % 2 else "publish")
         report = sync(trainer, receivers, mode=mode)
-        if mode == "stream":
+        if report.stream is not None:
             peak = max(peak, report.sender_pool_used)
+            in_place += report.stream.source_read_buckets
+            streamed += report.stream.buckets
         ref, ref_bf16 = ray.get(trainer.reference.remote())
         outs = ray.get([r.generate.remote() for r in receivers])
         exact = [torch.equal(o, ref) for o in outs[:2]]
@@ -181,8 +192,11 @@ def main() -> int:
         failures.append(f"{st.fallbacks} buckets did not fit the pool (overflow memory)")
     if peak > st.pool_capacity:
         failures.append(f"peak pool use {peak} above capacity {st.pool_capacity}")
+    if args.packed and in_place:
+        failures.append(f"{in_place} stream buckets were read in place with --packed")
     print(f"model {model_bytes:,} bytes; sender pool {st.pool_capacity:,} bytes, streaming peak "
-          f"{peak:,} bytes, fallbacks {st.fallbacks}, objects put {st.objects_put}")
+          f"{peak:,} bytes, fallbacks {st.fallbacks}, objects put {st.objects_put}, "
+          f"stream buckets read in place {in_place}/{streamed}")
     for a in [trainer, *receivers]:
         ray.kill(a)
     ray.shutdown()
