@@ -133,10 +133,10 @@ GAUGES: tuple[tuple[str, str, Callable[[TransportStats], float]], ...] = (
 #: Counters: (name without prefix, description, TransportStats field). Prometheus shows
 #: them with a ``_total`` suffix.
 COUNTERS: tuple[tuple[str, str, str], ...] = (
-    ("objects_put", "Objects packed by this process (ray.put or method returns).",
-     "objects_put"),
-    ("objects_freed", "Objects Ray freed (garbage_collect); leased blocks return later.",
-     "objects_freed"),
+    ("objects_put", "Objects put by this process (ray.put, method returns, weight-stream "
+     "buckets not read in place).", "objects_put"),
+    ("objects_freed", "Objects Ray freed (garbage_collect) and weight-stream buckets freed; "
+     "leased blocks return later.", "objects_freed"),
     ("bytes_packed", "Bytes copied into the sender pool.", "bytes_packed"),
     ("zero_copy_tensors", "Tensors sent without a copy (register_memory(), by-reference "
      "stream buckets).",
