@@ -1103,11 +1103,9 @@ class Receiver:
                                  [addr for addr, _s, _d in tensors],
                                  selection if selection is not None else [None] * len(tensors))
             if sel.total == 0:  # this receiver takes nothing of these tensors
-                import torch
+                from ray_rdt_pool.tensors import empty_tensor, torch_dtype
 
-                from ray_rdt_pool.tensors import torch_dtype
-
-                return [torch.empty(shape, dtype=torch_dtype(dt))
+                return [empty_tensor(shape, torch_dtype(dt))
                         for shape, dt in zip(sel.shapes, sel.dtypes)]
             landing = self._local_landing(sel.total)
             moves = [(landing.addr + lo, addr, n) for lo, addr, n in sel.runs]
@@ -1148,7 +1146,7 @@ class Receiver:
               selection: Sequence[Any] | None = None) -> Fetch:
         """Start reading ``obj_id`` (or, with ``selection``, only part of each tensor:
         see :func:`selection_plan`); never waits for other fetches."""
-        from ray_rdt_pool.tensors import empty_like_run_list, torch_dtype
+        from ray_rdt_pool.tensors import empty_like_run_list, empty_tensor, torch_dtype
 
         f = Fetch(obj_id, meta)
         if targets:
@@ -1168,9 +1166,7 @@ class Receiver:
             f.selected = selection_plan(meta, selection)
             f.selection = selection
             if f.selected.total == 0:
-                import torch
-
-                f.tensors = [torch.empty(s, dtype=torch_dtype(d), device=device)
+                f.tensors = [empty_tensor(s, torch_dtype(d), device)
                              for s, d in zip(f.selected.shapes, f.selected.dtypes)]
                 f.settled = True
                 return f
@@ -1520,10 +1516,10 @@ def _cuda_available() -> bool:
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` if it is a contiguous view with elements, else a contiguous tensor of its
     own (no reference to the mapping it came from)."""
-    import torch
+    from ray_rdt_pool.tensors import empty_tensor
 
     if t.numel() == 0:
-        return torch.empty(t.shape, dtype=t.dtype)
+        return empty_tensor(t.shape, t.dtype)
     return t if t.is_contiguous() else t.contiguous()
 
 

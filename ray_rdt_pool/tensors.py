@@ -1329,20 +1329,33 @@ def own_copy(t: torch.Tensor) -> torch.Tensor:
     every nonzero byte of a bool 1)."""
     import torch
 
-    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    out = empty_tensor(t.shape, t.dtype, str(t.device))
     if t.numel():
         out.reshape(-1).view(torch.uint8).copy_(t.reshape(-1).view(torch.uint8))
     return out
 
 
-def empty_like_run_list(runs: Sequence[TensorRun], device: str = "cpu") -> list[torch.Tensor]:
-    """Fresh tensors matching the runs (used when an object has no bytes to read)."""
+def empty_tensor(shape: Sequence[int], dtype: torch.dtype, device: str = "cpu"
+                 ) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype, device=device)``, also for a dtype torch cannot
+    fill: under ``torch.use_deterministic_algorithms(True)`` torch fills what it
+    allocates, and has no fill for some wire dtypes (float4_e2m1fn_x2), even for no
+    elements. Those are bytes viewed as ``dtype``."""
     import torch
 
+    try:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+    except NotImplementedError:
+        n = math.prod(shape) * dtype.itemsize
+        return torch.empty(n, dtype=torch.uint8, device=device).view(dtype).view(tuple(shape))
+
+
+def empty_like_run_list(runs: Sequence[TensorRun], device: str = "cpu") -> list[torch.Tensor]:
+    """Fresh tensors matching the runs (used when an object has no bytes to read)."""
     out: list[torch.Tensor] = []
     for run in runs:
         dt = torch_dtype(run.dtype)
-        out.extend(torch.empty(run.shape, dtype=dt, device=device) for _ in range(run.count))
+        out.extend(empty_tensor(run.shape, dt, device) for _ in range(run.count))
     return out
 
 

@@ -614,7 +614,9 @@ def plan_layout(state: StateLike, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+    # Not torch.empty(0, dtype=dtype).element_size(): under deterministic algorithms
+    # torch fills what it allocates, and has no fill for float4_e2m1fn_x2.
+    return dtype.itemsize
 
 
 def _bucket_spec(k: int, group: Sequence[tuple[str, torch.Tensor, torch.dtype]],

@@ -1832,3 +1832,27 @@ def test_a_ctrl_c_right_after_a_read_is_posted_leaves_nothing_held(world, monkey
     for rt in (s, r):
         rt.shutdown()
 
+
+
+def test_empty_float4_tensors_arrive_under_deterministic_algorithms(world):
+    """With ``torch.use_deterministic_algorithms(True)`` torch fills what ``torch.empty``
+    allocates, and has no fill for float4_e2m1fn_x2, a wire dtype, even for no elements:
+    a receiver that made the empty tensors of an object (or of a selection) with
+    ``torch.empty`` failed with torch's untyped NotImplementedError."""
+    s, r = make(world), make(world)
+    f4 = torch.empty(0, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    f4_2d = torch.empty(2, 0, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    x = torch.arange(4.0)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        only_empty = roundtrip(s, r, "a", [f4, f4_2d])  # nothing to read
+        mixed = roundtrip(s, r, "b", [x, f4])
+        meta = ship(s.put("c", [x, torch.zeros(4, 3, dtype=torch.uint8).view(
+            torch.float4_e2m1fn_x2)]))
+        selected = r.fetch_selected("c", meta, [(slice(1, 1),), (slice(2, 2),)], None)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert same(only_empty, [f4, f4_2d]) and same(mixed, [x, f4])
+    assert [(t.shape, t.dtype) for t in selected] == [
+        ((0,), torch.float32), ((0, 3), torch.float4_e2m1fn_x2)]

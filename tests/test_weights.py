@@ -558,3 +558,26 @@ def test_publish_larger_than_the_pool_is_a_snapshot(actors: dict[str, Any]) -> N
     del manifest
     st = wait_drained(tr)
     assert st.overflow_objects == 0 and st.overflow_capacity == 0
+
+
+def test_layout_and_check_of_float4_weights_under_deterministic_algorithms() -> None:
+    """A state with float4_e2m1fn_x2 tensors (a wire dtype) is laid out and checked with
+    ``torch.use_deterministic_algorithms(True)`` on, as with it off: the element size is
+    read off the dtype, not off a tensor ``torch.empty`` would have to fill (it has no
+    fill for that dtype, and raised NotImplementedError)."""
+    def f4(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+
+    sender = WeightSender({"w": f4(8), "b": torch.ones(3)})
+    receiver = WeightReceiver({"w": f4(8), "b": torch.zeros(3)})
+    want = sender.layout()
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        got = sender.layout()
+        receiver.check(got)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert got == want
+    assert [(e.dtype, e.nbytes) for e in got.entries] == [("float4_e2m1fn_x2", 8),
+                                                           ("float32", 12)]
