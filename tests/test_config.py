@@ -100,3 +100,44 @@ def test_a_followed_idle_interval_follows_every_later_progress_interval() -> Non
     with pytest.raises(ConfigurationError, match=r"got 0\.02; pass e\.g\. "
                                                  r"progress_idle_interval_s=0\.05"):
         PoolConfig(progress_interval_s=0.05, progress_idle_interval_s=0.02)
+
+
+def _readme_config_rows() -> dict[str, tuple[str, str]]:
+    """option -> (environment variable, default) from the README's configuration table."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows: dict[str, tuple[str, str]] = {}
+    for line in text.split("## Configuration", 1)[1].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`") and cells[1].startswith("`"):
+            rows[cells[0].strip("`")] = (cells[1].strip("`"), cells[2])
+    return rows
+
+
+_UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def _documented_default(text: str) -> Any:
+    if text in ("on", "off"):
+        return text == "on"
+    if text.startswith("`"):
+        return text.strip("`")
+    number, _, rest = text.partition(" ")
+    if rest.split(" ")[0] in _UNITS:
+        return int(number) * _UNITS[rest.split(" ")[0]]
+    return float(number) if "." in number else int(number)
+
+
+def test_the_readme_configuration_table_is_the_config() -> None:
+    """Each row of the README's table names a PoolConfig field, the environment variable
+    that sets it and its default, as the code has them; every option and variable has a
+    row. A user who sets what the table says sets the option it names."""
+    rows = _readme_config_rows()
+    fields = PoolConfig.__dataclass_fields__
+    assert set(rows) == set(fields)
+    assert {var for var, _d in rows.values()} == set(ENV_VARS)
+    default = PoolConfig()
+    for option, (var, text) in rows.items():
+        assert ENV_VARS[var][0] == option, (option, var)
+        assert _documented_default(text) == getattr(default, option), (option, text)

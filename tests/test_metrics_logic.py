@@ -165,3 +165,19 @@ def test_the_pool_table_skips_samples_that_are_not_finite() -> None:
                    for i, v in enumerate(("NaN", "+Inf", "-Inf", "4096")))
     rows = rows_from_prometheus(parse_prometheus(text))
     assert [(r["actor_id"], r["pool_used"]) for r in rows] == [("a3", 4096)]
+
+
+def test_the_observability_tables_list_every_metric_and_no_other() -> None:
+    """docs/observability.md's gauge, counter and histogram tables name exactly the series
+    this module exports (with Ray's ``ray_`` prefix, and ``_total`` on counters)."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "observability.md").read_text()
+    listed = set(re.findall(r"^\| `(ray_rdt_pool_[a-z_]+)", doc, re.M))
+    ray = "ray_" + metrics.PREFIX
+    exported = {ray + name for name, _d, _f in metrics.GAUGES}
+    exported |= {ray + name + "_total" for name, _d, _f in metrics.COUNTERS}
+    exported |= {ray + name for name, _d in metrics.HISTOGRAMS}
+    exported.add(ray + metrics.ERRORS_NAME + "_total")
+    assert listed == exported

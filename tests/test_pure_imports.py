@@ -51,3 +51,22 @@ OWNER_MODULES = ["ray_rdt_pool.registry", "ray_rdt_pool.sender", "ray_rdt_pool.r
 
 def test_owner_modules_import_no_ray_and_no_nixl() -> None:
     assert loaded_after_import(OWNER_MODULES, ["ray", "nixl"]) == []
+
+
+def test_the_errors_the_readme_lists_are_exported_with_their_bases() -> None:
+    """README, "Errors": every class is importable from ``ray_rdt_pool`` (the helper's
+    from ``ray_rdt_pool.errors``) and derives from what the README says it does."""
+    import ray_rdt_pool
+    from ray_rdt_pool import errors
+
+    bases = {
+        "PoolExhaustedError": (MemoryError,), "WireFormatError": (ValueError,),
+        "RegistrationError": (), "TransferError": (),
+        "ReadStillRunningError": (ray_rdt_pool.TransferError,), "ConfigurationError": (),
+        "InvalidInputError": (ValueError, TypeError),
+    }
+    for name, extra in bases.items():
+        cls = getattr(ray_rdt_pool, name)
+        assert issubclass(cls, ray_rdt_pool.RdtPoolError) and cls is getattr(errors, name)
+        assert all(issubclass(cls, b) for b in extra), name
+    assert issubclass(errors.NativeBuildError, errors.RdtPoolError)
