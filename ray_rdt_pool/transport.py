@@ -1302,9 +1302,9 @@ def _tensor_from_store(dtype: str, shape: tuple[int, ...], raw: Any) -> Any:
     import numpy
     import torch
 
-    from ray_rdt_pool.tensors import torch_dtype
+    from ray_rdt_pool.tensors import empty_tensor, torch_dtype
 
-    out = torch.empty(shape, dtype=torch_dtype(dtype))
+    out = empty_tensor(shape, torch_dtype(dtype))
     want = out.numel() * out.element_size()
     if getattr(raw, "nbytes", None) != want:
         # copyto would broadcast a short array over the tensor: never fill it so.

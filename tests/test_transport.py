@@ -480,6 +480,15 @@ def test_a_stored_snapshot_tensor_round_trips_and_refuses_a_wrong_byte_count():
     with pytest.raises(WireFormatError, match="1 bytes, not 24"):
         _tensor_from_store("float32", (2, 3), np.zeros(1, dtype=np.uint8))
     assert _tensor_from_store("float32", (0, 3), np.zeros(0, dtype=np.uint8)).shape == (0, 3)
+    # A dtype torch cannot fill, under deterministic algorithms (torch.empty fills then).
+    x = torch.tensor([1, 2, 3, 250], dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        back = pickle.loads(pickle.dumps(_StoredTensor(x)))
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    assert back.view(torch.uint8).tolist() == [1, 2, 3, 250]
 
 
 def test_get_snapshot_follows_the_sender_through_retried_puts():
