@@ -325,7 +325,8 @@ class Receiver:
             arena = self.registry.new_region(self.config.arena_capacity, device,
                                              f"{device} receive arena", self.config.prefault,
                                              lanes=True,
-                                             sized_by="arena_bytes (RAY_RDT_POOL_ARENA_BYTES)")
+                                             sized_by="arena_bytes (RAY_RDT_POOL_ARENA_BYTES)",
+                                             named=False)
             with self.lock:
                 if device in self.arenas:  # another thread won the race
                     extra, arena = arena, self.arenas[device]

@@ -21,8 +21,10 @@ registration, and freed memory could be handed to anyone under it.
 
 The epoch rule, the one contract a receiver relies on:
 
-* ``version`` grows by one at every registration and every deregistration.
-* ``reset_version`` is the ``version`` of the latest deregistration.
+* ``version`` grows by one at every registration and every deregistration of memory an
+  object may name (the sender pool, overflow regions, ``register_memory()`` pins, storages
+  sent by reference).
+* ``reset_version`` is the ``version`` of the latest deregistration of such memory.
 * An object put at version ``V`` names only memory that was registered at or before ``V``
   and stays registered while the object lives. A receiver whose view of this agent was
   loaded at ``L >= V`` can read it; with ``L < V`` it loads the metadata again.
@@ -30,6 +32,17 @@ The epoch rule, the one contract a receiver relies on:
   ``reset_version`` may still hold sections of deregistered memory. Such a view is stale:
   the receiver replaces it (remove, then add) the next time no READ from that agent is in
   flight, and never while one is.
+
+Receive-side memory (the receive arenas, one-off receive buffers, target buffers cached
+for READs) is named by no object this process sends, so registering and deregistering it
+leaves the epoch alone: a process that both receives and sends would otherwise make the
+receivers of its objects reload its metadata (and replace their view: a remove and
+re-add of its agent) after every receive outside its arena. Such memory still appears in
+the metadata published while it is registered, so a receiver's view may keep a section
+of it after it is gone; the first later registration of nameable memory that overlaps
+one of those ranges counts as a deregistration (``reset_version`` moves), so that view
+is replaced before any object names the overlapping memory. The ranges are kept until
+the next reset, at most :data:`_GONE_LIMIT` of them (one more forces a reset).
 
 Threads: any of Ray's threads (task thread, ``_ray_system``, ``_ray_system_error``), the
 thread of ``ray.get`` and the progress thread may call in. One lock guards the maps and
@@ -46,7 +59,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from ray_rdt_pool.allocator import BlockAllocator
 from ray_rdt_pool.errors import (
@@ -71,6 +84,8 @@ MEM_TYPE = {"cpu": "DRAM", "cuda": "VRAM"}
 
 #: First sightings of receive target buffers remembered (keys only, nothing held).
 _SEEN_LIMIT = 4096
+#: Receive-side ranges deregistered since the last reset remembered; one more resets.
+_GONE_LIMIT = 1024
 
 
 class Directory(Protocol):
@@ -96,8 +111,9 @@ class Region:
     owner's lock; ``handle`` only by the registry.
     """
 
-    def __init__(self, mem: Any, name: str) -> None:
+    def __init__(self, mem: Any, name: str, named: bool = True) -> None:
         self.mem = mem  # HostRegion or CudaRegion (or a test double with the same fields)
+        self.named = named  # objects may name it (not a receive arena): see the epoch
         # A shared pool hands out whole pages (see shared.SharedHostRegion).
         self.alloc = BlockAllocator(mem.nbytes, align=getattr(mem, "align", BLOCK_ALIGN),
                                     name=name)
@@ -136,7 +152,7 @@ class RegEntry:
     ``register_memory()`` calls not yet undone. Both change under the registry lock.
     """
 
-    __slots__ = ("handle", "key", "pins", "storage", "unpinned", "users")
+    __slots__ = ("handle", "key", "named", "pins", "storage", "unpinned", "users")
 
     def __init__(self, key: Key, handle: Any, storage: Any) -> None:
         self.key = key
@@ -147,6 +163,9 @@ class RegEntry:
         # The last pin was undone while objects still used it: deregister with the last
         # of them (the user asked for the memory back), not whenever the cache evicts.
         self.unpinned = False
+        # An object may name it (pinned, or sent by reference); False while it only ever
+        # was a receive target (see the epoch in the module doc).
+        self.named = False
 
     @property
     def nbytes(self) -> int:
@@ -157,6 +176,14 @@ def storage_key(t: torch.Tensor) -> Key:
     """The extent of ``t``'s storage: (address, bytes, device type, device index)."""
     s = t.untyped_storage()
     return (s.data_ptr(), s.nbytes(), t.device.type, t.device.index or 0)
+
+
+class _Buffer(NamedTuple):
+    """A one-off receive buffer's registration (see :meth:`Registry.register_buffer`)."""
+
+    handle: Any
+    addr: int
+    nbytes: int
 
 
 class Registry:
@@ -188,6 +215,8 @@ class Registry:
         # Memory NIXL refused to deregister: never freed (see _deregister).
         self._stranded: list[Any] = []
         self._seen: OrderedDict[Key, None] = OrderedDict()
+        # Receive-side (start, end) deregistered since the last reset (see the module doc).
+        self._gone: list[tuple[int, int]] = []
         self.regions = 0  # live regions, for stats
 
     # -- the epoch ------------------------------------------------------------------------
@@ -196,23 +225,43 @@ class Registry:
         self.version += 1
         if deregistered:
             self.reset_version = self.version
+            self._gone.clear()  # views replaced from here on hold none of them
 
-    def _register(self, addr: int, nbytes: int, mem: str, dev: int, lanes: bool = False
-                  ) -> Any:
+    def _named(self, addr: int, nbytes: int) -> None:
+        """Memory objects may name is registered (or becomes nameable) at ``addr``: a new
+        version; a reset if it overlaps receive-side memory deregistered since the last
+        one, which receivers' views may still hold a section of."""
+        end = addr + nbytes
+        self._changed(any(s < end and addr < e for s, e in self._gone))
+
+    def _receive_side_gone(self, addr: int, nbytes: int) -> None:
+        span = (addr, addr + nbytes)
+        if span in self._gone:
+            return
+        self._gone.append(span)
+        if len(self._gone) > _GONE_LIMIT:
+            self._changed(True)
+
+    def _register(self, addr: int, nbytes: int, mem: str, dev: int, lanes: bool = False,
+                  named: bool = True) -> Any:
         # lanes: register with every read lane of the backend (one handle for all).
+        # named: memory an object may name (see the epoch in the module doc).
         backend = self._backend()
         handle = (backend.register(addr, nbytes, mem, dev, lanes=True) if lanes
                   else backend.register(addr, nbytes, mem, dev))
         self._c.add("registrations")
-        self._changed(False)
+        if named:
+            self._named(addr, nbytes)
         return handle
 
-    def _deregister(self, handle: Any, what: str, memory: Any = None) -> bool:
+    def _deregister(self, handle: Any, what: str, memory: Any = None,
+                    span: tuple[int, int] | None = None) -> bool:
         """Deregister ``handle``; False if NIXL refused. ``memory`` (what holds the bytes
         registered) is then kept until the process exits: NIXL may still hold the
         registration, and memory freed under it could be handed out again, a stale
         registration over someone else's bytes. A leak of a registration, never a stale
-        one."""
+        one. ``span``: ``(address, bytes)`` of receive-side memory, which leaves the
+        epoch alone (its range is remembered instead); None for nameable memory."""
         ok = True
         try:
             backend = self._backend()
@@ -229,7 +278,10 @@ class Registry:
             if memory is not None:
                 self._stranded.append(memory)
         self._c.add("deregistrations")
-        self._changed(True)
+        if span is None:
+            self._changed(True)
+        else:
+            self._receive_side_gone(*span)
         return ok
 
     def publish(self, agent_name: str) -> int:
@@ -266,7 +318,7 @@ class Registry:
 
     def new_region(self, capacity: int, device: str, name: str, prefault: bool,
                    shared: bool = False, lanes: bool = False,
-                   sized_by: str | None = None) -> Region:
+                   sized_by: str | None = None, named: bool = True) -> Region:
         """Create and register a region; the caller owns it until :meth:`drop_region`.
 
         ``shared``: host memory in a memfd that same-node receivers may map (the sender
@@ -276,7 +328,8 @@ class Registry:
         ``sized_by``: the option that set ``capacity`` (e.g. ``"pool_bytes
         (RAY_RDT_POOL_BYTES)"``): memory that cannot be had at that size is then a
         ConfigurationError naming it; without it the OSError, OverflowError or
-        MemoryError reaches the caller."""
+        MemoryError reaches the caller. ``named``: False for a receive arena, which no
+        object names (it leaves the epoch alone)."""
         mem: Any = None
         try:
             if shared and device == "cpu" and self._region_factory is _default_region:
@@ -297,10 +350,10 @@ class Registry:
                 f"mapped ({type(e).__name__}: {e}); lower {sized_by} to what this host "
                 "can spare") from e
         try:
-            region = Region(mem, name)
+            region = Region(mem, name, named)
             with self._lock:
                 region.handle = self._register(region.addr, mem.nbytes, region.mem_type,
-                                               int(mem.device_id), lanes=lanes)
+                                               int(mem.device_id), lanes=lanes, named=named)
                 self.regions += 1
         except BaseException as e:
             # Nothing was registered: the memory goes now, or every retried put would
@@ -322,8 +375,9 @@ class Registry:
         ok = True
         with self._lock:
             if region.handle is not None:
-                ok = self._deregister(region.handle, f"region {region.alloc.name}",
-                                      region.mem)
+                ok = self._deregister(
+                    region.handle, f"region {region.alloc.name}", region.mem,
+                    None if region.named else (region.addr, region.capacity))
                 region.handle = None
                 self.regions -= 1
         close = getattr(region.mem, "close", None)
@@ -331,30 +385,42 @@ class Registry:
             close()
 
     def register_buffer(self, addr: int, nbytes: int, device: str, dev: int) -> Any:
-        """Register a one-off buffer (a receive buffer when the arena is full)."""
+        """Register a one-off buffer (a receive buffer when the arena is full): receive-side
+        memory, which leaves the epoch alone. The handle goes to :meth:`deregister_buffer`."""
         with self._lock:
-            return self._register(addr, nbytes, MEM_TYPE[device], dev)
+            handle = self._register(addr, nbytes, MEM_TYPE[device], dev, named=False)
+        return _Buffer(handle, addr, nbytes)
 
     def deregister_buffer(self, handle: Any, buffer: Any = None) -> None:
         """Undo :meth:`register_buffer`; only once nothing can write into the buffer.
         ``buffer`` (what holds its memory) is kept if NIXL refuses."""
         with self._lock:
-            self._deregister(handle, "receive buffer", buffer)
+            self._deregister(handle.handle, "receive buffer", buffer,
+                             (handle.addr, handle.nbytes))
 
     # -- the storage cache ----------------------------------------------------------------
 
-    def acquire(self, t: torch.Tensor) -> RegEntry:
-        """The registration covering ``t``'s storage, made on a miss; one more user."""
+    def acquire(self, t: torch.Tensor, named: bool = True) -> RegEntry:
+        """The registration covering ``t``'s storage, made on a miss; one more user.
+
+        ``named``: an object this process sends may name the storage (it is sent by
+        reference, or pinned); False for a receive target. An entry that becomes
+        nameable moves the epoch then (receivers must reload a view that holds it)."""
         key = storage_key(t)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                handle = self._register(key[0], key[1], MEM_TYPE[key[2]], key[3])
+                handle = self._register(key[0], key[1], MEM_TYPE[key[2]], key[3],
+                                        named=named)
                 entry = RegEntry(key, handle, t.untyped_storage())
+                entry.named = named
                 self._entries[key] = entry
                 self._cached_bytes += entry.nbytes
             else:
                 self._entries.move_to_end(key)
+                if named and not entry.named:
+                    entry.named = True
+                    self._named(key[0], key[1])
             entry.users += 1
             entry.unpinned = False  # wanted again: an ordinary cache entry from now on
             self._evict()
@@ -370,7 +436,7 @@ class Registry:
         with self._lock:
             if key in self._entries or key in self._seen:
                 self._seen.pop(key, None)
-                return self.acquire(t)
+                return self.acquire(t, named=False)
             self._seen[key] = None
             while len(self._seen) > _SEEN_LIMIT:
                 self._seen.popitem(last=False)
@@ -434,7 +500,8 @@ class Registry:
         del self._entries[entry.key]
         if not entry.pins:
             self._cached_bytes -= entry.nbytes
-        self._deregister(entry.handle, f"storage at {entry.key[0]:#x}", entry.storage)
+        self._deregister(entry.handle, f"storage at {entry.key[0]:#x}", entry.storage,
+                         None if entry.named else (entry.key[0], entry.key[1]))
         entry.storage = None
 
     def _evict(self) -> None:

@@ -13,7 +13,11 @@ discipline. It models what real NIXL may do, not what is convenient:
 * ``release_errors`` makes releasing even an ended handle raise (errors on release);
   ``remove_errors`` makes removing a remote agent raise, leaving its READs running.
 * Loading an agent's metadata again *merges* its sections, as NIXL does; only
-  ``remove_remote`` drops them, and it ends every READ from that agent with ERR.
+  ``remove_remote`` drops them, and it ends every READ from that agent with ERR. A
+  section names its registration: one the remote agent has deregistered since stays in
+  the merged view (stale), and a READ whose remote bytes overlap a stale section is a
+  violation (NIXL may resolve it to that registration), even when memory registered
+  anew covers the same bytes.
 * Read lanes: a backend made with ``lanes=K > 1`` decides to split a READ as the real
   one does (``split=True`` and at least ``split_bytes``) and then calls ``on_split``,
   but still moves the bytes as one READ with one handle, so every fault above applies
@@ -110,7 +114,8 @@ class FakeBackend:
         self.lock = threading.RLock()
         self._ids = itertools.count(1)
         self.regions: dict[int, tuple[int, int]] = {}
-        self.loaded: dict[str, list[tuple[int, int]]] = {}
+        # remote agent -> its sections as loaded: (registration id, address, bytes)
+        self.loaded: dict[str, list[tuple[int, int, int]]] = {}
         self.xfers: dict[int, _Xfer] = {}
         self.removed: list[str] = []
         self.registrations = 0
@@ -137,14 +142,16 @@ class FakeBackend:
             fn()
 
     def metadata(self) -> bytes:
-        return repr((self.name, sorted(self.regions.values()))).encode()
+        return repr((self.name, sorted((a, n, h) for h, (a, n) in self.regions.items()))
+                    ).encode()
 
     def load_remote(self, md: bytes) -> str:
         import ast
 
         name, regions = ast.literal_eval(md.decode())
         # A re-load adds sections; dropping them takes remove_remote (as in NIXL).
-        self.loaded[name] = sorted(set(self.loaded.get(name, [])) | set(regions))
+        sections = {(h, a, n) for a, n, h in regions}
+        self.loaded[name] = sorted(set(self.loaded.get(name, [])) | sections)
         return name
 
     def remove_remote(self, name: str) -> None:
@@ -170,9 +177,18 @@ class FakeBackend:
         for a, n, _ in local:
             if not self._inside(a, n, self.regions.values()):
                 self.world.violations.append(f"local desc {a:#x}+{n} not registered")
+        view = self.loaded[remote_name]
         for a, n, _ in remote:
-            if not self._inside(a, n, self.loaded[remote_name]):
+            if not self._inside(a, n, [(s, m) for _h, s, m in view]):
                 raise RuntimeError(f"NIXL_ERR_NOT_FOUND: remote desc {a:#x}+{n}")
+        owner = self.world.agents.get(remote_name)
+        if owner is not None:
+            stale = [(s, m) for h, s, m in view if h not in owner.regions]
+            for a, n, _ in remote:
+                if any(s < a + n and a < s + m for s, m in stale):
+                    self.world.violations.append(
+                        f"remote desc {a:#x}+{n} overlaps a section of {remote_name} "
+                        "deregistered since this view loaded it")
         if split and self.lanes > 1 and sum(n for _a, n, _d in local) >= self.split_bytes:
             laned = [self.regions[h] for h in self.lane_handles]
             for a, n, _ in local:

@@ -1063,3 +1063,39 @@ def test_fragmented_pool_still_takes_a_large_object_split_across_blocks(recv):
     assert (end.pool_used, end.pool_free_blocks, end.pool_largest_free_block) == (
         0, 1, 4 << 20), end
     ray.kill(s)
+
+
+def _relay(self, refs, i: int):
+    """In a relay actor: receive ``refs`` (larger than this actor's arena), then put an
+    object of its own."""
+    got = fingerprint(ray.get(refs[0]))
+    return self.put(payload(10_000 + i, 64 << 10)), got
+
+
+def test_a_relay_receiving_outside_its_arena_makes_its_receivers_reload_nothing(send, recv):
+    """An actor that receives and sends (a pipeline stage, an inference actor sending
+    rollouts) lands each object its 1 MiB arena cannot hold in a one-off registered buffer.
+    That buffer is receive-side memory, named by no object the actor sends: registering and
+    deregistering it must not make the receivers of the actor's own objects reload its
+    metadata. They did, for every object: a GCS lookup, and (a deregistration) a remove
+    and re-add of the relay's agent, each of which NIXL 1.5.1 pays with a TCP connection
+    per read lane that stays open (a socket in each process) for good."""
+    relay = Sender.remote(arena_bytes=1 << 20)
+    n = 6
+    base = None
+    for i in range(n):
+        refs, want = ray.get(send.put_payload.remote(i, 2 << 20))
+        (out, want_out), got = ray.get(relay.__ray_call__.remote(_relay, refs, i))
+        assert got == want
+        got = ray.get(recv.get.remote(out))
+        assert got["ok"] and got["value"] == want_out, got
+        if base is None:  # first contact with the relay: one load
+            base = stats(recv)
+    after, rst = stats(recv), stats(relay)
+    assert rst.receive_fallbacks == n, rst  # every object landed in a one-off buffer
+    assert rst.nixl_deregistrations >= n, rst
+    figure("relay receiving outside its arena",
+           receiver_reloads=after.remote_metadata_loads - base.remote_metadata_loads)
+    assert after.remote_metadata_loads == base.remote_metadata_loads, (base, after)
+    ray.get(relay.drop.remote())
+    ray.kill(relay)

@@ -1253,6 +1253,63 @@ def test_multi_ref_get_across_a_deregistration_does_not_stall(world):
     assert not world.violations
 
 
+def test_receive_side_registrations_leave_the_epoch_alone(world):
+    """A process that receives and sends: its receive arena, one-off receive buffers and
+    cached target buffers are named by no object it sends. Registering and deregistering
+    them must leave its epoch alone, or the receivers of its objects reload its metadata
+    (and replace their view: a remove and re-add of its agent) after every such receive."""
+    a = make(world)
+    relay = make(world, arena_bytes=4096, registration_cache_bytes=1)
+    c = make(world)
+    assert same(roundtrip(relay, c, "x0", [torch.arange(5)]), [torch.arange(5)])
+    loads, version = c.stats().remote_metadata_loads, relay.registry.version
+    big = [torch.arange(4096.0)]  # 16 KiB: larger than the relay's arena
+    meta = ship(a.put("big", big))
+    for i in range(3):  # a one-off buffer each time; a target buffer seen twice, evicted
+        assert same(relay.wait(relay.fetch(f"big{i}", meta, None), -1), big)
+        t = torch.zeros(4096)
+        for _ in range(2):
+            relay.wait(relay.fetch(f"t{i}", meta, [t]), -1)
+        assert same(roundtrip(relay, c, f"x{i + 1}", [torch.arange(i + 6)]),
+                    [torch.arange(i + 6)])
+    st = relay.stats()
+    # Each object once, and each target's first sighting (copied out of a landing): 6.
+    assert st.receive_fallbacks == 6 and st.registration_evictions == 3, st
+    assert relay.registry.version == version
+    assert c.stats().remote_metadata_loads == loads
+    assert relay.agent_name not in c.backend().removed
+    assert not world.violations
+
+
+def test_nameable_memory_over_a_gone_receive_buffer_replaces_the_receivers_view(world):
+    """Receive-side memory is in the metadata published while it is registered, so a
+    receiver's view may keep its section after it is gone. Memory an object names that is
+    registered over those bytes later (the received tensors, pinned to be sent zero-copy)
+    must make that view be replaced, not merged into: a READ resolved to the stale
+    section would use a registration that no longer exists. (A guard for the rule that
+    lets receive-side memory leave the epoch alone: it passes without that rule too.)"""
+    a = make(world)
+    relay = make(world, arena_bytes=4096)
+    c = make(world, arena_bytes=1 << 20)
+    assert same(roundtrip(relay, c, "x0", [torch.arange(5)]), [torch.arange(5)])
+    big = [torch.arange(4096.0)]
+    meta = ship(a.put("big", big))
+    world.mode = "PROC"
+    req = relay.fetch("big", meta, None)  # lands in a one-off buffer, registered meanwhile
+    world.mode = "DONE"
+    # Nameable memory registered while the buffer is: what the relay publishes (and c
+    # loads) now holds the buffer's section too.
+    over = [torch.randn(1 << 19)]  # 2 MiB: more than the relay's pool, an overflow region
+    assert same(roundtrip(relay, c, "over", [over[0]]), over)
+    relay.backend().complete(req.inner.transfer.handle)
+    got = relay.wait(req, -1)  # the buffer's registration goes; its memory is `got` now
+    assert same(got, big)
+    relay.registry.pin(got[0])  # the same bytes, registered again, nameable
+    assert same(roundtrip(relay, c, "pinned", [got[0]]), big)
+    assert relay.agent_name in c.backend().removed  # the view was replaced
+    assert not world.violations
+
+
 def test_failed_peer_is_removed_once_idle(world):
     s, r = make(world), make(world)
     roundtrip(s, r, "a", [torch.arange(3)])
