@@ -31,7 +31,8 @@ than the loaded view (see :mod:`ray_rdt_pool.registry`). NIXL merges a reload in
 known view, so a reload never removes an agent that has READs in flight; a view that may
 hold deregistered memory is replaced (remove, then add) at the next fetch that finds the
 peer idle. ``fetch`` never waits for other fetches. Peers that failed a READ, or stayed
-idle for :data:`PEER_IDLE_S`, are removed by the progress thread once idle.
+idle for :data:`PEER_IDLE_S` (an hour), are removed by the progress thread once idle, and
+the least recently used idle ones beyond :data:`MAX_PEERS`.
 
 Same-node senders: objects in a sender's shared pool are mapped (or copied out of it)
 under a lease instead of READ (see :mod:`ray_rdt_pool.shared`). At ``os.fork()`` (hooks
@@ -98,7 +99,12 @@ logger = logging.getLogger(__name__)
 __all__ = ["PEER_IDLE_S", "Fetch", "Landing", "Peer", "Receiver", "Transfer"]
 
 #: A peer unused this long, with nothing in flight, is removed (its process may be gone).
-PEER_IDLE_S = 120.0
+#: Long: with NIXL 1.5.1 (UCX) a removed agent's connection stays open in both processes,
+#: so a peer removed while its sender lives and added again at its next object leaks a
+#: TCP connection per read lane each time (it was 120 s: a trainer syncing every few
+#: minutes leaked at every sync). Removing a dead sender's agent frees no socket either;
+#: it only lets its view, and the remote_agents gauge, go.
+PEER_IDLE_S = 3600.0
 #: Most peers kept loaded; the least recently used idle ones go first.
 MAX_PEERS = 256
 #: Senders remembered by agent name for the same-node path (mapped or not).

@@ -1099,3 +1099,51 @@ def test_a_relay_receiving_outside_its_arena_makes_its_receivers_reload_nothing(
     assert after.remote_metadata_loads == base.remote_metadata_loads, (base, after)
     ray.get(relay.drop.remote())
     ray.kill(relay)
+
+
+def _sockets(pid: int) -> int:
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return n
+
+
+def _age_peers(self, seconds: float) -> int:
+    """In a receiver: make every loaded peer look idle for ``seconds`` more, then run the
+    housekeeping the progress thread runs once a second; returns the peers loaded."""
+    from ray_rdt_pool.transport import runtime
+
+    rcv = runtime().receiver
+    with rcv.lock:
+        for p in rcv.peers.values():
+            p.last_used -= seconds
+        rcv._next_housekeeping = 0.0
+    rcv.reap()
+    return len(rcv.peers)
+
+
+def test_a_sender_idle_for_half_an_hour_is_read_again_over_the_same_connection(send):
+    """A trainer that syncs every few minutes: its receivers removed its agent after 120 s
+    idle and added it again at the next object. With NIXL 1.5.1 a removed agent's TCP
+    connection stays open (a socket in each process, per read lane), so every such sync
+    leaked a socket per lane in the trainer and one in the receiver, for good, while the
+    removal itself frees nothing (a dead sender's socket stays too). Idle peers go after
+    an hour now; failed peers, and the least recently used beyond 256, as before."""
+    r = Receiver.remote(fetch_timeout_s=FETCH_TIMEOUT_S)
+    rpid, spid = ray.get(r.pid.remote()), ray.get(send.pid.remote())
+    round_trip(send, r, 1)
+    before = stats(r)
+    socks = _sockets(spid), _sockets(rpid)
+    kept = ray.get(r.__ray_call__.remote(_age_peers, 1800.0))
+    round_trip(send, r, 2)
+    after = stats(r)
+    figure("sender idle for half an hour", sender_sockets_added=_sockets(spid) - socks[0],
+           receiver_sockets_added=_sockets(rpid) - socks[1])
+    assert kept == 1
+    assert after.remote_agents_removed == before.remote_agents_removed, after
+    assert after.remote_metadata_loads == before.remote_metadata_loads, after
+    assert after.remote_agents == 1
+    ray.kill(r)
