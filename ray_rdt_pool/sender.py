@@ -255,14 +255,29 @@ class Sender:
                                "(RAY_RDT_POOL_BYTES), or turn strict mode off to copy "
                                "oversized objects into overflow memory") from None
                 self._warn_overflow(nbytes, e, leased)
+        made: Region | None = None  # the region this put registered, if any
         while True:
+            spare: Region | None = None
             with self.lock:
                 for region in self.overflow:
                     try:
                         blocks = region.alloc.allocate(key, nbytes, max_blocks=max_blocks)
                     except PoolExhaustedError:
                         continue
-                    return Placement(obj_id, region, tuple(blocks), nbytes, True, key=key)
+                    if (made is not None and made is not region and len(made.alloc) == 0
+                            and made in self.overflow):
+                        # Another put made a region at the same time, and this object
+                        # went there: ours would stay registered with nothing in it.
+                        self.overflow.remove(made)
+                        spare = made
+                    placed = Placement(obj_id, region, tuple(blocks), nbytes, True, key=key)
+                    break
+                else:
+                    placed = None
+            if placed is not None:
+                if spare is not None:
+                    self.registry.drop_region(spare)
+                return placed
             # Registering a region takes milliseconds: not under the lock.
             # Whole MiBs: a quarter of a pool size (a multiple of 64 only) is often not
             # one, and the allocator refused it for every overflow put.
@@ -280,6 +295,7 @@ class Sender:
                 ) from e
             with self.lock:
                 self.overflow.append(region)
+            made = region
 
     def _replace(self, obj_id: str) -> None:
         """A retried put replaces its first try: release that placement (or leave it to

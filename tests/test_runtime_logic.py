@@ -1341,6 +1341,48 @@ def test_cuda_object_on_a_receiver_without_cuda_names_the_fix(world):
     assert same(out, [torch.arange(6)])  # set_target_device_for_ref(ref, "cpu") works
 
 
+def test_overflow_regions_made_at_once_by_two_puts_leave_none_empty(world):
+    """Two threads whose objects both miss the pool each made an overflow region (64 MiB,
+    a registration, and a metadata reload for every receiver) at the same time; the
+    first region took both objects, and the second stayed registered and empty,
+    counted in overflow_capacity, until some other object was freed."""
+    gate = threading.Barrier(2, timeout=10)
+    made: list[int] = []
+
+    def regions(capacity, device, prefault):
+        if capacity >= 64 << 20:  # an overflow region (the pool is 1 MiB)
+            made.append(capacity)
+            gate.wait()  # both puts are making one now
+        return rdt_tensors.HostRegion(capacity)
+
+    s, r = make(world, region_factory=regions), make(world, arena_bytes=8 << 20)
+    assert same(roundtrip(s, r, "warm", [torch.ones(4)]), [torch.ones(4)])  # the pool
+    objs = [[torch.full((1 << 19,), float(i))] for i in range(2)]  # 2 MiB each
+    metas: dict[int, PoolTransportMetadata] = {}
+    errors: list[BaseException] = []
+
+    def put(i: int) -> None:
+        try:
+            metas[i] = ship(s.put(f"o{i}", objs[i]))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=put, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and len(made) == 2
+    st = s.stats()
+    assert st.overflow_objects == 2 and st.overflow_capacity == 64 << 20, st
+    assert st.registered_regions == 2  # the pool and one overflow region
+    for i in range(2):
+        assert same(r.wait(r.fetch(f"o{i}", metas[i], None), -1), objs[i])
+        s.free(f"o{i}")
+    assert s.stats().overflow_capacity == 0
+    assert not world.violations
+
+
 def test_landing_uses_the_arena_of_the_senders_device(world, monkeypatch):
     made = []
 
