@@ -40,6 +40,9 @@ MAX_AUTO_READ_LANES = 2
 MAX_READ_LANES = 16
 
 
+#: Longest ``overflow_linger_s``: an hour.
+MAX_OVERFLOW_LINGER_S = 3600.0
+
 #: The default of ``PoolConfig.progress_idle_interval_s``.
 _IDLE_DEFAULT_S = 0.02
 
@@ -119,6 +122,14 @@ class PoolConfig:
             concurrently (with UCX over cma each agent copies on its own thread). 0
             picks min(cores, :data:`MAX_AUTO_READ_LANES`); 1 disables splitting.
         read_split_bytes: The smallest READ that is split over the read lanes.
+        overflow_linger_s: How long an overflow region stays registered once its last
+            object is freed, for the next oversized objects to reuse (at most an hour;
+            0: deregistered with its last object). Every deregistration makes each
+            receiver of this sender replace its view of the sender's agent, and with
+            NIXL 1.5.1 every such replacement leaves a TCP connection per read lane
+            open in both processes, for good: a sender whose pool overflows now and
+            then would leak one per object. Its memory stays held (and counted in
+            ``overflow_capacity``) that long.
         native: Read the facts of an object's tensors (dtype, shape, address, ...) in
             C++ where the optional helper is built for this torch (``python -m
             ray_rdt_pool.native build``; :mod:`ray_rdt_pool.native`); False: always the
@@ -144,6 +155,7 @@ class PoolConfig:
     read_lanes: int = 0
     read_split_bytes: int = 8 << 20
     native: bool = True
+    overflow_linger_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("strict", "prefault", "metrics", "debug_transfers", "native"):
@@ -151,7 +163,8 @@ class PoolConfig:
             if not isinstance(value, bool):  # a string such as "no" is truthy
                 raise ConfigurationError(
                     f"{name} must be True or False, got {value!r}; pass e.g. {name}=False")
-        for name in ("progress_interval_s", "progress_idle_interval_s", "fetch_timeout_s"):
+        for name in ("progress_interval_s", "progress_idle_interval_s", "fetch_timeout_s",
+                     "overflow_linger_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not _finite(value):
@@ -224,6 +237,12 @@ class PoolConfig:
             raise ConfigurationError(
                 f"fetch_timeout_s must be positive, got {self.fetch_timeout_s!r}"
             )
+        if not 0 <= self.overflow_linger_s <= MAX_OVERFLOW_LINGER_S:
+            raise ConfigurationError(
+                f"overflow_linger_s must be in [0, {MAX_OVERFLOW_LINGER_S:g}] seconds (0: "
+                f"deregister with the last object), got {self.overflow_linger_s!r}; pass "
+                "e.g. overflow_linger_s=10.0"
+            )
 
     @property
     def pool_capacity(self) -> int:
@@ -292,6 +311,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "RAY_RDT_POOL_READ_SPLIT": (
         "read_split_bytes", "READs of at least this size are split over the read lanes "
         "(K, M, G allowed)"),
+    "RAY_RDT_POOL_OVERFLOW_LINGER_S": (
+        "overflow_linger_s", "seconds an emptied overflow region stays registered for reuse "
+        "(0: deregistered with its last object)"),
     "RAY_RDT_POOL_NATIVE": (
         "native", "0: read tensor facts in Python even where the compiled helper is built"),
 }

@@ -11,9 +11,10 @@ Where an object goes (one placement each, decided under the sender lock):
 * **pool**: blocks of the pool region (one contiguous block when a CUDA copy is
   involved, otherwise as few blocks as the allocator can find);
 * **overflow**: when the pool cannot hold it and ``strict`` is off, blocks of an
-  overflow region: host (or device) memory registered for the purpose and freed with the
-  last object in it. Still a snapshot. ``strict=True`` raises ``PoolExhaustedError``
-  instead;
+  overflow region: host (or device) memory registered for the purpose, reused by later
+  oversized objects, and deregistered and freed once it has held no object for
+  ``overflow_linger_s`` (checked by :meth:`Sender.reap` and at every free). Still a
+  snapshot. ``strict=True`` raises ``PoolExhaustedError`` instead;
 * either of those **mixed** with by-reference tensors of ``register_memory()`` storages;
 * **by reference** (``put_by_reference``, the weights API's stream across nodes): no
   placement at all; the tensors' storages are registered through the storage cache and
@@ -129,7 +130,13 @@ class Sender:
         self.changed = threading.Condition(self.lock)  # notified by every free
         self._create_lock = threading.Lock()  # serialises creating the pool
         self.pool: Region | None = None  # created on first put, lives until shutdown
-        self.overflow: list[Region] = []  # each dropped when its last object is freed
+        # Each dropped once it has stayed empty for overflow_linger_s (see _idle_overflow).
+        self.overflow: list[Region] = []
+        # Overflow regions with no object, and since when (monotonic seconds); the first
+        # moment one of them may be due (reap() takes the lock only from then on).
+        self._idle_overflow: dict[Region, float] = {}
+        self._linger_due = math.inf
+        self._linger_off = False  # set by end_lingering() at shutdown
         self.sent: dict[str, Placement] = {}  # obj_id -> placement, until free()
         self.cuda_stream: Any = None  # set_cuda_stream(): the producer of sent tensors
         self._warned_overflow = False
@@ -257,7 +264,7 @@ class Sender:
                 self._warn_overflow(nbytes, e, leased)
         made: Region | None = None  # the region this put registered, if any
         while True:
-            spare: Region | None = None
+            spare: list[Region] = []
             with self.lock:
                 for region in self.overflow:
                     try:
@@ -267,16 +274,17 @@ class Sender:
                     if (made is not None and made is not region and len(made.alloc) == 0
                             and made in self.overflow):
                         # Another put made a region at the same time, and this object
-                        # went there: ours would stay registered with nothing in it.
-                        self.overflow.remove(made)
-                        spare = made
+                        # went there: ours holds nothing. It lingers like an emptied one
+                        # (and goes at once with overflow_linger_s=0), instead of staying
+                        # registered until some free happened to look at it.
+                        self._idle_overflow.setdefault(made, time.monotonic())
+                        spare = self._empty_overflow_locked()
                     placed = Placement(obj_id, region, tuple(blocks), nbytes, True, key=key)
                     break
                 else:
                     placed = None
             if placed is not None:
-                if spare is not None:
-                    self.registry.drop_region(spare)
+                self._drop_regions(spare)
                 return placed
             # Registering a region takes milliseconds: not under the lock.
             # Whole MiBs: a quarter of a pool size (a multiple of 64 only) is often not
@@ -355,10 +363,40 @@ class Sender:
         return pinned
 
     def _empty_overflow_locked(self) -> list[Region]:
-        empty = [r for r in self.overflow if len(r.alloc) == 0]
-        if empty:
-            self.overflow = [r for r in self.overflow if len(r.alloc) != 0]
-        return empty
+        """Overflow regions to deregister now: those empty for ``overflow_linger_s``.
+
+        An emptied region lingers, registered, for the next oversized objects: every
+        deregistration makes each receiver replace its view of this agent (a remove and
+        a re-add), which with NIXL 1.5.1 leaves a TCP connection per read lane open in
+        both processes, so a pool that overflows now and then would leak one per object.
+        """
+        now = time.monotonic()
+        linger = 0.0 if self._linger_off else self.config.overflow_linger_s
+        idle = self._idle_overflow
+        drop: list[Region] = []
+        for r in self.overflow:
+            if len(r.alloc):
+                idle.pop(r, None)
+            elif now - idle.setdefault(r, now) >= linger:
+                drop.append(r)
+        if drop:
+            self.overflow = [r for r in self.overflow if r not in drop]
+            for r in drop:
+                del idle[r]
+        self._linger_due = min(idle.values(), default=math.inf) + linger
+        return drop
+
+    def end_lingering(self) -> None:
+        """At shutdown: no put can reuse an overflow region any more, so every empty one
+        goes now, and later ones with their last object."""
+        with self.lock:
+            self._linger_off = True
+            empty = self._empty_overflow_locked()
+        self._drop_regions(empty)
+
+    def _drop_regions(self, regions: Sequence[Region]) -> None:
+        for region in regions:
+            self.registry.drop_region(region)
 
     def _release(self, p: Placement) -> None:
         with self.lock:
@@ -367,8 +405,7 @@ class Sender:
             self.changed.notify_all()
         for entry in pinned:
             self.registry.release(entry)
-        for region in empty:
-            self.registry.drop_region(region)
+        self._drop_regions(empty)
 
     # -- put / free -----------------------------------------------------------------------
 
@@ -573,6 +610,10 @@ class Sender:
         rows of receivers that died are cleared: every second while some placement waits,
         every :data:`IDLE_SWEEP_S` otherwise (receivers come and go with nothing leased,
         copy-mode ones always; their rows must come back or the table fills up)."""
+        if time.monotonic() >= self._linger_due:
+            with self.lock:
+                empty = self._empty_overflow_locked()
+            self._drop_regions(empty)
         leases = self.leases
         if leases is None:
             return

@@ -64,7 +64,8 @@ class TransportStats:
     overflow_objects: int = 0
     #: bytes of those objects
     overflow_bytes: int = 0
-    #: bytes of overflow memory registered now (freed with the last object in it)
+    #: bytes of overflow memory registered now (a region goes once it has held no object
+    #: for overflow_linger_s)
     overflow_capacity: int = 0
     #: READs given up on (timeout, abort, dropped) whose landing is held until NIXL ends them
     abandoned_transfers: int = 0

@@ -566,6 +566,11 @@ class Runtime:
             except Exception:
                 logger.debug("removing the directory entry failed", exc_info=True)
             backend.close()
+            try:
+                # Empty overflow regions kept for reuse: no put will come.
+                self.sender.end_lingering()
+            except Exception:
+                logger.debug("dropping idle overflow regions failed", exc_info=True)
         finally:
             self.closed = True
             self._shut.set()

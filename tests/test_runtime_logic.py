@@ -579,7 +579,8 @@ def test_a_forked_child_never_shuts_down_the_runtime_it_inherited(world, monkeyp
 
 
 def test_object_larger_than_the_pool_is_still_a_snapshot(world):
-    s, r = make(world, pool_bytes=1 << 20), make(world, arena_bytes=8 << 20)
+    s = make(world, pool_bytes=1 << 20, overflow_linger_s=0)
+    r = make(world, arena_bytes=8 << 20)
     t = torch.full((1 << 19,), 5.0)  # 2 MiB > 1 MiB pool
     meta = ship(s.put("big", [t]))
     t.add_(1000)  # the trainer keeps training as soon as the put returns
@@ -592,6 +593,41 @@ def test_object_larger_than_the_pool_is_still_a_snapshot(world):
     st = s.stats()
     assert (st.overflow_objects, st.overflow_bytes, st.overflow_capacity) == (0, 0, 0)
     assert st.registered_regions == 1  # the overflow region went with its last object
+    assert not world.violations
+
+
+def test_an_emptied_overflow_region_lingers_for_reuse_then_goes(world):
+    """Every deregistration makes each receiver replace its view of the sender's agent
+    (remove, then add), and with NIXL 1.5.1 each replacement leaves a TCP connection per
+    read lane open in both processes: a pool that overflowed object after object leaked
+    one per object. An emptied overflow region now stays registered for
+    overflow_linger_s and takes the next oversized objects: no registration, no
+    deregistration and no metadata reload per object; then it goes."""
+    s = make(world, pool_bytes=1 << 20, overflow_linger_s=0.5)
+    r = make(world, arena_bytes=8 << 20)
+
+    def send(i: int) -> None:
+        obj = [torch.full((1 << 19,), float(i))]  # 2 MiB: overflow
+        assert same(roundtrip(s, r, f"b{i}", obj), obj)
+        s.free(f"b{i}")
+
+    send(0)
+    st0, loads0 = s.stats(), r.stats().remote_metadata_loads
+    assert (st0.overflow_objects, st0.registered_regions) == (0, 2)  # pool + overflow
+    assert st0.overflow_capacity >= 2 << 20
+    for i in range(1, 4):
+        send(i)
+    st = s.stats()
+    assert st.nixl_registrations == st0.nixl_registrations
+    assert st.nixl_deregistrations == st0.nixl_deregistrations
+    assert r.stats().remote_metadata_loads == loads0
+    s.sender.reap()  # not due yet
+    assert s.stats().overflow_capacity == st0.overflow_capacity
+    time.sleep(0.6)
+    s.sender.reap()  # the progress thread's tick
+    st = s.stats()
+    assert (st.overflow_capacity, st.registered_regions) == (0, 1)
+    assert st.nixl_deregistrations == st0.nixl_deregistrations + 1
     assert not world.violations
 
 
@@ -1230,7 +1266,8 @@ def test_aborts_on_a_sender_stay_bounded(world):
 def test_multi_ref_get_across_a_deregistration_does_not_stall(world):
     """Ray starts both fetches of ray.get([a, b]) before waiting on either. b names a
     newer epoch after a deregistration while a's READ is in flight: b must not wait."""
-    s, r = make(world, pool_bytes=1 << 20), make(world, arena_bytes=8 << 20)
+    s = make(world, pool_bytes=1 << 20, overflow_linger_s=0)  # the region goes with fb
+    r = make(world, arena_bytes=8 << 20)
     world.mode = "PROC"
     meta_a = ship(s.put("a", [torch.full((10,), 3.0)]))
     req_a = r.fetch("a", meta_a, None)
@@ -1341,11 +1378,13 @@ def test_cuda_object_on_a_receiver_without_cuda_names_the_fix(world):
     assert same(out, [torch.arange(6)])  # set_target_device_for_ref(ref, "cpu") works
 
 
-def test_overflow_regions_made_at_once_by_two_puts_leave_none_empty(world):
+@pytest.mark.parametrize("linger", [0, 0.3])
+def test_overflow_regions_made_at_once_by_two_puts_leave_none_empty(world, linger):
     """Two threads whose objects both miss the pool each made an overflow region (64 MiB,
     a registration, and a metadata reload for every receiver) at the same time; the
     first region took both objects, and the second stayed registered and empty,
-    counted in overflow_capacity, until some other object was freed."""
+    counted in overflow_capacity, until some other object was freed. Now the empty one
+    lingers like any emptied region (overflow_linger_s), and goes at once with 0."""
     gate = threading.Barrier(2, timeout=10)
     made: list[int] = []
 
@@ -1355,7 +1394,8 @@ def test_overflow_regions_made_at_once_by_two_puts_leave_none_empty(world):
             gate.wait()  # both puts are making one now
         return rdt_tensors.HostRegion(capacity)
 
-    s, r = make(world, region_factory=regions), make(world, arena_bytes=8 << 20)
+    s = make(world, region_factory=regions, overflow_linger_s=linger)
+    r = make(world, arena_bytes=8 << 20)
     assert same(roundtrip(s, r, "warm", [torch.ones(4)]), [torch.ones(4)])  # the pool
     objs = [[torch.full((1 << 19,), float(i))] for i in range(2)]  # 2 MiB each
     metas: dict[int, PoolTransportMetadata] = {}
@@ -1373,12 +1413,20 @@ def test_overflow_regions_made_at_once_by_two_puts_leave_none_empty(world):
     for t in threads:
         t.join(30)
     assert not errors and len(made) == 2
+    if linger:
+        st = s.stats()
+        assert st.overflow_capacity == 128 << 20 and st.registered_regions == 3, st
+        time.sleep(linger + 0.1)
+        s.sender.reap()
     st = s.stats()
     assert st.overflow_objects == 2 and st.overflow_capacity == 64 << 20, st
     assert st.registered_regions == 2  # the pool and one overflow region
     for i in range(2):
         assert same(r.wait(r.fetch(f"o{i}", metas[i], None), -1), objs[i])
         s.free(f"o{i}")
+    if linger:
+        time.sleep(linger + 0.1)
+        s.sender.reap()
     assert s.stats().overflow_capacity == 0
     assert not world.violations
 

@@ -570,7 +570,7 @@ def test_target_buffers_that_do_not_match_raise(pair):
 def test_object_larger_than_pool_is_still_a_snapshot():
     """Pool of 4 MiB, tensor of 8 MiB, mutated right after the put: the receiver reads
     the bytes of the put, from overflow memory that goes away with the object."""
-    s, r = Sender.remote(pool_bytes=4 << 20), Receiver.remote()
+    s, r = Sender.remote(pool_bytes=4 << 20, overflow_linger_s=0), Receiver.remote()
     t = torch.full((2 << 20,), 5.0)  # 8 MiB
     refs, expected = ray.get(s.put.remote([t], keep="big"))
     ray.get(s.mutate.remote("big"))  # t += 1 in the sender, in place
@@ -591,7 +591,7 @@ def test_one_get_of_refs_put_before_and_after_a_deregistration():
     the second object names a newer epoch and the receiver must reload the sender's
     metadata while the first READ of the same ray.get holds a lease. It must not wait for
     that READ (Ray waits on neither fetch before starting both)."""
-    s, r = Sender.remote(pool_bytes=4 << 20), Receiver.remote()
+    s, r = Sender.remote(pool_bytes=4 << 20, overflow_linger_s=0), Receiver.remote()
     warm, expected_warm = ray.get(s.put.remote([torch.arange(5)]))
     assert ray.get(r.get.remote(warm)) == expected_warm  # the receiver knows the sender
     before, exp_before = ray.get(s.put.remote([torch.full((1000,), 1.0)]))
@@ -604,6 +604,29 @@ def test_one_get_of_refs_put_before_and_after_a_deregistration():
     assert got == [exp_before, exp_after, expected_warm]
     st = ray.get(r.stats.remote())
     assert st.transfers_in_flight == 0 and st.transfers_cut == 0 and st.transfer_errors == 0
+
+
+def test_an_overflowing_pool_makes_its_receivers_reload_nothing_per_object():
+    """Object after object too large for the pool: the emptied overflow region stays
+    registered (overflow_linger_s, 10 s by default) and takes the next one, so the
+    receiver loads the sender's metadata once. Before, each object's region was
+    deregistered with it and every receiver replaced its view of the sender's agent
+    (remove, then add): a metadata load per object, and with NIXL 1.5.1 a TCP
+    connection per read lane left open in both processes each time."""
+    s, r = Sender.remote(pool_bytes=4 << 20), Receiver.remote()
+    for i in range(4):
+        refs, expected = ray.get(s.put.remote([torch.full((2 << 20,), float(i))]))  # 8 MiB
+        assert ray.get(r.get.remote(refs)) == expected
+        del refs
+        wait_for(lambda: ray.get(s.stats.remote()).overflow_objects == 0)
+        if i == 0:
+            loads = ray.get(r.stats.remote()).remote_metadata_loads
+            st0 = ray.get(s.stats.remote())
+    st = ray.get(s.stats.remote())
+    assert ray.get(r.stats.remote()).remote_metadata_loads == loads
+    assert (st.nixl_registrations, st.nixl_deregistrations) == (
+        st0.nixl_registrations, st0.nixl_deregistrations)
+    assert st.overflow_capacity > 0  # lingering, for the next one
 
 
 @pytest.mark.parametrize("same_node", ["off", "map"])
