@@ -601,16 +601,21 @@ def experience_put_get(summary: dict[str, Any], order: Sequence[str],
     return out
 
 
-def _inside_ratio(inside: dict[str, float]) -> float | None:
-    """Per-sample over batched time inside ray_rdt_pool (put + get), or None."""
+def _inside_times(inside: dict[str, float]) -> tuple[float, float] | None:
+    """(batched, per-sample) put + get inside ray_rdt_pool, or None when a part is
+    missing or the batched one is not positive."""
     parts = [inside.get(k) for k in ("batched_ours_put_s", "batched_ours_get_s",
                                       "per_sample_ours_put_s", "per_sample_ours_get_s")]
     if any(x is None for x in parts):
         return None
     b_put, b_get, s_put, s_get = (float(x) for x in parts)  # type: ignore[arg-type]
-    if b_put + b_get <= 0:
-        return None
-    return (s_put + s_get) / (b_put + b_get)
+    return None if b_put + b_get <= 0 else (b_put + b_get, s_put + s_get)
+
+
+def _inside_ratio(inside: dict[str, float]) -> float | None:
+    """Per-sample over batched time inside ray_rdt_pool (put + get), or None."""
+    times = _inside_times(inside)
+    return None if times is None else times[1] / times[0]
 
 
 def inside_floor(inside: dict[str, float], tensor_floor: dict[str, dict[str, Any]]
@@ -624,20 +629,16 @@ def inside_floor(inside: dict[str, float], tensor_floor: dict[str, dict[str, Any
     batched put+get, the best the ``<= 2x`` ratio can be here. Empty when a part is
     missing.
     """
-    parts = [inside.get(k) for k in ("batched_ours_put_s", "batched_ours_get_s",
-                                      "per_sample_ours_put_s", "per_sample_ours_get_s")]
+    times = _inside_times(inside)
     fb, fs = tensor_floor.get("experience", {}), tensor_floor.get("experience_samples", {})
-    if None in parts or not all(k in f for f in (fb, fs) for k in ("read_s", "view_s")):
+    if times is None or not all(k in f for f in (fb, fs) for k in ("read_s", "view_s")):
         return {}
-    b_put, b_get, s_put, s_get = (float(x) for x in parts)  # type: ignore[arg-type]
-    batched = b_put + b_get
-    if batched <= 0:
-        return {}
+    batched, per_sample = times
     extra = max(0.0, fs["read_s"] + fs["view_s"] - fb["read_s"] - fb["view_s"])
     return {"read_s": fs["read_s"], "read_kind": fs.get("read_kind", "python"),
             "view_s": fs["view_s"], "batched_s": batched,
             "per_sample_floor_s": batched + extra, "ratio": (batched + extra) / batched,
-            "measured_ratio": (s_put + s_get) / batched}
+            "measured_ratio": per_sample / batched}
 
 
 def format_experience(cmp: dict[str, Any], n_batched: int, n_samples: int) -> str:

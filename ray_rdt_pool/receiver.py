@@ -378,7 +378,7 @@ class Receiver:
             if not mapped and len(entries) + len(keep) == len(targets):
                 landing = Landing("targets", device=device, entries=entries, keep=keep)
                 f.targets = list(targets)
-                return (landing, *_target_descs(targets, meta))
+                return (landing, *target_descs(targets, meta))
             for e in entries:
                 self.registry.release(e)
             # Buffers seen for the first time: registering each storage costs more than
@@ -1553,9 +1553,11 @@ def _read_pieces(meta: WireMeta, spans: Sequence[tuple[int, int, int]], ldev: in
     return local, remote
 
 
-def _target_descs(targets: Sequence[torch.Tensor], meta: WireMeta
-                  ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-    """(local, remote) descriptors landing each packed tensor in its target buffer."""
+def target_descs(targets: Sequence[torch.Tensor], meta: WireMeta
+                 ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """(local, remote) descriptors ``(address, bytes, device id)`` landing each packed
+    tensor of ``meta`` in its contiguous target (one per tensor, in order; empty ones
+    take nothing): for a READ, or for a local copy out of the sender's own blocks."""
     spans = [(off, t.data_ptr(), t.numel() * t.element_size())
              for t, off in zip(targets, meta.tensor_offsets()) if t.numel()]
     return _read_pieces(meta, spans, targets[0].device.index or 0)

@@ -377,7 +377,7 @@ class Registry:
             if region.handle is not None:
                 ok = self._deregister(
                     region.handle, f"region {region.alloc.name}", region.mem,
-                    None if region.named else (region.addr, region.capacity))
+                    None if region.named else (region.addr, int(region.mem.nbytes)))
                 region.handle = None
                 self.regions -= 1
         close = getattr(region.mem, "close", None)

@@ -271,13 +271,11 @@ class Sender:
                         blocks = region.alloc.allocate(key, nbytes, max_blocks=max_blocks)
                     except PoolExhaustedError:
                         continue
-                    if (made is not None and made is not region and len(made.alloc) == 0
-                            and made in self.overflow):
+                    if made is not None and made is not region:
                         # Another put made a region at the same time, and this object
-                        # went there: ours holds nothing. It lingers like an emptied one
-                        # (and goes at once with overflow_linger_s=0), instead of staying
-                        # registered until some free happened to look at it.
-                        self._idle_overflow.setdefault(made, time.monotonic())
+                        # went there: ours may hold nothing. It lingers like an emptied
+                        # one (and goes at once with overflow_linger_s=0), instead of
+                        # staying registered until some free happened to look at it.
                         spare = self._empty_overflow_locked()
                     placed = Placement(obj_id, region, tuple(blocks), nbytes, True, key=key)
                     break

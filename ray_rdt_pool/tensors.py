@@ -294,20 +294,14 @@ def _probe_objects(dtypes: Sequence[Any]) -> list[list[Any]]:
 
     import torch
 
-    def uninitialized(*shape: int, dtype: Any) -> Any:
-        # Bytes viewed as ``dtype``: ``torch.empty`` of the dtype itself fills its memory
-        # under torch.use_deterministic_algorithms(True), which torch cannot do for every
-        # wire dtype (float4_e2m1fn_x2), and only the facts matter here, not the values.
-        n = math.prod(shape) * dtype.itemsize
-        return torch.empty(n, dtype=torch.uint8).view(dtype).view(shape)
-
     per_dtype = []
     for dt in dtypes:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # complex32 is "experimental"
-            base = uninitialized(3, 4, 5, dtype=dt)
+            # Bytes viewed as the dtype (see _bytes_as): only the facts matter here.
+            base = _bytes_as((3, 4, 5), dt)
             per_dtype.append([base, base[1], base[1, 2], base[2, 1:3], base.transpose(0, 2),
-                              base[:, 1], uninitialized(dtype=dt), uninitialized(7, dtype=dt)])
+                              base[:, 1], _bytes_as((), dt), _bytes_as((7,), dt)])
     f = torch.arange(12.0).view(3, 4)
     z = torch.zeros(3, 4, dtype=torch.complex64)
     odd = [f._neg_view(), z.conj(), z.conj().resolve_conj(), torch.nn.Parameter(f.clone()),
@@ -1324,17 +1318,6 @@ def copy_bytes(moves: Sequence[tuple[int, int, int]], device: str, device_id: in
     torch.cuda.current_stream(device_id).synchronize()
 
 
-def own_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of contiguous ``t`` in a storage of its own, byte for byte (``clone`` makes
-    every nonzero byte of a bool 1)."""
-    import torch
-
-    out = empty_tensor(t.shape, t.dtype, str(t.device))
-    if t.numel():
-        out.reshape(-1).view(torch.uint8).copy_(t.reshape(-1).view(torch.uint8))
-    return out
-
-
 def empty_tensor(shape: Sequence[int], dtype: torch.dtype, device: str = "cpu"
                  ) -> torch.Tensor:
     """``torch.empty(shape, dtype=dtype, device=device)``, also for a dtype torch cannot
@@ -1346,8 +1329,17 @@ def empty_tensor(shape: Sequence[int], dtype: torch.dtype, device: str = "cpu"
     try:
         return torch.empty(tuple(shape), dtype=dtype, device=device)
     except NotImplementedError:
-        n = math.prod(shape) * dtype.itemsize
-        return torch.empty(n, dtype=torch.uint8, device=device).view(dtype).view(tuple(shape))
+        return _bytes_as(shape, dtype, device)
+
+
+def _bytes_as(shape: Sequence[int], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    """Uninitialized bytes viewed as a ``dtype`` tensor of ``shape``: what ``torch.empty``
+    of a uint8 buffer gives under deterministic algorithms too (it fills bytes, which it
+    can for every dtype)."""
+    import torch
+
+    n = math.prod(shape) * dtype.itemsize
+    return torch.empty(n, dtype=torch.uint8, device=device).view(dtype).view(tuple(shape))
 
 
 def empty_like_run_list(runs: Sequence[TensorRun], device: str = "cpu") -> list[torch.Tensor]:

@@ -392,9 +392,8 @@ class Runtime:
         """The tensors of an object this process put, as the put copied them: new tensors,
         each with its own storage (pickled one by one, none carries the others' bytes),
         never views of the pool. None for an object this transport does not hold."""
-        import torch
-
-        from ray_rdt_pool.tensors import copy_bytes, own_copy, rebuild
+        from ray_rdt_pool.receiver import target_descs
+        from ray_rdt_pool.tensors import copy_bytes, empty_tensor, torch_dtype
 
         with self.sender.lock:  # the blocks cannot be freed (and reused) meanwhile
             p = self.sender.sent.get(obj_id)
@@ -402,11 +401,15 @@ class Runtime:
             if meta is None:
                 return None
             where = meta.device if meta.device == "cpu" else f"cuda:{meta.device_id}"
-            buf = torch.empty(meta.total, dtype=torch.uint8, device=where)
-            at = buf.data_ptr()
-            copy_bytes([(at + off, addr, n) for off, addr, n in meta.segments],
-                       meta.device, meta.device_id)
-        return [own_copy(t) for t in rebuild(buf, meta.runs, meta.run_starts())]
+            # One copy, byte for byte, straight out of the blocks into each tensor's own
+            # storage (clone would make every nonzero byte of a bool 1).
+            out = [empty_tensor(shape, torch_dtype(dt), where)
+                   for shape, dt in meta.shapes_dtypes()]
+            if any(t.numel() for t in out):
+                local, remote = target_descs(out, meta)
+                copy_bytes([(d, s, n) for (d, n, _), (s, _m, _r) in zip(local, remote)],
+                           meta.device, meta.device_id)
+        return out
 
     def fetch(self, obj_id: str, pmeta: PoolTransportMetadata,
               targets: Sequence[torch.Tensor] | None) -> PoolFetch:

@@ -178,3 +178,21 @@ def wait_drained(actor: Any, timeout: float = 30.0) -> Any:
                   and x.live_objects == 0 and x, timeout=timeout, interval=0.05)
     assert st.pool_used == 0 and st.live_objects == 0, st
     return st
+
+
+def run_example(*args: str, timeout: float = 240.0) -> str:
+    """Run a program of ``examples/`` as a user would: a subprocess with its own local
+    cluster, in an environment without this package's settings or a Ray address. It must
+    exit 0; returns its standard output."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RAY_RDT_POOL_") and k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(root)
+    proc = subprocess.run([sys.executable, str(root / "examples" / args[0]), *args[1:]],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout

@@ -13,30 +13,17 @@ its success lines. ``tests/test_weights_hf.py`` runs the Hugging Face example.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.raycluster import run_example
+
 pytestmark = pytest.mark.ray
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _run(*args: str) -> str:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("RAY_RDT_POOL_") and k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
 
 
 def test_example_put_get() -> None:
-    out = _run(str(ROOT / "examples" / "put_get.py"))
+    out = run_example("put_get.py")
     assert re.search(r"^received 2 tensors, sums match: \[\S+, \S+\]$", out, re.M), out
 
 
@@ -45,7 +32,7 @@ def _steps(out: str) -> list[str]:
 
 
 def test_example_weight_sync_stream_in_place_then_publish() -> None:
-    out = _run(str(ROOT / "examples" / "weight_sync.py"), "--steps", "2", "--mode", "both")
+    out = run_example("weight_sync.py", "--steps", "2", "--mode", "both")
     steps = _steps(out)
     assert [line.split()[4] for line in steps] == ["stream", "publish"], out
     for line in steps:
@@ -57,7 +44,7 @@ def test_example_weight_sync_stream_in_place_then_publish() -> None:
 
 
 def test_example_weight_sync_packed_stream_stays_within_its_pool() -> None:
-    out = _run(str(ROOT / "examples" / "weight_sync.py"), "--steps", "2", "--packed")
+    out = run_example("weight_sync.py", "--steps", "2", "--packed")
     steps = _steps(out)
     assert len(steps) == 2 and all("fp32 bit-exact [True, True]" in s for s in steps), out
     m = re.search(r"sender pool ([\d,]+) bytes, streaming peak ([\d,]+) bytes, fallbacks 0, "

@@ -9,26 +9,18 @@ bf16 on the wire (half the bytes; logits equal to the bf16-rounded trainer's), a
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.raycluster import run_example
+
 pytestmark = pytest.mark.ray
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_example_weight_sync_hf_small() -> None:
     pytest.importorskip("transformers")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "weight_sync_hf.py"), "--small", "--steps", "2"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    out = proc.stdout
-    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    out = run_example("weight_sync_hf.py", "--small", "--steps", "2", timeout=180)
     assert "OK: all checks passed" in out
     assert out.count("logits bit-exact [True, True]") == 2
     m = re.search(r"bf16 wire: .* \((0\.\d+) of fp32\)", out)
