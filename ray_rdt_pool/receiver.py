@@ -206,6 +206,9 @@ class Receiver:
         # their objects are read with NIXL (another node, no shared pool, or no access).
         self.hosts: OrderedDict[str, MappedPool | None] = OrderedDict()
         self._host_retry: dict[str, float] = {}  # agent -> when to ask again (see _host)
+        # agent -> the registration epoch at which its directory held no same-node entry:
+        # its pool may be made later, and is asked for again at a newer epoch (see _host).
+        self._host_absent: dict[str, int] = {}
         # Object mappings whose views died: (pool, slot, address, length, bytes); appended
         # by deleters from any thread, unmapped and unleased under the lock.
         self._unmaps: deque[_Unmap] = deque()
@@ -678,27 +681,39 @@ class Receiver:
 
     # -- same-node senders: private mappings of their shared pool ------------------------
 
-    def _host(self, agent: str) -> MappedPool | None:
+    def _host(self, agent: str, version: int) -> MappedPool | None:
         """Our handle on ``agent``'s shared pool if it runs on this node, else None
-        (looked up once per agent, outside the lock: a GCS round trip).
+        (looked up outside the lock: a GCS round trip). ``version``: the registration
+        epoch of the object being fetched.
 
         A definite answer (another node, a pool that is not shared, a GPU we do not land
-        on) is kept. A failure that may pass (the GCS did not answer, every lease row of
-        the sender was taken, its pool could not be opened) is asked again after
-        :data:`HOST_RETRY_S`; meanwhile the objects are read with NIXL."""
+        on) is kept. No entry at all (the sender has no pool yet) holds for objects of
+        that epoch or older: a sender moves its epoch once the entry is published, before
+        any object names the pool (see ``Sender._share``), so only an object of a newer
+        epoch can name a pool made since, and it is asked again then (lookups stay
+        bounded by the sender's registrations). A failure that may pass (the GCS did not
+        answer, every lease row of the sender was taken, its pool could not be opened) is
+        asked again after :data:`HOST_RETRY_S`; meanwhile the objects are read with
+        NIXL."""
         with self.lock:
             host = self.hosts.get(agent)
             if host is not None:
                 self.hosts.move_to_end(agent)  # least recently used goes first
                 return host
             if agent in self.hosts:
-                retry = self._host_retry.get(agent)
-                if retry is None or time.monotonic() < retry:
-                    return None
-                del self._host_retry[agent]
+                absent = self._host_absent.get(agent)
+                if absent is not None:
+                    if version <= absent:
+                        return None
+                else:
+                    retry = self._host_retry.get(agent)
+                    if retry is None or time.monotonic() < retry:
+                        return None
+                    del self._host_retry[agent]
             first = agent not in self.hosts
         node = self._node_id()
         failed = False
+        blob = None
         try:
             blob = self.directory.lookup_host(agent) if node is not None else None
             if blob is not None:
@@ -731,11 +746,17 @@ class Receiver:
             self.hosts.move_to_end(agent)
             if host is not None:
                 _watch_forks(self)
+                self._host_absent.pop(agent, None)
+            elif blob is None and not failed:
+                self._host_absent[agent] = max(version, self._host_absent.get(agent, -1))
+            else:  # a definite answer, or a failure asked again by time
+                self._host_absent.pop(agent, None)
             if failed:
                 self._host_retry[agent] = time.monotonic() + HOST_RETRY_S
             while len(self.hosts) > MAX_HOSTS:
                 name, old = self.hosts.popitem(last=False)
                 self._host_retry.pop(name, None)
+                self._host_absent.pop(name, None)
                 if old is not None:
                     old.close()  # its views keep their leases (and the table) until they die
         return host
@@ -770,7 +791,7 @@ class Receiver:
         if targets and any(t.device.type != device for t in targets):
             return False
         for _attempt in range(2):
-            host = self._host(meta.agent)
+            host = self._host(meta.agent, meta.agent_version)
             if host is None or (host.cuda is not None) != (device == "cuda"):
                 return False
             if not host.alive():

@@ -24,6 +24,10 @@ The epoch rule, the one contract a receiver relies on:
 * ``version`` grows by one at every registration and every deregistration of memory an
   object may name (the sender pool, overflow regions, ``register_memory()`` pins, storages
   sent by reference).
+* ``version`` also grows by one when the sender pool's same-node entry is published
+  (:meth:`Registry.advance`), so every object that names the pool has a newer version
+  than any object put before the entry existed: a receiver that found no entry while
+  fetching an object of version ``V`` asks again only for a newer one.
 * ``reset_version`` is the ``version`` of the latest deregistration of such memory.
 * An object put at version ``V`` names only memory that was registered at or before ``V``
   and stays registered while the object lives. A receiver whose view of this agent was
@@ -226,6 +230,12 @@ class Registry:
         if deregistered:
             self.reset_version = self.version
             self._gone.clear()  # views replaced from here on hold none of them
+
+    def advance(self) -> None:
+        """A new version with no registration: something receivers key on by version (the
+        same-node entry of the sender pool) was published (see the epoch rule)."""
+        with self._lock:
+            self._changed(False)
 
     def _named(self, addr: int, nbytes: int) -> None:
         """Memory objects may name is registered (or becomes nameable) at ``addr``: a new

@@ -206,6 +206,10 @@ class Sender:
             logger.warning(
                 "could not share the sender pool with same-node receivers (%s: %s); they "
                 "will read it with NIXL for the life of this process", type(e).__name__, e)
+        else:
+            # Objects naming the pool get a newer version than any put while the entry
+            # was missing, at which receivers that found no entry ask again.
+            self.registry.advance()
 
     def _publish_shared(self, pool: Region, node: str, directory: Directory) -> LeaseTable:
         """The lease table of ``pool``, once its entry is published; raises (closing the

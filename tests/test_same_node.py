@@ -52,6 +52,19 @@ class Sender:
     def pid(self) -> int:
         return os.getpid()
 
+    def put_by_reference(self, obj_id: str, n: int):
+        """An object sent by reference (read where it lies, never in the pool): puts
+        no pool into being."""
+        from ray_rdt_pool.transport import put_owned
+
+        self.lent = [torch.arange(n, dtype=torch.int64)]
+        return put_owned(obj_id, self.lent, by_reference=True), digest(self.lent)
+
+    def free_owned(self, obj_id: str) -> bool:
+        from ray_rdt_pool.transport import free_owned
+
+        return free_owned(obj_id)
+
 
 @ray.remote(enable_tensor_transport=True)
 class Receiver:
@@ -77,6 +90,11 @@ class Receiver:
 
     def take(self, t):  # a task argument: Ray's __ray_recv__ on _ray_system
         return int(t.sum())
+
+    def get_owned(self, obj_id: str, wire_device):
+        from ray_rdt_pool.transport import fetch_owned
+
+        return digest(fetch_owned(obj_id, *wire_device))
 
     def cycles(self, sender, n: int):
         """``n`` put/get/free cycles; returns the change of this process's counters."""
@@ -242,6 +260,30 @@ def test_a_forked_child_of_a_receiver_keeps_the_bytes_of_its_views() -> None:
     assert ray.get(r.child_kept_its_bytes.remote())
     assert stats(r).reads_posted == 0
     del refs2
+    wait_drained(s)
+    ray.kill(s)
+    ray.kill(r)
+
+
+def test_a_pool_made_after_the_first_contact_is_mapped() -> None:
+    """A receiver first meets a sender that has no pool yet (an object sent by
+    reference, as a trainer's stream buckets are): that sender's pool, made later, is
+    mapped all the same. The receiver used to keep "no shared pool" for good and READ
+    every later pooled object of it."""
+    s, r = Sender.remote(), Receiver.remote()
+    wd, want = ray.get(s.put_by_reference.remote("ws:first", 5000))
+    assert ray.get(r.get_owned.remote("ws:first", wd)) == want  # READ: not in a pool
+    before = stats(r)
+    assert before.reads_posted == 1 and before.mapped_gets == 0, before
+    assert stats(s).pool_capacity == 0  # no pool yet
+    refs, want = ray.get(s.put.remote(300_000, 9))  # makes the shared pool
+    assert ray.get(r.get.remote(refs)) == want
+    ref = s.make.remote(1000, 4)
+    assert ray.get(r.take.remote(ref)) == 4000
+    after = stats(r)
+    assert after.mapped_gets == 2 and after.reads_posted == 1, after
+    assert ray.get(s.free_owned.remote("ws:first"))
+    del refs, ref
     wait_drained(s)
     ray.kill(s)
     ray.kill(r)

@@ -1036,7 +1036,7 @@ def test_a_fetch_after_shutdown_keeps_no_handle_on_a_same_node_sender(world):
         with pytest.raises(Exception, match="shut down"):
             r.fetch("b", meta2, None)
         with pytest.raises(Exception, match="shut down"):  # past the runtime's own check
-            r.receiver._host(meta2.decoded().agent)
+            r.receiver._host(meta2.decoded().agent, meta2.decoded().agent_version)
     assert not r.receiver.hosts and len(os.listdir("/proc/self/fd")) == fds
 
 
@@ -1132,3 +1132,66 @@ def test_a_ctrl_c_inside_a_mapped_get_gives_the_lease_back(world, monkeypatch):
         assert (ss.leased_objects, ss.pool_used, rs.mapped_objects) == (0, 0, 0), where
     for rt in (s, r):
         rt.shutdown()
+
+
+def _fetch_by_reference(s: Runtime, r: Runtime, obj_id: str, tensors) -> list[torch.Tensor]:
+    """What the weights stream's by-reference buckets do: no pool, a READ."""
+    s.sending()
+    _meta, wire = s.sender.put_by_reference(obj_id, tensors)
+    pmeta = PoolTransportMetadata(tensor_meta=[], tensor_device="cpu", wire=wire)
+    return r.wait(r.fetch(obj_id, pmeta, None), -1)
+
+
+def test_a_pool_made_after_the_first_contact_is_mapped_and_lookups_stay_bounded(
+        world: World) -> None:
+    """A receiver that met a sender before its pool existed kept "no shared pool" for
+    good and READ every pooled object of it. It asks again only for an object of a newer
+    registration epoch: never once per fetch."""
+    asked: list[str] = []
+    real = world.lookup_host
+
+    def counted(name: str) -> bytes | None:
+        asked.append(name)
+        return real(name)
+
+    world.lookup_host = counted  # type: ignore[method-assign]
+    s, r = make(world), make(world)
+    lent = [torch.arange(5000, dtype=torch.int64)]
+    for i in range(3):  # one storage, one epoch: looked up once
+        assert torch.equal(_fetch_by_reference(s, r, f"w{i}", lent)[0], lent[0])
+        s.sender.free(f"w{i}")
+    assert len(asked) == 1 and r.stats().reads_posted == 3
+    src = [torch.arange(1000, dtype=torch.float32)]
+    for i in range(3):  # the pool is made at the first: asked again once, then mapped
+        assert torch.equal(get(s, r, f"p{i}", src)[0], src[0])
+    st = r.stats()
+    assert (st.mapped_gets, st.reads_posted, len(asked)) == (3, 3, 2), (st, asked)
+    # Another node stays a definite answer, whatever epoch later objects name.
+    far = make(world, node="node-b")
+    for i in range(3):
+        get(s, far, f"f{i}", src)
+        _fetch_by_reference(s, far, f"fw{i}", [torch.ones(100 + i)])
+    assert far.stats().mapped_gets == 0 and len(asked) == 3
+
+
+def test_an_object_put_while_the_pool_entry_is_published_does_not_hide_the_pool(
+        world: World) -> None:
+    """A by-reference object put on another thread after the pool was registered but
+    before its same-node entry was published names the pool's epoch; a receiver that
+    fetches it finds no entry. Objects naming the pool must still be of a newer epoch,
+    or that receiver would READ them until the sender registered something else."""
+    s, r = make(world), make(world)
+    lent = [torch.arange(3000, dtype=torch.int64)]
+    real = world.publish_host
+
+    def late(name: str, info: bytes) -> None:
+        if name == s.agent_name and not world.hosts:
+            assert torch.equal(_fetch_by_reference(s, r, "w", lent)[0], lent[0])
+        real(name, info)
+
+    world.publish_host = late  # type: ignore[method-assign]
+    src = [torch.arange(1000, dtype=torch.float32)]
+    assert torch.equal(get(s, r, "p", src)[0], src[0])
+    st = r.stats()
+    assert (st.mapped_gets, st.reads_posted) == (1, 1), st
+
