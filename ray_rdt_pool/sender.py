@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
     from ray_rdt_pool.config import PoolConfig
     from ray_rdt_pool.events import Events
-    from ray_rdt_pool.shared import LeaseTable
+    from ray_rdt_pool.shared import HostInfo, LeaseTable
     from ray_rdt_pool.tensors import Described
 
 logger = logging.getLogger(__name__)
@@ -149,6 +149,9 @@ class Sender:
         # from it the pool is still that process's shared memory: no put may write it.
         self.shared_by = 0
         self._last_sweep = -math.inf  # when reap() last swept the lease table
+        # The same-node entry last published for the pool (see reshare): its node ID is
+        # the Ray session's, published again in each new one.
+        self.host_info: HostInfo | None = None
 
     # -- placement ------------------------------------------------------------------------
 
@@ -240,7 +243,34 @@ class Sender:
         except BaseException:
             table.close()
             raise
+        self.host_info = info
         return table
+
+    def reshare(self) -> None:
+        """A new Ray session in this process (``ray.shutdown()``, then ``ray.init()``):
+        publish the shared pool's same-node entry again, with this node's new ID, in the
+        new session's GCS, which starts empty. Call before any object of the new session
+        is put. Never fails the put: where publishing fails, same-node receivers of that
+        session read the pool with NIXL."""
+        from dataclasses import replace
+
+        with self._create_lock:  # not while ensure_pool() is sharing a new pool
+            info = self.host_info
+            node = self._node_id()
+            directory = self._directory
+            if info is None or node is None or directory is None:
+                return
+            if self.shared_by != os.getpid():  # a forked child: the pool is its parent's
+                return
+            info = replace(info, node_id=node)
+            try:
+                directory.publish_host(self._agent_name(), info.encode())
+            except Exception as e:
+                logger.warning(
+                    "could not publish the sender pool for same-node receivers of the new "
+                    "Ray session (%s: %s); they will read it with NIXL", type(e).__name__, e)
+                return
+            self.host_info = info
 
     def _place(self, obj_id: str, nbytes: int, one_block: bool) -> Placement:
         """Blocks for ``nbytes`` in the pool, else in an overflow region (made if needed)."""

@@ -347,7 +347,8 @@ class Runtime:
         Ray never frees those whose refs were alive at its shutdown, and no ref of the
         new session can name them, so their blocks would stay taken for the life of the
         process (with ``strict``, every later put that needs them fails). Blocks that
-        same-node receivers still hold views of wait for their leases, as on any free."""
+        same-node receivers still hold views of wait for their leases, as on any free.
+        The shared pool's same-node entry is published again in the new session."""
         session = getattr(self.directory, "session", None)
         now = session() if session is not None else None
         if now is None or now == self._session:
@@ -358,6 +359,9 @@ class Runtime:
             # Listed with the session switched under one lock: a put of the new session
             # on another thread comes after and is not among them.
             ended = self.sender.live_ids() if self._session is not None else []
+            # The new session's GCS starts empty: the same-node entry goes there before
+            # any of its objects names the pool (puts of the new session wait on the lock).
+            self.sender.reshare()
             self._session = now
         freed = sum(self.sender.free(obj_id) for obj_id in ended)
         if freed:

@@ -16,6 +16,10 @@ leaves the interpreter with those registrations held (no ``close()``).
 ``python -m tests.exit_driver restart``: the driver sends an object to an actor, then
 ``ray.shutdown()`` and ``ray.init()`` again in the same process, and sends again to a new
 actor; prints the two sums the actors computed as one JSON line.
+
+``python -m tests.exit_driver restart_map``: as ``restart`` with ``same_node="map"``
+everywhere, and the driver also gets an actor's object in each session; prints, per
+session, how many gets the actor and the driver mapped and how many READs they posted.
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ class Receiver:
     def total(self, box: list[ray.ObjectRef]) -> float:
         return float(ray.get(box[0])[0].sum())
 
+    def total_and_counts(self, box: list[ray.ObjectRef]) -> tuple[float, int, int]:
+        total = self.total(box)
+        st = ray_rdt_pool.stats()
+        return total, st.mapped_gets, st.reads_posted
+
 
 def restart() -> None:
     """Send from the driver across a Ray restart in this process: the new cluster's GCS
@@ -69,6 +78,37 @@ def restart() -> None:
         ray.kill(r)
         ray.shutdown()
     print(json.dumps({"totals": totals}))
+
+
+def restart_map() -> None:
+    """Same-node objects across a Ray restart in this process: the new cluster's GCS
+    holds no same-node entry of the driver's pool and the driver has a new node ID, so
+    the entry must be published there again for the new actors to map the driver's
+    objects; and the driver, as a receiver, must map the new actors' objects."""
+    env = {"RAY_RDT_POOL_METRICS": "0", "RAY_RDT_POOL_SAME_NODE": "map",
+           "RAY_RDT_POOL_BYTES": "16M", "RAY_RDT_POOL_FETCH_TIMEOUT_S": "15"}
+    sessions = []
+    for k in range(2):
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=128 << 20, runtime_env={"env_vars": env})
+        r, s = Receiver.remote(), Sender.remote()
+        ref = ray.put([torch.arange(1000, dtype=torch.float32) + k],
+                      _tensor_transport="nixl_pool")
+        total, mapped, reads = ray.get(r.total_and_counts.remote([ref]), timeout=90)
+        box = ray.get(s.put.remote(k), timeout=90)
+        before = ray_rdt_pool.stats()
+        got = ray.get(box[0], timeout=90)
+        ok = torch.equal(got[0], torch.full((1000 + k,), float(k)))
+        after = ray_rdt_pool.stats()
+        sessions.append({"total": total, "actor_mapped": mapped, "actor_reads": reads,
+                         "driver_ok": ok,
+                         "driver_mapped": after.mapped_gets - before.mapped_gets,
+                         "driver_reads": after.reads_posted - before.reads_posted})
+        del ref, box, got
+        ray.kill(r)
+        ray.kill(s)
+        ray.shutdown()
+    print(json.dumps({"sessions": sessions}))
 
 
 @ray.remote(enable_tensor_transport=True)
@@ -124,6 +164,12 @@ def main(mode: str) -> None:
     if mode == "restart":
         ray_rdt_pool.configure(pool_bytes=16 << 20, arena_bytes=16 << 20, metrics=False)
         restart()
+        sys.stdout.flush()
+        return
+    if mode == "restart_map":
+        ray_rdt_pool.configure(pool_bytes=16 << 20, arena_bytes=16 << 20, metrics=False,
+                               same_node="map")
+        restart_map()
         sys.stdout.flush()
         return
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,

@@ -130,6 +130,20 @@ def test_driver_sends_again_after_a_ray_restart() -> None:
     assert out["totals"] == [499500.0, 500500.0], out
 
 
+@pytest.mark.ray
+def test_same_node_receivers_map_the_drivers_objects_after_a_ray_restart() -> None:
+    """``ray.shutdown()`` then ``ray.init()`` in one driver: the new cluster's GCS held no
+    same-node entry of the driver's pool (published once per process, with the first
+    session's node ID), so the new session's actors READ the driver's objects instead
+    of mapping them. The driver, receiving from the new session's actors, maps too."""
+    p = run(["-m", "tests.exit_driver", "restart_map"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    want = [{"total": 499500.0 + 1000 * k, "actor_mapped": 1, "actor_reads": 0,
+             "driver_ok": True, "driver_mapped": 1, "driver_reads": 0} for k in range(2)]
+    assert out["sessions"] == want, out
+
+
 _BLOCKS_AT_EXIT = (
     "import sys, torch\n"
     "from ray_rdt_pool import tensors\n"

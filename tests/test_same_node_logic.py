@@ -1195,3 +1195,23 @@ def test_an_object_put_while_the_pool_entry_is_published_does_not_hide_the_pool(
     st = r.stats()
     assert (st.mapped_gets, st.reads_posted) == (1, 1), st
 
+
+def test_a_new_ray_session_gets_the_pool_entry_again_with_its_node_id(world: World) -> None:
+    """``ray.shutdown()`` and ``ray.init()`` in one process: the new session's directory
+    starts empty and this process is on a new node ID. The entry is published there again
+    before the first object of the new session, so its receivers map the pool."""
+    session, node = ["s1"], ["node-a"]
+    world.session = lambda: session[0]  # type: ignore[attr-defined]
+    s = Runtime(PoolConfig(pool_bytes=4 << 20, arena_bytes=4 << 20, metrics=False),
+                backend_factory=world.factory, directory=world, node_id=lambda: node[0])
+    src = [torch.arange(1000, dtype=torch.float32)]
+    assert torch.equal(get(s, make(world), "a", src)[0], src[0])
+    world.hosts.clear()  # the new session's GCS
+    world.kv.clear()
+    session[0], node[0] = "s2", "node-c"
+    r = make(world, node="node-c")
+    assert torch.equal(get(s, r, "b", src)[0], src[0])
+    st = r.stats()
+    assert (st.mapped_gets, st.reads_posted) == (1, 0), st
+    assert HostInfo.decode(world.hosts[s.agent_name]).node_id == "node-c"
+    assert s.stats().live_objects == 1  # "a" went with its session
