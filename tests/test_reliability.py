@@ -1147,3 +1147,45 @@ def test_a_sender_idle_for_half_an_hour_is_read_again_over_the_same_connection(s
     assert after.remote_metadata_loads == before.remote_metadata_loads, after
     assert after.remote_agents == 1
     ray.kill(r)
+
+
+# ---------------------------------------------------------------------------------------
+# Overflow regions: reuse keeps them, shutdown and exit release them quietly
+# ---------------------------------------------------------------------------------------
+
+
+def _overflow_steadily(self, seconds: float, period: float, nbytes: int) -> tuple[int, Any]:
+    """In a sender: put an object of ``nbytes`` (more than the pool holds) and drop it,
+    every ``period`` s for ``seconds``; how many were put, and the stats once the last
+    was freed (read here: a round trip to the driver could outlast the linger)."""
+    n = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        ref = ray.put([torch.ones(nbytes, dtype=torch.uint8)], _tensor_transport="nixl_pool")
+        del ref
+        n += 1
+        time.sleep(period)
+    return n, wait_for(lambda: (x := ray_rdt_pool.stats()).live_objects == 0 and x)
+
+
+def test_an_overflow_region_in_steady_use_stays_registered():
+    """A 6 MiB object put and freed every 0.3 s for 9 s, with a 4 MiB pool and a 3 s
+    overflow_linger_s. The region's idle time was stamped at its first free and never
+    cleared by the puts that reused it, so it was deregistered overflow_linger_s after
+    it first emptied, again and again: each time an epoch reset that makes every
+    receiver replace its view of the sender (with NIXL 1.5.1, leaving TCP connections
+    open). Now its linger restarts at each free: no deregistration while it is in use,
+    and it goes once really idle for the linger."""
+    linger = 3.0
+    s = Sender.remote(pool_bytes=4 << 20, overflow_linger_s=linger)
+    base = stats(s)
+    n, st = ray.get(s.__ray_call__.remote(_overflow_steadily, 3 * linger, 0.3, 6 << 20))
+    figure("overflow region reused steadily", objects=n,
+           deregistrations=st.nixl_deregistrations - base.nixl_deregistrations)
+    assert st.fallbacks == n, st  # every object overflowed
+    assert st.nixl_deregistrations == base.nixl_deregistrations, st
+    assert st.nixl_registrations == base.nixl_registrations + 2, st  # the pool, one region
+    assert st.overflow_capacity > 0, st
+    gone = wait_for(lambda: (x := stats(s)).overflow_capacity == 0 and x, timeout=60)
+    assert gone.nixl_deregistrations == base.nixl_deregistrations + 1, gone
+    ray.kill(s)
