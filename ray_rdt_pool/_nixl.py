@@ -443,13 +443,15 @@ class NixlBackend:
 
     def deregister(self, handle: Any) -> None:
         """Undo :meth:`register` on every lane it registered with; raises the first
-        failure after trying every lane."""
+        failure after trying every lane. A lane whose agent :meth:`close` destroyed is
+        skipped: destroying it dropped every registration it held."""
         pairs = handle.pairs if isinstance(handle, _LaneRegs) else [(self._lanes[0], handle)]
         first: BaseException | None = None
         for lane, h in pairs:
             try:
                 with lane.lock:
-                    lane.agent.deregister_memory(h)
+                    if lane.agent is not None:
+                        lane.agent.deregister_memory(h)
             except Exception as e:
                 logger.debug("deregistering on %s failed", lane.name, exc_info=True)
                 first = first or e

@@ -311,6 +311,9 @@ class Sender:
                         # one (and goes at once with overflow_linger_s=0), instead of
                         # staying registered until some free happened to look at it.
                         spare = self._empty_overflow_locked()
+                    # In use again: its linger restarts when it next empties, or a region
+                    # reused steadily would go overflow_linger_s after it first emptied.
+                    self._idle_overflow.pop(region, None)
                     placed = Placement(obj_id, region, tuple(blocks), nbytes, True, key=key)
                     break
                 else:

@@ -539,10 +539,12 @@ class Runtime:
         """Stop everything this process started with NIXL; safe to call twice.
 
         Abandons READs in flight and removes every peer, stops the progress thread and
-        destroys the agent, and deletes the agent's key from Ray's GCS. Memory regions
-        are not deregistered one by one: destroying the agent drops its registrations.
+        destroys the agent, and deletes the agent's key from Ray's GCS. Overflow regions
+        that hold no object are deregistered and unmapped first; other regions are not
+        deregistered one by one: destroying the agent drops their registrations.
         Objects already sent stay counted in ``stats()`` until Ray frees them (no
-        receiver can read them any more); their blocks go back then.
+        receiver can read them any more); their blocks go back then, and an overflow
+        region is unmapped with its last object.
 
         New puts and fetches are refused from the start; a second call (another thread,
         atexit) returns once the first one has finished, waiting up to
@@ -572,12 +574,13 @@ class Runtime:
                 self.registry.unpublish(self.agent_name)
             except Exception:
                 logger.debug("removing the directory entry failed", exc_info=True)
-            backend.close()
             try:
-                # Empty overflow regions kept for reuse: no put will come.
+                # Empty overflow regions kept for reuse go now (no put will come), while
+                # the agent that must deregister them still exists.
                 self.sender.end_lingering()
             except Exception:
                 logger.debug("dropping idle overflow regions failed", exc_info=True)
+            backend.close()
         finally:
             self.closed = True
             self._shut.set()

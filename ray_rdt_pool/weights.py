@@ -260,7 +260,8 @@ class WireDtypeError(WeightSyncError, ValueError):
 
 
 class WeightSyncTimeoutError(WeightSyncError, TimeoutError):
-    """The sender waited longer than ``timeout_s`` for pool space or receiver acks."""
+    """A wait of the weights API outlasted ``timeout_s``: for pool space, receiver acks,
+    or (``sync()``) the trainer's publish or stream; the message names which."""
 
 
 class StaleVersionError(WeightSyncError, ValueError):
@@ -1441,6 +1442,9 @@ def _get_all(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
     try:
         return ray.get(refs, timeout=timeout_s)
     except GetTimeoutError as e:
+        # Ray's frames in the traceback hold the refs waited for: a held error must not
+        # keep them alive (nor what a late result pins, a publish's buckets).
+        traceback.clear_frames(e.__traceback__)
         raise WeightSyncTimeoutError(f"{what} took longer than {timeout_s}s") from e
 
 
@@ -2802,10 +2806,9 @@ def sync(trainer: ActorHandle, receivers: Sequence[ActorHandle], *,
     all receivers at once (they load concurrently), then drops the driver's copy, so the
     sender frees the pool when the last receiver is done. ``version`` is passed to
     ``publish``/``stream`` (default: one more than the highest version the sender
-    used, successful or not).
+    used, successful or not). Every wait that outlasts its bound raises
+    :class:`WeightSyncTimeoutError` naming what it waited for.
     """
-    import ray
-
     timeout_s = _timeout(timeout_s)
     if not _is_actor(trainer):
         raise InvalidInputError(f"sync() takes the trainer's actor handle first, got "
@@ -2818,15 +2821,24 @@ def sync(trainer: ActorHandle, receivers: Sequence[ActorHandle], *,
         rep: StreamReport = _get_all(
             [trainer.__ray_call__.remote(_remote_stream, sender_attr, receivers,
                                          receiver_attr, max_inflight, timeout_s, version)],
-            timeout_s * 2, "the streaming sync")[0]
+            timeout_s * 2, f"the streaming sync (WeightSender.stream at {sender_attr!r} "
+                           "on the trainer)")[0]
         return SyncReport("stream", rep.version, time.perf_counter() - t0, rep.nbytes,
                           rep.buckets, rep.loads, rep, rep.peak_pool_used)
-    manifest: Manifest = ray.get(trainer.__ray_call__.remote(_remote_publish, sender_attr, version),
-                                 timeout=timeout_s)
+    published = [trainer.__ray_call__.remote(_remote_publish, sender_attr, version)]
+    try:
+        manifest: Manifest = _get_all(
+            published, timeout_s,
+            f"publishing on the trainer (WeightSender.publish at {sender_attr!r})")[0]
+    finally:
+        # A held timeout's traceback must not keep the ref, and through it the buckets
+        # of a publish that ends later, in the trainer's pool.
+        published.clear()
     layout, version, used = manifest.layout, manifest.version, manifest.sender_pool_used
     try:
         loads = tuple(_get_all([r.__ray_call__.remote(_remote_load, receiver_attr, manifest)
-                                for r in receivers], timeout_s, "loading the manifest"))
+                                for r in receivers], timeout_s,
+                               "loading the manifest on the receivers"))
     finally:
         manifest.release()  # even on error: a held traceback must not pin the pool
         del manifest

@@ -20,20 +20,45 @@ actor; prints the two sums the actors computed as one JSON line.
 ``python -m tests.exit_driver restart_map``: as ``restart`` with ``same_node="map"``
 everywhere, and the driver also gets an actor's object in each session; prints, per
 session, how many gets the actor and the driver mapped and how many READs they posted.
+
+``python -m tests.exit_driver overflow``: as ``plain``, and the driver also puts an
+object larger than its pool and drops it, so an empty overflow region lingers for reuse
+(``overflow_linger_s``) when the interpreter exits. After the ``atexit`` shutdown it
+prints whether that region was unmapped and how many memories were stranded (kept
+because a deregistration failed) as one JSON line.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import sys
 import threading
+from typing import Any
 
 import ray
 import torch
 
 import ray_rdt_pool
 
+#: The overflow regions the ``overflow`` mode checks at exit.
+_AT_EXIT: list[Any] = []
+
+
+def _report_at_exit() -> None:
+    """Registered before the transport's own exit hook, so it runs after it (atexit runs
+    the latest registered first): what the exit shutdown left of the overflow regions."""
+    if not _AT_EXIT:
+        return
+    from ray_rdt_pool.transport import runtime
+
+    print(json.dumps({"unmapped": [r.mem._map.closed for r in _AT_EXIT],
+                      "stranded": len(runtime().registry._stranded)}))
+    sys.stdout.flush()
+
+
+atexit.register(_report_at_exit)
 ray_rdt_pool.register()
 
 
@@ -160,6 +185,24 @@ def _start_pack_helpers() -> int:
     return sum(t.name.startswith("ray_rdt_pool-pack-") for t in threading.enumerate())
 
 
+def overflow() -> None:
+    """Put an object larger than the pool from this driver and drop it: its overflow
+    region is empty and lingering when this returns."""
+    import time
+
+    from ray_rdt_pool.transport import runtime
+
+    big = ray.put([torch.ones(24 << 20, dtype=torch.uint8)], _tensor_transport="nixl_pool")
+    _AT_EXIT.extend(runtime().sender.overflow)
+    del big
+    deadline = time.monotonic() + 60
+    while ray_rdt_pool.stats().overflow_objects and time.monotonic() < deadline:
+        time.sleep(0.05)
+    st = ray_rdt_pool.stats()
+    print(json.dumps({"regions": len(_AT_EXIT), "overflow_objects": st.overflow_objects,
+                      "lingering": st.overflow_capacity}))
+
+
 def main(mode: str) -> None:
     if mode == "restart":
         ray_rdt_pool.configure(pool_bytes=16 << 20, arena_bytes=16 << 20, metrics=False)
@@ -176,7 +219,10 @@ def main(mode: str) -> None:
              object_store_memory=128 << 20,
              runtime_env={"env_vars": {"RAY_RDT_POOL_BYTES": "16M",
                                        "RAY_RDT_POOL_METRICS": "0"}})
-    ray_rdt_pool.configure(pool_bytes=16 << 20, arena_bytes=16 << 20, metrics=False)
+    # overflow: the emptied region still lingers at exit, however slow the run.
+    linger = {"overflow_linger_s": 3600.0} if mode == "overflow" else {}
+    ray_rdt_pool.configure(pool_bytes=16 << 20, arena_bytes=16 << 20, metrics=False,
+                           **linger)
     s = Sender.remote()
     boxes = ray.get([s.put.remote(i) for i in range(12)])
     got = ray.get([b[0] for b in boxes])  # one call, many refs
@@ -184,6 +230,8 @@ def main(mode: str) -> None:
     keep = got[:4]  # views still alive at exit
     if mode == "stream":
         stream()
+    if mode == "overflow":
+        overflow()
     if mode == "shutdown":
         from ray.experimental.internal_kv import _internal_kv_get
 

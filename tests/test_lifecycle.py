@@ -120,6 +120,20 @@ def test_shutdown_stops_the_thread_and_removes_the_agent_key() -> None:
 
 
 @pytest.mark.ray
+def test_driver_exits_quietly_while_an_overflow_region_lingers() -> None:
+    """The exit shutdown destroyed the NIXL agent before it dropped the empty overflow
+    region kept for reuse: the deregistration failed with a WARNING and a traceback on
+    stderr, and the region stayed mapped (stranded) to the end. Now it goes first."""
+    p = run(["-m", "tests.exit_driver", "overflow"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [json.loads(x) for x in p.stdout.strip().splitlines() if x.startswith("{")]
+    assert lines[-2]["regions"] == 1 and lines[-2]["overflow_objects"] == 0, lines
+    assert lines[-2]["lingering"] > 0, lines  # still registered for reuse at exit
+    assert "Traceback" not in p.stderr and "deregistering" not in p.stderr, p.stderr[-3000:]
+    assert lines[-1] == {"unmapped": [True], "stranded": 0}, lines
+
+
+@pytest.mark.ray
 def test_driver_sends_again_after_a_ray_restart() -> None:
     """``ray.shutdown()`` then ``ray.init()`` in one driver: its transport outlives the
     first cluster, and its agent's metadata must reach the second cluster's (empty) GCS,

@@ -603,6 +603,21 @@ def test_lanes_are_made_on_first_receive_only():
         b.close()
 
 
+def test_deregistering_after_close_is_a_no_op():
+    """A region freed after shutdown() destroyed the agents (Ray frees its last object
+    later, or a free races the shutdown) is deregistered through a closed backend: that
+    raised AttributeError on the missing agent, and the registry logged a WARNING and
+    kept the memory for good. Destroying an agent dropped its registrations already."""
+    hub: dict[str, FakeAgent] = {}
+    b = NixlBackend("s", 0.01, lanes=2, agent_factory=lambda n: FakeAgent(n, hub))
+    buf = torch.zeros(8192, dtype=torch.uint8)
+    one = b.register(buf.data_ptr(), 4096, "DRAM", 0)
+    both = b.register(buf.data_ptr() + 4096, 4096, "DRAM", 0, lanes=True)
+    b.close()
+    b.deregister(one)
+    b.deregister(both)
+
+
 def test_a_lane_that_cannot_be_created_leaves_fewer_lanes(caplog):
     def factory(name: str) -> FakeAgent:
         if name.endswith("lane1"):

@@ -20,6 +20,7 @@ first time, and measures every figure against a baseline it takes itself.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
 import time
@@ -1147,3 +1148,100 @@ def test_a_sender_idle_for_half_an_hour_is_read_again_over_the_same_connection(s
     assert after.remote_metadata_loads == before.remote_metadata_loads, after
     assert after.remote_agents == 1
     ray.kill(r)
+
+
+# ---------------------------------------------------------------------------------------
+# Overflow regions: reuse keeps them, shutdown and exit release them quietly
+# ---------------------------------------------------------------------------------------
+
+
+def _overflow_steadily(self, seconds: float, period: float, nbytes: int) -> tuple[int, Any]:
+    """In a sender: put an object of ``nbytes`` (more than the pool holds) and drop it,
+    every ``period`` s for ``seconds``; how many were put, and the stats once the last
+    was freed (read here: a round trip to the driver could outlast the linger)."""
+    n = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        ref = ray.put([torch.ones(nbytes, dtype=torch.uint8)], _tensor_transport="nixl_pool")
+        del ref
+        n += 1
+        time.sleep(period)
+    return n, wait_for(lambda: (x := ray_rdt_pool.stats()).live_objects == 0 and x)
+
+
+def test_an_overflow_region_in_steady_use_stays_registered():
+    """A 6 MiB object put and freed every 0.3 s for 9 s, with a 4 MiB pool and a 3 s
+    overflow_linger_s. The region's idle time was stamped at its first free and never
+    cleared by the puts that reused it, so it was deregistered overflow_linger_s after
+    it first emptied, again and again: each time an epoch reset that makes every
+    receiver replace its view of the sender (with NIXL 1.5.1, leaving TCP connections
+    open). Now its linger restarts at each free: no deregistration while it is in use,
+    and it goes once really idle for the linger."""
+    linger = 3.0
+    s = Sender.remote(pool_bytes=4 << 20, overflow_linger_s=linger)
+    base = stats(s)
+    n, st = ray.get(s.__ray_call__.remote(_overflow_steadily, 3 * linger, 0.3, 6 << 20))
+    figure("overflow region reused steadily", objects=n,
+           deregistrations=st.nixl_deregistrations - base.nixl_deregistrations)
+    assert st.fallbacks == n, st  # every object overflowed
+    assert st.nixl_deregistrations == base.nixl_deregistrations, st
+    assert st.nixl_registrations == base.nixl_registrations + 2, st  # the pool, one region
+    assert st.overflow_capacity > 0, st
+    gone = wait_for(lambda: (x := stats(s)).overflow_capacity == 0 and x, timeout=60)
+    assert gone.nixl_deregistrations == base.nixl_deregistrations + 1, gone
+    ray.kill(s)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _overflow_then_shutdown(self) -> dict[str, Any]:
+    """In a sender with a 4 MiB pool: one overflow region left empty and lingering, one
+    still holding an object; ``ray_rdt_pool.shutdown()``, then that object freed. What
+    ray_rdt_pool logged at WARNING or above meanwhile, and which regions were unmapped
+    (their mappings closed) after the shutdown and after the free."""
+    from ray_rdt_pool.transport import runtime
+
+    rt = runtime()
+    small = ray.put([torch.ones(6 << 20, dtype=torch.uint8)], _tensor_transport="nixl_pool")
+    # Larger than a 64 MiB region: a region of its own.
+    held = ray.put([torch.ones(72 << 20, dtype=torch.uint8)], _tensor_transport="nixl_pool")
+    regions = list(rt.sender.overflow)
+    log = logging.getLogger("ray_rdt_pool")
+    handler = _Records()
+    log.addHandler(handler)
+    try:
+        del small
+        wait_for(lambda: rt.stats().overflow_objects == 1, timeout=60)
+        ray_rdt_pool.shutdown()
+        after_shutdown = [r.mem._map.closed for r in regions]
+        del held
+        wait_for(lambda: not rt.sender.overflow, timeout=60)
+        after_free = [r.mem._map.closed for r in regions]
+    finally:
+        log.removeHandler(handler)
+    return {"regions": len(regions), "after_shutdown": after_shutdown,
+            "after_free": after_free, "stranded": len(rt.registry._stranded),
+            "warnings": [f"{r.name}: {r.getMessage()}" for r in handler.records
+                         if r.levelno >= logging.WARNING]}
+
+
+def test_shutdown_releases_overflow_regions_quietly():
+    """``shutdown()`` destroyed the NIXL agent first and only then dropped the lingering
+    overflow region: its deregistration failed, a WARNING with a traceback was logged,
+    and its memory stayed mapped (stranded) until the process exited. Now the empty
+    regions go while the agent exists, and one that empties after the shutdown (Ray
+    frees its last object later) is unmapped with no NIXL call left to fail."""
+    s = Sender.remote(pool_bytes=4 << 20, overflow_linger_s=600.0)
+    got = ray.get(s.__ray_call__.remote(_overflow_then_shutdown), timeout=180)
+    assert got["regions"] == 2, got
+    assert got["warnings"] == [], got
+    assert got["after_shutdown"] == [True, False], got  # the lingering one went at once
+    assert got["after_free"] == [True, True] and got["stranded"] == 0, got
+    ray.kill(s)

@@ -631,6 +631,45 @@ def test_an_emptied_overflow_region_lingers_for_reuse_then_goes(world):
     assert not world.violations
 
 
+def test_an_overflow_region_reused_before_its_linger_ends_stays(world):
+    """The idle time of a region was stamped at its first free and kept through the puts
+    that reused it, so a region in steady use went overflow_linger_s after it first
+    emptied: an epoch reset (every receiver replaces its view) every linger period."""
+    s = make(world, pool_bytes=1 << 20, overflow_linger_s=1.0)
+    for i in range(5):
+        s.put(f"b{i}", [torch.zeros(1 << 19)])  # 2 MiB: overflow
+        s.free(f"b{i}")
+        time.sleep(0.3)
+        s.sender.reap()  # the progress thread's tick
+    st = s.stats()  # 1.5 s after its first free, 0.3 s after its last
+    assert st.overflow_capacity > 0 and st.nixl_deregistrations == 0, st
+    time.sleep(0.8)
+    s.sender.reap()
+    st = s.stats()
+    assert st.overflow_capacity == 0 and st.nixl_deregistrations == 1, st
+
+
+def test_shutdown_deregisters_a_lingering_overflow_region_before_the_agent_goes(world):
+    """shutdown() destroyed the agent, then dropped the lingering region: with real NIXL
+    that deregistration failed (a WARNING, and the memory kept for good)."""
+    s = make(world, pool_bytes=1 << 20, overflow_linger_s=60)
+    s.put("big", [torch.zeros(1 << 19)])
+    s.free("big")
+    assert s.stats().overflow_capacity > 0
+    b = s.backend()
+    closed_at: list[bool] = []
+    deregister = b.deregister
+
+    def watched(handle):
+        closed_at.append(getattr(b, "closed", False))
+        deregister(handle)
+
+    b.deregister = watched
+    s.shutdown()
+    assert closed_at == [False]
+    assert s.stats().overflow_capacity == 0
+
+
 def test_full_pool_sends_a_snapshot_from_overflow(world):
     s, r = make(world, pool_bytes=4 << 20), make(world, arena_bytes=8 << 20)
     keep = [s.put(f"k{i}", [torch.zeros(256 << 10)]) for i in range(3)]  # 3 MiB live

@@ -33,6 +33,7 @@ from ray_rdt_pool.weights import (
     UnexpectedWeightsError,
     WeightReceiver,
     WeightSender,
+    WeightSyncTimeoutError,
     can_cast,
     plan_layout,
     sync,
@@ -481,6 +482,40 @@ def test_stream_through_a_pool_of_one_bucket(actors: dict[str, Any]) -> None:
     assert_state_equal(call(r1, _state), want)
     assert_state_equal(call(r2, _state), want)
     wait_drained(tr)
+
+
+def _setup_slow_sender(node: Any, spec: Spec, seed: int, delay_s: float) -> None:
+    """A sender whose source takes ``delay_s`` to produce the state (a trainer still
+    busy with its step)."""
+    node.state = make_state(spec, seed)
+    state = node.state
+
+    def slow() -> dict[str, torch.Tensor]:
+        time.sleep(delay_s)
+        return state
+
+    node.weight_sender = WeightSender(slow, bucket_bytes=4096)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("mode", ["publish", "stream"])
+def test_a_sync_that_outlasts_timeout_s_raises_weight_sync_timeout_error(
+        actors: dict[str, Any], mode: str) -> None:
+    """sync(mode="publish") waited for the trainer's publish with a bare ray.get, so a
+    slow trainer raised Ray's GetTimeoutError, naming nothing of the weights API. Every
+    wait of sync() raises WeightSyncTimeoutError (still a TimeoutError) naming what it
+    waited for; a publish that ends after the timeout leaves nothing in the trainer's
+    pool, even while the error is held."""
+    tr, r1 = actors["trainer"], actors["r1"]
+    call(tr, _setup_slow_sender, SMALL, 40, 4.0)
+    call(r1, _setup_receiver, make_state(SMALL, 41))
+    with pytest.raises(WeightSyncTimeoutError) as ei:
+        sync(tr, [r1], mode=mode, timeout_s=1.0)
+    assert isinstance(ei.value, TimeoutError)
+    assert f"WeightSender.{mode} at 'weight_sender'" in str(ei.value), str(ei.value)
+    assert "trainer" in str(ei.value) and "longer than" in str(ei.value), str(ei.value)
+    wait_drained(tr, timeout=60)  # once the trainer's call has ended
+    del ei
 
 
 def _setup_tied(node: Any, seed: int, tied: bool, sender: bool) -> None:
