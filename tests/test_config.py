@@ -103,12 +103,13 @@ def test_a_followed_idle_interval_follows_every_later_progress_interval() -> Non
 
 
 def _readme_config_rows() -> dict[str, tuple[str, str]]:
-    """option -> (environment variable, default) from the README's configuration table."""
+    """option -> (environment variable, default) from the options table of
+    docs/configuration.md."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
     rows: dict[str, tuple[str, str]] = {}
-    for line in text.split("## Configuration", 1)[1].splitlines():
+    for line in text.split("## Options", 1)[1].splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 4 and cells[0].startswith("`") and cells[1].startswith("`"):
             rows[cells[0].strip("`")] = (cells[1].strip("`"), cells[2])
@@ -130,7 +131,7 @@ def _documented_default(text: str) -> Any:
 
 
 def test_the_readme_configuration_table_is_the_config() -> None:
-    """Each row of the README's table names a PoolConfig field, the environment variable
+    """Each row of docs/configuration.md's table names a PoolConfig field, the variable
     that sets it and its default, as the code has them; every option and variable has a
     row. A user who sets what the table says sets the option it names."""
     rows = _readme_config_rows()

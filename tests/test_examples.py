@@ -1,4 +1,4 @@
-"""The example programs, run as the README and docs/weight-sync.md tell a user to run them.
+"""The example programs, run as a user runs them: ``python examples/NAME.py``.
 
 Each starts its own local Ray cluster in a subprocess, in an environment without this
 package's settings or a Ray address (as on a user's machine), and must exit 0 and print

@@ -900,8 +900,8 @@ def test_config_stream_copy_bytes() -> None:
             PoolConfig(stream_copy_bytes=bad)
     assert from_env({"RAY_RDT_POOL_STREAM_COPY": "16M"}).stream_copy_bytes == 16 << 20
     assert from_env({"RAY_RDT_POOL_STREAM_COPY": "0"}).stream_copy_bytes == 0
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    assert "RAY_RDT_POOL_STREAM_COPY" in readme and "`stream_copy_bytes`" in readme
+    doc = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    assert "RAY_RDT_POOL_STREAM_COPY" in doc and "`stream_copy_bytes`" in doc
 
 
 @pytest.mark.parametrize("count", [3, 2 * T._VECTOR_SPANS])

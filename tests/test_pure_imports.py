@@ -54,8 +54,8 @@ def test_owner_modules_import_no_ray_and_no_nixl() -> None:
 
 
 def test_the_errors_the_readme_lists_are_exported_with_their_bases() -> None:
-    """README, "Errors": every class is importable from ``ray_rdt_pool`` (the helper's
-    from ``ray_rdt_pool.errors``) and derives from what the README says it does."""
+    """docs/troubleshooting.md: every class is importable from ``ray_rdt_pool`` (the
+    helper's from ``ray_rdt_pool.errors``) and derives from what the page says it does."""
     import ray_rdt_pool
     from ray_rdt_pool import errors
 

@@ -717,7 +717,7 @@ def test_config_progress_idle_interval():
 
 
 def test_readme_lists_the_new_variables():
-    text = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "configuration.md")).read()
     assert "RAY_RDT_POOL_READ_LANES" in text and "RAY_RDT_POOL_READ_SPLIT" in text
     assert "RAY_RDT_POOL_PROGRESS_IDLE_INTERVAL_S" in text
 

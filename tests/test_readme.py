@@ -1,0 +1,136 @@
+"""The README's code, run as a user would run it, and the docs held to the code.
+
+README blocks. Every fenced block whose info string is exactly ``python`` is a complete
+program and runs; blocks of any other language (``bash``: ``pip install``, ``make``)
+do not. Each program runs in a subprocess of its own, as ``python block.py`` would, with
+a fresh local Ray cluster: ``RAY_ADDRESS=local`` (a plain ``ray.init()`` on a host that
+runs other clusters would join one of them), this checkout on ``PYTHONPATH`` (Ray's
+workers inherit it), none of the test session's ``RAY_RDT_POOL_*`` settings, and 64 MiB
+pools and arenas (the defaults reserve 1 GiB each). It must exit 0, and a line
+``print(...)  # TEXT`` promises that ``TEXT`` is printed as a line of its output.
+
+The docs. ``python tools/gen_docs.py --check`` must pass (docs/api.md and the options
+table of docs/configuration.md are what the code generates); every error class of
+``ray_rdt_pool.errors`` and ``ray_rdt_pool.weights`` has its section in
+docs/troubleshooting.md; the names the README and docs/ use for ``stats()`` fields,
+environment variables and metrics exist; relative links resolve; docs/ holds at most
+150 KB of Markdown and no path of the machine it was written on.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+#: Every Markdown file a user reads: the README, the changelog and docs/.
+PAGES = [README, ROOT / "CHANGELOG.md", *DOCS]
+
+_FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
+
+
+def python_blocks(text: str) -> list[str]:
+    """The bodies of the fenced blocks whose info string is ``python``, in order."""
+    return [body for info, body in _FENCE.findall(text) if info.strip() == "python"]
+
+
+def promised_lines(block: str) -> list[str]:
+    """The ``TEXT`` of each ``print(...)  # TEXT`` line of a block."""
+    return [m.group(1).strip() for m in re.finditer(r"^\s*print\(.*\)\s+#\s*(.+)$", block, re.M)]
+
+
+def test_the_readme_has_python_blocks_and_the_two_make_commands() -> None:
+    text = README.read_text()
+    assert len(python_blocks(text)) >= 2
+    assert "make test" in text and "make bench" in text
+
+
+def test_block_extraction_keeps_only_python_blocks() -> None:
+    text = "```bash\npip install .\n```\n\n```python\nprint(1)  # 1\n```\n\n```py\nx\n```\n"
+    assert python_blocks(text) == ["print(1)  # 1\n"]
+    assert promised_lines(python_blocks(text)[0]) == ["1"]
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("index", range(len(python_blocks(README.read_text()))))
+def test_readme_python_block_runs(index: int, tmp_path: Path) -> None:
+    block = python_blocks(README.read_text())[index]
+    program = tmp_path / f"readme_block_{index}.py"
+    program.write_text(block)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RAY_RDT_POOL_") and k != "RAY_ADDRESS"}
+    env.update(RAY_ADDRESS="local", PYTHONPATH=str(ROOT),
+               RAY_RDT_POOL_BYTES="64M", RAY_RDT_POOL_ARENA_BYTES="64M")
+    proc = subprocess.run([sys.executable, str(program)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    printed = [line.strip() for line in proc.stdout.splitlines()]
+    for want in promised_lines(block):
+        assert want in printed, (want, proc.stdout[-3000:])
+    assert printed, "the block printed nothing"
+
+
+def test_generated_docs_are_up_to_date() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_docs.py"), "--check"],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_every_error_class_has_a_troubleshooting_section() -> None:
+    from ray_rdt_pool import errors, weights
+
+    headings = set(re.findall(r"^### `(\w+)`", (ROOT / "docs" / "troubleshooting.md")
+                              .read_text(), re.M))
+    classes = {name for module in (errors, weights) for name in module.__all__
+               if isinstance(getattr(module, name), type)
+               and issubclass(getattr(module, name), BaseException)}
+    assert classes - headings == set()
+    assert headings - classes == set()
+
+
+def test_names_the_docs_use_exist() -> None:
+    """``stats().x``, ``RAY_RDT_POOL_*`` and ``ray_rdt_pool_*`` metric names in the README
+    and docs/ are fields, variables and series the code has."""
+    from ray_rdt_pool import metrics
+    from ray_rdt_pool.config import ENV_VARS
+    from ray_rdt_pool.native import DIR_ENV
+    from ray_rdt_pool.snapshot import TransportStats
+
+    fields = set(TransportStats.__dataclass_fields__) | {"pool_fragmentation"}
+    series = {metrics.PREFIX + name for name, _d, _f in metrics.GAUGES}
+    series |= {metrics.PREFIX + name + "_total" for name, _d, _f in metrics.COUNTERS}
+    series |= {metrics.PREFIX + name for name, _d in metrics.HISTOGRAMS}
+    series.add(metrics.PREFIX + metrics.ERRORS_NAME + "_total")
+    text = "\n".join(p.read_text() for p in PAGES if p.name != "CHANGELOG.md")
+    used_fields = set(re.findall(r"stats\(\)\.(\w+)", text))
+    assert used_fields - fields == set()
+    used_vars = set(re.findall(r"\bRAY_RDT_POOL_[A-Z_]*[A-Z]\b", text))
+    assert used_vars - set(ENV_VARS) - {DIR_ENV} == set()
+    used_series = {m.removeprefix("ray_") for m in re.findall(r"\bray_rdt_pool_[a-z_]+", text)}
+    assert used_series - series == set()
+
+
+def test_relative_links_resolve() -> None:
+    broken = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path = target.split("#", 1)[0]
+            if not (page.parent / path).exists():
+                broken.append(f"{page.name}: {target}")
+    assert broken == []
+
+
+def test_docs_stay_small_and_name_no_machine_paths() -> None:
+    assert sum(p.stat().st_size for p in DOCS) <= 150_000
+    for page in PAGES:
+        assert "/work/" not in page.read_text(), page.name
