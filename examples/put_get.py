@@ -32,7 +32,7 @@ class Worker:
 
 
 def main() -> None:
-    ray.init(runtime_env={"env_vars": {"RAY_RDT_POOL_BYTES": "64M",
+    ray.init(runtime_env={"env_vars": {"RAY_RDT_POOL_POOL_BYTES": "64M",
                                        "RAY_RDT_POOL_ARENA_BYTES": "64M"}})
     ray_rdt_pool.register()  # in the driver, before the actors exist
     trainer, worker = Trainer.remote(), Worker.remote()

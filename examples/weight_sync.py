@@ -17,7 +17,7 @@ reference), which shows bounded sender memory. ``--mode publish`` or ``both`` de
 Prints a summary; exits 0 only if every check passed.
 
 Run: python examples/weight_sync.py [--steps N] [--mode stream|publish|both] [--packed]
-(pool sizes come from RAY_RDT_POOL_BYTES / RAY_RDT_POOL_ARENA_BYTES when set)
+(pool sizes come from RAY_RDT_POOL_POOL_BYTES / RAY_RDT_POOL_ARENA_BYTES when set)
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def main() -> int:
     # unpacked one puts nothing there). Publishing puts every bucket at once, so then the
     # default pool holds the model.
     default_pool = "256K" if args.mode == "stream" else "2M"
-    env = {"RAY_RDT_POOL_BYTES": os.environ.get("RAY_RDT_POOL_BYTES", default_pool),
+    env = {"RAY_RDT_POOL_POOL_BYTES": os.environ.get("RAY_RDT_POOL_POOL_BYTES", default_pool),
            "RAY_RDT_POOL_ARENA_BYTES": os.environ.get("RAY_RDT_POOL_ARENA_BYTES", "4M")}
     ray_rdt_pool.register()  # in the driver, before the actors exist
     # A new local cluster, or the one in RAY_ADDRESS.

@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     # Stream: the pool holds 2 buckets, or the largest tensor (the embedding) twice.
     # Publish: the pool holds the whole model.
     pool = "4M" if args.small else ("128M" if args.mode == "stream" else "512M")
-    env = {"RAY_RDT_POOL_BYTES": pool, "RAY_RDT_POOL_ARENA_BYTES": "4M" if args.small else "64M",
+    env = {"RAY_RDT_POOL_POOL_BYTES": pool,
+           "RAY_RDT_POOL_ARENA_BYTES": "4M" if args.small else "64M",
            "RAY_RDT_POOL_METRICS": "0"}
 
     ray_rdt_pool.register()  # the driver, before the actors are created

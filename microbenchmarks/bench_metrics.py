@@ -32,7 +32,7 @@ import torch
 import ray_rdt_pool
 from ray_rdt_pool import view
 
-POOL_ENV = {"RAY_RDT_POOL_BYTES": "128M", "RAY_RDT_POOL_ARENA_BYTES": "128M",
+POOL_ENV = {"RAY_RDT_POOL_POOL_BYTES": "128M", "RAY_RDT_POOL_ARENA_BYTES": "128M",
             "RAY_DEDUP_LOGS": "0"}
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from microbenchmarks._bench_env import cpu_model, loadavg
-from ray_rdt_pool.config import PoolConfig
+from ray_rdt_pool.config import Tuning
 from ray_rdt_pool.fastcopy import stream_kind
 from ray_rdt_pool.layout import packed_offsets
 from ray_rdt_pool.tensors import Described, HostRegion, describe, pack_into
@@ -164,10 +164,10 @@ def format_report(res: dict[str, Any]) -> str:
 
 def measure_pack_gbps(nbytes: int, reps: int = 5) -> dict[str, Any]:
     """GB/s of the sender's pack of one ``nbytes`` float32 tensor, as ``Sender.put`` runs
-    it with the default :class:`PoolConfig` (its threads, threshold and streaming-store
+    it with the default :class:`Tuning` (its threads, threshold and streaming-store
     size), into a pre-faulted region: the best this machine copies a large object into
     the pool. ``same_bytes``: the packed bytes equal the tensor's."""
-    cfg = PoolConfig()
+    cfg = Tuning()
     w = Workload("one tensor", [torch.randn(max(1, nbytes // 4))])
     region = HostRegion(w.nbytes + (1 << 20), prefault=True)
     name = f"{cfg.pack_thread_count} threads"
@@ -179,15 +179,15 @@ def measure_pack_gbps(nbytes: int, reps: int = 5) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = PoolConfig()
+    config = Tuning()
     p = argparse.ArgumentParser(prog="python -m microbenchmarks.bench_pack", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=config.pack_thread_count,
                    help="threads of the threaded variants, caller included "
-                        "(default: PoolConfig().pack_thread_count)")
+                        "(default: Tuning().pack_thread_count)")
     p.add_argument("--threshold", type=int, default=config.pack_threshold_bytes,
                    help="threshold of the 'N threads' variant in bytes "
-                        "(default: PoolConfig().pack_threshold_bytes)")
+                        "(default: Tuning().pack_threshold_bytes)")
     p.add_argument("--reps", type=int, default=15, help="samples per variant and workload")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     args = p.parse_args(argv)

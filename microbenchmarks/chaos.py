@@ -89,7 +89,7 @@ ZERO_FIELDS = ("pool_used", "live_objects", "arena_used", "arena_live_blocks",
 RECEIVER_SAME_NODE = ("map", "off", "copy")
 
 CLUSTER_ENV = {
-    "RAY_RDT_POOL_BYTES": str(POOL_BYTES),
+    "RAY_RDT_POOL_POOL_BYTES": str(POOL_BYTES),
     "RAY_RDT_POOL_ARENA_BYTES": str(ARENA_BYTES),
     "RAY_RDT_POOL_FETCH_TIMEOUT_S": str(FETCH_TIMEOUT_S),
     "RAY_RDT_POOL_METRICS": "0",

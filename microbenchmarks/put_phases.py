@@ -15,7 +15,7 @@ as ``views``: 10,000 row views of one weight):
 * ``group``: :func:`ray_rdt_pool.wire.runs_from`, equal (shape, dtype) tensors grouped;
 * ``offsets``: the packed offset of every tensor, from the groups;
 * ``pack``: :func:`ray_rdt_pool.tensors.pack_into` into one pre-faulted region, with the
-  default ``PoolConfig``'s threads, threshold and streaming stores;
+  default ``Tuning``'s threads, threshold and streaming stores;
 * ``wire``: the segments, the :class:`~ray_rdt_pool.wire.WireMeta` and its bytes.
 
 Before every put the process sleeps ``--idle-ms`` (a sender between steps: its tensors'
@@ -51,13 +51,13 @@ READS: dict[str, Callable[[Any], Any]] = {
 def put_phases(tensors: list[Any], region: Any, reps: int, idle_s: float,
                native: bool = True) -> dict[str, float]:
     """Median seconds of each phase of a host put of ``tensors`` into ``region``;
-    ``native``: ``describe`` may use the compiled helper (``PoolConfig.native``)."""
-    from ray_rdt_pool.config import PoolConfig
+    ``native``: ``describe`` may use the compiled helper (``Tuning.native``)."""
+    from ray_rdt_pool.config import Tuning
     from ray_rdt_pool.sender import _block_segments, run_offsets
     from ray_rdt_pool.tensors import describe, pack_into
     from ray_rdt_pool.wire import WireMeta, encode, runs_from
 
-    cfg = PoolConfig()
+    cfg = Tuning()
     times: dict[str, list[float]] = {}
     for _ in range(reps):
         time.sleep(idle_s)

@@ -6,7 +6,7 @@ the functions, so importing the package does nothing at import time.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ray_rdt_pool.errors import (
     ConfigurationError,
@@ -22,7 +22,7 @@ from ray_rdt_pool.errors import (
 if TYPE_CHECKING:
     import torch
 
-    from ray_rdt_pool.config import PoolConfig
+    from ray_rdt_pool.config import PoolConfig, Tuning
     from ray_rdt_pool.snapshot import TransportStats
 
 __version__ = "0.1.0"
@@ -56,14 +56,61 @@ def setup_worker() -> None:
     register()
 
 
-def configure(**options: Any) -> PoolConfig:
+def configure(
+    *,
+    pool_bytes: int | None = None,
+    arena_bytes: int | None = None,
+    device: str | None = None,
+    strict: bool | None = None,
+    prefault: bool | None = None,
+    fetch_timeout_s: float | None = None,
+    metrics: bool | None = None,
+    debug_transfers: bool | None = None,
+    registration_cache_bytes: int | None = None,
+    same_node: str | None = None,
+    overflow_linger_s: float | None = None,
+    tuning: Tuning | None = None,
+    progress_interval_s: float | None = None,
+    progress_idle_interval_s: float | None = None,
+    pack_threads: int | None = None,
+    pack_threshold_bytes: int | None = None,
+    stream_copy_bytes: int | None = None,
+    read_lanes: int | None = None,
+    read_split_bytes: int | None = None,
+    native: bool | None = None,
+    **unknown: NoReturn,
+) -> PoolConfig:
     """Configure this process's transport before its first put or get.
 
-    Options are the fields of :class:`ray_rdt_pool.config.PoolConfig` (``pool_bytes``,
-    ``arena_bytes``, ``strict``, ...); unset ones come from the environment variables
-    in the README, then the defaults. Raises ConfigurationError when called after first
-    use, or again with different values.
+    Each option left None comes from its environment variable (``RAY_RDT_POOL_`` plus
+    the option's name in upper case, e.g. ``RAY_RDT_POOL_POOL_BYTES``), else from the
+    default. The options are the fields of :class:`ray_rdt_pool.config.PoolConfig`:
+
+    - ``pool_bytes``: size of the sender pool (default 1 GiB).
+    - ``arena_bytes``: size of the receive arena (default 1 GiB).
+    - ``device``: where the sender pool lives, ``"cpu"`` or ``"cuda"``.
+    - ``strict``: raise ``PoolExhaustedError`` for an object the pool cannot hold,
+      instead of copying it into overflow memory.
+    - ``prefault``: touch every pool and arena page when they are created.
+    - ``fetch_timeout_s``: upper bound for one READ, in seconds (default 60).
+    - ``metrics``: export metrics through ``ray.util.metrics`` (default True).
+    - ``debug_transfers``: DEBUG-log every put and fetch.
+    - ``registration_cache_bytes``: bytes of receive buffers kept registered with NIXL.
+    - ``same_node``: receivers on the sender's node: ``"map"``, ``"copy"`` or ``"off"``.
+    - ``overflow_linger_s``: seconds an emptied overflow region stays registered.
+
+    Measured tuning values (:class:`ray_rdt_pool.config.Tuning`; leave them unless a
+    benchmark on your hardware says otherwise), either as a whole ``tuning=Tuning(...)``
+    or one by one, applied over ``tuning``: ``progress_interval_s``,
+    ``progress_idle_interval_s``, ``pack_threads``, ``pack_threshold_bytes``,
+    ``stream_copy_bytes``, ``read_lanes``, ``read_split_bytes``, ``native``.
+
+    Raises ConfigurationError for an unknown option or a bad value, when called after
+    first use, or again with different values.
     """
+    given = dict(locals())  # the parameters, before any other name is bound
+    options = {k: v for k, v in given.items() if k != "unknown" and v is not None}
+    options.update(unknown)  # transport.configure refuses them by name
     from ray_rdt_pool.transport import configure as _configure
 
     return _configure(**options)

@@ -236,7 +236,7 @@ class BlockAllocator:
         remedy = self._remedy
         if size <= free and max_blocks is not None:
             # Enough bytes, but only in more pieces than the caller accepts.
-            base = remedy or "raise pool_bytes (RAY_RDT_POOL_BYTES)"
+            base = remedy or "raise pool_bytes (RAY_RDT_POOL_POOL_BYTES)"
             remedy = f"it may span at most {max_blocks} block(s); {base}"
         kwargs = {} if remedy is None else {"remedy": remedy}
         return PoolExhaustedError(

@@ -3,22 +3,33 @@
 Pure module (no torch, Ray or NIXL). A process builds its :class:`PoolConfig` once, from
 ``configure()`` keyword arguments layered over the environment variables in
 :data:`ENV_VARS` layered over the defaults. The transport reads only this object.
+
+:class:`PoolConfig` holds what a user sizes and decides; the measured tuning values sit
+in :class:`Tuning`, reachable as ``PoolConfig.tuning``. Every option, tuning ones
+included, is set by the variable ``RAY_RDT_POOL_`` + its name in upper case
+(:func:`env_name`); :data:`DEPRECATED_ENV_VARS` lists the names from before that rule,
+still read with a ``FutureWarning``.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
 import math
 import os
+import threading
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ray_rdt_pool.errors import ConfigurationError
 from ray_rdt_pool.layout import BLOCK_ALIGN
 
 __all__ = [
-    "DEFAULT_POOL_BYTES", "DEFAULT_REGISTRATION_CACHE_BYTES", "ENV_VARS", "PoolConfig",
-    "from_env",
+    "DEFAULT_POOL_BYTES", "DEFAULT_REGISTRATION_CACHE_BYTES", "DEPRECATED_ENV_VARS",
+    "ENV_PREFIX", "ENV_VARS", "OPTIONS", "TUNING_OPTIONS", "PoolConfig", "Tuning",
+    "env_name", "from_env",
 ]
 
 #: 1 GiB: holds a 7B-parameter bf16 shard in a few buckets, or two copies of the
@@ -43,8 +54,21 @@ MAX_READ_LANES = 16
 #: Longest ``overflow_linger_s``: an hour.
 MAX_OVERFLOW_LINGER_S = 3600.0
 
-#: The default of ``PoolConfig.progress_idle_interval_s``.
+#: The default of ``Tuning.progress_idle_interval_s``.
 _IDLE_DEFAULT_S = 0.02
+
+#: Every environment variable of an option is this prefix plus the option's name.
+ENV_PREFIX = "RAY_RDT_POOL_"
+
+
+def env_name(option: str) -> str:
+    """The environment variable that sets ``option``: ``RAY_RDT_POOL_`` + ``OPTION``."""
+    return ENV_PREFIX + option.upper()
+
+
+def _env(meaning: str) -> dict[str, str]:
+    """A field's metadata: the one-line meaning its environment variable is listed with."""
+    return {"env": meaning}
 
 
 def _finite(value: float) -> bool:
@@ -65,51 +89,56 @@ class _Follows(float):
         return (_Follows, (float(self),))
 
 
+def _check_bools(obj: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, bool):  # a string such as "no" is truthy
+            raise ConfigurationError(
+                f"{name} must be True or False, got {value!r}; pass e.g. {name}=False")
+
+
+def _check_seconds(obj: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not _finite(value):
+            raise ConfigurationError(
+                f"{name} must be a finite number of seconds, got {value!r}; pass e.g. "
+                f"{name}={getattr(type(obj), name)!r}")
+
+
+def _bad_int(value: object) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)
+
+
 @dataclass(frozen=True)
-class PoolConfig:
-    """Settings of one process's transport. Immutable once the pool exists.
+class Tuning:
+    """Measured tuning values: advanced settings, reachable as ``PoolConfig.tuning``.
+
+    The defaults were measured with the benchmarks in ``microbenchmarks/`` (on 2-core
+    VMs; ``docs/benchmarks.md`` has the figures). Each one trades speed against CPU or
+    latency; none changes what a transfer delivers. Leave them alone unless a benchmark
+    on your own hardware (``python -m microbenchmarks.bench``, ``bench_pack``,
+    ``floor``) shows a gain. Set them like any option: ``configure(read_lanes=4)``,
+    ``configure(tuning=Tuning(read_lanes=4))`` or ``RAY_RDT_POOL_READ_LANES=4``.
 
     Attributes:
-        pool_bytes: Size of the sender pool, registered with NIXL once.
-        arena_bytes: Size of the receive arena, registered once on first receive.
-        device: Where the sender pool lives, ``"cpu"`` or ``"cuda"``.
-        strict: Raise ``PoolExhaustedError`` for an object that does not fit the
-            pool, instead of copying it into overflow memory (still a snapshot).
-        prefault: Touch every page of the pool and arena when they are created,
-            so the first transfers pay no page faults.
         progress_interval_s: How often the background thread progresses the NIXL
             agent so peers can connect; the thread sleeps in between instead of
             spinning (NIXL's own progress thread busy-polls a whole core). This
             interval holds for a second after each put, when new receivers connect.
+            At most 1 s.
         progress_idle_interval_s: The same once the process has sent nothing for a
             second. A peer's first READ waits for about four progress calls of the
-            sender (the connection handshake); later READs need none. So a receiver
-            that first reads from a sender idle for over a second connects about 50 ms
-            slower (90 ms instead of 40 on a 2-core VM), and the thread of an idle actor
-            costs a third as much (0.009 against 0.027 core there). Equal to
-            ``progress_interval_s``: always the fast interval. Never shorter than
-            ``progress_interval_s``; the default (0.02 s) becomes
-            ``progress_interval_s`` when that is longer.
-        fetch_timeout_s: Upper bound for one READ on the receiver; Ray's own
-            ``RAY_rdt_fetch_fail_timeout_milliseconds`` applies on top.
-        metrics: Export gauges, counters and histograms through ``ray.util.metrics``.
-        debug_transfers: Log every put and fetch at DEBUG level with sizes and
-            descriptor counts.
-        registration_cache_bytes: Most bytes of user storages (receive target buffers
-            seen more than once) kept registered with NIXL, and held alive, while no
-            transfer uses them; least recently used ones are deregistered first.
-            Storages pinned by ``register_memory()`` do not count and are never evicted.
-        same_node: How a receiver gets objects from a sender on the same Ray node.
-            ``"map"``: map the sender's shared pool and return views of it (no copy;
-            a lease keeps the block until the views die). ``"copy"``: map it and copy
-            into the receive arena at once (for results kept a long time). ``"off"``:
-            always read with NIXL. On a sender, ``"off"`` keeps the pool in private
-            memory, so no receiver can map it.
+            sender (the connection handshake); later READs need none. So a longer idle
+            interval makes an idle actor's thread cheaper and a receiver's first READ
+            from a long-idle sender slower. Equal to ``progress_interval_s``: always
+            the fast interval. Never shorter than ``progress_interval_s``; the default
+            (0.02 s) becomes ``progress_interval_s`` when that is longer.
         pack_threads: Threads that copy one large object into the pool; 0 picks the
             number of cores, at most :data:`MAX_AUTO_PACK_THREADS`.
-        pack_threshold_bytes: Objects smaller than this are packed by one thread (on
-            a 2-core VM two threads gain 1.3x at 6 MiB and 1.6x from 8 MiB, and lose
-            below 4 MiB, where a thread hand-off costs as much as the copy).
+        pack_threshold_bytes: Objects smaller than this are packed by one thread
+            (below it a thread hand-off costs as much as the copy).
         stream_copy_bytes: Host copies (a pack, a copy out of a mapping into the arena
             or into target buffers) of at least this many bytes in all write with
             streaming stores (no read of the destination first) where the compiled helper
@@ -122,14 +151,6 @@ class PoolConfig:
             concurrently (with UCX over cma each agent copies on its own thread). 0
             picks min(cores, :data:`MAX_AUTO_READ_LANES`); 1 disables splitting.
         read_split_bytes: The smallest READ that is split over the read lanes.
-        overflow_linger_s: How long an overflow region stays registered once its last
-            object is freed, for the next oversized objects to reuse (at most an hour;
-            0: deregistered with its last object). Every deregistration makes each
-            receiver of this sender replace its view of the sender's agent, and with
-            NIXL 1.5.1 every such replacement leaves a TCP connection per read lane
-            open in both processes, for good: a sender whose pool overflows now and
-            then would leak one per object. Its memory stays held (and counted in
-            ``overflow_capacity``) that long.
         native: Read the facts of an object's tensors (dtype, shape, address, ...) in
             C++ where the optional helper is built for this torch (``python -m
             ray_rdt_pool.native build``; :mod:`ray_rdt_pool.native`); False: always the
@@ -137,82 +158,47 @@ class PoolConfig:
             for objects of thousands of tensors.
     """
 
-    pool_bytes: int = DEFAULT_POOL_BYTES
-    arena_bytes: int = DEFAULT_POOL_BYTES
-    device: str = "cpu"
-    strict: bool = False
-    prefault: bool = False
-    progress_interval_s: float = 0.005
-    progress_idle_interval_s: float = _Follows(_IDLE_DEFAULT_S)
-    fetch_timeout_s: float = 60.0
-    metrics: bool = True
-    debug_transfers: bool = False
-    registration_cache_bytes: int = DEFAULT_REGISTRATION_CACHE_BYTES
-    same_node: str = "map"
-    pack_threads: int = 0
-    pack_threshold_bytes: int = 8 << 20
-    stream_copy_bytes: int = 16 << 20
-    read_lanes: int = 0
-    read_split_bytes: int = 8 << 20
-    native: bool = True
-    overflow_linger_s: float = 10.0
+    progress_interval_s: float = field(default=0.005, metadata=_env(
+        "seconds between background NIXL progress calls"))
+    progress_idle_interval_s: float = field(default=_Follows(_IDLE_DEFAULT_S), metadata=_env(
+        "the same, once nothing was sent for a second (new peers connect slower)"))
+    pack_threads: int = field(default=0, metadata=_env(
+        "threads per large pack copy (0: automatic)"))
+    pack_threshold_bytes: int = field(default=8 << 20, metadata=_env(
+        "objects below this size pack on one thread (K, M, G allowed)"))
+    stream_copy_bytes: int = field(default=16 << 20, metadata=_env(
+        "host copies of at least this size use streaming stores (K, M, G allowed; 0: off)"))
+    read_lanes: int = field(default=0, metadata=_env(
+        "NIXL agents a receiver reads with (0: automatic, 1: no split READs)"))
+    read_split_bytes: int = field(default=8 << 20, metadata=_env(
+        "READs of at least this size are split over the read lanes (K, M, G allowed)"))
+    native: bool = field(default=True, metadata=_env(
+        "0: read tensor facts in Python even where the compiled helper is built"))
 
     def __post_init__(self) -> None:
-        for name in ("strict", "prefault", "metrics", "debug_transfers", "native"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):  # a string such as "no" is truthy
-                raise ConfigurationError(
-                    f"{name} must be True or False, got {value!r}; pass e.g. {name}=False")
-        for name in ("progress_interval_s", "progress_idle_interval_s", "fetch_timeout_s",
-                     "overflow_linger_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not _finite(value):
-                raise ConfigurationError(
-                    f"{name} must be a finite number of seconds, got {value!r}; pass e.g. "
-                    f"{name}={getattr(PoolConfig, name)!r}")
-        for name in ("pool_bytes", "arena_bytes", "registration_cache_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigurationError(
-                    f"{name} must be a positive number of bytes, got {value!r}; "
-                    f"pass e.g. {name}=1 << 30 (1 GiB)"
-                )
-        if self.device not in _DEVICES:
-            raise ConfigurationError(
-                f"device must be one of {_DEVICES}, got {self.device!r}"
-            )
-        if self.same_node not in _SAME_NODE:
-            raise ConfigurationError(
-                f"same_node must be one of {_SAME_NODE}, got {self.same_node!r}; "
-                "'map' is the default"
-            )
-        if isinstance(self.pack_threads, bool) or not isinstance(self.pack_threads, int) or (
-                not 0 <= self.pack_threads <= 64):
+        _check_bools(self, ("native",))
+        _check_seconds(self, ("progress_interval_s", "progress_idle_interval_s"))
+        if _bad_int(self.pack_threads) or not 0 <= self.pack_threads <= 64:
             raise ConfigurationError(
                 f"pack_threads must be an int in [0, 64] (0: automatic), got "
                 f"{self.pack_threads!r}"
             )
-        if isinstance(self.pack_threshold_bytes, bool) or not isinstance(
-                self.pack_threshold_bytes, int) or self.pack_threshold_bytes < 0:
+        if _bad_int(self.pack_threshold_bytes) or self.pack_threshold_bytes < 0:
             raise ConfigurationError(
                 f"pack_threshold_bytes must be a non-negative number of bytes, got "
                 f"{self.pack_threshold_bytes!r}"
             )
-        if isinstance(self.stream_copy_bytes, bool) or not isinstance(
-                self.stream_copy_bytes, int) or self.stream_copy_bytes < 0:
+        if _bad_int(self.stream_copy_bytes) or self.stream_copy_bytes < 0:
             raise ConfigurationError(
                 f"stream_copy_bytes must be a non-negative number of bytes (0: off), got "
                 f"{self.stream_copy_bytes!r}; pass e.g. stream_copy_bytes=16 << 20 (16 MiB)"
             )
-        if isinstance(self.read_lanes, bool) or not isinstance(self.read_lanes, int) or (
-                not 0 <= self.read_lanes <= MAX_READ_LANES):
+        if _bad_int(self.read_lanes) or not 0 <= self.read_lanes <= MAX_READ_LANES:
             raise ConfigurationError(
                 f"read_lanes must be an int in [0, {MAX_READ_LANES}] (0: automatic, 1: no "
                 f"split READs), got {self.read_lanes!r}; pass e.g. read_lanes=2"
             )
-        if isinstance(self.read_split_bytes, bool) or not isinstance(
-                self.read_split_bytes, int) or self.read_split_bytes <= 0:
+        if _bad_int(self.read_split_bytes) or self.read_split_bytes <= 0:
             raise ConfigurationError(
                 f"read_split_bytes must be a positive number of bytes, got "
                 f"{self.read_split_bytes!r}; pass e.g. read_split_bytes=8 << 20 (8 MiB)"
@@ -233,26 +219,6 @@ class PoolConfig:
                 f"{self.progress_idle_interval_s!r}; pass e.g. progress_idle_interval_s="
                 f"{max(_IDLE_DEFAULT_S, self.progress_interval_s)!r}"
             )
-        if not self.fetch_timeout_s > 0:
-            raise ConfigurationError(
-                f"fetch_timeout_s must be positive, got {self.fetch_timeout_s!r}"
-            )
-        if not 0 <= self.overflow_linger_s <= MAX_OVERFLOW_LINGER_S:
-            raise ConfigurationError(
-                f"overflow_linger_s must be in [0, {MAX_OVERFLOW_LINGER_S:g}] seconds (0: "
-                f"deregister with the last object), got {self.overflow_linger_s!r}; pass "
-                "e.g. overflow_linger_s=10.0"
-            )
-
-    @property
-    def pool_capacity(self) -> int:
-        """The pool size rounded up to whole blocks, as the allocator sees it."""
-        return -(-self.pool_bytes // BLOCK_ALIGN) * BLOCK_ALIGN
-
-    @property
-    def arena_capacity(self) -> int:
-        """The arena size rounded up to whole blocks."""
-        return -(-self.arena_bytes // BLOCK_ALIGN) * BLOCK_ALIGN
 
     @property
     def pack_thread_count(self) -> int:
@@ -268,55 +234,226 @@ class PoolConfig:
             return self.read_lanes
         return max(1, min(os.cpu_count() or 1, MAX_AUTO_READ_LANES))
 
-    def with_overrides(self, **overrides: Any) -> PoolConfig:
-        """Return a copy with ``overrides`` applied; unknown names raise ConfigurationError."""
-        known = {f.name for f in fields(self)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
+
+#: The options that live in :class:`Tuning`; ``configure()`` takes them by these names.
+TUNING_OPTIONS: frozenset[str] = frozenset(f.name for f in fields(Tuning))
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Settings of one process's transport. Immutable once the pool exists.
+
+    Attributes:
+        pool_bytes: Size of the sender pool, registered with NIXL once.
+        arena_bytes: Size of the receive arena, registered once on first receive.
+        device: Where the sender pool lives, ``"cpu"`` or ``"cuda"``.
+        strict: Raise ``PoolExhaustedError`` for an object that does not fit the
+            pool, instead of copying it into overflow memory (still a snapshot).
+        prefault: Touch every page of the pool and arena when they are created,
+            so the first transfers pay no page faults.
+        fetch_timeout_s: Upper bound for one READ on the receiver; Ray's own
+            ``RAY_rdt_fetch_fail_timeout_milliseconds`` applies on top.
+        metrics: Export gauges, counters and histograms through ``ray.util.metrics``.
+        debug_transfers: Log every put and fetch at DEBUG level with sizes and
+            descriptor counts.
+        registration_cache_bytes: Most bytes of user storages (receive target buffers
+            seen more than once) kept registered with NIXL, and held alive, while no
+            transfer uses them; least recently used ones are deregistered first.
+            Storages pinned by ``register_memory()`` do not count and are never evicted.
+        same_node: How a receiver gets objects from a sender on the same Ray node.
+            ``"map"``: map the sender's shared pool and return views of it (no copy;
+            a lease keeps the block until the views die). ``"copy"``: map it and copy
+            into the receive arena at once (for results kept a long time). ``"off"``:
+            always read with NIXL. On a sender, ``"off"`` keeps the pool in private
+            memory, so no receiver can map it.
+        overflow_linger_s: How long an overflow region stays registered once its last
+            object is freed, for the next oversized objects to reuse (at most an hour;
+            0: deregistered with its last object). Every deregistration makes each
+            receiver of this sender replace its view of the sender's agent, and with
+            NIXL 1.5.1 every such replacement leaves a TCP connection per read lane
+            open in both processes, for good: a sender whose pool overflows now and
+            then would leak one per object. Its memory stays held (and counted in
+            ``overflow_capacity``) that long.
+        tuning: The measured tuning values (:class:`Tuning`): progress intervals, pack
+            threads, streaming stores, read lanes, the compiled describe helper.
+    """
+
+    pool_bytes: int = field(default=DEFAULT_POOL_BYTES, metadata=_env(
+        "sender pool size in bytes (suffixes K, M, G allowed)"))
+    arena_bytes: int = field(default=DEFAULT_POOL_BYTES, metadata=_env(
+        "receive arena size in bytes (K, M, G allowed)"))
+    device: str = field(default="cpu", metadata=_env("where the sender pool lives: cpu or cuda"))
+    strict: bool = field(default=False, metadata=_env(
+        "1: raise instead of using overflow memory for oversized objects"))
+    prefault: bool = field(default=False, metadata=_env(
+        "1: touch every pool and arena page up front"))
+    fetch_timeout_s: float = field(default=60.0, metadata=_env(
+        "upper bound for one READ, seconds"))
+    metrics: bool = field(default=True, metadata=_env("0: do not export Ray metrics"))
+    debug_transfers: bool = field(default=False, metadata=_env(
+        "1: DEBUG-log every put and fetch"))
+    registration_cache_bytes: int = field(default=DEFAULT_REGISTRATION_CACHE_BYTES, metadata=_env(
+        "bytes of user storages kept registered (K, M, G allowed)"))
+    same_node: str = field(default="map", metadata=_env(
+        "same-node receivers: map (views of the sender's pool), copy, or off"))
+    overflow_linger_s: float = field(default=10.0, metadata=_env(
+        "seconds an emptied overflow region stays registered for reuse "
+        "(0: deregistered with its last object)"))
+    # No variable of its own: each of its fields has one.
+    tuning: Tuning = field(default_factory=Tuning)
+
+    def __post_init__(self) -> None:
+        _check_bools(self, ("strict", "prefault", "metrics", "debug_transfers"))
+        _check_seconds(self, ("fetch_timeout_s", "overflow_linger_s"))
+        for name in ("pool_bytes", "arena_bytes", "registration_cache_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigurationError(
+                    f"{name} must be a positive number of bytes, got {value!r}; "
+                    f"pass e.g. {name}=1 << 30 (1 GiB)"
+                )
+        if self.device not in _DEVICES:
             raise ConfigurationError(
-                f"unknown configuration option(s) {unknown}; known options are {sorted(known)}"
+                f"device must be one of {_DEVICES}, got {self.device!r}"
             )
-        return replace(self, **overrides)
+        if self.same_node not in _SAME_NODE:
+            raise ConfigurationError(
+                f"same_node must be one of {_SAME_NODE}, got {self.same_node!r}; "
+                "'map' is the default"
+            )
+        if not self.fetch_timeout_s > 0:
+            raise ConfigurationError(
+                f"fetch_timeout_s must be positive, got {self.fetch_timeout_s!r}"
+            )
+        if not 0 <= self.overflow_linger_s <= MAX_OVERFLOW_LINGER_S:
+            raise ConfigurationError(
+                f"overflow_linger_s must be in [0, {MAX_OVERFLOW_LINGER_S:g}] seconds (0: "
+                f"deregister with the last object), got {self.overflow_linger_s!r}; pass "
+                "e.g. overflow_linger_s=10.0"
+            )
+        if not isinstance(self.tuning, Tuning):
+            raise ConfigurationError(
+                f"tuning must be a ray_rdt_pool.config.Tuning, got {self.tuning!r}; pass "
+                "e.g. tuning=Tuning(read_lanes=2)")
+
+    @property
+    def pool_capacity(self) -> int:
+        """The pool size rounded up to whole blocks, as the allocator sees it."""
+        return -(-self.pool_bytes // BLOCK_ALIGN) * BLOCK_ALIGN
+
+    @property
+    def arena_capacity(self) -> int:
+        """The arena size rounded up to whole blocks."""
+        return -(-self.arena_bytes // BLOCK_ALIGN) * BLOCK_ALIGN
+
+    def options(self) -> dict[str, Any]:
+        """Every option by its ``configure()`` name, the tuning ones included."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tuning"}
+        out.update((name, getattr(self.tuning, name)) for name in _TUNING_ORDER)
+        return out
+
+    def with_overrides(self, **overrides: Any) -> PoolConfig:
+        """Return a copy with ``overrides`` applied, by ``configure()``'s names: the
+        fields, ``tuning`` (a whole :class:`Tuning`) and each tuning field, which applies
+        over ``tuning``. Unknown names raise ConfigurationError."""
+        unknown = sorted(set(overrides) - set(OPTIONS) - {"tuning"})
+        if unknown:
+            raise ConfigurationError(_unknown_message(unknown))
+        tuned = {k: overrides.pop(k) for k in [k for k in overrides if k in TUNING_OPTIONS]}
+        tuning = overrides.pop("tuning", self.tuning)
+        if not isinstance(tuning, Tuning):
+            raise ConfigurationError(
+                f"tuning must be a ray_rdt_pool.config.Tuning, got {tuning!r}; pass e.g. "
+                "tuning=Tuning(read_lanes=2), or the tuning options themselves "
+                "(read_lanes=2)")
+        return replace(self, tuning=replace(tuning, **tuned), **overrides)
 
 
-#: Environment variable -> (PoolConfig field, parser, meaning). The README's table is
-#: generated from the same facts; keep both in step.
+_TUNING_ORDER = tuple(f.name for f in fields(Tuning))
+
+#: Every option ``configure()`` takes by name (besides ``tuning``), in table order.
+OPTIONS: tuple[str, ...] = (
+    *(f.name for f in fields(PoolConfig) if f.name != "tuning"), *_TUNING_ORDER)
+
+
+def _unknown_message(unknown: list[str]) -> str:
+    hints = [f"{u!r}: did you mean {m[0]!r}?" for u in unknown
+             if (m := difflib.get_close_matches(u, OPTIONS, n=1))]
+    return (f"unknown configuration option(s) {unknown}; "
+            + (" ".join(hints) + " " if hints else "")
+            + f"known options are {sorted(OPTIONS)} and tuning (a ray_rdt_pool.config.Tuning)")
+
+
+#: Environment variable -> (option, meaning), one per option: ``env_name(option)``.
+#: The README's table is generated from the same facts; keep both in step.
 ENV_VARS: dict[str, tuple[str, str]] = {
-    "RAY_RDT_POOL_BYTES": ("pool_bytes", "sender pool size in bytes (suffixes K, M, G allowed)"),
-    "RAY_RDT_POOL_ARENA_BYTES": ("arena_bytes", "receive arena size in bytes (K, M, G allowed)"),
-    "RAY_RDT_POOL_DEVICE": ("device", "where the sender pool lives: cpu or cuda"),
-    "RAY_RDT_POOL_STRICT": ("strict", "1: raise instead of using overflow memory for oversized "
-                            "objects"),
-    "RAY_RDT_POOL_PREFAULT": ("prefault", "1: touch every pool and arena page up front"),
-    "RAY_RDT_POOL_PROGRESS_INTERVAL_S": (
-        "progress_interval_s", "seconds between background NIXL progress calls"),
-    "RAY_RDT_POOL_PROGRESS_IDLE_INTERVAL_S": (
-        "progress_idle_interval_s",
-        "the same, once nothing was sent for a second (new peers connect slower)"),
-    "RAY_RDT_POOL_FETCH_TIMEOUT_S": ("fetch_timeout_s", "upper bound for one READ, seconds"),
-    "RAY_RDT_POOL_METRICS": ("metrics", "0: do not export Ray metrics"),
-    "RAY_RDT_POOL_DEBUG": ("debug_transfers", "1: DEBUG-log every put and fetch"),
-    "RAY_RDT_POOL_REG_CACHE_BYTES": (
-        "registration_cache_bytes", "bytes of user storages kept registered (K, M, G allowed)"),
-    "RAY_RDT_POOL_SAME_NODE": (
-        "same_node", "same-node receivers: map (views of the sender's pool), copy, or off"),
-    "RAY_RDT_POOL_PACK_THREADS": ("pack_threads", "threads per large pack copy (0: automatic)"),
-    "RAY_RDT_POOL_PACK_THRESHOLD": (
-        "pack_threshold_bytes", "objects below this size pack on one thread (K, M, G allowed)"),
-    "RAY_RDT_POOL_STREAM_COPY": (
-        "stream_copy_bytes", "host copies of at least this size use streaming stores "
-        "(K, M, G allowed; 0: off)"),
-    "RAY_RDT_POOL_READ_LANES": (
-        "read_lanes", "NIXL agents a receiver reads with (0: automatic, 1: no split READs)"),
-    "RAY_RDT_POOL_READ_SPLIT": (
-        "read_split_bytes", "READs of at least this size are split over the read lanes "
-        "(K, M, G allowed)"),
-    "RAY_RDT_POOL_OVERFLOW_LINGER_S": (
-        "overflow_linger_s", "seconds an emptied overflow region stays registered for reuse "
-        "(0: deregistered with its last object)"),
-    "RAY_RDT_POOL_NATIVE": (
-        "native", "0: read tensor facts in Python even where the compiled helper is built"),
+    env_name(f.name): (f.name, f.metadata.get("env", ""))
+    for f in (*fields(PoolConfig), *fields(Tuning)) if f.name != "tuning"
 }
+
+#: The names some variables had before they followed the rule: old -> new. Still read,
+#: with a FutureWarning once per process; the new name wins where both are set.
+DEPRECATED_ENV_VARS: dict[str, str] = {
+    "RAY_RDT_POOL_BYTES": env_name("pool_bytes"),
+    "RAY_RDT_POOL_DEBUG": env_name("debug_transfers"),
+    "RAY_RDT_POOL_REG_CACHE_BYTES": env_name("registration_cache_bytes"),
+    "RAY_RDT_POOL_PACK_THRESHOLD": env_name("pack_threshold_bytes"),
+    "RAY_RDT_POOL_STREAM_COPY": env_name("stream_copy_bytes"),
+    "RAY_RDT_POOL_READ_SPLIT": env_name("read_split_bytes"),
+}
+_OLD_NAME = {new: old for old, new in DEPRECATED_ENV_VARS.items()}
+
+# Keys of the deprecation warnings this process gave: each is given once.
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(key: str, message: str, stacklevel: int = 2) -> None:
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, FutureWarning, stacklevel=stacklevel + 1)
+
+
+# The tuning fields (and their derived counts) stay readable on PoolConfig, and
+# PoolConfig() still takes them, as deprecated aliases of ``tuning``.
+_fields_init = PoolConfig.__init__
+
+
+@functools.wraps(_fields_init)
+def _init_taking_tuning_fields(self: PoolConfig, *args: Any, **kwargs: Any) -> None:
+    moved = {k: kwargs.pop(k) for k in [k for k in kwargs if k in TUNING_OPTIONS]}
+    if moved:
+        for name in moved:
+            _warn_once(f"PoolConfig({name}=)",
+                       f"PoolConfig({name}=...) is deprecated: {name} is a tuning value "
+                       f"now; pass PoolConfig(tuning=Tuning({name}=...)) or "
+                       f"configure({name}=...)")
+        base = kwargs.get("tuning", Tuning())
+        if not isinstance(base, Tuning):
+            raise ConfigurationError(
+                f"tuning must be a ray_rdt_pool.config.Tuning, got {base!r}; pass e.g. "
+                "tuning=Tuning(read_lanes=2)")
+        kwargs["tuning"] = replace(base, **moved)
+    _fields_init(self, *args, **kwargs)
+
+
+def _moved_to_tuning(name: str) -> property:
+    def read(self: PoolConfig) -> Any:
+        _warn_once(f"PoolConfig.{name}", f"PoolConfig.{name} is deprecated: read "
+                   f"PoolConfig.tuning.{name}")
+        return getattr(self.tuning, name)
+
+    read.__doc__ = f"Deprecated alias of ``tuning.{name}``."
+    return property(read)
+
+
+PoolConfig.__init__ = _init_taking_tuning_fields  # type: ignore[method-assign]
+for _name in (*_TUNING_ORDER, "pack_thread_count", "read_lane_count"):
+    setattr(PoolConfig, _name, _moved_to_tuning(_name))
+del _name
+
 
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -362,31 +499,60 @@ def _parse_float(var: str, text: str) -> float:
         raise ConfigurationError(f"{var}={text!r} is not a number of seconds") from e
 
 
+def _option_default(option: str) -> Any:
+    return getattr(Tuning if option in TUNING_OPTIONS else PoolConfig, option)
+
+
+def _parse(option: str, var: str, text: str) -> Any:
+    default = _option_default(option)
+    if isinstance(default, bool):
+        return _parse_bool(var, text)
+    if option in _COUNTS:
+        return _parse_count(var, text)
+    if isinstance(default, int):
+        return _parse_size(var, text)
+    if isinstance(default, float):
+        return _parse_float(var, text)
+    return text.strip().lower()
+
+
+def _variable(env: Mapping[str, str], var: str) -> str | None:
+    """Which variable sets ``var``'s option: ``var``, or its deprecated old name (warned
+    once per process), or None when neither is set."""
+    old = _OLD_NAME.get(var)
+    if old is None or old not in env:
+        return var if var in env else None
+    if var in env:
+        _warn_once(f"{old}+{var}",
+                   f"{old} and {var} are both set: {var}={env[var]!r} wins and "
+                   f"{old}={env[old]!r} is ignored; {old} is a deprecated name of {var}, "
+                   "remove it", stacklevel=3)
+        return var
+    _warn_once(old, f"{old} is deprecated: rename it to {var} (every variable is "
+               f"{ENV_PREFIX} plus the option's name, here {ENV_VARS[var][0]})",
+               stacklevel=3)
+    return old
+
+
 def from_env(environ: Mapping[str, str] | None = None) -> PoolConfig:
-    """Build the config from the defaults overlaid with the variables in :data:`ENV_VARS`."""
+    """Build the config from the defaults overlaid with the variables in :data:`ENV_VARS`
+    (and their deprecated names in :data:`DEPRECATED_ENV_VARS`)."""
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
-    for var, (field_name, _doc) in ENV_VARS.items():
-        if var not in env:
+    tuned: dict[str, Any] = {}
+    set_by: dict[str, str] = {}  # option -> the variable that set it
+    for var, (option, _doc) in ENV_VARS.items():
+        source = _variable(env, var)
+        if source is None:
             continue
-        text = env[var]
-        default = getattr(PoolConfig, field_name)
-        if isinstance(default, bool):
-            values[field_name] = _parse_bool(var, text)
-        elif field_name in _COUNTS:
-            values[field_name] = _parse_count(var, text)
-        elif isinstance(default, int):
-            values[field_name] = _parse_size(var, text)
-        elif isinstance(default, float):
-            values[field_name] = _parse_float(var, text)
-        else:
-            values[field_name] = text.strip().lower()
+        (tuned if option in TUNING_OPTIONS else values)[option] = _parse(
+            option, source, env[source])
+        set_by[option] = source
     try:
-        return PoolConfig(**values)
+        return PoolConfig(**values, tuning=Tuning(**tuned))
     except ConfigurationError as e:
         # Name the variable that set the refused field, not only the field.
-        set_by = [f"{var}={env[var]!r}" for var, (name, _d) in ENV_VARS.items()
-                  if name in values and var in env and name in str(e)]
-        if not set_by:
+        named = [f"{var}={env[var]!r}" for option, var in set_by.items() if option in str(e)]
+        if not named:
             raise
-        raise ConfigurationError(f"{e} (set by {', '.join(set_by)})") from e
+        raise ConfigurationError(f"{e} (set by {', '.join(named)})") from e

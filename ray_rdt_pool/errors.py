@@ -39,12 +39,12 @@ class PoolExhaustedError(RdtPoolError, MemoryError):
     Raised by the allocator when the free bytes of the sender pool (or the receive
     arena) cannot hold an object, and by the transport in strict mode instead of
     falling back to direct registration. What to do: raise ``pool_bytes`` (or
-    ``RAY_RDT_POOL_BYTES``), free objects sooner by dropping their refs, or leave
+    ``RAY_RDT_POOL_POOL_BYTES``), free objects sooner by dropping their refs, or leave
     strict mode off so oversized objects fall back to direct registration.
     """
 
     def __init__(self, needed: int, free: int, largest_free: int, capacity: int,
-                 what: str = "pool", remedy: str = "raise pool_bytes (RAY_RDT_POOL_BYTES)"):
+                 what: str = "pool", remedy: str = "raise pool_bytes (RAY_RDT_POOL_POOL_BYTES)"):
         self.needed = needed
         self.free = free
         self.largest_free = largest_free

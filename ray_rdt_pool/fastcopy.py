@@ -5,7 +5,7 @@ Pure module: ctypes and the standard library only (no torch, Ray or NIXL).
 :func:`stream_copy` returns ``rdt_stream_copy`` from the optional extension
 ``ray_rdt_pool._copy`` (built from ``_copy.c`` at install when a C compiler is present),
 or None without it; the torch layer (:mod:`ray_rdt_pool.tensors`) uses it for host copies
-of at least ``PoolConfig.stream_copy_bytes`` in all and :func:`ctypes.memmove` for the
+of at least ``Tuning.stream_copy_bytes`` in all and :func:`ctypes.memmove` for the
 rest. Both take ``(destination address, source address, bytes)`` and release the GIL
 (ctypes foreign calls), so the pack threads copy in parallel. :func:`move_batch` returns
 ``rdt_copy_moves``, which runs a whole list of such moves in one call: packs of thousands

@@ -903,7 +903,7 @@ class Receiver:
         # lease go right after.
         sel = f.selected
         landing: Landing | None = None
-        stream = self.config.stream_copy_bytes
+        stream = self.config.tuning.stream_copy_bytes
         try:
             if targets:
                 unpack_into(targets, meta.tensor_offsets(), addr, meta.total, device, dev_id,
@@ -1138,8 +1138,8 @@ class Receiver:
             landing = self._local_landing(sel.total)
             moves = [(landing.addr + lo, addr, n) for lo, addr, n in sel.runs]
         nbytes = sum(n for _d, _s, n in moves)
-        cfg = self.config
-        threads = cfg.read_lane_count if nbytes >= cfg.read_split_bytes else 1
+        tuning = self.config.tuning
+        threads = tuning.read_lane_count if nbytes >= tuning.read_split_bytes else 1
         try:
             if not src.alive():
                 raise OSError(3, f"process {src.pid} has exited")
@@ -1178,7 +1178,7 @@ class Receiver:
 
         f = Fetch(obj_id, meta)
         if targets:
-            _check_targets(targets, meta, self.config.native)
+            _check_targets(targets, meta, self.config.tuning.native)
             device = targets[0].device.type
         else:
             device = device_hint if device_hint in MEM_TYPE else meta.device
@@ -1386,7 +1386,8 @@ class Receiver:
         try:
             with torch.no_grad():  # a requires_grad Parameter is a fine target
                 unpack_into(targets, f.meta.tensor_offsets(), landing.addr, f.meta.total,
-                            landing.device, landing.device_id, self.config.stream_copy_bytes)
+                            landing.device, landing.device_id,
+                            self.config.tuning.stream_copy_bytes)
         except Exception as e:
             self.events.error("err")
             raise TransferError(
@@ -1692,7 +1693,7 @@ def _check_targets(targets: Sequence[torch.Tensor], meta: WireMeta,
                    native: bool = True) -> None:
     """Raise InvalidInputError, naming the first bad buffer and the fix, unless every
     target is a contiguous tensor of its source tensor's shape and dtype, all on one
-    device type. ``native``: ``PoolConfig.native``, passed on to ``describe``."""
+    device type. ``native``: ``PoolConfig.tuning.native``, passed on to ``describe``."""
     import torch
 
     from ray_rdt_pool.tensors import describe, dtype_name

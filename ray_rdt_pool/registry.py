@@ -336,7 +336,7 @@ class Registry:
         register it with every read lane of the backend (the receive arenas, which
         large READs land in in parallel parts); one registration all the same.
         ``sized_by``: the option that set ``capacity`` (e.g. ``"pool_bytes
-        (RAY_RDT_POOL_BYTES)"``): memory that cannot be had at that size is then a
+        (RAY_RDT_POOL_POOL_BYTES)"``): memory that cannot be had at that size is then a
         ConfigurationError naming it; without it the OSError, OverflowError or
         MemoryError reaches the caller. ``named``: False for a receive arena, which no
         object names (it leaves the epoch alone)."""

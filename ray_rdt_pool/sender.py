@@ -175,7 +175,7 @@ class Sender:
                 pool = self.registry.new_region(
                     cfg.pool_capacity, cfg.device, "sender pool", cfg.prefault,
                     shared=cfg.same_node != "off" and cfg.device == "cpu",
-                    sized_by="pool_bytes (RAY_RDT_POOL_BYTES)")
+                    sized_by="pool_bytes (RAY_RDT_POOL_POOL_BYTES)")
                 try:
                     self._share(pool)
                 except BaseException:  # an interrupt: no second pool on the next put
@@ -293,7 +293,7 @@ class Sender:
                     raise PoolExhaustedError(
                         e.needed, e.free, e.largest_free, e.capacity, what="sender pool",
                         remedy=f"{leased + '; or ' if leased else ''}raise pool_bytes "
-                               "(RAY_RDT_POOL_BYTES), or turn strict mode off to copy "
+                               "(RAY_RDT_POOL_POOL_BYTES), or turn strict mode off to copy "
                                "oversized objects into overflow memory") from None
                 self._warn_overflow(nbytes, e, leased)
         made: Region | None = None  # the region this put registered, if any
@@ -386,7 +386,7 @@ class Sender:
             "an object of %s bytes does not fit the nixl_pool sender pool (%s bytes free, "
             "largest block %s of %s); it is copied into overflow memory registered for it, "
             "which costs a NIXL registration and makes receivers reload this sender's "
-            "metadata. %sRaise pool_bytes (RAY_RDT_POOL_BYTES) to keep objects in the pool, "
+            "metadata. %sRaise pool_bytes (RAY_RDT_POOL_POOL_BYTES) to keep objects in the pool, "
             "or set strict=True to raise instead. This warning is shown once per process.",
             f"{nbytes:,}", f"{e.free:,}", f"{e.largest_free:,}", f"{e.capacity:,}",
             leased + ". " if leased else "")
@@ -454,7 +454,7 @@ class Sender:
         from ray_rdt_pool.tensors import describe, pack_into, pack_torch
 
         t_start = time.perf_counter()
-        d = describe(tensors, allow_cuda=True, native=self.config.native)
+        d = describe(tensors, allow_cuda=True, native=self.config.tuning.native)
         converted = _apply_conversions(d, tensors, convert) if convert else []
         runs = runs_from(d.shapes, d.dtypes)
         offsets, total = run_offsets(runs)
@@ -489,14 +489,14 @@ class Sender:
                 elif converted:  # one contiguous block: torch converts, memmove the rest
                     (off, length), = p.blocks
                     pack_torch(tensors, d, local_offsets, region.mem.tensor[off:off + length],
-                               converted, threads=self.config.pack_thread_count,
-                               threshold=self.config.pack_threshold_bytes)
+                               converted, threads=self.config.tuning.pack_thread_count,
+                               threshold=self.config.tuning.pack_threshold_bytes)
                     conv = set(converted)
                     pack_into(tensors, d, local_offsets, p.blocks, region.mem,
                               [i for i in range(len(tensors)) if i not in conv],
-                              stream_min=self.config.stream_copy_bytes)
+                              stream_min=self.config.tuning.stream_copy_bytes)
                 else:
-                    cfg = self.config
+                    cfg = self.config.tuning
                     pack_into(tensors, d, local_offsets, p.blocks, region.mem, copy_idx,
                               threads=cfg.pack_thread_count,
                               threshold=cfg.pack_threshold_bytes,
@@ -545,7 +545,7 @@ class Sender:
         from ray_rdt_pool.errors import InvalidInputError
         from ray_rdt_pool.tensors import describe
 
-        d = describe(tensors, allow_cuda=True, native=self.config.native)
+        d = describe(tensors, allow_cuda=True, native=self.config.tuning.native)
         if not all(d.plain):
             i = d.plain.index(False)
             raise InvalidInputError(

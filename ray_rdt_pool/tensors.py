@@ -125,7 +125,7 @@ def describe(tensors: Sequence[Any], *, allow_cuda: bool = False,
     tensors, an unsupported dtype, a CUDA tensor while the CUDA path is off, or a tensor
     with bytes but no memory (a ZeroTensor, a storage resized to 0).
 
-    With ``native`` (``PoolConfig.native``) and the compiled helper built for this torch
+    With ``native`` (``Tuning.native``) and the compiled helper built for this torch
     (:mod:`ray_rdt_pool.native`), the facts of an object of plain dense CPU tensors are
     read in C++; anything else, and every error, takes the Python loop.
     """

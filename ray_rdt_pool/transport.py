@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import ray
 from ray.experimental.rdt.tensor_transport_manager import (
@@ -41,7 +41,7 @@ from ray.experimental.rdt.tensor_transport_manager import (
 )
 
 from ray_rdt_pool import _nixl
-from ray_rdt_pool.config import PoolConfig, from_env
+from ray_rdt_pool.config import PoolConfig, Tuning, from_env
 from ray_rdt_pool.errors import (
     ConfigurationError,
     InvalidInputError,
@@ -283,11 +283,11 @@ class Runtime:
                 cfg = self.config
                 # Read lanes: extra NIXL agents for concurrent parts of large READs.
                 b = self._backend_factory(
-                    name, cfg.progress_interval_s, lanes=cfg.read_lane_count,
-                    split_bytes=cfg.read_split_bytes,
+                    name, cfg.tuning.progress_interval_s, lanes=cfg.tuning.read_lane_count,
+                    split_bytes=cfg.tuning.read_split_bytes,
                     on_split=lambda: self.events.add("split_reads"),
                     post_timeout_s=cfg.fetch_timeout_s,
-                    idle_interval_s=cfg.progress_idle_interval_s)
+                    idle_interval_s=cfg.tuning.progress_idle_interval_s)
                 self._active = getattr(b, "active", None) or _nothing
                 add_tick = getattr(b, "add_tick", None)
                 if add_tick is not None:
@@ -625,12 +625,39 @@ _configured = False  # configure() was called: later calls must agree with it
 _cuda_stream: Any = None
 
 
-def configure(**options: Any) -> PoolConfig:
+def configure(
+    *,
+    pool_bytes: int | None = None,
+    arena_bytes: int | None = None,
+    device: str | None = None,
+    strict: bool | None = None,
+    prefault: bool | None = None,
+    fetch_timeout_s: float | None = None,
+    metrics: bool | None = None,
+    debug_transfers: bool | None = None,
+    registration_cache_bytes: int | None = None,
+    same_node: str | None = None,
+    overflow_linger_s: float | None = None,
+    tuning: Tuning | None = None,
+    progress_interval_s: float | None = None,
+    progress_idle_interval_s: float | None = None,
+    pack_threads: int | None = None,
+    pack_threshold_bytes: int | None = None,
+    stream_copy_bytes: int | None = None,
+    read_lanes: int | None = None,
+    read_split_bytes: int | None = None,
+    native: bool | None = None,
+    **unknown: NoReturn,
+) -> PoolConfig:
     """Set this process's configuration before its first put or get.
 
-    Accepted until the NIXL agent exists (``stats()`` does not create it); raises
-    ``ConfigurationError`` after that if the values differ.
+    The options are ``ray_rdt_pool.configure()``'s (documented there); None leaves one
+    unset. Accepted until the NIXL agent exists (``stats()`` does not create it); raises
+    ``ConfigurationError`` after that if the values differ, and for an unknown option.
     """
+    given = dict(locals())  # the parameters, before any other name is bound
+    options = {k: v for k, v in given.items() if k != "unknown" and v is not None}
+    options.update(unknown)  # for with_overrides to refuse by name
     global _config, _runtime, _configured
     with _runtime_lock:
         base = _config if _config is not None else from_env()
@@ -643,8 +670,8 @@ def configure(**options: Any) -> PoolConfig:
                 "__init__")
         if _configured and new != _config:
             assert _config is not None
-            changed = {k: (getattr(_config, k), v) for k, v in options.items()
-                       if getattr(_config, k) != v}
+            was, now = _config.options(), new.options()
+            changed = {k: (v, now[k]) for k, v in was.items() if v != now[k]}
             raise ConfigurationError(
                 f"configure() was already called in this process with other values {changed} "
                 "(old, new); configure once per process")

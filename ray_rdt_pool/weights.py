@@ -1416,7 +1416,7 @@ def _too_big(b: Bucket, capacity: int) -> PoolExhaustedError:
         int(s.pool_largest_free_block) if s.pool_capacity else capacity,
         capacity, what=f"sender pool (bucket {b.index}: {b.names[:3]}...)",
         remedy="streaming never falls back: lower bucket_bytes or raise "
-               "pool_bytes (RAY_RDT_POOL_BYTES) above the largest tensor")
+               "pool_bytes (RAY_RDT_POOL_POOL_BYTES) above the largest tensor")
 
 
 def _ranges(ks: Sequence[int]) -> str:

@@ -111,7 +111,7 @@ def restart_map() -> None:
     the entry must be published there again for the new actors to map the driver's
     objects; and the driver, as a receiver, must map the new actors' objects."""
     env = {"RAY_RDT_POOL_METRICS": "0", "RAY_RDT_POOL_SAME_NODE": "map",
-           "RAY_RDT_POOL_BYTES": "16M", "RAY_RDT_POOL_FETCH_TIMEOUT_S": "15"}
+           "RAY_RDT_POOL_POOL_BYTES": "16M", "RAY_RDT_POOL_FETCH_TIMEOUT_S": "15"}
     sessions = []
     for k in range(2):
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
@@ -217,7 +217,7 @@ def main(mode: str) -> None:
         return
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=128 << 20,
-             runtime_env={"env_vars": {"RAY_RDT_POOL_BYTES": "16M",
+             runtime_env={"env_vars": {"RAY_RDT_POOL_POOL_BYTES": "16M",
                                        "RAY_RDT_POOL_METRICS": "0"}})
     # overflow: the emptied region still lingers at exit, however slow the run.
     linger = {"overflow_linger_s": 3600.0} if mode == "overflow" else {}

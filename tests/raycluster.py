@@ -17,7 +17,7 @@ import ray
 
 #: Small pools keep several actors light on a 24 GiB, 2-core machine.
 DEFAULT_ENV = {
-    "RAY_RDT_POOL_BYTES": "64M",
+    "RAY_RDT_POOL_POOL_BYTES": "64M",
     "RAY_RDT_POOL_ARENA_BYTES": "64M",
     "RAY_RDT_POOL_METRICS": "0",
     "RAY_DEDUP_LOGS": "0",

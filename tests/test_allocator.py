@@ -285,7 +285,7 @@ def test_exhaustion_message_names_the_numbers_and_the_remedy() -> None:
     assert "needs 1,000,000 bytes" in msg
     assert "largest free block is 4,096 bytes" in msg
     assert "4,096 bytes are free of 1,048,576 bytes" in msg
-    assert "raise pool_bytes (RAY_RDT_POOL_BYTES)" in msg
+    assert "raise pool_bytes (RAY_RDT_POOL_POOL_BYTES)" in msg
     assert isinstance(info.value, MemoryError)
     assert (info.value.needed, info.value.free, info.value.largest_free) == (
         1_000_000, 4096, 4096)

@@ -1,16 +1,45 @@
-"""PoolConfig and the environment table: every bad value is a ConfigurationError that
-names the value (and, from the environment, the variable) and the fix. No Ray, no NIXL."""
+"""PoolConfig, Tuning and the environment table: every bad value is a ConfigurationError
+that names the value (and, from the environment, the variable) and the fix; every option
+has the variable ``RAY_RDT_POOL_`` + its name, the names from before that rule still
+work with a FutureWarning, and ``configure()`` takes every option as a typed keyword.
+No Ray cluster, no NIXL."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import pickle
+import warnings
+from collections.abc import Iterator
+from dataclasses import fields
 from typing import Any
 
 import pytest
 
-from ray_rdt_pool.config import ENV_VARS, PoolConfig, from_env
+import ray_rdt_pool
+from ray_rdt_pool import config as C
+from ray_rdt_pool.config import (
+    DEPRECATED_ENV_VARS,
+    ENV_VARS,
+    OPTIONS,
+    TUNING_OPTIONS,
+    PoolConfig,
+    Tuning,
+    env_name,
+    from_env,
+)
 from ray_rdt_pool.errors import ConfigurationError
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts with no deprecation warning given yet in this process."""
+    monkeypatch.setattr(C, "_warned", set())
+
+
+def _make(option: str, value: Any) -> Any:
+    """The object that owns ``option``, built with it."""
+    return (Tuning if option in TUNING_OPTIONS else PoolConfig)(**{option: value})
 
 
 @pytest.mark.parametrize(("option", "value", "text"), [
@@ -33,19 +62,21 @@ from ray_rdt_pool.errors import ConfigurationError
 ])
 def test_options_of_the_wrong_type_are_refused(option: str, value: Any, text: str) -> None:
     with pytest.raises(ConfigurationError, match=text.replace("(", r"\(")):
-        PoolConfig(**{option: value})
+        _make(option, value)
     with pytest.raises(ConfigurationError, match=text.replace("(", r"\(")):
         PoolConfig().with_overrides(**{option: value})
 
 
 def test_options_of_the_right_type_are_taken() -> None:
-    cfg = PoolConfig(strict=True, metrics=False, fetch_timeout_s=30, progress_interval_s=0.01)
+    cfg = PoolConfig(strict=True, metrics=False, fetch_timeout_s=30,
+                     tuning=Tuning(progress_interval_s=0.01))
     assert cfg.strict and not cfg.metrics and cfg.fetch_timeout_s == 30
+    assert cfg.tuning.progress_interval_s == 0.01
 
 
 @pytest.mark.parametrize(("env", "text"), [
     # int(float("1e400")) raised OverflowError out of the first put.
-    ({"RAY_RDT_POOL_BYTES": "1.0e400"}, "RAY_RDT_POOL_BYTES='1.0e400' is not a size"),
+    ({"RAY_RDT_POOL_POOL_BYTES": "1.0e400"}, "RAY_RDT_POOL_POOL_BYTES='1.0e400' is not a size"),
     # A count was told to use a K/M/G suffix ("e.g. RAY_RDT_POOL_READ_LANES=512M").
     ({"RAY_RDT_POOL_READ_LANES": "two"},
      "RAY_RDT_POOL_READ_LANES='two' is not a whole number; e.g. RAY_RDT_POOL_READ_LANES=2"),
@@ -62,24 +93,23 @@ def test_bad_environment_values_name_the_variable(env: dict[str, str], text: str
 
 
 def test_environment_values_parse() -> None:
-    cfg = from_env({"RAY_RDT_POOL_BYTES": "64M", "RAY_RDT_POOL_READ_LANES": "2",
+    cfg = from_env({"RAY_RDT_POOL_POOL_BYTES": "64M", "RAY_RDT_POOL_READ_LANES": "2",
                     "RAY_RDT_POOL_PACK_THREADS": " 3 ", "RAY_RDT_POOL_STRICT": "yes",
                     "RAY_RDT_POOL_FETCH_TIMEOUT_S": "2.5", "RAY_RDT_POOL_SAME_NODE": "Copy"})
-    assert (cfg.pool_bytes, cfg.read_lanes, cfg.pack_threads) == (64 << 20, 2, 3)
+    assert (cfg.pool_bytes, cfg.tuning.read_lanes, cfg.tuning.pack_threads) == (64 << 20, 2, 3)
     assert cfg.strict and cfg.fetch_timeout_s == 2.5 and cfg.same_node == "copy"
-    assert {name for name, _doc in ENV_VARS.values()} <= set(PoolConfig.__dataclass_fields__)
 
 
 def test_a_longer_progress_interval_alone_is_accepted() -> None:
     """Setting only progress_interval_s above the idle default (0.02 s) was refused, and
     the message suggested progress_idle_interval_s=0.02, the value already in force."""
-    assert PoolConfig(progress_interval_s=0.05).progress_idle_interval_s == 0.05
-    cfg = from_env({"RAY_RDT_POOL_PROGRESS_INTERVAL_S": "0.05"})
+    assert Tuning(progress_interval_s=0.05).progress_idle_interval_s == 0.05
+    cfg = from_env({"RAY_RDT_POOL_PROGRESS_INTERVAL_S": "0.05"}).tuning
     assert (cfg.progress_interval_s, cfg.progress_idle_interval_s) == (0.05, 0.05)
-    assert PoolConfig(progress_interval_s=0.01).progress_idle_interval_s == 0.02
+    assert Tuning(progress_interval_s=0.01).progress_idle_interval_s == 0.02
     with pytest.raises(ConfigurationError,
                        match=r"got 0\.03; pass e\.g\. progress_idle_interval_s=0\.05"):
-        PoolConfig(progress_interval_s=0.05, progress_idle_interval_s=0.03)
+        Tuning(progress_interval_s=0.05, progress_idle_interval_s=0.03)
 
 
 def test_a_followed_idle_interval_follows_every_later_progress_interval() -> None:
@@ -89,17 +119,213 @@ def test_a_followed_idle_interval_follows_every_later_progress_interval() -> Non
     says), and an explicit progress_idle_interval_s=0.02 below a longer interval was
     silently raised instead of refused."""
     base = from_env({"RAY_RDT_POOL_PROGRESS_INTERVAL_S": "0.5"})
-    assert base.progress_idle_interval_s == 0.5
+    assert base.tuning.progress_idle_interval_s == 0.5
     cfg = base.with_overrides(progress_interval_s=0.005)
-    assert (cfg.progress_interval_s, cfg.progress_idle_interval_s) == (0.005, 0.02)
-    assert cfg == PoolConfig(progress_interval_s=0.005)
+    assert (cfg.tuning.progress_interval_s, cfg.tuning.progress_idle_interval_s) == (0.005, 0.02)
+    assert cfg == PoolConfig(tuning=Tuning(progress_interval_s=0.005))
     again = pickle.loads(pickle.dumps(base)).with_overrides(progress_interval_s=0.1)
-    assert again.progress_idle_interval_s == 0.1
-    kept = PoolConfig(progress_idle_interval_s=0.5).with_overrides(progress_interval_s=0.1)
-    assert kept.progress_idle_interval_s == 0.5
+    assert again.tuning.progress_idle_interval_s == 0.1
+    kept = PoolConfig(tuning=Tuning(progress_idle_interval_s=0.5)).with_overrides(
+        progress_interval_s=0.1)
+    assert kept.tuning.progress_idle_interval_s == 0.5
     with pytest.raises(ConfigurationError, match=r"got 0\.02; pass e\.g\. "
                                                  r"progress_idle_interval_s=0\.05"):
-        PoolConfig(progress_interval_s=0.05, progress_idle_interval_s=0.02)
+        Tuning(progress_interval_s=0.05, progress_idle_interval_s=0.02)
+
+
+# --------------------------------------------------------------------------- the naming rule
+
+#: A value other than the default for each option, as a variable's text and as parsed.
+_OTHER: dict[str, tuple[str, Any]] = {
+    "pool_bytes": ("3M", 3 << 20), "arena_bytes": ("3M", 3 << 20), "device": ("cuda", "cuda"),
+    "strict": ("1", True), "prefault": ("1", True), "fetch_timeout_s": ("0.5", 0.5),
+    "metrics": ("0", False), "debug_transfers": ("1", True),
+    "registration_cache_bytes": ("3M", 3 << 20), "same_node": ("copy", "copy"),
+    "overflow_linger_s": ("0.5", 0.5), "progress_interval_s": ("0.5", 0.5),
+    "progress_idle_interval_s": ("0.5", 0.5), "pack_threads": ("3", 3),
+    "pack_threshold_bytes": ("3M", 3 << 20), "stream_copy_bytes": ("3M", 3 << 20),
+    "read_lanes": ("3", 3), "read_split_bytes": ("3M", 3 << 20), "native": ("0", False),
+}
+
+
+def test_every_option_has_the_variable_the_rule_names() -> None:
+    """A field added to PoolConfig or Tuning without a meaning for its variable, or with
+    a name that clashes, fails here; every variable sets the option it is named after."""
+    main = [f.name for f in fields(PoolConfig) if f.name != "tuning"]
+    tuned = [f.name for f in fields(Tuning)]
+    assert not set(main) & set(tuned) and set(tuned) == TUNING_OPTIONS
+    assert list(OPTIONS) == main + tuned and set(_OTHER) == set(OPTIONS)
+    assert len(ENV_VARS) == len(OPTIONS)
+    for option in OPTIONS:
+        var = "RAY_RDT_POOL_" + option.upper()
+        assert env_name(option) == var and ENV_VARS[var][0] == option
+        assert ENV_VARS[var][1], f"{option} has no meaning for {var}: add metadata=_env(...)"
+        text, value = _OTHER[option]
+        assert value != PoolConfig().options()[option]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a name by the rule is not deprecated
+            assert from_env({var: text}).options()[option] == value, var
+
+
+def test_the_old_names_are_the_ones_that_broke_the_rule() -> None:
+    assert DEPRECATED_ENV_VARS == {
+        "RAY_RDT_POOL_BYTES": "RAY_RDT_POOL_POOL_BYTES",
+        "RAY_RDT_POOL_DEBUG": "RAY_RDT_POOL_DEBUG_TRANSFERS",
+        "RAY_RDT_POOL_REG_CACHE_BYTES": "RAY_RDT_POOL_REGISTRATION_CACHE_BYTES",
+        "RAY_RDT_POOL_PACK_THRESHOLD": "RAY_RDT_POOL_PACK_THRESHOLD_BYTES",
+        "RAY_RDT_POOL_STREAM_COPY": "RAY_RDT_POOL_STREAM_COPY_BYTES",
+        "RAY_RDT_POOL_READ_SPLIT": "RAY_RDT_POOL_READ_SPLIT_BYTES",
+    }
+    assert not set(DEPRECATED_ENV_VARS) & set(ENV_VARS)
+
+
+def _future_warnings(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, FutureWarning)]
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(DEPRECATED_ENV_VARS.items()))
+def test_an_old_variable_still_works_and_warns_once(old: str, new: str) -> None:
+    option = ENV_VARS[new][0]
+    text, value = _OTHER[option]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")  # count ours, not the filter's de-duplication
+        assert from_env({old: text}).options()[option] == value
+        assert from_env({old: text}).options()[option] == value
+    said = _future_warnings(record)
+    assert len(said) == 1 and old in said[0] and f"rename it to {new}" in said[0], said
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(DEPRECATED_ENV_VARS.items()))
+def test_with_both_names_set_the_new_one_wins_and_the_warning_says_so(old: str, new: str) -> None:
+    option = ENV_VARS[new][0]
+    text, value = _OTHER[option]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        # The old one holds a value that would be refused: it is not even parsed.
+        assert from_env({old: "not a value", new: text}).options()[option] == value
+        from_env({old: "not a value", new: text})
+    said = _future_warnings(record)
+    assert len(said) == 1 and f"{new}={text!r} wins" in said[0], said
+    assert f"{old}='not a value' is ignored" in said[0]
+
+
+def test_a_bad_value_names_the_old_variable_that_set_it() -> None:
+    with pytest.warns(FutureWarning, match="RAY_RDT_POOL_BYTES is deprecated"), \
+            pytest.raises(ConfigurationError, match="RAY_RDT_POOL_BYTES='lots' is not a size"):
+        from_env({"RAY_RDT_POOL_BYTES": "lots"})
+    with pytest.warns(FutureWarning, match="RAY_RDT_POOL_READ_SPLIT is deprecated"), \
+            pytest.raises(ConfigurationError, match=r"set by RAY_RDT_POOL_READ_SPLIT='0'"):
+        from_env({"RAY_RDT_POOL_READ_SPLIT": "0"})
+
+
+# --------------------------------------------------------------------------- Tuning's aliases
+
+
+def test_tuning_values_read_on_pool_config_and_passed_to_it_still_work_and_warn_once() -> None:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        cfg = PoolConfig(pool_bytes=1 << 20, read_lanes=3, native=False)
+        again = PoolConfig(read_lanes=3, native=False, pool_bytes=1 << 20)
+        assert cfg == again == PoolConfig(pool_bytes=1 << 20,
+                                          tuning=Tuning(read_lanes=3, native=False))
+        assert (cfg.read_lanes, cfg.read_lanes, cfg.read_lane_count) == (3, 3, 3)
+        assert cfg.native is False and cfg.pack_thread_count == cfg.tuning.pack_thread_count
+        over = PoolConfig(tuning=Tuning(pack_threads=2), read_lanes=1).tuning
+        assert (over.pack_threads, over.read_lanes) == (2, 1)
+    said = _future_warnings(record)
+    assert sorted(said) == sorted([
+        "PoolConfig(read_lanes=...) is deprecated: read_lanes is a tuning value now; pass "
+        "PoolConfig(tuning=Tuning(read_lanes=...)) or configure(read_lanes=...)",
+        "PoolConfig(native=...) is deprecated: native is a tuning value now; pass "
+        "PoolConfig(tuning=Tuning(native=...)) or configure(native=...)",
+        "PoolConfig.read_lanes is deprecated: read PoolConfig.tuning.read_lanes",
+        "PoolConfig.read_lane_count is deprecated: read PoolConfig.tuning.read_lane_count",
+        "PoolConfig.native is deprecated: read PoolConfig.tuning.native",
+        "PoolConfig.pack_thread_count is deprecated: read PoolConfig.tuning.pack_thread_count",
+    ]), said
+
+
+def test_tuning_must_be_a_tuning() -> None:
+    for make in (lambda: PoolConfig(tuning={"read_lanes": 2}),  # type: ignore[arg-type]
+                 lambda: PoolConfig().with_overrides(tuning={"read_lanes": 2})):
+        with pytest.raises(ConfigurationError, match=r"tuning must be a ray_rdt_pool\.config"
+                                                     r"\.Tuning, got \{'read_lanes': 2\}"):
+            make()
+
+
+# --------------------------------------------------------------------------- configure()
+
+
+@pytest.fixture()
+def fresh_transport(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """transport.configure() in a process state where nothing was configured or made."""
+    from ray_rdt_pool import transport as tp
+
+    for name, value in (("_runtime", None), ("_config", None), ("_configured", False)):
+        monkeypatch.setattr(tp, name, value)
+    for var in [*ENV_VARS, *DEPRECATED_ENV_VARS]:
+        monkeypatch.delenv(var, raising=False)
+    yield tp
+
+
+def test_configure_has_a_typed_keyword_for_every_option() -> None:
+    """An editor completes configure()'s options: one keyword-only parameter each, None
+    meaning unset, in the package's function and the transport's alike."""
+    from ray_rdt_pool import transport as tp
+
+    for fn in (ray_rdt_pool.configure, tp.configure):
+        params = inspect.signature(fn).parameters
+        named = {n: p for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
+        assert set(named) == {*OPTIONS, "tuning"}, fn
+        assert all(p.default is None and p.annotation != inspect.Parameter.empty
+                   for p in named.values())
+        assert [p.kind for p in params.values()].count(inspect.Parameter.VAR_KEYWORD) == 1
+    doc = inspect.getdoc(ray_rdt_pool.configure) or ""
+    assert all(f"``{option}``" in doc for option in (*OPTIONS, "tuning"))
+
+
+def test_configure_takes_every_option_it_took_before(fresh_transport: Any) -> None:
+    """Every keyword configure() took before the tuning values moved (all 19 fields of the
+    old PoolConfig) still sets its option, with no warning."""
+    given = {option: value for option, (_text, value) in _OTHER.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = ray_rdt_pool.configure(**given)
+    assert cfg.options() == given
+    assert fresh_transport._config is cfg
+
+
+def test_configure_takes_tuning_whole_and_one_by_one(fresh_transport: Any) -> None:
+    cfg = ray_rdt_pool.configure(tuning=Tuning(read_lanes=3, pack_threads=2), pack_threads=4,
+                                 pool_bytes=None)  # None: unset
+    assert (cfg.tuning.read_lanes, cfg.tuning.pack_threads) == (3, 4)
+    assert cfg.pool_bytes == PoolConfig().pool_bytes
+
+
+def test_configure_refuses_an_unknown_keyword_with_the_typed_error(fresh_transport: Any) -> None:
+    with pytest.raises(ConfigurationError, match=r"unknown configuration option\(s\) "
+                       r"\['pool_size'\]; 'pool_size': did you mean 'pool_bytes'\? known "
+                       r"options are \['arena_bytes', .*'strict'\] and tuning"):
+        ray_rdt_pool.configure(pool_size=1 << 20)  # type: ignore[arg-type]
+    assert fresh_transport._config is None and not fresh_transport._configured
+    with pytest.raises(ConfigurationError, match=r"\['bogus'\]; known options"):
+        fresh_transport.configure(bogus=1)  # type: ignore[arg-type]
+
+
+def test_configure_again_names_what_differs(fresh_transport: Any) -> None:
+    ray_rdt_pool.configure(pool_bytes=1 << 20, read_lanes=2)
+    with pytest.raises(ConfigurationError, match=r"other values \{'read_lanes': \(2, 3\)\}"):
+        ray_rdt_pool.configure(pool_bytes=1 << 20, read_lanes=3)
+    ray_rdt_pool.configure(pool_bytes=1 << 20, read_lanes=2)  # the same again is fine
+
+
+def test_configure_reads_the_new_names_under_its_keywords(
+        fresh_transport: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAY_RDT_POOL_STREAM_COPY_BYTES", "1M")
+    monkeypatch.setenv("RAY_RDT_POOL_POOL_BYTES", "2M")
+    cfg = ray_rdt_pool.configure(arena_bytes=3 << 20)
+    assert (cfg.pool_bytes, cfg.arena_bytes, cfg.tuning.stream_copy_bytes) == (
+        2 << 20, 3 << 20, 1 << 20)
 
 
 def _readme_config_rows() -> dict[str, tuple[str, str]]:
@@ -131,14 +357,16 @@ def _documented_default(text: str) -> Any:
 
 
 def test_the_readme_configuration_table_is_the_config() -> None:
-    """Each row of docs/configuration.md's table names a PoolConfig field, the variable
-    that sets it and its default, as the code has them; every option and variable has a
-    row. A user who sets what the table says sets the option it names."""
-    rows = _readme_config_rows()
-    fields = PoolConfig.__dataclass_fields__
-    assert set(rows) == set(fields)
+    """Each row of docs/configuration.md's tables names an option (``read_lanes`` or
+    ``tuning.read_lanes`` for a tuning one), the environment variable that sets it and
+    its default, as the code has them; every option and variable has a row. A user who
+    sets what the table says sets the option it names."""
+    rows = {option.removeprefix("tuning."): row
+            for option, row in _readme_config_rows().items()}
+    assert set(rows) == set(OPTIONS)
+    default = PoolConfig().options()
+    for option, (_var, text) in rows.items():
+        assert _documented_default(text) == default[option], (option, text)
     assert {var for var, _d in rows.values()} == set(ENV_VARS)
-    default = PoolConfig()
-    for option, (var, text) in rows.items():
-        assert ENV_VARS[var][0] == option, (option, var)
-        assert _documented_default(text) == getattr(default, option), (option, text)
+    for option, (var, _text) in rows.items():
+        assert var == env_name(option), (option, var)

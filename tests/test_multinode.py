@@ -54,7 +54,7 @@ def cluster() -> Iterator[Any]:
     from ray.cluster_utils import Cluster
 
     # Two read lanes whatever the core count: large READs here are split over two agents.
-    env = {**DEFAULT_ENV, "RAY_RDT_POOL_BYTES": "96M", "RAY_RDT_POOL_ARENA_BYTES": "96M",
+    env = {**DEFAULT_ENV, "RAY_RDT_POOL_POOL_BYTES": "96M", "RAY_RDT_POOL_ARENA_BYTES": "96M",
            "RAY_RDT_POOL_READ_LANES": "2"}
     saved = dict(os.environ)
     for k, v in env.items():

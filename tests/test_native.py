@@ -224,10 +224,10 @@ def test_the_cli_reports_where_the_helper_is(capsys: pytest.CaptureFixture[str],
 
 
 def test_native_off_never_calls_the_helper(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``PoolConfig.native`` (``RAY_RDT_POOL_NATIVE=0``) keeps every describe of a put,
+    """``Tuning.native`` (``RAY_RDT_POOL_NATIVE=0``) keeps every describe of a put,
     and of a fetch into target buffers, on the Python loop."""
-    assert from_env({"RAY_RDT_POOL_NATIVE": "0"}).native is False
-    assert PoolConfig().native is True
+    assert from_env({"RAY_RDT_POOL_NATIVE": "0"}).tuning.native is False
+    assert PoolConfig().tuning.native is True
 
     def boom(tensors: Any) -> Any:
         raise AssertionError("the helper ran although native is off")

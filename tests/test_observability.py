@@ -47,7 +47,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def cluster() -> dict[str, Any]:
     port = _free_port()
-    start_ray({"RAY_RDT_POOL_BYTES": "64M", "RAY_RDT_POOL_ARENA_BYTES": "64M",
+    start_ray({"RAY_RDT_POOL_POOL_BYTES": "64M", "RAY_RDT_POOL_ARENA_BYTES": "64M",
                "RAY_RDT_POOL_METRICS": "1"},
               address="local",  # never join a cluster someone started with `ray start`
               _metrics_export_port=port,
@@ -331,8 +331,8 @@ def test_fallback_warning_once_per_process(caplog: pytest.LogCaptureFixture,
 
 def test_debug_logging_variable(caplog: pytest.LogCaptureFixture,
                                 capsys: pytest.CaptureFixture[str]) -> None:
-    config = from_env({"RAY_RDT_POOL_DEBUG": "1", "RAY_RDT_POOL_METRICS": "0",
-                       "RAY_RDT_POOL_BYTES": "1M", "RAY_RDT_POOL_PREFAULT": "0"})
+    config = from_env({"RAY_RDT_POOL_DEBUG_TRANSFERS": "1", "RAY_RDT_POOL_METRICS": "0",
+                       "RAY_RDT_POOL_POOL_BYTES": "1M", "RAY_RDT_POOL_PREFAULT": "0"})
     assert config.debug_transfers
     rt = Runtime(config, directory=_NullDirectory())
     caplog.set_level(logging.DEBUG, logger="ray_rdt_pool")

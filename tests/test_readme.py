@@ -67,7 +67,7 @@ def test_readme_python_block_runs(index: int, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("RAY_RDT_POOL_") and k != "RAY_ADDRESS"}
     env.update(RAY_ADDRESS="local", PYTHONPATH=str(ROOT),
-               RAY_RDT_POOL_BYTES="64M", RAY_RDT_POOL_ARENA_BYTES="64M")
+               RAY_RDT_POOL_POOL_BYTES="64M", RAY_RDT_POOL_ARENA_BYTES="64M")
     proc = subprocess.run([sys.executable, str(program)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -100,7 +100,7 @@ def test_names_the_docs_use_exist() -> None:
     """``stats().x``, ``RAY_RDT_POOL_*`` and ``ray_rdt_pool_*`` metric names in the README
     and docs/ are fields, variables and series the code has."""
     from ray_rdt_pool import metrics
-    from ray_rdt_pool.config import ENV_VARS
+    from ray_rdt_pool.config import DEPRECATED_ENV_VARS, ENV_VARS
     from ray_rdt_pool.native import DIR_ENV
     from ray_rdt_pool.snapshot import TransportStats
 
@@ -113,7 +113,7 @@ def test_names_the_docs_use_exist() -> None:
     used_fields = set(re.findall(r"stats\(\)\.(\w+)", text))
     assert used_fields - fields == set()
     used_vars = set(re.findall(r"\bRAY_RDT_POOL_[A-Z_]*[A-Z]\b", text))
-    assert used_vars - set(ENV_VARS) - {DIR_ENV} == set()
+    assert used_vars - set(ENV_VARS) - set(DEPRECATED_ENV_VARS) - {DIR_ENV} == set()
     used_series = {m.removeprefix("ray_") for m in re.findall(r"\bray_rdt_pool_[a-z_]+", text)}
     assert used_series - series == set()
 

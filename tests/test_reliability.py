@@ -66,7 +66,7 @@ def cluster():
     # /tmp/ray/ray_current_cluster names, and ray.cluster_utils.Cluster writes that file.
     saved = dict(os.environ)  # start_ray exports its settings to this process; undo after
     start_ray({
-        "RAY_RDT_POOL_BYTES": "64M",
+        "RAY_RDT_POOL_POOL_BYTES": "64M",
         "RAY_RDT_POOL_ARENA_BYTES": "64M",
         "RAY_rdt_fetch_fail_timeout_milliseconds": str(int(RAY_FETCH_TIMEOUT_S * 1000)),
     }, address="local")
@@ -728,7 +728,7 @@ def test_cuda_tensor_put(send):
 
 @ray.remote(enable_tensor_transport=True)
 class EnvProbe:
-    """An actor started with RAY_RDT_POOL_BYTES=0 in its runtime_env."""
+    """An actor started with RAY_RDT_POOL_POOL_BYTES=0 in its runtime_env."""
 
     def __init__(self):
         ray_rdt_pool.register()
@@ -739,21 +739,21 @@ class EnvProbe:
 
         out = {}
         for value in ("0", "-1", "lots"):
-            os.environ["RAY_RDT_POOL_BYTES"] = value  # "0" is what the runtime_env set
+            os.environ["RAY_RDT_POOL_POOL_BYTES"] = value  # "0" is what the runtime_env set
             out[value] = (outcome(put), outcome(ray_rdt_pool.stats))
-        os.environ["RAY_RDT_POOL_BYTES"] = "8M"  # fixed: the first good put creates the pool
+        os.environ["RAY_RDT_POOL_POOL_BYTES"] = "8M"  # fixed: the first good put creates the pool
         return out, outcome(put), ray_rdt_pool.stats()
 
 
 def test_bad_pool_size_from_the_environment():
-    p = EnvProbe.options(runtime_env={"env_vars": {"RAY_RDT_POOL_BYTES": "0"}}).remote()
-    assert ray.get(p.__ray_call__.remote(lambda self: os.environ["RAY_RDT_POOL_BYTES"])) == "0"
+    p = EnvProbe.options(runtime_env={"env_vars": {"RAY_RDT_POOL_POOL_BYTES": "0"}}).remote()
+    assert ray.get(p.__ray_call__.remote(lambda self: os.environ["RAY_RDT_POOL_POOL_BYTES"])) == "0"
     bad, good, st = ray.get(p.run.remote())
     expect = {"0": "pool_bytes must be a positive number of bytes, got 0",
               "-1": "pool_bytes must be a positive number of bytes, got -1",
-              "lots": "RAY_RDT_POOL_BYTES='lots' is not a size; use bytes or a K/M/G suffix"}
+              "lots": "RAY_RDT_POOL_POOL_BYTES='lots' is not a size; use bytes or a K/M/G suffix"}
     for value, (put, _snap) in bad.items():
-        figure(f"env RAY_RDT_POOL_BYTES={value}", error=err(put), msg=put.get("msg", "")[:160])
+        figure(f"env RAY_RDT_POOL_POOL_BYTES={value}", error=err(put), msg=put.get("msg", "")[:160])
     for value, (put, snap) in bad.items():
         for got in (put, snap):  # the first put, and stats(), refuse the same way
             assert not got["ok"] and "ConfigurationError" in got["types"], (value, got)

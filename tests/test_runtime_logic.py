@@ -44,8 +44,8 @@ def make(world: World, region_factory=None, **cfg) -> Runtime:
     cfg.setdefault("pool_bytes", 1 << 20)
     cfg.setdefault("arena_bytes", 1 << 20)
     cfg.setdefault("metrics", False)
-    return Runtime(PoolConfig(**cfg), backend_factory=world.factory, directory=world,
-                   region_factory=region_factory)
+    return Runtime(PoolConfig().with_overrides(**cfg), backend_factory=world.factory,
+                   directory=world, region_factory=region_factory)
 
 
 def ship(meta: PoolTransportMetadata) -> PoolTransportMetadata:
@@ -839,7 +839,7 @@ def test_configure_after_shutdown_is_refused_and_a_retired_runtime_takes_its_deb
         monkeypatch):
     """shutdown() promises the transport cannot be used again in the process, but a
     configure() with other values after it (the runtime had only served stats()) made a
-    fresh, open runtime. And with RAY_RDT_POOL_DEBUG=1, the stderr handler of a runtime
+    fresh, open runtime. And with RAY_RDT_POOL_DEBUG_TRANSFERS=1, the stderr handler of a runtime
     that configure(debug_transfers=False) replaced stayed installed for good."""
     import logging
 
@@ -853,7 +853,7 @@ def test_configure_after_shutdown_is_refused_and_a_retired_runtime_takes_its_deb
                         ("_atexit_registered", True)):
         monkeypatch.setattr(tp, name, value)
     monkeypatch.setenv("RAY_RDT_POOL_METRICS", "0")
-    monkeypatch.setenv("RAY_RDT_POOL_DEBUG", "1")
+    monkeypatch.setenv("RAY_RDT_POOL_DEBUG_TRANSFERS", "1")
     pkg = logging.getLogger("ray_rdt_pool")
     level = pkg.level
     try:
@@ -1924,7 +1924,7 @@ def test_a_pool_or_arena_the_host_cannot_map_is_a_configuration_error(
     as a transfer failure."""
     s = make(world, pool_bytes=size, same_node=same_node)
     with pytest.raises(ConfigurationError, match=r"sender pool of .* lower pool_bytes "
-                                                 r"\(RAY_RDT_POOL_BYTES\)"):
+                                                 r"\(RAY_RDT_POOL_POOL_BYTES\)"):
         s.put("a", [torch.ones(4)])
     assert s.stats().pool_capacity == 0
     ok = make(world)

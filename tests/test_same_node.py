@@ -30,7 +30,7 @@ ray_rdt_pool.register()
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
-    start_ray({"RAY_RDT_POOL_BYTES": "32M", "RAY_RDT_POOL_ARENA_BYTES": "32M",
+    start_ray({"RAY_RDT_POOL_POOL_BYTES": "32M", "RAY_RDT_POOL_ARENA_BYTES": "32M",
                "RAY_RDT_POOL_SAME_NODE": "map"})
     yield
     ray.shutdown()

@@ -1042,7 +1042,7 @@ def test_a_fetch_after_shutdown_keeps_no_handle_on_a_same_node_sender(world):
 
 @pytest.mark.parametrize("mode", ["map", "copy"])
 def test_debug_logging_names_every_same_node_get_and_source_read(world, caplog, mode):
-    """RAY_RDT_POOL_DEBUG promises a line for every put and every fetch; gets mapped from
+    """RAY_RDT_POOL_DEBUG_TRANSFERS promises a line for every put and every fetch; gets mapped from
     a same-node sender's pool (the default path on one node) and source reads logged
     none."""
     import logging

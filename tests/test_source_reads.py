@@ -32,7 +32,7 @@ import torch
 from ray import cloudpickle
 
 import ray_rdt_pool
-from ray_rdt_pool.config import PoolConfig
+from ray_rdt_pool.config import PoolConfig, Tuning
 from ray_rdt_pool.errors import InvalidInputError, TransferError
 from ray_rdt_pool.shared import (
     SourceProcess,
@@ -150,7 +150,7 @@ def test_copy_moves_on_threads_copies_everything_and_reraises() -> None:
 @pytest.fixture()
 def receiver() -> Iterator[Runtime]:
     rt = Runtime(PoolConfig(pool_bytes=1 << 20, arena_bytes=4 << 20, metrics=False,
-                            read_split_bytes=1 << 20),
+                            tuning=Tuning(read_split_bytes=1 << 20)),
                  backend_factory=World().factory, directory=World(), node_id=lambda: "n1")
     yield rt
     rt.shutdown()
@@ -265,7 +265,7 @@ def test_sender_option_is_checked() -> None:
 # Real Ray and NIXL: one node
 # ---------------------------------------------------------------------------------------
 
-ENV = {"RAY_RDT_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "8M",
+ENV = {"RAY_RDT_POOL_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "8M",
        "RAY_RDT_POOL_METRICS": "0"}
 BUCKET = 64 << 10
 
@@ -614,7 +614,7 @@ def test_state_larger_than_the_registration_cache_is_packed() -> None:
     import ray
 
     small = node_class().options(
-        runtime_env={"env_vars": {**ENV, "RAY_RDT_POOL_REG_CACHE_BYTES": "64K"}}).remote()
+        runtime_env={"env_vars": {**ENV, "RAY_RDT_POOL_REGISTRATION_CACHE_BYTES": "64K"}}).remote()
     off = node_class().options(
         runtime_env={"env_vars": {**ENV, "RAY_RDT_POOL_SAME_NODE": "off"}}).remote()
     try:

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
     # The default same-node path: every dtype and odd view must come through it exactly.
-    start_ray({"RAY_RDT_POOL_BYTES": "32M", "RAY_RDT_POOL_ARENA_BYTES": "32M",
+    start_ray({"RAY_RDT_POOL_POOL_BYTES": "32M", "RAY_RDT_POOL_ARENA_BYTES": "32M",
                "RAY_RDT_POOL_SAME_NODE": "map"})
     yield
     ray.shutdown()
@@ -725,6 +725,30 @@ def test_receiver_without_nixl_gets_a_registration_error():
     refs, _ = ray.get(s.put.remote([torch.ones(4)]))
     msg = ray.get(r.get.remote(refs))
     assert "NIXL is not usable" in msg and "pip install nixl" in msg
+
+
+def test_the_environment_names_reach_the_workers():
+    """An actor reads every setting from RAY_RDT_POOL_ + its option's name, tuning ones
+    included (the cluster's RAY_RDT_POOL_POOL_BYTES=32M among them), and still reads a
+    name from before that rule, which it warns about once."""
+    @ray.remote(enable_tensor_transport=True)
+    class Probe:
+        def run(self):
+            from ray_rdt_pool import config, transport
+
+            ray_rdt_pool.register()
+            self.kept = ray.put([torch.ones(4)], _tensor_transport="nixl_pool")  # the pool
+            return (ray_rdt_pool.stats().pool_capacity, transport.runtime().config.options(),
+                    sorted(config._warned))
+
+    env = {"RAY_RDT_POOL_PACK_THREADS": "3", "RAY_RDT_POOL_DEBUG_TRANSFERS": "1",
+           "RAY_RDT_POOL_REGISTRATION_CACHE_BYTES": "64M", "RAY_RDT_POOL_READ_SPLIT": "4M"}
+    capacity, options, warned = ray.get(
+        Probe.options(runtime_env={"env_vars": env}).remote().run.remote())
+    assert capacity == 32 << 20 and options["pool_bytes"] == 32 << 20
+    assert (options["pack_threads"], options["debug_transfers"]) == (3, True)
+    assert options["registration_cache_bytes"] == 64 << 20
+    assert options["read_split_bytes"] == 4 << 20 and warned == ["RAY_RDT_POOL_READ_SPLIT"]
 
 
 def test_configure_errors_are_typed():

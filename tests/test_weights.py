@@ -45,7 +45,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 ROOT = Path(__file__).resolve().parent.parent
 POOL = 8 << 20
-ENV = {"RAY_RDT_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "64M"}
+ENV = {"RAY_RDT_POOL_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "64M"}
 
 Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -558,7 +558,7 @@ def test_tied_weights_module(actors: dict[str, Any]) -> None:
 def test_example_weight_sync_runs(actors: dict[str, Any]) -> None:
     import ray
 
-    env = {**os.environ, "RAY_RDT_POOL_BYTES": "256K", "RAY_RDT_POOL_ARENA_BYTES": "4M",
+    env = {**os.environ, "RAY_RDT_POOL_POOL_BYTES": "256K", "RAY_RDT_POOL_ARENA_BYTES": "4M",
            "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "weight_sync.py"),
                           "--steps", "2"], cwd=ROOT, env=env, capture_output=True, text=True,

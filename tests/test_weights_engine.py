@@ -44,7 +44,7 @@ from tests.raycluster import actor_cluster, call, wait_drained, wait_for
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.ray
 
-ENV = {"RAY_RDT_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "16M",
+ENV = {"RAY_RDT_POOL_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "16M",
        "RAY_RDT_POOL_METRICS": "0"}
 BUCKET = 4096
 SPEC = {f"w{i}": (32, 32) for i in range(6)}  # 4 KiB each: one bucket per tensor

@@ -55,7 +55,7 @@ N_TENSORS = 16
 TENSOR = 4 * MIB  # fp32 (1 Mi elements) each: a 64 MiB model
 BUCKET = 8 * MIB  # two tensors per bucket
 MARGIN = 4 * MIB
-ENV = {"RAY_RDT_POOL_BYTES": "24M", "RAY_RDT_POOL_ARENA_BYTES": "8M",
+ENV = {"RAY_RDT_POOL_POOL_BYTES": "24M", "RAY_RDT_POOL_ARENA_BYTES": "8M",
        "RAY_RDT_POOL_METRICS": "0", "RAY_RDT_POOL_PREFAULT": "1",
        # The source-reads cases need the same-node path, whatever the environment says.
        "RAY_RDT_POOL_SAME_NODE": "map", "MALLOC_MMAP_THRESHOLD_": "65536"}

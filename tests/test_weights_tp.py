@@ -413,7 +413,7 @@ def test_select_in_a_lazy_stream(in_process: list[Any]) -> None:
 # Ray
 # ---------------------------------------------------------------------------------------
 
-ENV = {"RAY_RDT_POOL_BYTES": "16M", "RAY_RDT_POOL_ARENA_BYTES": "16M",
+ENV = {"RAY_RDT_POOL_POOL_BYTES": "16M", "RAY_RDT_POOL_ARENA_BYTES": "16M",
        "RAY_RDT_POOL_METRICS": "0"}
 BUCKET = 1 << 20
 VERSION = itertools.count(1)  # receivers outlive senders: versions keep counting up

@@ -257,14 +257,16 @@ def _default(field: str, value: Any, counts: tuple[str, ...]) -> str:
 def render_options_table() -> str:
     from ray_rdt_pool import config
 
-    meanings = _attributes(config.PoolConfig)
-    var_of = {field: var for var, (field, _d) in config.ENV_VARS.items()}
-    default = config.PoolConfig()
+    default = config.PoolConfig().options()
     rows = ["| option | environment variable | default | meaning |", "|---|---|---|---|"]
-    for f in dataclasses.fields(config.PoolConfig):
-        rows.append(f"| `{f.name}` | `{var_of[f.name]}` | "
-                    f"{_default(f.name, getattr(default, f.name), config._COUNTS)} | "
-                    f"{_cell(meanings[f.name])} |")
+    for cls, prefix in ((config.PoolConfig, ""), (config.Tuning, "tuning.")):
+        meanings = _attributes(cls)
+        for f in dataclasses.fields(cls):
+            if f.name == "tuning":
+                continue
+            rows.append(f"| `{prefix}{f.name}` | `{config.env_name(f.name)}` | "
+                        f"{_default(f.name, default[f.name], config._COUNTS)} | "
+                        f"{_cell(meanings[f.name])} |")
     return "\n".join(rows)
 
 
