@@ -71,6 +71,10 @@ _OVERFLOW_ALIGN = 1 << 20
 SWEEP_S = 1.0
 #: ...and while none waits (the rows themselves must come back).
 IDLE_SWEEP_S = 5.0
+#: How often every leased placement is checked, not only those whose slot a release log
+#: names: on hardware that orders stores more weakly than x86, a log entry may be read
+#: before the count it follows, and that release would wait for this check.
+RECHECK_S = 10.0
 
 
 @dataclass
@@ -145,6 +149,8 @@ class Sender:
         # placements Ray freed whose blocks wait for receivers' leases to drop.
         self.leases: LeaseTable | None = None
         self.leased: dict[Any, Placement] = {}
+        self._leased_at: dict[int, list[Any]] = {}  # lease slot -> keys in `leased`
+        self._last_full = -math.inf  # when every leased placement was last checked
         # The pid of the process that shared the pool (0: not shared). In a process forked
         # from it the pool is still that process's shared memory: no put may write it.
         self.shared_by = 0
@@ -283,7 +289,9 @@ class Sender:
                 try:
                     blocks = pool.alloc.allocate(key, nbytes, max_blocks=max_blocks)
                 except PoolExhaustedError:
-                    if not self._reap_leased_locked():
+                    # Checks every leased placement too, at most once a SWEEP_S.
+                    if not self._reap_leased_locked(
+                            full=time.monotonic() >= self._last_full + SWEEP_S):
                         raise
                     blocks = pool.alloc.allocate(key, nbytes, max_blocks=max_blocks)
                 return Placement(obj_id, pool, tuple(blocks), nbytes, False, key=key)
@@ -353,9 +361,11 @@ class Sender:
         """A placement Ray no longer names (freed, or replaced by a retry): if a same-node
         receiver maps it, keep its blocks until the last lease drops and return its
         ``register_memory()`` uses (nothing maps those: they go back now); else None."""
-        if not self._held(p):
+        slot = self._lease_slot(p)
+        if slot is None or self.leases is None or not self.leases.held(slot):
             return None
         self.leased[p.key] = p
+        self._leased_at.setdefault(slot, []).append(p.key)
         pinned, p.pinned = p.pinned, []
         return pinned
 
@@ -626,13 +636,24 @@ class Sender:
             return None
         return self.leases.slot(p.blocks[0][0])
 
-    def _held(self, p: Placement) -> bool:
-        slot = self._lease_slot(p)
-        return slot is not None and self.leases is not None and self.leases.held(slot)
+    def _reap_leased_locked(self, full: bool = False) -> bool:
+        """Return the blocks of freed placements no receiver holds any more; True if any.
 
-    def _reap_leased_locked(self) -> bool:
-        """Return the blocks of freed placements no receiver holds any more; True if any."""
-        done = [k for k, p in self.leased.items() if not self._held(p)]
+        Only the slots the receivers' release logs name are checked, unless the table
+        asks for a full check or ``full``: then every leased placement."""
+        table = self.leases
+        if table is None or not self.leased:
+            return False
+        released = table.released()
+        if released is None or full:
+            slots = list(self._leased_at)
+            self._last_full = time.monotonic()
+        else:
+            slots = [s for s in released if s in self._leased_at]
+        done: list[Any] = []
+        for slot, held in zip(slots, table.held_many(slots)):
+            if not held:
+                done.extend(self._leased_at.pop(slot))
         for k in done:
             p = self.leased.pop(k)
             self._release_locked(p)  # no uses left to return: they went when it was leased
@@ -665,7 +686,7 @@ class Sender:
                                 "exited", cleared)
         if self.leased:
             with self.lock:
-                self._reap_leased_locked()
+                self._reap_leased_locked(full=now >= self._last_full + RECHECK_S)
 
     def live_ids(self) -> list[str]:
         """The objects held now (put and not freed)."""

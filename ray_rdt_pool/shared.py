@@ -15,7 +15,9 @@ sender, with one row per receiver process and one ``uint32`` counter per pool pa
 receiver that claimed it (under ``flock`` on the table), so no atomic operations are
 needed across processes; the sender only reads counts, and clears a row only after its
 receiver has died. Ray frees an object only when no ref to it is left, so a receiver
-always takes its lease before the sender can see the object freed.
+always takes its lease before the sender can see the object freed. Each row also has a
+release log (the slots whose count dropped to zero, see :class:`LeaseTable`), so the
+sender checks only the slots that changed, not every placement it holds back.
 
 Lifetimes, one owner each:
 
@@ -87,12 +89,16 @@ __all__ = [
 ]
 
 PAGE = mmap.PAGESIZE
-#: Version of the directory entry a sender publishes for same-node receivers.
-HOST_INFO_VERSION = 2
+#: Version of the directory entry a sender publishes for same-node receivers (3: lease
+#: tables with release logs).
+HOST_INFO_VERSION = 3
 #: Receiver processes one sender's lease table holds at once; more fall back to NIXL.
 LEASE_ROWS = 128
-_MAGIC = 0x52445450_4C534531  # "RDTPLSE1"
-_ROW_BASE = 4  # header words before the row owners: magic, rows, slots, spare
+_MAGIC = 0x52445450_4C534532  # "RDTPLSE2"
+_ROW_BASE = 4  # header words before the row owners: magic, rows, slots, log entries
+#: Entries of a row's release log: one page holds its write index, then the entries.
+LOG_ENTRIES = PAGE // 8 - 1
+_TAG_MASK = 0xFFFFFFFF
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -128,6 +134,13 @@ def lease_slot(pool_offset: int) -> int:
 def lease_slots(pool_bytes: int) -> int:
     """Slots of the lease table of a pool of ``pool_bytes``: one per page."""
     return page_up(pool_bytes) // PAGE
+
+
+def table_layout(rows: int, slots: int) -> tuple[int, int]:
+    """(offset of the counts, size) of a lease table: a header page (row owners), one
+    release-log page per row, then one ``uint32`` count per row and slot."""
+    counts_at = PAGE * (1 + rows)
+    return counts_at, counts_at + page_up(rows * slots * 4)
 
 
 def process_start(pid: int) -> int | None:
@@ -269,7 +282,7 @@ class HostInfo:
             raise WireFormatError("same-node entry fields must be non-negative ints")
         pid, start, pfd, pino, base, nbytes, tfd, tino, rows, slots, page = ints
         if page != PAGE or nbytes % PAGE or base % PAGE or not 0 < rows <= 254 or (
-                slots * PAGE < nbytes):
+                slots * PAGE < nbytes) or slots > _TAG_MASK:
             raise WireFormatError("same-node entry describes an impossible pool or table")
         cuda = None if items[13] is None else CudaExport.parse(items[13])
         if cuda is not None and cuda.size < nbytes:
@@ -382,7 +395,13 @@ class SharedHostRegion(HostRegion):
 
 
 class LeaseTable:
-    """The sender's table of receivers' leases on its pool pages (see the module doc)."""
+    """The sender's table of receivers' leases on its pool pages (see the module doc).
+
+    Each row also has a release log, written by its receiver only: a ring of
+    :data:`LOG_ENTRIES` entries, each ``(index << 32) | slot`` in one aligned word, for
+    every count that dropped to zero, and the number of entries ever written (published
+    after the entry). :meth:`released` reads only the entries written since its last
+    call, so checking freed placements costs what changed, not what is leased."""
 
     slot = staticmethod(lease_slot)  # the slot of an object starting at a pool offset
 
@@ -390,7 +409,7 @@ class LeaseTable:
         import numpy as np
 
         self.rows, self.slots = rows, slots
-        size = PAGE + page_up(rows * slots * 4)
+        counts_at, size = table_layout(rows, slots)
         self.fd = os.memfd_create("ray_rdt_pool-leases", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, size)
@@ -400,9 +419,17 @@ class LeaseTable:
             raise
         self.ino = os.fstat(self.fd).st_ino
         self.header = np.frombuffer(self._map, dtype=np.uint64, count=PAGE // 8)
-        self.header[:3] = (_MAGIC, rows, slots)
-        self.counts = np.frombuffer(self._map, dtype=np.uint32, offset=PAGE,
+        self.header[:4] = (_MAGIC, rows, slots, LOG_ENTRIES)
+        self.logs = np.frombuffer(self._map, dtype=np.uint64, offset=PAGE,
+                                  count=rows * PAGE // 8).reshape(rows, PAGE // 8)
+        self.counts = np.frombuffer(self._map, dtype=np.uint32, offset=counts_at,
                                     count=rows * slots).reshape(rows, slots)
+        # What released() last read (the caller's lock guards them): the row owners, the
+        # claimed rows among them, and how many entries of each row's log it consumed.
+        self._owners = np.zeros(2 * rows, dtype=np.uint64)
+        self._rows: list[int] = []
+        self._read = [0] * rows
+        self.rescan = True  # set by sweep(): the next released() answers None
 
     def _claimed(self) -> list[int]:
         owners = self.header[_ROW_BASE:_ROW_BASE + 2 * self.rows:2]
@@ -414,6 +441,56 @@ class LeaseTable:
         Reads only claimed rows: reading an untouched row would allocate its pages."""
         counts = self.counts
         return any(counts[r, slot] for r in self._claimed())
+
+    def held_many(self, slots: Sequence[int]) -> list[bool]:
+        """:meth:`held` of each of ``slots``, in one pass over the claimed rows."""
+        import numpy as np
+
+        rows = self._claimed()
+        if not rows or not slots:
+            return [False] * len(slots)
+        at = np.fromiter(slots, dtype=np.int64, count=len(slots))
+        claimed = np.array(rows, dtype=np.int64)
+        held: Any = self.counts[claimed[:, None], at].any(axis=0)
+        return [bool(x) for x in held]
+
+    def released(self) -> set[int] | None:
+        """Slots whose count some receiver dropped to zero since the last call, or None
+        when the caller must check every leased placement instead (first call, a row
+        claimed, given back or cleared by :meth:`sweep`, a log that wrapped since it was
+        last read). The read positions are taken before returning None, so a release
+        after that check is in the next answer. The caller serialises calls."""
+        import numpy as np
+
+        owners = self.header[_ROW_BASE:_ROW_BASE + 2 * self.rows]
+        if self.rescan or not np.array_equal(owners, self._owners):
+            self.rescan = False
+            self._owners[:] = owners
+            self._rows = [int(r) for r in self._owners[::2].nonzero()[0]]
+            for r in self._rows:
+                self._read[r] = int(self.logs[r, 0])
+            return None
+        out: set[int] = set()
+        for r in self._rows:
+            log = self.logs[r]
+            i, w = self._read[r], int(log[0])
+            if w == i:
+                continue
+            if not 0 < w - i <= LOG_ENTRIES:
+                self.rescan = True
+                return self.released()
+            pos = np.arange(i, w, dtype=np.uint64)
+            entries = log[1 + pos % LOG_ENTRIES]
+            if int(log[0]) - i > LOG_ENTRIES:  # the writer lapped us while we read
+                self.rescan = True
+                return self.released()
+            # An entry whose index is not its own is not visible here yet (a store order
+            # weaker than x86's): consume up to it, the rest next time.
+            ok = (entries >> 32) == (pos & _TAG_MASK)
+            n = len(ok) if ok.all() else int(ok.argmin())
+            out.update((entries[:n] & _TAG_MASK).tolist())
+            self._read[r] = i + n
+        return out
 
     def sweep(self) -> int:
         """Clear the rows of receivers that died (their leases die with them); returns
@@ -433,10 +510,12 @@ class LeaseTable:
                 cleared += 1
         finally:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
+        if cleared:
+            self.rescan = True  # counts went to zero with no entry in any log
         return cleared
 
     def _clear_row(self, r: int) -> None:
-        start = PAGE + r * self.slots * 4
+        start = table_layout(self.rows, self.slots)[0] + r * self.slots * 4
         length = self.slots * 4
         # Punch the row's pages out of the memfd rather than write zeros into all of them.
         lo, hi = page_up(start), (start + length) // PAGE * PAGE
@@ -451,6 +530,7 @@ class LeaseTable:
     def close(self) -> None:
         self.header = None  # type: ignore[assignment]
         self.counts = None  # type: ignore[assignment]
+        self.logs = None  # type: ignore[assignment]
         try:
             self._map.close()
         except BufferError:
@@ -504,6 +584,7 @@ class MappedPool:
         self._shared = 0  # address of the read-only view of the whole pool (0: none)
         self._closing = False  # closed while leases were held: the rest goes with the last
         self.counts: Any = None
+        self._log: Any = None  # this process's row's release log (see LeaseTable)
         self.cuda: _CudaMapping | None = None
         self._table: mmap.mmap | None = None
         try:
@@ -513,17 +594,19 @@ class MappedPool:
                 self.pool_fd = _open_peer_fd(info.pid, info.pool_fd, info.pool_ino,
                                              os.O_RDONLY)
             self.table_fd = _open_peer_fd(info.pid, info.table_fd, info.table_ino, os.O_RDWR)
-            size = PAGE + page_up(info.rows * info.slots * 4)
+            counts_at, size = table_layout(info.rows, info.slots)
             if os.fstat(self.table_fd).st_size < size or (
                     self.pool_fd >= 0 and os.fstat(self.pool_fd).st_size < info.pool_bytes):
                 raise OSError("the shared pool or lease table is smaller than published")
             self._table = mmap.mmap(self.table_fd, size, flags=mmap.MAP_SHARED, prot=_PROT_RW)
             header = np.frombuffer(self._table, dtype=np.uint64, count=PAGE // 8)
-            if int(header[0]) != _MAGIC:
+            if int(header[0]) != _MAGIC or int(header[3]) != LOG_ENTRIES:
                 raise OSError("the lease table has no valid header")
             self.row = self._claim_row(header)
+            self._log = np.frombuffer(self._table, dtype=np.uint64,
+                                      offset=PAGE * (1 + self.row), count=PAGE // 8)
             self.counts = np.frombuffer(self._table, dtype=np.uint32,
-                                        offset=PAGE + self.row * info.slots * 4,
+                                        offset=counts_at + self.row * info.slots * 4,
                                         count=info.slots)
         except BaseException:
             self.close()
@@ -575,10 +658,18 @@ class MappedPool:
         return self._shared
 
     def release_one(self, slot: int) -> None:
-        """One lease ends (the caller holds the receiver lock): its count, and the rest
-        of a closed handle with its last lease."""
-        if self.counts is not None:
-            self.counts[slot] -= 1
+        """One lease ends (the caller holds the receiver lock): its count (a count that
+        reaches zero is logged for the sender), and the rest of a closed handle with its
+        last lease."""
+        counts = self.counts
+        if counts is not None:
+            counts[slot] -= 1
+            if counts[slot] == 0:
+                log = self._log
+                w = int(log[0])
+                # The entry first, then the index that publishes it (see LeaseTable).
+                log[1 + w % LOG_ENTRIES] = ((w & _TAG_MASK) << 32) | slot
+                log[0] = w + 1
         self.held -= 1
         if self._closing and self.held == 0:
             self._release_mappings()
@@ -595,7 +686,8 @@ class MappedPool:
             self._shared = 0
         # The CUDA opening goes too: torch closes the IPC handle with its last storage.
         self.cuda = None
-        self.counts = None  # the table's exported buffer: gone before the close below
+        self.counts = None  # the table's exported buffers: gone before the close below
+        self._log = None
         if self._table is not None:
             try:
                 self._table.close()
@@ -660,6 +752,7 @@ class MappedPool:
         again (no lease taken, none returned) and let go of this process's copies of the
         descriptors and mappings; the caller has privatized the object mappings."""
         self.counts = None  # first: release_one() of a view dying here changes nothing
+        self._log = None
         if self.cuda is not None:
             # CUDA does not work in a forked child; letting torch close the IPC opening
             # here could. Kept, unused, until the process exits.

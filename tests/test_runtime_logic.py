@@ -521,7 +521,20 @@ def test_a_retried_put_whose_first_try_is_leased_returns_its_pinned_uses(world,
     s.put("id", obj)
     entry = s.sender.sent["id"].pinned[0]
     held = [True]
-    monkeypatch.setattr(s.sender, "_held", lambda p: held[0])
+
+    class Leases:  # a same-node receiver's lease on every slot, while held[0]
+        slot = staticmethod(lambda off: off // 4096)
+
+        def held(self, slot):
+            return held[0]
+
+        def held_many(self, slots):
+            return [held[0]] * len(slots)
+
+        def released(self):
+            return None
+
+    monkeypatch.setattr(s.sender, "leases", Leases())
     s.put("id", obj)  # the retry: the first try waits for its lease
     assert entry.users == 1  # only the retry's use
     held[0] = False
