@@ -34,11 +34,12 @@ peer idle. ``fetch`` never waits for other fetches. Peers that failed a READ, or
 idle for :data:`PEER_IDLE_S` (an hour), are removed by the progress thread once idle, and
 the least recently used idle ones beyond :data:`MAX_PEERS`.
 
-Same-node senders: objects in a sender's shared pool are mapped (or copied out of it)
-under a lease instead of READ (see :mod:`ray_rdt_pool.shared`). At ``os.fork()`` (hooks
-registered with the first handle) the parent holds an extra lease on every live mapping
-until the child has copied its inherited mappings into memory of its own; the child
-forgets every handle (their lease rows are the parent's).
+Same-node senders: objects in a sender's shared pool are views of this process's one
+private mapping of that pool (or copied out of it) under a lease instead of READ (see
+:mod:`ray_rdt_pool.shared`). At ``os.fork()`` (hooks registered with the first handle)
+the parent holds an extra lease on every object whose views live until the child has
+copied their pages into memory of its own; the child forgets every handle (their lease
+rows are the parent's).
 
 Threads: ``fetch``/``wait`` on the thread calling ``ray.get`` or on ``_ray_system``
 (task arguments); ``abort`` on ``_ray_system_error``; ``reap`` on the agent's progress
@@ -84,7 +85,6 @@ from ray_rdt_pool.shared import (
     peer_batch_reader,
     privatize,
     probe_source,
-    unmap,
 )
 
 if TYPE_CHECKING:
@@ -209,8 +209,8 @@ class Receiver:
         # agent -> the registration epoch at which its directory held no same-node entry:
         # its pool may be made later, and is asked for again at a newer epoch (see _host).
         self._host_absent: dict[str, int] = {}
-        # Object mappings whose views died: (pool, slot, address, length, bytes); appended
-        # by deleters from any thread, unmapped and unleased under the lock.
+        # Objects whose views died: (pool, slot, address, length, bytes); appended by
+        # deleters from any thread, their pages given back and unleased under the lock.
         self._unmaps: deque[_Unmap] = deque()
         # Leases this process holds (object mappings whose views live, copies running),
         # counted here: a sender's handle is dropped when it exits, its leases are not.
@@ -224,8 +224,9 @@ class Receiver:
         self._draining = False
         self._later_lock = threading.Lock()  # guards _later_pending (see _drain_later)
         self._later_pending = False
-        # Object mappings that views may still use, by address: (pool, slot, length).
-        # Changed under the lock; a forked child copies each into memory of its own.
+        # Objects of a pool mapping that views may still use, by address: (pool, slot,
+        # length). Changed under the lock; a forked child copies each into memory of its
+        # own.
         self._live: dict[int, tuple[MappedPool, int, int]] = {}
         # Forks in progress or done whose child may not have copied its mappings yet: the
         # read end of a pipe the child closes once it has, and the extra lease this
@@ -272,9 +273,11 @@ class Receiver:
         try:
             while self._unmaps:
                 host, slot, addr, length, nbytes = self._unmaps.popleft()
-                if length:  # 0: a copy through the shared view, nothing of ours to unmap
+                if length:  # 0: a copy, no pages of ours to give back
                     self._live.pop(addr, None)
-                    unmap(addr, length)  # first: no copy-on-write page outlives the lease
+                    # First: no copy-on-write page outlives the lease.
+                    if not host.drop_view(slot, addr, length):
+                        continue  # those pages stay ours: the block must stay leased
                 self._unlease_locked(host, slot, nbytes)
             if self._forks:
                 self._settle_forks_locked()
@@ -828,24 +831,35 @@ class Receiver:
         # at once.
         copy_out = bool(targets) or device == "cuda" or self.config.same_node == "copy"
         dev_id = 0
+        addr = length = 0
+        pieces: list[tuple[int, int, int]] | None = None  # a fragmented object's spans
         try:
             if device == "cuda":
                 # CUDA IPC: the sender's pool is opened once; an object is an offset in it.
                 if len(spans) != 1:
                     raise OSError("a CUDA object spans several blocks")
                 _d, dev_id, addr = host.device_addr(spans[0][1])
-                length = 0
-            elif copy_out and len(spans) == 1:
-                # A copy never writes the pool: read it through the shared read-only view
-                # (made under the lock: two first copies would each map the whole pool).
-                with self.lock:
-                    addr, length = host.shared_view() + spans[0][1], 0
             else:
-                addr, length = host.map(spans, meta.total)
-                with self.lock:  # before any view exists (see _before_fork)
-                    self._live[addr] = (host, slot, length)
+                with self.lock:
+                    if copy_out or len(spans) > 1 or slot in host.viewing:
+                        # A copy never writes the pool: it reads the shared read-only view
+                        # (made under the lock: two first copies would each map the pool).
+                        # In map mode a fragmented object is copied too (views of its
+                        # blocks would need a mapping of their own), and so is an object
+                        # whose pages views of an earlier get may have written.
+                        base = host.shared_view()
+                        addr = base + spans[0][1]
+                        if len(spans) > 1:
+                            pieces = [(v, base + off, n) for v, off, n in spans]
+                    else:
+                        addr, length = host.map(spans, meta.total)
+                        # Before any view exists (see _before_fork).
+                        self._live[addr] = (host, slot, length)
+                        host.viewing.add(slot)
         except BaseException as e:
             with self.lock:
+                if length and self._live.pop(addr, None) is not None:
+                    host.drop_view(slot, addr, length)
                 self._unlease_locked(host, slot, meta.total)
             if not isinstance(e, OSError):  # a Ctrl-C: the lease goes back all the same
                 raise
@@ -860,7 +874,8 @@ class Receiver:
         try:
             with self.events.failures(what, "fetch again while the ref is in scope, or set "
                                             "same_node='off' to read with NIXL"):
-                f.tensors = self._from_mapping(f, addr, release, targets, device, dev_id)
+                f.tensors = self._from_mapping(f, addr, release, targets, device, dev_id,
+                                               pieces)
         finally:
             with self.lock:
                 self._drain_locked()
@@ -878,13 +893,17 @@ class Receiver:
         return True
 
     def _from_mapping(self, f: Fetch, addr: int, release: _Unmap,
-                      targets: Sequence[torch.Tensor] | None, device: str, dev_id: int
+                      targets: Sequence[torch.Tensor] | None, device: str, dev_id: int,
+                      pieces: Sequence[tuple[int, int, int]] | None = None
                       ) -> list[torch.Tensor]:
+        """The tensors of ``f``: views of the pool mapping at ``addr`` when ``release``
+        names a mapped length, else one copy out of the object at ``addr`` (or of its
+        ``pieces``, (packed offset, address, length) each, when it is fragmented)."""
         from ray_rdt_pool.tensors import copy_bytes, device_block, rebuild, unpack_into
 
         meta = f.meta
         unmaps = self._unmaps
-        if self.config.same_node == "map" and device == "cpu" and not targets:
+        if release[3]:
             # From here the block owns the mapping: its deleter releases it, even if the
             # rebuild below fails.
             block = device_block(addr, meta.total, "cpu", 0,
@@ -905,17 +924,24 @@ class Receiver:
         landing: Landing | None = None
         stream = self.config.tuning.stream_copy_bytes
         try:
-            if targets:
+            if targets and pieces is None:
                 unpack_into(targets, meta.tensor_offsets(), addr, meta.total, device, dev_id,
                             stream)
                 return list(targets)
+            if targets and pieces is not None:
+                copy_bytes(_piece_moves(pieces, [
+                    (t.data_ptr(), off, t.numel() * t.element_size())
+                    for t, off in zip(targets, meta.tensor_offsets())]), device, dev_id,
+                    stream)
+                return list(targets)
             size = meta.total if sel is None else sel.total
             landing = self._local_landing(size, device)
-            if sel is None:
-                copy_bytes([(landing.addr, addr, meta.total)], device, dev_id, stream)
+            moves = ([(landing.addr, 0, meta.total)] if sel is None else
+                     [(landing.addr + lo, p, n) for lo, p, n in sel.runs])
+            if pieces is None:
+                copy_bytes([(d, addr + p, n) for d, p, n in moves], device, dev_id, stream)
             else:
-                copy_bytes([(landing.addr + lo, addr + p, n) for lo, p, n in sel.runs],
-                           device, dev_id, stream)
+                copy_bytes(_piece_moves(pieces, moves), device, dev_id, stream)
         except BaseException:
             if landing is not None:
                 self.release_landing(landing)
@@ -1013,7 +1039,9 @@ class Receiver:
                              "inherited view(s) may be those of a later object",
                              len(self._live))
         copied = True
-        for addr, (_host, _slot, length) in self._live.items():
+        kept: dict[int, list[tuple[int, int]]] = {}  # handle -> its ranges views use
+        for addr, (host, _slot, length) in self._live.items():
+            kept.setdefault(id(host), []).append((addr, length))
             if not privatize(addr, length):
                 copied = False
                 logger.error("a forked child could not copy a same-node mapping of %d "
@@ -1028,7 +1056,7 @@ class Receiver:
         handles.update((id(h), h) for h, _s, _n in self._live.values())
         handles.update((id(u[0]), u[0]) for u in self._unmaps)
         for h in handles.values():
-            h.forget()
+            h.forget(kept.get(id(h), ()))
         self.hosts.clear()
         self._host_retry.clear()
         self._live.clear()
@@ -1471,8 +1499,8 @@ class Receiver:
             self._remove_peer(p, cut=True)
 
 
-#: A mapping whose views died: (pool, slot, address, length, bytes); see
-#: ``Receiver._unmaps``.
+#: An object whose views died: (pool, slot, address, length of its pages in the pool
+#: mapping or 0 for a copy, bytes); see ``Receiver._unmaps``.
 _Unmap = tuple[MappedPool, int, int, int, int]
 
 
@@ -1540,6 +1568,22 @@ def _cuda_available() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+def _piece_moves(pieces: Sequence[tuple[int, int, int]],
+                 moves: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """``(destination, source address, bytes)`` copies of ``moves`` given as
+    ``(destination, packed offset, bytes)`` out of an object that lies in ``pieces``
+    ((packed offset, address, length) each, one after another from offset 0)."""
+    from ray_rdt_pool.layout import BlockMap
+
+    where = BlockMap([(a, n) for _v, a, n in pieces])
+    out: list[tuple[int, int, int]] = []
+    for dst, p, n in moves:
+        for src, m in where.map(p, n):
+            out.append((dst, src, m))
+            dst += m
+    return out
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:

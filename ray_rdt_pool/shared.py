@@ -3,10 +3,11 @@ private mappings of it.
 
 Role. A sender whose pool is host memory keeps it in a ``memfd`` (anonymous shared memory
 with no name in any file system, so nothing is left behind when a process crashes). A
-receiver on the same Ray node opens it through ``/proc/<pid>/fd/<fd>`` and maps each
-object it gets *privately* (copy-on-write): its tensors are views of the sender's bytes,
-no copy is made, and a receiver that writes into them changes only its own pages. The
-pool stays registered with NIXL for receivers on other nodes.
+receiver on the same Ray node opens it through ``/proc/<pid>/fd/<fd>`` and maps the
+whole pool once *privately* (copy-on-write): the tensors of each object it gets are
+views of the sender's bytes, no copy is made, and a receiver that writes into them
+changes only its own pages. The pool stays registered with NIXL for receivers on other
+nodes.
 
 Leases. The sender must not reuse a block while a receiver still has views of it, so
 every mapping holds a lease, counted in a *lease table*: a second ``memfd`` owned by the
@@ -27,20 +28,24 @@ Lifetimes, one owner each:
   slot has a lease goes back to the pool only when the last lease drops; rows of dead
   receivers are cleared by :meth:`LeaseTable.sweep` (the sender's progress tick).
 * :class:`MappedPool` (a receiver's handle on one sender's pool: two descriptors, the
-  table mapping and its row) and every object mapping: created and released by the
-  receiver. An object mapping is unmapped *before* its lease is dropped, so copy-on-write
-  pages never outlive the lease and a reused block is never seen through old pages.
-  Its pool descriptor, table mapping (the row's counts), shared view and CUDA opening
-  (``_CudaMapping``) live as long as the handle, or until the last lease when the handle
-  is closed with leases held (the sender exited, the handle was evicted, the receiver
-  shut down): a lease taken is always returned.
+  table mapping and its row, and the pool's private mapping): created and released by
+  the receiver. When an object's views die, its pages of the private mapping are given
+  back to the file (``MADV_DONTNEED`` drops the private copies) *before* its lease is
+  dropped, so copy-on-write pages never outlive the lease and a reused block is never
+  seen through old pages. A fragmented object, or one whose pages views of an earlier
+  get still use, is copied out instead. Its pool descriptor, table mapping (the row's
+  counts), private mapping, shared view and CUDA opening (``_CudaMapping``) live as long
+  as the handle, or until the last lease when the handle is closed with leases held (the
+  sender exited, the handle was evicted, the receiver shut down): a lease taken is always
+  returned.
 
-Fork. A receiver's object mappings are private, but their untouched pages are the
-pool's: a forked child that kept them would see the block's next object once the parent's
-lease dropped. The receiver (its ``os.register_at_fork`` hooks, registered with its first
-handle) has the child replace each by anonymous memory holding the same bytes
-(:func:`privatize`) and forget every handle (:meth:`MappedPool.forget`: the row is the
-parent's), while the parent holds one more lease per mapping until the child has copied
+Fork. A receiver's pool mapping is private, but its untouched pages are the pool's: a
+forked child that kept them would see the block's next object once the parent's lease
+dropped. The receiver (its ``os.register_at_fork`` hooks, registered with its first
+handle) has the child replace each object's range its views use by anonymous memory
+holding the same bytes (:func:`privatize`) and forget every handle
+(:meth:`MappedPool.forget`: the row is the parent's; the rest of the pool mapping goes),
+while the parent holds one more lease per mapping until the child has copied
 and the child, first thing, takes leases of its own in a row of its own
 (:class:`ChildLeases`), so a parent killed during the copy cannot free the blocks.
 
@@ -113,8 +118,11 @@ _MREMAP_MAYMOVE = 1
 _MREMAP_FIXED = 2
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000
+_MADV_DONTNEED = 4
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
-_PROT_NONE = 0
 
 
 def page_up(n: int) -> int:
@@ -547,19 +555,22 @@ class LeaseTable:
 
 def mappable_spans(segments: Sequence[tuple[int, int, int]], total: int, info: HostInfo
                    ) -> list[tuple[int, int, int]] | None:
-    """``(packed offset, pool offset, length)`` of an object whose every segment lies in
-    the sender's shared pool on page boundaries; None when it cannot be mapped (overflow
-    memory, ``register_memory()`` storages): such objects are read with NIXL."""
+    """``(packed offset, pool offset, length)`` of an object whose segments lie in the
+    sender's shared pool on page boundaries, one after another from packed offset 0 to
+    ``total``; None when it cannot be mapped (overflow memory, ``register_memory()``
+    storages): such objects are read with NIXL."""
     out: list[tuple[int, int, int]] = []
     end = total
+    pos = 0
     for i, (v, a, n) in enumerate(segments):
         off = a - info.pool_base
         last = i == len(segments) - 1
-        if off < 0 or off % PAGE or v % PAGE or off + page_up(n) > info.pool_bytes or (
+        if off < 0 or off % PAGE or v != pos or off + page_up(n) > info.pool_bytes or (
                 not last and n % PAGE) or v + n > end:
             return None
         out.append((v, off, n))
-    return out or None
+        pos = v + n
+    return out if out and pos == total else None
 
 
 class MappedPool:
@@ -582,6 +593,13 @@ class MappedPool:
         self.held = 0  # leases (object mappings, copies running) this process holds now
         self.closed = False  # close() ran: no new lease may be taken
         self._shared = 0  # address of the read-only view of the whole pool (0: none)
+        self._view = 0  # address of the private (copy-on-write) pool mapping (0: none)
+        # Slots of objects whose views of the private mapping live now (changed under the
+        # receiver lock): another get of one of them is copied, never handed those pages.
+        self.viewing: set[int] = set()
+        # After forget() (a forked child): the private mapping's ranges it kept (address
+        # -> length), each unmapped when its views die.
+        self._kept: dict[int, int] | None = None
         self._closing = False  # closed while leases were held: the rest goes with the last
         self.counts: Any = None
         self._log: Any = None  # this process's row's release log (see LeaseTable)
@@ -684,6 +702,9 @@ class MappedPool:
         if self._shared:
             unmap(self._shared, self.info.pool_bytes)
             self._shared = 0
+        if self._view:
+            unmap(self._view, self.info.pool_bytes)
+            self._view = 0
         # The CUDA opening goes too: torch closes the IPC handle with its last storage.
         self.cuda = None
         self.counts = None  # the table's exported buffers: gone before the close below
@@ -704,30 +725,50 @@ class MappedPool:
         return "cuda", cuda.index, cuda.base + offset
 
     def map(self, spans: Sequence[tuple[int, int, int]], total: int) -> tuple[int, int]:
-        """Map an object's spans privately, contiguous in this address space; returns
-        (address, mapped length). The pages fault in when first touched. Called with a
-        lease held, which keeps the pool's descriptor open (see :meth:`close`)."""
-        span = page_up(total)
-        if len(spans) == 1:
-            (_v, off, n), = spans
-            addr = _libc.mmap(None, span, _PROT_RW, mmap.MAP_PRIVATE, self.pool_fd, off)
+        """An object's place in this process's private (copy-on-write) mapping of the
+        whole pool, made on first use: (address, length in whole pages). One block only
+        (a fragmented object is copied out instead). Called under the receiver's lock
+        with a lease held, which keeps the pool's descriptor open (see :meth:`close`).
+
+        One mapping per pool, not per object: mappings count against the kernel's
+        ``vm.max_map_count``, and a receiver may keep many objects. The object's pages
+        must be given back to the file with :meth:`drop_view` before its lease drops."""
+        if len(spans) != 1:
+            raise OSError("a fragmented object has no contiguous place in the pool")
+        (_v, off, _n), = spans
+        if not self._view:
+            # The pool's size is address space: only pages a view writes take memory.
+            addr = _libc.mmap(None, self.info.pool_bytes, _PROT_RW,
+                              mmap.MAP_PRIVATE | _MAP_NORESERVE, self.pool_fd, 0)
             if addr in (None, _MAP_FAILED):
-                raise OSError(ctypes.get_errno(), "mmap of a shared pool block failed")
-            return int(addr), span
-        base = _libc.mmap(None, span, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                          -1, 0)
-        if base in (None, _MAP_FAILED):
-            raise OSError(ctypes.get_errno(), "reserving address space failed")
-        try:
-            for v, off, n in spans:
-                got = _libc.mmap(base + v, page_up(n), _PROT_RW,
-                                 mmap.MAP_PRIVATE | _MAP_FIXED, self.pool_fd, off)
-                if got != base + v:
-                    raise OSError(ctypes.get_errno(), "mmap of a shared pool block failed")
-        except BaseException:  # a failed mmap, or a Ctrl-C between two
-            _libc.munmap(base, span)
-            raise
-        return int(base), span
+                raise OSError(ctypes.get_errno(), "mmap of the shared pool failed")
+            self._view = int(addr)
+        return self._view + off, page_up(total)
+
+    def drop_view(self, slot: int, addr: int, length: int) -> bool:
+        """The views of the object at ``addr`` (a :meth:`map` result) died: give its pages
+        back to the file before its lease drops, so that this process never sees a later
+        object of the block through pages it wrote. False if that failed: the caller
+        must then keep the lease (the block is never reused under those pages).
+
+        After :meth:`forget` the range is the child's own copy: it is unmapped."""
+        self.viewing.discard(slot)
+        if self._kept is not None:
+            if self._kept.pop(addr, None) is not None:
+                unmap(addr, length)
+            return True
+        if _libc.madvise(addr, length, _MADV_DONTNEED) == 0:
+            return True  # private copies dropped: reads fault in the file's pages again
+        err = ctypes.get_errno()  # e.g. EINVAL for locked pages: map the file over it
+        got = _libc.mmap(addr, length, _PROT_RW,
+                         mmap.MAP_PRIVATE | _MAP_NORESERVE | _MAP_FIXED, self.pool_fd,
+                         addr - self._view)
+        if got == addr:
+            return True
+        logger.error("cannot give a same-node mapping's pages back (madvise errno %d, mmap "
+                     "errno %d): the sender's block stays leased for the life of this "
+                     "process", err, ctypes.get_errno())
+        return False
 
     def give_back(self) -> None:
         """Close, and free this process's row in the sender's table: the caller returned
@@ -747,12 +788,26 @@ class MappedPool:
             del header  # the table's exported buffer: gone before close() unmaps it
         self.close()
 
-    def forget(self) -> None:
+    def forget(self, kept: Sequence[tuple[int, int]] = ()) -> None:
         """In a forked child: the row and the table are the parent's. Never write them
         again (no lease taken, none returned) and let go of this process's copies of the
-        descriptors and mappings; the caller has privatized the object mappings."""
+        descriptors and mappings; the caller has privatized the ranges of the private
+        pool mapping that views use, ``kept`` ((address, length) each): the rest of that
+        mapping goes now, each kept range when its views die (:meth:`drop_view`)."""
         self.counts = None  # first: release_one() of a view dying here changes nothing
         self._log = None
+        view, self._view = self._view, 0
+        self._kept = {}
+        if view:
+            pos = view
+            for addr, length in sorted(kept):
+                if view <= addr < view + self.info.pool_bytes:
+                    if addr > pos:
+                        unmap(pos, addr - pos)
+                    self._kept[addr] = length
+                    pos = max(pos, addr + length)
+            if pos < view + self.info.pool_bytes:
+                unmap(pos, view + self.info.pool_bytes - pos)
         if self.cuda is not None:
             # CUDA does not work in a forked child; letting torch close the IPC opening
             # here could. Kept, unused, until the process exits.
@@ -818,10 +873,11 @@ class ChildLeases:
 
 
 def privatize(addr: int, length: int) -> bool:
-    """Replace the object mapping at ``addr`` by anonymous private memory holding the same
-    bytes, at the same address (views of it stay valid); False if that failed (nothing
-    changed). A forked child does this to its inherited mappings: their untouched pages
-    are the shared pool's, which the sender reuses once the parent's lease drops."""
+    """Replace the mapped range at ``addr`` (an object's pages of the private pool
+    mapping) by anonymous private memory holding the same bytes, at the same address
+    (views of it stay valid); False if that failed (nothing changed). A forked child does
+    this to the ranges its inherited views use: their untouched pages are the shared
+    pool's, which the sender reuses once the parent's lease drops."""
     new = _libc.mmap(None, length, _PROT_RW, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
     if new in (None, _MAP_FAILED):
         return False
@@ -836,7 +892,7 @@ def privatize(addr: int, length: int) -> bool:
 
 
 def unmap(addr: int, length: int) -> None:
-    """Drop an object mapping (its copy-on-write pages go with it)."""
+    """Drop a mapping (its copy-on-write pages go with it)."""
     if _libc.munmap(addr, length) != 0:
         logger.warning("munmap of a same-node mapping failed (errno %d)", ctypes.get_errno())
 

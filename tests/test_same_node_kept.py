@@ -5,7 +5,9 @@ One local cluster (one Ray node) for the module, ``same_node="map"``. The object
 with ``put_owned`` and freed with ``free_owned`` (the same pool, placement, mapping and
 lease path as ``ray.put`` and Ray's free, without 20,000 Ray objects to make and collect,
 which takes minutes on a small machine). Checked: a sender holding back thousands of
-blocks for a receiver's views stays idle (CPU seconds of its process, not wall time).
+blocks for a receiver's views stays idle (CPU seconds of its process, not wall time), a
+receiver's mappings do not grow with the objects it keeps, and pages a receiver wrote
+never show through when the block holds the next object.
 """
 
 from __future__ import annotations
@@ -131,5 +133,55 @@ def test_a_sender_holding_back_20000_blocks_for_a_receiver_stays_idle() -> None:
     assert st.leased_bytes == 0 and st.pool_used == 0
     rst = stats(r)
     assert (rst.mapped_objects, rst.reads_posted) == (0, 0), rst
+    ray.kill(s)
+    ray.kill(r)
+
+
+def test_mappings_do_not_grow_with_the_objects_a_receiver_keeps() -> None:
+    """Each kept object used to be a mapping of its own (5,000 objects: 5,728 more lines
+    in /proc/self/maps), so the kernel's vm.max_map_count (65,530) capped what a receiver
+    could keep, and past it every mmap in the process failed. Now the pool is mapped
+    once and every object is a view of it."""
+    n = 5_000
+    s, r = Sender.remote(), Receiver.remote()
+    wires, _ = ray.get(s.put_many.remote("w", 1))
+    assert ray.get(r.keep.remote("w", wires)) == [0]  # the pool and its mapping exist
+    before = ray.get(r.maps.remote())
+    wires, _ = ray.get(s.put_many.remote("m", n), timeout=300)
+    assert ray.get(r.keep.remote("m", wires), timeout=300) == list(range(n))
+    gained = ray.get(r.maps.remote()) - before
+    assert gained < 500, f"{gained} more mappings for {n} kept objects"
+    assert stats(r).mapped_objects == n + 1
+    ray.get(s.free_many.remote("w", 1))
+    ray.get(s.free_many.remote("m", n))
+    ray.get(r.drop.remote())
+    wait_drained(s, timeout=60)
+    wait_for(lambda: stats(s).leased_objects == 0, timeout=30)
+    assert stats(r).mapped_objects == 0
+    ray.kill(s)
+    ray.kill(r)
+
+
+def test_pages_a_receiver_wrote_never_show_the_blocks_next_object() -> None:
+    """A receiver writes into its views (copy-on-write: its own pages) and drops them;
+    the sender reuses the block for the next object, which the receiver maps: it must
+    see the new bytes. With one mapping of the whole pool, the written pages stay in
+    that mapping unless they are given back to the file before the lease drops."""
+    s, r = Sender.remote(), Receiver.remote()
+    for size in (4, 5000):  # one page; two pages
+        wires, (off_a,) = ray.get(s.put_many.remote("a", 1, fill=7, size=size))
+        assert ray.get(r.keep.remote("a", wires, scribble=True)) == [7]
+        assert ray.get(s.free_many.remote("a", 1)) == 1
+        wait_for(lambda: stats(s).leased_objects == 1, timeout=10)
+        ray.get(r.drop.remote())
+        wait_drained(s)
+        wait_for(lambda: stats(s).leased_objects == 0, timeout=10)
+        wires, (off_b,) = ray.get(s.put_many.remote("b", 1, fill=9, size=size))
+        assert off_b == off_a  # the same block: the receiver's written pages were there
+        got = ray.get(r.values.remote("b0", wires[0]))
+        assert got == [9] * size, "the receiver saw its own earlier writes"
+        ray.get(s.free_many.remote("b", 1))
+        wait_drained(s)
+    assert stats(r).reads_posted == 0
     ray.kill(s)
     ray.kill(r)

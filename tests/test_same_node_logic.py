@@ -216,6 +216,74 @@ def test_a_fragmented_object_is_mapped_contiguously(world: World, mode: str) -> 
     assert torch.equal(got[0], src) and r.stats().mapped_gets == 1
 
 
+@pytest.mark.parametrize("how", ["targets", "selection"])
+def test_a_fragmented_object_is_copied_into_targets_and_selections(world: World, how: str
+                                                                   ) -> None:
+    """In map mode a fragmented object is copied out of its pieces (it has no contiguous
+    place in the pool mapping): into target buffers, and for a selection, too."""
+    s, r = make(world, pool_bytes=16 * PAGE), make(world)
+    for i in range(4):
+        get(s, make(world, same_node="off"), f"f{i}", [torch.zeros(PAGE, dtype=torch.int32)])
+    s.sender.free("f0")
+    s.sender.free("f2")
+    src = [torch.arange(PAGE, dtype=torch.int32).reshape(64, -1),
+           torch.arange(PAGE, dtype=torch.float32) * 3]  # eight pages: both holes
+    if how == "targets":
+        out = [torch.empty_like(t) for t in src]
+        got = get(s, r, "g", src, targets=out)
+        assert got[0] is out[0] and got[1] is out[1]
+        want = src
+    else:
+        sel = [(slice(3, 60), slice(5, 40)), (slice(1000, 3000),)]
+        got = get(s, r, "g", src, sel=sel)
+        want = [src[0][3:60, 5:40], src[1][1000:3000]]
+    assert len(s.sender.sent["g"].blocks) == 2
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    st = r.stats()
+    assert (st.mapped_gets, st.reads_posted, st.mapped_objects) == (1, 0, 0)
+    s.sender.free("g")
+    settle(r, s)
+    assert s.stats().leased_objects == 0
+
+
+def _maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def test_kept_objects_share_one_mapping_of_the_pool(world: World) -> None:
+    """Each mapped object used to be a mapping of its own: a receiver keeping many hit
+    the kernel's vm.max_map_count. Now the pool is mapped once; a second get of an
+    object whose views live (and may have been written) is a copy of the pool's bytes,
+    and pages a view wrote go back to the file before the block is reused."""
+    n = 63
+    s, r = make(world, pool_bytes=(n + 1) * PAGE), make(world)
+    get(s, r, "warm", [torch.arange(10)])  # the handle and its mappings exist
+    before = _maps()
+    metas = [ship(s.put(f"k{i}", [torch.full((300 + i,), i, dtype=torch.int32)]))
+             for i in range(n)]  # the pool is full now
+    kept = [r.wait(r.fetch(f"k{i}", m, None), -1) for i, m in enumerate(metas)]
+    assert _maps() - before < 5
+    assert r.stats().mapped_objects == n
+    kept[7][0].fill_(-1)  # this receiver's private pages
+    again = r.wait(r.fetch("k7", metas[7], None), -1)  # the same object again
+    assert bool((again[0] == 7).all()) and int(kept[7][0][0]) == -1
+    assert (r.stats().mapped_gets, r.stats().mapped_objects) == (n + 2, n)  # a copy
+    off = s.sender.sent["k7"].blocks[0][0]
+    s.sender.free("k7")
+    del kept[7], again
+    settle(r, s)
+    assert (s.stats().leased_objects, r.stats().mapped_objects) == (0, n - 1)
+    nxt = get(s, r, "n", [torch.full((307,), 9, dtype=torch.int32)])
+    assert s.sender.sent["n"].blocks[0][0] == off  # the block of k7, written by us
+    assert bool((nxt[0] == 9).all())
+    for i in range(n):
+        s.sender.free(f"k{i}")
+    del kept, nxt
+    settle(r, s)
+    assert (s.stats().leased_objects, r.stats().mapped_objects) == (0, 0)
+
+
 def test_the_sender_checks_only_the_slots_released(world: World,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The sender's tick checked every held-back placement against every lease row
