@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 
 .PHONY: test bench bench-full lint venv clean
 
-$(STAMP): pyproject.toml setup.py ray_rdt_pool/_copy.c ray_rdt_pool/_native.cpp
+$(STAMP): pyproject.toml setup.py ray_rdt_pool/memory/_copy.c ray_rdt_pool/memory/_native.cpp
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	# torch is pinned to 2.13.0 here because that release's CPU build lies on this
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml setup.py ray_rdt_pool/_copy.c ray_rdt_pool/_native.cpp
 	$(VPY) -m pip install -q -e ".[dev]"
 	# The optional C++ helper for describe(), compiled against this torch (about 20 s);
 	# without a compiler the package runs its Python loop instead.
-	$(VPY) -m ray_rdt_pool.native build --optional
+	$(VPY) -m ray_rdt_pool.memory.native build --optional
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 import ray_rdt_pool
-from ray_rdt_pool.snapshot import TransportStats
+from ray_rdt_pool.obs.stats import TransportStats
 from ray_rdt_pool.weights import WeightReceiver, WeightSender, sync
 
 D_MODEL, N_HEAD, N_LAYERS, VOCAB, SEQ, BATCH = 64, 4, 2, 512, 16, 8

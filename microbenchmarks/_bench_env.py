@@ -78,7 +78,7 @@ def _native_helper() -> bool | None:
     """Whether the compiled describe helper is built for this torch (the bench's actors
     run on this host with the same torch and load it); None where that cannot be told."""
     try:
-        from ray_rdt_pool.native import artifact_path
+        from ray_rdt_pool.memory.native import artifact_path
 
         return artifact_path().exists()
     except Exception:

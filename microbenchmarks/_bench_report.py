@@ -281,7 +281,7 @@ def format_env(env: dict[str, Any]) -> str:
         f"; control messages over {', '.join(ucx.get('am_transports') or []) or 'n/a'}",
         f"load average at start {env['loadavg_start']}, at end {env.get('loadavg_end')}",
         "tensor facts of a put: " + {True: "read in C++ (compiled helper built)",
-                                     False: "Python loop (python -m ray_rdt_pool.native "
+                                     False: "Python loop (python -m ray_rdt_pool.memory.native "
                                             "build makes the C++ helper)"}.get(
             env.get("native_helper"), "n/a"),
     ]

@@ -50,7 +50,7 @@ STREAM_BUCKET_KIB_DEFAULT = 32 * 1024
 #: Max buckets in flight for ``sync_stream``: the pack (put) of bucket k+1 overlaps the
 #: transfer of bucket k.
 STREAM_MAX_INFLIGHT = 2
-#: Packed-layout alignment of a bucket's end, as in ``ray_rdt_pool.layout.BLOCK_ALIGN``
+#: Packed-layout alignment of a bucket's end, as in ``ray_rdt_pool.core.layout.BLOCK_ALIGN``
 #: (64 bytes). :func:`stream_buckets` needs it to cut the same buckets as the weights API
 #: (a test compares both).
 _BLOCK_ALIGN = 64
@@ -339,7 +339,7 @@ def per_tensor_floor(tensors: Sequence[Any], reps: int = 7) -> dict[str, Any]:
 
     * ``read_s``: a sender must learn each tensor's dtype, shape and address before it
       can place the bytes: three torch attribute reads per tensor from Python, or, where
-      the compiled helper is built for this torch (:mod:`ray_rdt_pool.native`), one pass
+      the compiled helper is built for this torch (:mod:`ray_rdt_pool.memory.native`), one pass
       of that helper, which reads them in C++ (whichever is faster; ``read_kind`` says
       which);
     * ``view_s``: a receiver must hand back one torch tensor per sent tensor: here one
@@ -361,7 +361,7 @@ def per_tensor_floor(tensors: Sequence[Any], reps: int = 7) -> dict[str, Any]:
         key = (tuple(t.shape), t.dtype)
         groups[key] = groups.get(key, 0) + 1
     blocks = [torch.empty((n, *sh), dtype=dt) for (sh, dt), n in groups.items()]
-    from ray_rdt_pool.tensors import describe, native_active
+    from ray_rdt_pool.memory.tensors import describe, native_active
 
     native = native_active()
     reads: list[float] = []

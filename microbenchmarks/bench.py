@@ -89,7 +89,7 @@ from microbenchmarks._bench_actors import (
     transferqueue_unavailable_reason,
     variant_by_name,
 )
-from ray_rdt_pool._nixl import PROGRESS_HOLD_S
+from ray_rdt_pool.nixl.backend import PROGRESS_HOLD_S
 
 _MIB = 1 << 20
 #: Default wait before the idle CPU window: past ours' fast-progress hold after a put.

@@ -30,7 +30,7 @@ import ray
 import torch
 
 import ray_rdt_pool
-from ray_rdt_pool import view
+from ray_rdt_pool.obs import view
 
 POOL_ENV = {"RAY_RDT_POOL_POOL_BYTES": "128M", "RAY_RDT_POOL_ARENA_BYTES": "128M",
             "RAY_DEDUP_LOGS": "0"}
@@ -56,13 +56,13 @@ class Sender:
         self.kept.pop(key, None)
 
     def metrics_on(self) -> bool:
-        from ray_rdt_pool.transport import runtime
+        from ray_rdt_pool._ray.transport import runtime
 
         return runtime().observer is not None
 
     def observer_cost(self, n: int = 2000) -> dict[str, float]:
         """Seconds per observer call, measured on this process's own observer."""
-        from ray_rdt_pool.transport import runtime
+        from ray_rdt_pool._ray.transport import runtime
 
         rt = runtime()
         obs = rt.observer

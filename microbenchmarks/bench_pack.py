@@ -13,7 +13,7 @@ variants, interleaved rep by rep so load from other processes hits them alike:
   threshold saves on small objects;
 * ``1 stream`` and ``N stream``: as ``1 thread`` and ``N threads``, with streaming stores
   from ``stream_copy_bytes`` (the configured default; what the sender does) where the
-  compiled copy helper is built (``ray_rdt_pool.fastcopy``; the header names the copy).
+  compiled copy helper is built (``ray_rdt_pool.memory.fastcopy``; the header names the copy).
 
 The figure per variant is the median time of one ``pack_into`` call (small objects: the
 mean of a batch of calls per sample); ratios are the 1-thread median over the other.
@@ -37,9 +37,9 @@ import torch
 
 from microbenchmarks._bench_env import cpu_model, loadavg
 from ray_rdt_pool.config import Tuning
-from ray_rdt_pool.fastcopy import stream_kind
-from ray_rdt_pool.layout import packed_offsets
-from ray_rdt_pool.tensors import Described, HostRegion, describe, pack_into
+from ray_rdt_pool.core.layout import packed_offsets
+from ray_rdt_pool.memory.fastcopy import stream_kind
+from ray_rdt_pool.memory.tensors import Described, HostRegion, describe, pack_into
 
 _MIB = 1 << 20
 

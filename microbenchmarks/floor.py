@@ -16,7 +16,7 @@ Measures, each on its own:
   initiator drives progress) and on (what Ray's agent uses). Also a 4 KiB READ latency.
 * ``nixl_lanes``: the same READ by one agent against two agents of the initiator process
   (each its own UCX context) reading one half each from two threads, raw (``two agents``)
-  and through ``ray_rdt_pool._nixl.NixlBackend(lanes=2)`` (``read lanes``: the split,
+  and through ``ray_rdt_pool.nixl.backend.NixlBackend(lanes=2)`` (``read lanes``: the split,
   the lane thread and the composite handle included). The variants alternate rep by rep,
   so load from other processes hits them alike.
 * ``serializer``: Ray's own per-tensor serialization cost for 10,000 small tensors, in a
@@ -277,7 +277,7 @@ def measure_nixl_lanes(nbytes: int, reps: int) -> dict[str, Any]:
     import torch
 
     from microbenchmarks._bench_workloads import checksum
-    from ray_rdt_pool._nixl import NixlBackend
+    from ray_rdt_pool.nixl.backend import NixlBackend
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from ray_rdt_pool.core.layout import BLOCK_ALIGN
 from ray_rdt_pool.errors import ConfigurationError
-from ray_rdt_pool.layout import BLOCK_ALIGN
 
 __all__ = [
     "DEFAULT_POOL_BYTES", "DEFAULT_REGISTRATION_CACHE_BYTES", "DEPRECATED_ENV_VARS",
@@ -142,7 +142,7 @@ class Tuning:
         stream_copy_bytes: Host copies (a pack, a copy out of a mapping into the arena
             or into target buffers) of at least this many bytes in all write with
             streaming stores (no read of the destination first) where the compiled helper
-            was built (:mod:`ray_rdt_pool.fastcopy`), one move of at least 128 KiB at a
+            was built (:mod:`ray_rdt_pool.memory.fastcopy`), one move of at least 128 KiB at a
             time (of at least 1 KiB in a pack of many tensors, whose moves run in one
             call with one fence); smaller copies and moves use memmove and keep their
             bytes in cache for the reader. 0 turns streaming stores off.
@@ -153,9 +153,9 @@ class Tuning:
         read_split_bytes: The smallest READ that is split over the read lanes.
         native: Read the facts of an object's tensors (dtype, shape, address, ...) in
             C++ where the optional helper is built for this torch (``python -m
-            ray_rdt_pool.native build``; :mod:`ray_rdt_pool.native`); False: always the
-            Python loop. Both give the same facts; the helper is several times faster
-            for objects of thousands of tensors.
+            ray_rdt_pool.memory.native build``); False: always the Python loop. Both
+            give the same facts; the helper is several times faster for objects of
+            thousands of tensors.
     """
 
     progress_interval_s: float = field(default=0.005, metadata=_env(

@@ -142,9 +142,9 @@ class InvalidInputError(RdtPoolError, ValueError, TypeError):
 
 
 class NativeBuildError(RdtPoolError, RuntimeError):
-    """The optional compiled helper (``python -m ray_rdt_pool.native build``) did not build.
+    """The optional compiled helper (``python -m ray_rdt_pool.memory.native build``) did not build.
 
-    Raised by :func:`ray_rdt_pool.native.build` when no C++ compiler runs or the compile
+    Raised by :func:`ray_rdt_pool.memory.native.build` when no C++ compiler runs or the compile
     fails; the message carries the compiler's last lines. Nothing else depends on the
     helper: without it ``describe`` uses its Python loop. What to do: install a C++
     compiler (or set ``CXX``) and build again, or go on without the helper.

@@ -51,7 +51,7 @@ def _report_at_exit() -> None:
     the latest registered first): what the exit shutdown left of the overflow regions."""
     if not _AT_EXIT:
         return
-    from ray_rdt_pool.transport import runtime
+    from ray_rdt_pool._ray.transport import runtime
 
     print(json.dumps({"unmapped": [r.mem._map.closed for r in _AT_EXIT],
                       "stranded": len(runtime().registry._stranded)}))
@@ -172,8 +172,8 @@ def stream() -> None:
 def _start_pack_helpers() -> int:
     """A threaded pack copy in this process (the helpers a large put starts); returns
     how many pack helper threads run afterwards."""
-    from ray_rdt_pool import tensors as T
-    from ray_rdt_pool.layout import packed_offsets
+    from ray_rdt_pool.core.layout import packed_offsets
+    from ray_rdt_pool.memory import tensors as T
 
     src = [torch.randn(4 << 20)]  # 16 MiB: several 4 MiB units, so helpers start
     d = T.describe(src)
@@ -190,7 +190,7 @@ def overflow() -> None:
     region is empty and lingering when this returns."""
     import time
 
-    from ray_rdt_pool.transport import runtime
+    from ray_rdt_pool._ray.transport import runtime
 
     big = ray.put([torch.ones(24 << 20, dtype=torch.uint8)], _tensor_transport="nixl_pool")
     _AT_EXIT.extend(runtime().sender.overflow)

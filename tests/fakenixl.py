@@ -100,7 +100,7 @@ class World:
 
 
 class FakeBackend:
-    """Implements ray_rdt_pool._nixl.Backend by memmove inside one process."""
+    """Implements ray_rdt_pool.nixl.backend.Backend by memmove inside one process."""
 
     def __init__(self, world: World, name: str, lanes: int = 1, split_bytes: int = 8 << 20,
                  on_split: Any = None) -> None:
@@ -226,7 +226,7 @@ class FakeBackend:
                 assert n == m
                 ctypes.memmove(la, ra, n)
         else:  # device memory on either side (the gpu tests): a torch copy
-            from ray_rdt_pool.tensors import device_block
+            from ray_rdt_pool.memory.tensors import device_block
 
             (ld, rd) = x.devices
             for (la, n, li), (ra, m, ri) in zip(x.local, x.remote):

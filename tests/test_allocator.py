@@ -19,9 +19,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from ray_rdt_pool.allocator import AllocatorStats, Block, BlockAllocator
+from ray_rdt_pool.core.allocator import AllocatorStats, Block, BlockAllocator
+from ray_rdt_pool.core.layout import BLOCK_ALIGN, align_up
 from ray_rdt_pool.errors import ConfigurationError, InvalidInputError, PoolExhaustedError
-from ray_rdt_pool.layout import BLOCK_ALIGN, align_up
 
 Interval = tuple[int, int]  # (start, length)
 

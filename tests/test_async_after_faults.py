@@ -154,7 +154,7 @@ def test_sender_killed_during_fetch(recv, monkeypatch):
     # before it sends the task. The READ is held (SIGSTOP), so with the default (10 s,
     # longer than this module's 8 s fetch timeout) the kill came after the fetch had
     # already timed out; a short wait kills the sender while its READ is in flight.
-    monkeypatch.setattr("ray_rdt_pool.transport.ORDER_WAIT_S", 1.0)
+    monkeypatch.setattr("ray_rdt_pool._ray.transport.ORDER_WAIT_S", 1.0)
     s = Sender.remote()
     ref = s.make.remote(5, 4 << 20)
     made(ref)
@@ -195,7 +195,7 @@ def test_an_argument_whose_producer_failed_is_not_waited_for(recv, monkeypatch):
     return, and the consumer gets the producer's error."""
     import threading
 
-    monkeypatch.setattr("ray_rdt_pool.transport.ORDER_WAIT_S", 600.0)
+    monkeypatch.setattr("ray_rdt_pool._ray.transport.ORDER_WAIT_S", 600.0)
     s = Sender.remote()
     ref = s.fail.remote()
     ray.wait([ref], timeout=60)
@@ -207,7 +207,7 @@ def test_an_argument_whose_producer_failed_is_not_waited_for(recv, monkeypatch):
     with pytest.raises(ray.exceptions.RayTaskError, match="the producer failed"):
         ray.get(out[0], timeout=60)
     # A good argument is still told apart (and so still ordered), and is exact.
-    from ray_rdt_pool.transport import _holds_an_error
+    from ray_rdt_pool._ray.transport import _holds_an_error
 
     good = s.make.remote(12, 1024)
     made(good)
@@ -298,7 +298,7 @@ def test_passing_a_ref_of_ones_own_queued_method_does_not_stall(kind):
     actor, queued behind the very task that makes the call, that wait could only end at
     ORDER_WAIT_S (10 s): an async actor's event loop, or a plain actor's one thread,
     never got to run it. The call must return at once and the bytes arrive."""
-    from ray_rdt_pool.transport import ORDER_WAIT_S
+    from ray_rdt_pool._ray.transport import ORDER_WAIT_S
 
     relay = (AsyncActor if kind == "async" else PlainRelay).remote()
     b = AsyncActor.remote()

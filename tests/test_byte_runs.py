@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ray_rdt_pool.tensors as T
+import ray_rdt_pool.memory.tensors as T
 
 DTYPES = [torch.uint8, torch.int16, torch.float32, torch.float64, torch.complex128]
 BUFFER = 512

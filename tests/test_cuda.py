@@ -11,7 +11,7 @@ import torch
 
 import ray_rdt_pool
 from ray_rdt_pool.errors import InvalidInputError, RegistrationError
-from ray_rdt_pool.tensors import CudaRegion, describe, device_block
+from ray_rdt_pool.memory.tensors import CudaRegion, describe, device_block
 
 HAS_CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (none on this machine)")
@@ -65,8 +65,8 @@ def _world():
 
 
 def _runtime(world, **cfg):
+    from ray_rdt_pool._ray.transport import Runtime
     from ray_rdt_pool.config import PoolConfig
-    from ray_rdt_pool.transport import Runtime
 
     cfg.setdefault("pool_bytes", 64 << 20)
     cfg.setdefault("arena_bytes", 64 << 20)
@@ -206,7 +206,7 @@ def test_real_ray_round_trip_between_actors_on_one_gpu():
 def test_cuda_ipc_entry_round_trips_and_rejects_malformed_fields():
     """The directory entry of a CUDA pool (no device needed: it is bytes and ints)."""
     from ray_rdt_pool.errors import WireFormatError
-    from ray_rdt_pool.shared import PAGE, CudaExport, HostInfo
+    from ray_rdt_pool.same_node.shared import PAGE, CudaExport, HostInfo
 
     cuda = CudaExport("GPU-1234", b"\x01" * 64, PAGE * 8, 0, b"/torch_1", 16, b"\x02" * 64,
                       True)
@@ -321,14 +321,14 @@ def test_gpu_check_sanity_cuda_ipc_export_opens_in_another_process():
     import subprocess
     import sys
 
-    from ray_rdt_pool.shared import export_cuda_pool
+    from ray_rdt_pool.same_node.shared import export_cuda_pool
 
     t = torch.arange(1 << 20, dtype=torch.int32, device="cuda")
     exp = export_cuda_pool(t.view(torch.uint8))
     torch.cuda.synchronize()
     code = (
         "import sys, torch\n"
-        "from ray_rdt_pool.shared import CudaExport, _CudaMapping\n"
+        "from ray_rdt_pool.same_node.shared import CudaExport, _CudaMapping\n"
         f"c = CudaExport({exp.uuid!r}, {exp.handle!r}, {exp.size}, {exp.offset}, "
         f"{exp.ref_handle!r}, {exp.ref_offset}, {exp.event_handle!r}, {exp.event_sync})\n"
         "m = _CudaMapping(c, 4 << 20)\n"

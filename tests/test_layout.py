@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ray_rdt_pool.layout import (
+from ray_rdt_pool.core.layout import (
     BLOCK_ALIGN,
     BlockMap,
     Placed,

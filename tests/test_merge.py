@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ray_rdt_pool.merge import merge_descriptors, merge_segments
+from ray_rdt_pool.core.descriptors import merge_descriptors, merge_segments
 
 # Slow shared CI machines must not turn into deadline failures.
 RELAXED = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])

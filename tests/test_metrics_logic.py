@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from ray_rdt_pool import metrics
+from ray_rdt_pool._ray.transport import Runtime
 from ray_rdt_pool.config import PoolConfig
-from ray_rdt_pool.shared import PAGE
-from ray_rdt_pool.transport import Runtime
+from ray_rdt_pool.obs import metrics
+from ray_rdt_pool.same_node.shared import PAGE
 from tests.fakenixl import World
 
 _NAMES = [name for name, _doc, _fn in metrics.GAUGES]
@@ -107,7 +107,7 @@ def test_source_reads_are_exported(ray_up: dict[str, bool]) -> None:
     """A weights stream read in place on one node fired no observer event: a receiver
     whose streams all went so never exported its source reads, received bytes or arena
     use."""
-    from ray_rdt_pool.shared import this_process
+    from ray_rdt_pool.same_node.shared import this_process
 
     rt = _runtime(World(), node="n1")
     try:
@@ -132,7 +132,7 @@ def test_a_peer_removed_by_housekeeping_is_exported(ray_up: dict[str, bool],
     """The progress thread's removal of an idle peer is no event, and nothing is live by
     then, so the exporter had stopped polling: the remote_agents gauge stayed at 1 and
     remote_agents_removed at 0 for good."""
-    from ray_rdt_pool import receiver as receiver_mod
+    from ray_rdt_pool.receive import receiver as receiver_mod
 
     monkeypatch.setattr(receiver_mod, "PEER_IDLE_S", 0.3)  # for the 120 s
     monkeypatch.setattr(receiver_mod, "_HOUSEKEEPING_S", 0.05)
@@ -157,9 +157,9 @@ def test_a_peer_removed_by_housekeeping_is_exported(ray_up: dict[str, bool],
 
 
 def test_the_pool_table_skips_samples_that_are_not_finite() -> None:
-    """``python -m ray_rdt_pool.view --prometheus`` crashed (ValueError, OverflowError)
+    """``python -m ray_rdt_pool.obs.view --prometheus`` crashed (ValueError, OverflowError)
     on a NaN or +Inf sample, both valid in the Prometheus text format."""
-    from ray_rdt_pool.view import parse_prometheus, rows_from_prometheus
+    from ray_rdt_pool.obs.view import parse_prometheus, rows_from_prometheus
 
     text = "".join(f'ray_rdt_pool_sender_used_bytes{{actor="a{i}",WorkerId="w"}} {v}\n'
                    for i, v in enumerate(("NaN", "+Inf", "-Inf", "4096")))

@@ -1,8 +1,8 @@
-"""The compiled describe helper (ray_rdt_pool.native, _native.cpp): it must read exactly
+"""The compiled describe helper (ray_rdt_pool.memory.native, _native.cpp): it must read exactly
 the facts the Python loop reads, decline everything the Python loop must judge (so the
 typed errors stay the same), and never be loaded for another torch or when it lies.
 
-Tests that need the built helper skip with a reason where ``python -m ray_rdt_pool.native
+Tests that need the built helper skip with a reason where ``python -m ray_rdt_pool.memory.native
 build`` has not run (``make venv`` runs it). No Ray here.
 """
 
@@ -18,17 +18,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ray_rdt_pool import native
-from ray_rdt_pool import tensors as T
 from ray_rdt_pool.config import PoolConfig, from_env
+from ray_rdt_pool.core.wire import DTYPES
 from ray_rdt_pool.errors import InvalidInputError, NativeBuildError
-from ray_rdt_pool.wire import DTYPES
+from ray_rdt_pool.memory import native
+from ray_rdt_pool.memory import tensors as T
 from tests.fakenixl import World
 
 BUILT = native.artifact_path().exists()
 needs_helper = pytest.mark.skipif(
     not BUILT, reason="the compiled describe helper is not built for this torch; run "
-    "`python -m ray_rdt_pool.native build` (make venv does)")
+    "`python -m ray_rdt_pool.memory.native build` (make venv does)")
 
 WIRE_DTYPES = [T.torch_dtype(name) for name in DTYPES]
 
@@ -175,7 +175,7 @@ def test_a_helper_that_disagrees_with_the_python_loop_is_refused(
             return facts
 
     monkeypatch.setattr(native, "load", lambda folder=None: Lying)
-    with caplog.at_level(logging.WARNING, logger="ray_rdt_pool.tensors"):
+    with caplog.at_level(logging.WARNING, logger="ray_rdt_pool.memory.tensors"):
         assert T._checked_native() is None
     assert "disagrees with the Python loop" in caplog.text
     monkeypatch.setattr(native, "load", lambda folder=None: real)
@@ -193,7 +193,7 @@ def test_a_helper_built_for_another_torch_is_not_loaded(
     assert "9.9.9" in other.name and other.name != real_path.name
     assert native._import(other) is None  # nothing built for that torch
     shutil.copy(real_path, other)  # a file under the name, built for the real torch
-    with caplog.at_level(logging.WARNING, logger="ray_rdt_pool.native"):
+    with caplog.at_level(logging.WARNING, logger="ray_rdt_pool.memory.native"):
         assert native._import(other) is None
     assert f"built for torch {real_tag}" in caplog.text
 
@@ -306,7 +306,7 @@ def test_a_helper_whose_check_raises_leaves_describe_on_the_python_loop(
     monkeypatch.setattr(T, "_NATIVE", [])
     monkeypatch.setattr(T, "_checked_native", broken)
     ts = [torch.arange(6.0).view(2, 3)]
-    with caplog.at_level(logging.WARNING, logger="ray_rdt_pool.tensors"):
+    with caplog.at_level(logging.WARNING, logger="ray_rdt_pool.memory.tensors"):
         assert T.describe(ts) == T._describe_py(ts, False)
     assert T._native_describe() is None
     assert "a probe torch cannot make" in caplog.text

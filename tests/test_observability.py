@@ -24,12 +24,12 @@ import ray
 import torch
 
 import ray_rdt_pool
-from ray_rdt_pool import metrics as rdt_metrics
-from ray_rdt_pool import view
+from ray_rdt_pool._ray.transport import Runtime
 from ray_rdt_pool.config import PoolConfig, from_env
-from ray_rdt_pool.logs import debug_handler, disable_debug_logging, quiet_nixl_stdout
-from ray_rdt_pool.snapshot import TransportStats
-from ray_rdt_pool.transport import Runtime
+from ray_rdt_pool.obs import metrics as rdt_metrics
+from ray_rdt_pool.obs import view
+from ray_rdt_pool.obs.logs import debug_handler, disable_debug_logging, quiet_nixl_stdout
+from ray_rdt_pool.obs.stats import TransportStats
 from tests.raycluster import start_ray, wait_for
 
 pytestmark = pytest.mark.ray
@@ -75,7 +75,7 @@ class Sender:
         self.refs.clear()
 
     def observer_kind(self) -> str:
-        from ray_rdt_pool.transport import runtime
+        from ray_rdt_pool._ray.transport import runtime
 
         return type(runtime().observer).__name__
 
@@ -302,7 +302,7 @@ def test_fallback_warning_once_per_process(caplog: pytest.LogCaptureFixture,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     import nixl._api  # noqa: F401  (NIXL sets up its stdout handler on import)
 
-    quiet_nixl_stdout()  # until the backend does it itself (see ray_rdt_pool.logs)
+    quiet_nixl_stdout()  # until the backend does it itself (see ray_rdt_pool.obs.logs)
     rt = Runtime(PoolConfig(pool_bytes=1 << 20, prefault=False, metrics=False),
                  directory=_NullDirectory())
     caplog.set_level(logging.DEBUG, logger="ray_rdt_pool")
@@ -313,7 +313,7 @@ def test_fallback_warning_once_per_process(caplog: pytest.LogCaptureFixture,
         small = [torch.ones(16)]
         rt.put("obj-small", small)
         warnings = [r for r in caplog.records
-                    if r.name == "ray_rdt_pool.sender" and r.levelno == logging.WARNING]
+                    if r.name == "ray_rdt_pool.send.sender" and r.levelno == logging.WARNING]
         assert len(warnings) == 1, [r.getMessage() for r in warnings]
         assert "does not fit" in warnings[0].getMessage()
         st = rt.stats()
@@ -352,12 +352,12 @@ def test_debug_logging_variable(caplog: pytest.LogCaptureFixture,
         disable_debug_logging()
     out, err = capsys.readouterr()
     assert out == ""
-    assert "DEBUG ray_rdt_pool.sender" in err and "put dbg-obj" in err
+    assert "DEBUG ray_rdt_pool.send.sender" in err and "put dbg-obj" in err
     assert debug_handler() is None
 
 
 _NIXL_AGENT = textwrap.dedent("""
-    from ray_rdt_pool._nixl import NixlBackend
+    from ray_rdt_pool.nixl.backend import NixlBackend
     NixlBackend("stdout-check", 0.01).close()
 """)
 
@@ -374,7 +374,7 @@ def test_nixl_console_output_goes_to_stderr_not_stdout() -> None:
 def test_observability_modules_import_nothing_heavy() -> None:
     code = textwrap.dedent("""
         import sys
-        import ray_rdt_pool.logs, ray_rdt_pool.metrics, ray_rdt_pool.view
+        import ray_rdt_pool.obs.logs, ray_rdt_pool.obs.metrics, ray_rdt_pool.obs.view
         print(",".join(sorted(m for m in sys.modules
                               if m.split(".")[0] in ("torch", "ray", "nixl"))))
     """)
@@ -434,7 +434,7 @@ def test_pool_table_two_actors(cluster: dict[str, Any]) -> None:
 
     # The CLI, from another driver: the named actor is listed.
     cli = subprocess.run(
-        [sys.executable, "-m", "ray_rdt_pool.view", "--address", cluster["address"],
+        [sys.executable, "-m", "ray_rdt_pool.obs.view", "--address", cluster["address"],
          "--namespace", ray.get_runtime_context().namespace, "--json"],
         capture_output=True, text=True, timeout=180, check=False)
     assert cli.returncode == 0, cli.stderr[-2000:]

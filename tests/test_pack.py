@@ -26,11 +26,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import ray_rdt_pool.tensors as T
+import ray_rdt_pool.memory.tensors as T
 from ray_rdt_pool.config import PoolConfig, Tuning, from_env
+from ray_rdt_pool.core.layout import BlockMap, packed_offsets
 from ray_rdt_pool.errors import ConfigurationError
-from ray_rdt_pool.fastcopy import move_batch, stream_copy, stream_kind
-from ray_rdt_pool.layout import BlockMap, packed_offsets
+from ray_rdt_pool.memory.fastcopy import move_batch, stream_copy, stream_kind
 
 RELAXED = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=60)
 FILL = 0xA5
@@ -625,7 +625,7 @@ def test_helpers_are_daemons_reused_and_renewed_after_fork() -> None:
 
 
 def test_import_starts_no_thread() -> None:
-    code = ("import threading, ray_rdt_pool.tensors as t; "
+    code = ("import threading, ray_rdt_pool.memory.tensors as t; "
             "assert t._pack_pool is None, 'pool at import'; "
             "print(threading.active_count())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -828,7 +828,7 @@ def test_stop_pack_helpers_ends_every_helper_and_a_later_pack_starts_new_ones() 
 # ----------------------------------------------------------- streaming-store copies
 
 needs_helper = pytest.mark.skipif(
-    stream_copy() is None, reason="the compiled copy helper (ray_rdt_pool/_copy.c) is not "
+    stream_copy() is None, reason="the compiled copy helper (ray_rdt_pool/memory/_copy.c) is not "
     "built here: no C compiler at install, or no streaming stores on this CPU")
 
 

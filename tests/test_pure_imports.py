@@ -10,13 +10,13 @@ import textwrap
 
 PURE_MODULES = [
     "ray_rdt_pool.errors",
-    "ray_rdt_pool.layout",
-    "ray_rdt_pool.allocator",
-    "ray_rdt_pool.merge",
-    "ray_rdt_pool.wire",
+    "ray_rdt_pool.core.layout",
+    "ray_rdt_pool.core.allocator",
+    "ray_rdt_pool.core.descriptors",
+    "ray_rdt_pool.core.wire",
     "ray_rdt_pool.config",
-    "ray_rdt_pool.snapshot",
-    "ray_rdt_pool.events",
+    "ray_rdt_pool.obs.stats",
+    "ray_rdt_pool.obs.events",
     # The package itself imports nothing heavy: its functions load the transport lazily.
     "ray_rdt_pool",
 ]
@@ -46,7 +46,9 @@ def test_pure_modules_do_not_import_heavy_dependencies() -> None:
     assert loaded_after_import(PURE_MODULES, HEAVY) == []
 
 
-OWNER_MODULES = ["ray_rdt_pool.registry", "ray_rdt_pool.sender", "ray_rdt_pool.receiver"]
+OWNER_MODULES = [
+    "ray_rdt_pool.registry", "ray_rdt_pool.send.sender", "ray_rdt_pool.receive.receiver",
+]
 
 
 def test_owner_modules_import_no_ray_and_no_nixl() -> None:

@@ -1,4 +1,4 @@
-"""Read lanes (ray_rdt_pool._nixl): the descriptor split, the composite handle of a split
+"""Read lanes (ray_rdt_pool.nixl.backend): the descriptor split, the composite handle of a split
 READ, registrations and peers on every lane, the configuration, and the runtime's wiring.
 
 Fast and without Ray: :class:`NixlBackend` runs here over :class:`FakeAgent`, a stand-in
@@ -22,13 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_rdt_pool._nixl import (
-    PROGRESS_HOLD_S,
-    SPLIT_ALIGN,
-    NixlBackend,
-    SplitRead,
-    split_pairs,
-)
+from ray_rdt_pool._ray.transport import Runtime
 from ray_rdt_pool.config import PoolConfig, Tuning, from_env
 from ray_rdt_pool.errors import (
     ConfigurationError,
@@ -36,7 +30,13 @@ from ray_rdt_pool.errors import (
     RegistrationError,
     TransferError,
 )
-from ray_rdt_pool.transport import Runtime
+from ray_rdt_pool.nixl.backend import (
+    PROGRESS_HOLD_S,
+    SPLIT_ALIGN,
+    NixlBackend,
+    SplitRead,
+    split_pairs,
+)
 from tests.fakenixl import World
 
 MIB = 1 << 20
@@ -767,7 +767,7 @@ def _nixl_sender(conn: Any, nbytes: int) -> None:
     """Sender process: a one-lane backend with a registered source buffer. It has sent
     nothing for longer than PROGRESS_HOLD_S when the receiver connects, so every lane's
     handshake runs against its slow, idle progress interval."""
-    from ray_rdt_pool._nixl import NixlBackend
+    from ray_rdt_pool.nixl.backend import NixlBackend
 
     b = NixlBackend(f"lanes-src-{os.getpid()}", 0.002, idle_interval_s=0.05)
     g = torch.Generator().manual_seed(7)

@@ -99,10 +99,10 @@ def test_every_error_class_has_a_troubleshooting_section() -> None:
 def test_names_the_docs_use_exist() -> None:
     """``stats().x``, ``RAY_RDT_POOL_*`` and ``ray_rdt_pool_*`` metric names in the README
     and docs/ are fields, variables and series the code has."""
-    from ray_rdt_pool import metrics
     from ray_rdt_pool.config import DEPRECATED_ENV_VARS, ENV_VARS
-    from ray_rdt_pool.native import DIR_ENV
-    from ray_rdt_pool.snapshot import TransportStats
+    from ray_rdt_pool.memory.native import DIR_ENV
+    from ray_rdt_pool.obs import metrics
+    from ray_rdt_pool.obs.stats import TransportStats
 
     fields = set(TransportStats.__dataclass_fields__) | {"pool_fragmentation"}
     series = {metrics.PREFIX + name for name, _d, _f in metrics.GAUGES}

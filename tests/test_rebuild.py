@@ -13,10 +13,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ray_rdt_pool.core.layout import packed_offsets
+from ray_rdt_pool.core.wire import DTYPES, WireMeta, decode, encode, runs_from
 from ray_rdt_pool.errors import InvalidInputError
-from ray_rdt_pool.layout import packed_offsets
-from ray_rdt_pool.tensors import describe, rebuild, torch_dtype
-from ray_rdt_pool.wire import DTYPES, WireMeta, decode, encode, runs_from
+from ray_rdt_pool.memory.tensors import describe, rebuild, torch_dtype
 
 RELAXED = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -199,8 +199,8 @@ def test_describe_of_many_views_of_one_storage() -> None:
 def test_a_batch_sent_per_sample_round_trips_through_the_transport() -> None:
     import pickle
 
+    from ray_rdt_pool._ray.transport import Runtime
     from ray_rdt_pool.config import PoolConfig
-    from ray_rdt_pool.transport import Runtime
     from tests.fakenixl import World
 
     world = World()

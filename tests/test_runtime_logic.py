@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from ray_rdt_pool import tensors as rdt_tensors
+from ray_rdt_pool._ray.transport import PoolTransportMetadata, Runtime
 from ray_rdt_pool.config import PoolConfig
 from ray_rdt_pool.errors import (
     ConfigurationError,
@@ -31,7 +31,7 @@ from ray_rdt_pool.errors import (
     TransferError,
     WireFormatError,
 )
-from ray_rdt_pool.transport import PoolTransportMetadata, Runtime
+from ray_rdt_pool.memory import tensors as rdt_tensors
 from tests.fakenixl import World
 
 
@@ -325,7 +325,7 @@ def test_reaps_racing_for_the_last_dropped_read_raise_nothing(world):
     dropped READ left, and the second one's pop raised IndexError out of fetch()."""
     from collections import deque
 
-    from ray_rdt_pool.receiver import Landing, Peer, Transfer
+    from ray_rdt_pool.receive.receiver import Landing, Peer, Transfer
 
     r = make(world).receiver
 
@@ -567,7 +567,7 @@ def test_a_forked_child_never_shuts_down_the_runtime_it_inherited(world, monkeyp
     runtime shuts it down."""
     import os
 
-    from ray_rdt_pool import transport
+    from ray_rdt_pool._ray import transport
 
     rt = make(world)
     r, w = os.pipe()
@@ -793,8 +793,8 @@ def test_configure_during_the_first_put_in_another_thread(monkeypatch):
     under that put, which then failed blaming a shutdown() nobody called, or succeeded
     into the closed runtime (an object nothing would ever free). Now exactly one wins:
     configure() raises ConfigurationError, and the put lands in the live runtime."""
-    from ray_rdt_pool import _nixl
-    from ray_rdt_pool import transport as tp
+    from ray_rdt_pool._ray import transport as tp
+    from ray_rdt_pool.nixl import backend as _nixl
 
     w = World()
     making, go = threading.Event(), threading.Event()
@@ -856,8 +856,8 @@ def test_configure_after_shutdown_is_refused_and_a_retired_runtime_takes_its_deb
     that configure(debug_transfers=False) replaced stayed installed for good."""
     import logging
 
-    from ray_rdt_pool import transport as tp
-    from ray_rdt_pool.logs import debug_handler, disable_debug_logging
+    from ray_rdt_pool._ray import transport as tp
+    from ray_rdt_pool.obs.logs import debug_handler, disable_debug_logging
 
     w = World()
     monkeypatch.setattr(tp, "KVDirectory", lambda: w)
@@ -875,7 +875,7 @@ def test_configure_after_shutdown_is_refused_and_a_retired_runtime_takes_its_deb
         tp.configure(debug_transfers=False, pool_bytes=2 << 20)
         assert first.closed and debug_handler() is None and pkg.level == level
         # A handler the user installed is not the runtime's to take away.
-        from ray_rdt_pool.logs import enable_debug_logging
+        from ray_rdt_pool.obs.logs import enable_debug_logging
 
         theirs = enable_debug_logging(io.StringIO())
         monkeypatch.setattr(tp, "_runtime", None)
@@ -907,7 +907,7 @@ def test_fetch_selected_of_an_object_this_process_holds_checks_the_selection(
 
     import ray
 
-    from ray_rdt_pool import transport as tp
+    from ray_rdt_pool._ray import transport as tp
 
     x = torch.arange(24.0).reshape(4, 6)
     store = types.SimpleNamespace(has_object=lambda oid: True, get_object=lambda oid: [x])
@@ -1193,7 +1193,7 @@ def test_a_sender_never_found_in_the_directory_leaves_no_peer(world):
 
 
 def test_an_idle_peer_whose_removal_nixl_refuses_is_retried_then_forgotten(world, monkeypatch):
-    from ray_rdt_pool import receiver as rmod
+    from ray_rdt_pool.receive import receiver as rmod
 
     s, r = make(world), make(world)
     assert same(roundtrip(s, r, "a", [torch.arange(3)]), [torch.arange(3)])
@@ -1217,7 +1217,7 @@ def test_a_peer_nixl_may_still_hold_is_not_forgotten_when_its_lookup_fails(world
     hold its agent. A fetch whose metadata lookup then failed (the sender exited, its GCS
     key gone) took it for a peer never loaded and forgot it: nothing removed the agent
     afterwards, and no warning said so."""
-    from ray_rdt_pool import receiver as rmod
+    from ray_rdt_pool.receive import receiver as rmod
 
     s, r = make(world), make(world, fetch_timeout_s=0.2)
     assert same(roundtrip(s, r, "a", [torch.arange(3)]), [torch.arange(3)])
@@ -1492,7 +1492,7 @@ def test_landing_uses_the_arena_of_the_senders_device(world, monkeypatch):
         region.device = device
         return region
 
-    from ray_rdt_pool import receiver as rdt_receiver
+    from ray_rdt_pool.receive import receiver as rdt_receiver
 
     real_block = rdt_tensors.device_block
     monkeypatch.setattr(rdt_receiver, "_cuda_available", lambda: True)
@@ -1535,7 +1535,7 @@ def test_failed_copy_into_targets_returns_the_block_and_is_typed(world, monkeypa
     def boom(*a, **k):
         raise RuntimeError("device lost")
 
-    from ray_rdt_pool import receiver as rdt_receiver  # noqa: F401
+    from ray_rdt_pool.receive import receiver as rdt_receiver  # noqa: F401
 
     monkeypatch.setattr(rdt_tensors, "unpack_into", boom)
     with pytest.raises(TransferError, match="target buffers failed"):
@@ -1764,7 +1764,7 @@ def test_selection_errors_are_typed_and_read_nothing(world):
 
 
 def test_pack_as_converts_in_the_pack(world):
-    from ray_rdt_pool.transport import pack_as
+    from ray_rdt_pool._ray.transport import pack_as
 
     s, r = make(world), make(world)
     w = torch.randn(100, 7)
@@ -1784,7 +1784,7 @@ def test_pack_as_converts_in_the_pack(world):
 def test_pack_as_a_dtype_torch_cannot_convert_to_is_refused_before_placing(world):
     """torch has no copy kernel for float4_e2m1fn_x2: packing into it (or out of it)
     raised torch's untyped NotImplementedError out of put()."""
-    from ray_rdt_pool.transport import pack_as
+    from ray_rdt_pool._ray.transport import pack_as
 
     s = make(world)
     t = torch.randn(4)
@@ -1815,7 +1815,7 @@ def test_flat_values_stand_in_and_rebuild(monkeypatch) -> None:
     count that does not match (a sender and receiver of different versions)."""
     from types import SimpleNamespace
 
-    from ray_rdt_pool import transport
+    from ray_rdt_pool._ray import transport
 
     a, b = torch.zeros(2), torch.ones(3)
     assert transport.flat_tensors([a, 1], torch.Tensor) is None
@@ -1849,7 +1849,7 @@ def test_only_rays_rdt_tensor_reducer_is_replaced() -> None:
     that one, and leaves a reducer of anyone else (or none) alone."""
     from ray import cloudpickle
 
-    from ray_rdt_pool import transport
+    from ray_rdt_pool._ray import transport
 
     def reducer_closing_over(qualname: str):
         def deserialize(val):
@@ -1886,7 +1886,7 @@ def test_an_interrupted_wait_hands_its_read_to_the_reaper(world, monkeypatch):
     outstanding but not abandoned: never polled, never cut, its arena block and peer lease
     held for the life of the process. Now the interrupt abandons it: the READ is cut at
     fetch_timeout_s and its landing comes back."""
-    from ray_rdt_pool import receiver as receiver_mod
+    from ray_rdt_pool.receive import receiver as receiver_mod
 
     s, r = make(world), make(world, fetch_timeout_s=0.2)
     world.mode = "PROC"  # the READ never finishes
@@ -1960,7 +1960,7 @@ def test_a_value_whose_order_is_not_one_flat_tensors_makes_is_a_wire_format_erro
     ([1, 1]) silently put another tensor in its place."""
     import types
 
-    from ray_rdt_pool import transport as tp
+    from ray_rdt_pool._ray import transport as tp
 
     a, b, c = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
     monkeypatch.setattr(tp, "_rdt_context_local",

@@ -21,12 +21,12 @@ import traceback
 import pytest
 import torch
 
-from ray_rdt_pool import receiver as receiver_mod
-from ray_rdt_pool import shared
+from ray_rdt_pool._ray.transport import PoolTransportMetadata, Runtime
 from ray_rdt_pool.config import PoolConfig
 from ray_rdt_pool.errors import PoolExhaustedError, RegistrationError, WireFormatError
-from ray_rdt_pool.shared import PAGE, HostInfo, LeaseTable, process_start, still_running
-from ray_rdt_pool.transport import PoolTransportMetadata, Runtime
+from ray_rdt_pool.receive import receiver as receiver_mod
+from ray_rdt_pool.same_node import shared
+from ray_rdt_pool.same_node.shared import PAGE, HostInfo, LeaseTable, process_start, still_running
 from tests.fakenixl import World
 
 
@@ -1154,7 +1154,7 @@ def test_debug_logging_names_every_same_node_get_and_source_read(world, caplog, 
     none."""
     import logging
 
-    from ray_rdt_pool.logs import disable_debug_logging
+    from ray_rdt_pool.obs.logs import disable_debug_logging
 
     # The runtimes add the package's stderr handler: it must not outlive this test (a
     # later one in this process would find it bound to this test's captured stderr).
@@ -1206,7 +1206,7 @@ def test_a_ctrl_c_inside_a_mapped_get_gives_the_lease_back(world, monkeypatch):
     """A KeyboardInterrupt while a same-node get mapped the sender's block (only
     OSError was undone there), or while the block's tensor was being made, kept the
     lease: the sender's block stayed leased after Ray freed the object, for good."""
-    from ray_rdt_pool import shared
+    from ray_rdt_pool.same_node import shared
 
     s, r = make(world), make(world)
     src = [torch.full((100_000,), 3.0)]

@@ -32,17 +32,17 @@ import torch
 from ray import cloudpickle
 
 import ray_rdt_pool
+from ray_rdt_pool._ray.transport import Runtime
 from ray_rdt_pool.config import PoolConfig, Tuning
 from ray_rdt_pool.errors import InvalidInputError, TransferError
-from ray_rdt_pool.shared import (
+from ray_rdt_pool.memory.tensors import copy_moves
+from ray_rdt_pool.same_node.shared import (
     SourceProcess,
     peer_batch_reader,
     peer_reader,
     probe_source,
     this_process,
 )
-from ray_rdt_pool.tensors import copy_moves
-from ray_rdt_pool.transport import Runtime
 from ray_rdt_pool.weights import (
     SourceBucket,
     WeightReceiver,

@@ -75,7 +75,7 @@ class Sender:
         return [ref], digest(tensors)
 
     def native_active(self) -> bool:
-        from ray_rdt_pool.tensors import native_active
+        from ray_rdt_pool.memory.tensors import native_active
 
         return native_active()
 
@@ -103,7 +103,7 @@ class Sender:
     def put_counting_flat(self, value):
         """Put ``value``; also say whether it went as one stand-in object past Ray's
         per-tensor serializer (see transport.flat_tensors)."""
-        from ray_rdt_pool import transport
+        from ray_rdt_pool._ray import transport
 
         took = []
         real = transport.flat_tensors
@@ -125,7 +125,7 @@ class Sender:
         outside an RDT object still round-trips through it."""
         from ray import cloudpickle
 
-        from ray_rdt_pool import transport
+        from ray_rdt_pool._ray import transport
 
         t = torch.arange(5.0)
         blob = cloudpickle.dumps([t])
@@ -165,7 +165,7 @@ class Sender:
     def put_parameters_as_bf16(self):
         """pack_as over Parameters: a list of one, and a dict that mixes a Parameter, a
         plain tensor and a Parameter left out of the mapping."""
-        from ray_rdt_pool.transport import pack_as
+        from ray_rdt_pool._ray.transport import pack_as
 
         p, q = torch.nn.Parameter(torch.arange(8.0)), torch.nn.Parameter(torch.ones(2))
         plain = torch.arange(4.0)
@@ -316,10 +316,10 @@ def test_all_dtypes_round_trip_between_actors(pair):
 
 
 def test_actors_read_tensor_facts_in_cpp_where_the_helper_is_built(pair):
-    """Where ``python -m ray_rdt_pool.native build`` ran (make venv does), a sender actor
+    """Where ``python -m ray_rdt_pool.memory.native build`` ran (make venv does), a sender actor
     loads the helper and passes its check, so the round trips of this module run
     through it; the Python loop is covered by tests/test_native.py."""
-    from ray_rdt_pool.native import artifact_path
+    from ray_rdt_pool.memory.native import artifact_path
 
     if not artifact_path().exists():
         pytest.skip("the compiled describe helper is not built for this torch")
@@ -469,8 +469,8 @@ def test_a_stored_snapshot_tensor_round_trips_and_refuses_a_wrong_byte_count():
 
     import numpy as np
 
+    from ray_rdt_pool._ray.transport import _StoredTensor, _tensor_from_store
     from ray_rdt_pool.errors import WireFormatError
-    from ray_rdt_pool.transport import _StoredTensor, _tensor_from_store
 
     t = torch.arange(6, dtype=torch.int32).view(torch.uint16).reshape(3, 4)
     back = pickle.loads(pickle.dumps(_StoredTensor(t)))
@@ -496,9 +496,9 @@ def test_get_snapshot_follows_the_sender_through_retried_puts():
     the tensors changed, copies with storages of their own; a retried put that fails
     before placing keeps the first try, one that fails placing releases it and its
     metadata (kept until a free that never comes, before)."""
+    from ray_rdt_pool._ray.transport import Runtime
     from ray_rdt_pool.config import PoolConfig
     from ray_rdt_pool.errors import InvalidInputError, PoolExhaustedError
-    from ray_rdt_pool.transport import Runtime
     from tests.fakenixl import World
 
     world = World()

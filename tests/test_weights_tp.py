@@ -237,7 +237,7 @@ def in_process(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     slices it; returns the list of selections fetch_selected was called with."""
     import ray
 
-    from ray_rdt_pool import transport
+    from ray_rdt_pool._ray import transport
 
     calls: list[Any] = []
 
@@ -290,7 +290,7 @@ def test_put_converts_in_the_pack(monkeypatch: pytest.MonkeyPatch) -> None:
 
     import ray
 
-    from ray_rdt_pool import transport
+    from ray_rdt_pool._ray import transport
 
     seen: list[tuple[list[torch.Tensor], dict[int, torch.dtype] | None]] = []
     active: list[dict[int, torch.dtype]] = []

@@ -13,9 +13,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from ray_rdt_pool.errors import InvalidInputError, WireFormatError
-from ray_rdt_pool.layout import packed_offsets, run_layout
-from ray_rdt_pool.wire import (
+from ray_rdt_pool.core.layout import packed_offsets, run_layout
+from ray_rdt_pool.core.wire import (
     DTYPE_BY_CODE,
     DTYPES,
     MAX_DIMS,
@@ -30,6 +29,7 @@ from ray_rdt_pool.wire import (
     group_runs,
     runs_from,
 )
+from ray_rdt_pool.errors import InvalidInputError, WireFormatError
 
 # Slow shared CI machines must not turn into deadline failures.
 RELAXED = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -217,7 +217,7 @@ def test_ten_thousand_row_views_encode_small() -> None:
 
 
 def test_ten_thousand_different_shapes_stay_within_the_documented_bound() -> None:
-    # Documented in ray_rdt_pool.wire: at most 9 bytes per 2-D run with dims
+    # Documented in ray_rdt_pool.core.wire: at most 9 bytes per 2-D run with dims
     # below 65,536, plus a small fixed part.
     meta = _meta_for([(i + 1, 4096) for i in range(10_000)], "float16")
     assert len(meta.runs) == 10_000
@@ -537,7 +537,7 @@ def test_random_orders_of_a_few_kinds_keep_every_tensor() -> None:
 
 
 def test_a_grouping_that_loses_a_tensor_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ray_rdt_pool.wire as wire
+    import ray_rdt_pool.core.wire as wire
 
     real = wire._find_repeats
     monkeypatch.setattr(wire, "_find_repeats", lambda items: real(items)[:-1])

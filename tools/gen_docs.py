@@ -41,7 +41,7 @@ SECTIONS: list[tuple[str, list[str] | None, str, str]] = [
     ("ray_rdt_pool.weights", None, "`ray_rdt_pool.weights`",
      "Weight sync from a trainer actor to inference actors (guide: "
      "[weight-sync.md](weight-sync.md))."),
-    ("ray_rdt_pool.snapshot", ["TransportStats"], "`ray_rdt_pool.snapshot`",
+    ("ray_rdt_pool.obs.stats", ["TransportStats"], "`ray_rdt_pool.obs.stats`",
      "The record `ray_rdt_pool.stats()` returns. The options, `PoolConfig`, are in "
      "[configuration.md](configuration.md)."),
 ]

@@ -36,7 +36,7 @@ the least recently used idle ones beyond :data:`MAX_PEERS`.
 
 Same-node senders: objects in a sender's shared pool are views of this process's one
 private mapping of that pool (or copied out of it) under a lease instead of READ (see
-:mod:`ray_rdt_pool.shared`). At ``os.fork()`` (hooks registered with the first handle)
+:mod:`ray_rdt_pool.same_node.shared`). At ``os.fork()`` (hooks registered with the first handle)
 the parent holds an extra lease on every object whose views live until the child has
 copied their pages into memory of its own; the child forgets every handle (their lease
 rows are the parent's).
@@ -64,6 +64,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ray_rdt_pool.core.descriptors import merge_descriptors
 from ray_rdt_pool.errors import (
     InvalidInputError,
     PoolExhaustedError,
@@ -72,9 +73,8 @@ from ray_rdt_pool.errors import (
     WireFormatError,
     shut_down_error,
 )
-from ray_rdt_pool.merge import merge_descriptors
 from ray_rdt_pool.registry import MEM_TYPE, Directory, RegEntry, Region, Registry
-from ray_rdt_pool.shared import (
+from ray_rdt_pool.same_node.shared import (
     ChildLeases,
     HostInfo,
     MappedPool,
@@ -91,8 +91,8 @@ if TYPE_CHECKING:
     import torch
 
     from ray_rdt_pool.config import PoolConfig
-    from ray_rdt_pool.events import Events
-    from ray_rdt_pool.wire import WireMeta
+    from ray_rdt_pool.core.wire import WireMeta
+    from ray_rdt_pool.obs.events import Events
 
 logger = logging.getLogger(__name__)
 
@@ -899,7 +899,7 @@ class Receiver:
         """The tensors of ``f``: views of the pool mapping at ``addr`` when ``release``
         names a mapped length, else one copy out of the object at ``addr`` (or of its
         ``pieces``, (packed offset, address, length) each, when it is fragmented)."""
-        from ray_rdt_pool.tensors import copy_bytes, device_block, rebuild, unpack_into
+        from ray_rdt_pool.memory.tensors import copy_bytes, device_block, rebuild, unpack_into
 
         meta = f.meta
         unmaps = self._unmaps
@@ -1129,8 +1129,8 @@ class Receiver:
         read (nothing is returned; a target may hold part of the bytes), and
         InvalidInputError for targets that do not match.
         """
-        from ray_rdt_pool.tensors import copy_moves
-        from ray_rdt_pool.wire import DTYPES
+        from ray_rdt_pool.core.wire import DTYPES
+        from ray_rdt_pool.memory.tensors import copy_moves
 
         t_start = time.perf_counter()
 
@@ -1159,7 +1159,7 @@ class Receiver:
                                  [addr for addr, _s, _d in tensors],
                                  selection if selection is not None else [None] * len(tensors))
             if sel.total == 0:  # this receiver takes nothing of these tensors
-                from ray_rdt_pool.tensors import empty_tensor, torch_dtype
+                from ray_rdt_pool.memory.tensors import empty_tensor, torch_dtype
 
                 return [empty_tensor(shape, torch_dtype(dt))
                         for shape, dt in zip(sel.shapes, sel.dtypes)]
@@ -1202,7 +1202,7 @@ class Receiver:
               selection: Sequence[Any] | None = None) -> Fetch:
         """Start reading ``obj_id`` (or, with ``selection``, only part of each tensor:
         see :func:`selection_plan`); never waits for other fetches."""
-        from ray_rdt_pool.tensors import empty_like_run_list, empty_tensor, torch_dtype
+        from ray_rdt_pool.memory.tensors import empty_like_run_list, empty_tensor, torch_dtype
 
         f = Fetch(obj_id, meta)
         if targets:
@@ -1352,7 +1352,7 @@ class Receiver:
             "the sender actor may have died. Fetch again while the ref is in scope")
 
     def _finish(self, f: Fetch, t: Transfer) -> list[torch.Tensor]:
-        from ray_rdt_pool.tensors import device_block, rebuild
+        from ray_rdt_pool.memory.tensors import device_block, rebuild
 
         meta = f.meta
         landing = t.landing
@@ -1384,7 +1384,7 @@ class Receiver:
         return f.tensors
 
     def _rebuild_selected(self, landing: Landing, sel: Selection) -> list[torch.Tensor]:
-        from ray_rdt_pool.tensors import device_block, torch_dtype
+        from ray_rdt_pool.memory.tensors import device_block, torch_dtype
 
         if landing.kind == "arena":
             landing.released = True  # ownership passes to the views
@@ -1407,7 +1407,7 @@ class Receiver:
         """Copy a received object from its landing into the caller's buffers."""
         import torch
 
-        from ray_rdt_pool.tensors import unpack_into
+        from ray_rdt_pool.memory.tensors import unpack_into
 
         targets = f.copy_into
         assert targets is not None
@@ -1575,7 +1575,7 @@ def _piece_moves(pieces: Sequence[tuple[int, int, int]],
     """``(destination, source address, bytes)`` copies of ``moves`` given as
     ``(destination, packed offset, bytes)`` out of an object that lies in ``pieces``
     ((packed offset, address, length) each, one after another from offset 0)."""
-    from ray_rdt_pool.layout import BlockMap
+    from ray_rdt_pool.core.layout import BlockMap
 
     where = BlockMap([(a, n) for _v, a, n in pieces])
     out: list[tuple[int, int, int]] = []
@@ -1589,7 +1589,7 @@ def _piece_moves(pieces: Sequence[tuple[int, int, int]],
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` if it is a contiguous view with elements, else a contiguous tensor of its
     own (no reference to the mapping it came from)."""
-    from ray_rdt_pool.tensors import empty_tensor
+    from ray_rdt_pool.memory.tensors import empty_tensor
 
     if t.numel() == 0:
         return empty_tensor(t.shape, t.dtype)
@@ -1659,8 +1659,8 @@ def plan_selection(shapes_dtypes: Iterable[tuple[tuple[int, ...], str]],
                    bases: Sequence[int], selection: Sequence[Any]) -> Selection:
     """:func:`selection_plan` for tensors whose bytes start at ``bases`` (packed offsets
     of a pool object, or addresses in a source process): the runs read from there."""
-    from ray_rdt_pool.layout import packed_offsets
-    from ray_rdt_pool.wire import DTYPES
+    from ray_rdt_pool.core.layout import packed_offsets
+    from ray_rdt_pool.core.wire import DTYPES
 
     shapes: list[tuple[int, ...]] = []
     dtypes: list[str] = []
@@ -1740,7 +1740,7 @@ def _check_targets(targets: Sequence[torch.Tensor], meta: WireMeta,
     device type. ``native``: ``PoolConfig.tuning.native``, passed on to ``describe``."""
     import torch
 
-    from ray_rdt_pool.tensors import describe, dtype_name
+    from ray_rdt_pool.memory.tensors import describe, dtype_name
 
     if len(targets) != meta.num_tensors:
         raise InvalidInputError(

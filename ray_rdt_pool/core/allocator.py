@@ -3,7 +3,7 @@
 Pure (stdlib only): it hands out ``(offset, length)`` blocks of ``[0, capacity)`` and
 knows nothing of the memory behind them. Each object (a key) owns a group of blocks
 that is placed all or nothing; the object's packed bytes are the concatenation of
-its blocks in order (see :mod:`ray_rdt_pool.layout`).
+its blocks in order (see :mod:`ray_rdt_pool.core.layout`).
 
 Placement: one block whenever a single free block fits (best fit: the smallest such
 block, ties to the lowest offset), which keeps large holes intact; otherwise as few
@@ -23,8 +23,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ray_rdt_pool.core.layout import BLOCK_ALIGN, align_up
 from ray_rdt_pool.errors import ConfigurationError, InvalidInputError, PoolExhaustedError
-from ray_rdt_pool.layout import BLOCK_ALIGN, align_up
 
 __all__ = ["AllocatorStats", "Block", "BlockAllocator"]
 

@@ -45,19 +45,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ray_rdt_pool.core.descriptors import merge_segments
+from ray_rdt_pool.core.layout import BlockMap, align_up, packed_offsets, run_layout
+from ray_rdt_pool.core.wire import TensorRun, WireMeta, encode, runs_from
 from ray_rdt_pool.errors import InvalidInputError, PoolExhaustedError, RegistrationError
-from ray_rdt_pool.layout import BlockMap, align_up, packed_offsets, run_layout
-from ray_rdt_pool.merge import merge_segments
 from ray_rdt_pool.registry import Directory, RegEntry, Region, Registry
-from ray_rdt_pool.wire import TensorRun, WireMeta, encode, runs_from
 
 if TYPE_CHECKING:
     import torch
 
     from ray_rdt_pool.config import PoolConfig
-    from ray_rdt_pool.events import Events
-    from ray_rdt_pool.shared import HostInfo, LeaseTable
-    from ray_rdt_pool.tensors import Described
+    from ray_rdt_pool.memory.tensors import Described
+    from ray_rdt_pool.obs.events import Events
+    from ray_rdt_pool.same_node.shared import HostInfo, LeaseTable
 
 logger = logging.getLogger(__name__)
 
@@ -98,13 +98,13 @@ class Placement:
 def run_offsets(runs: Sequence[TensorRun]) -> tuple[list[int], int]:
     """Packed offset of every tensor and the packed total, from the runs alone.
 
-    The same layout functions the receiver uses. For the :class:`~ray_rdt_pool.wire.Runs`
+    The same layout functions the receiver uses. For the :class:`~ray_rdt_pool.core.wire.Runs`
     that ``runs_from`` returns, the offsets come group by group from its cached
-    :func:`~ray_rdt_pool.layout.group_layout`, with C-level range fills instead of a
+    :func:`~ray_rdt_pool.core.layout.group_layout`, with C-level range fills instead of a
     Python step per tensor or per run; any other sequence of runs goes through
-    :func:`~ray_rdt_pool.layout.run_layout` (the offsets are the same either way).
+    :func:`~ray_rdt_pool.core.layout.run_layout` (the offsets are the same either way).
     """
-    from ray_rdt_pool.wire import Runs
+    from ray_rdt_pool.core.wire import Runs
 
     if isinstance(runs, Runs):
         return runs.tensor_offsets(), runs.layout()[1]
@@ -199,8 +199,8 @@ class Sender:
         Never fails the put: where any step fails (a GCS error publishing the entry, a
         CUDA export torch refuses), the pool stays private and same-node receivers read
         it with NIXL, as receivers on other nodes do."""
-        from ray_rdt_pool.shared import SharedHostRegion
-        from ray_rdt_pool.tensors import CudaRegion
+        from ray_rdt_pool.memory.tensors import CudaRegion
+        from ray_rdt_pool.same_node.shared import SharedHostRegion
 
         node = self._node_id()
         directory = self._directory
@@ -223,14 +223,14 @@ class Sender:
     def _publish_shared(self, pool: Region, node: str, directory: Directory) -> LeaseTable:
         """The lease table of ``pool``, once its entry is published; raises (closing the
         table) if any step fails."""
-        from ray_rdt_pool.shared import (
+        from ray_rdt_pool.memory.tensors import CudaRegion
+        from ray_rdt_pool.same_node.shared import (
             HostInfo,
             LeaseTable,
             export_cuda_pool,
             lease_slots,
             process_start,
         )
-        from ray_rdt_pool.tensors import CudaRegion
 
         mem = pool.mem
         cuda = export_cuda_pool(mem.tensor) if isinstance(mem, CudaRegion) else None
@@ -461,7 +461,7 @@ class Sender:
         ``convert`` maps ``id(tensor)`` to the dtype it is packed as: the conversion is
         the pack copy itself (one pass), and the metadata names the new dtype.
         """
-        from ray_rdt_pool.tensors import describe, pack_into, pack_torch
+        from ray_rdt_pool.memory.tensors import describe, pack_into, pack_torch
 
         t_start = time.perf_counter()
         d = describe(tensors, allow_cuda=True, native=self.config.tuning.native)
@@ -553,7 +553,7 @@ class Sender:
         stream does, until its acknowledgements). Every tensor must be copyable as it
         lies (contiguous, no lazy conjugate or negation bit), else InvalidInputError."""
         from ray_rdt_pool.errors import InvalidInputError
-        from ray_rdt_pool.tensors import describe
+        from ray_rdt_pool.memory.tensors import describe
 
         d = describe(tensors, allow_cuda=True, native=self.config.tuning.native)
         if not all(d.plain):
@@ -615,7 +615,7 @@ class Sender:
         the metadata exists, so a one-sided READ never sees bytes still being written."""
         import torch
 
-        from ray_rdt_pool.tensors import pack_torch
+        from ray_rdt_pool.memory.tensors import pack_torch
 
         (off, length), = blocks
         block = region.mem.tensor[off:off + length]
@@ -725,7 +725,7 @@ class Sender:
 def _apply_conversions(d: Described, tensors: Sequence[torch.Tensor],
                        convert: Mapping[int, torch.dtype]) -> list[int]:
     """Describe the tensors named in ``convert`` as their packed dtype; their indices."""
-    from ray_rdt_pool.tensors import dtype_name
+    from ray_rdt_pool.memory.tensors import dtype_name
 
     out: list[int] = []
     for i, t in enumerate(tensors):

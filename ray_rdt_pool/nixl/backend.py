@@ -1,6 +1,6 @@
 """The NIXL side of the transport: the agents of one process, their locks, quiet progress.
 
-Only this module and :mod:`ray_rdt_pool.transport` touch NIXL. Everything above it talks
+Only this module and :mod:`ray_rdt_pool._ray.transport` touch NIXL. Everything above it talks
 to the small :class:`Backend` interface, which a fake can implement for unit tests of
 the transport's logic (never for integration tests).
 
@@ -321,7 +321,7 @@ class NixlBackend:
                 "it with `pip install nixl` on every node that sends or receives nixl_pool "
                 "objects"
             ) from e
-        from ray_rdt_pool.logs import quiet_nixl_stdout
+        from ray_rdt_pool.obs.logs import quiet_nixl_stdout
 
         quiet_nixl_stdout()  # NIXL's logger prints INFO lines to stdout per agent
         try:

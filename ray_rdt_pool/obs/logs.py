@@ -1,10 +1,10 @@
 """Logging of ray_rdt_pool: one standard ``logging`` logger per module, nothing on stdout.
 
 Role: every module logs to ``logging.getLogger(__name__)``, so all records live under the
-``ray_rdt_pool`` logger (``ray_rdt_pool.transport``, ``ray_rdt_pool.metrics``, ...). The
+``ray_rdt_pool`` logger (``ray_rdt_pool._ray.transport``, ``ray_rdt_pool.obs.metrics``, ...). The
 library installs no handler of its own except through :func:`enable_debug_logging`,
 which ``RAY_RDT_POOL_DEBUG_TRANSFERS=1`` (``PoolConfig.debug_transfers``) triggers when the
-process's runtime is created (see :func:`ray_rdt_pool.metrics.observer_for`). With it the
+process's runtime is created (see :func:`ray_rdt_pool.obs.metrics.observer_for`). With it the
 transport logs every put and fetch at DEBUG with the object ID, sizes and descriptor
 counts. Records go to stderr, which Ray writes to the worker's ``.err`` log file and,
 with ``log_to_driver``, echoes on the driver's console.

@@ -34,7 +34,7 @@ COUNTER_NAMES = (
 
 
 class Observer(Protocol):
-    """What the transport tells the metrics exporter (see :mod:`ray_rdt_pool.metrics`).
+    """What the transport tells the metrics exporter (see :mod:`ray_rdt_pool.obs.metrics`).
 
     ``source`` is the object whose ``stats()`` and ``config`` the observer may read.
     """

@@ -3,12 +3,12 @@ and loads it.
 
 Torch layer: imports torch (lazily, inside the functions), never Ray or NIXL.
 
-What it is for: :func:`ray_rdt_pool.tensors.describe` reads seven facts off every tensor
+What it is for: :func:`ray_rdt_pool.memory.tensors.describe` reads seven facts off every tensor
 of an object. The helper reads them in C++, straight off each tensor, several times
 faster than the Python loop for objects of thousands of tensors. The helper is
 optional: without it ``describe`` runs its Python loop, with the same results.
 
-Built on request, never at import and never during a put: ``python -m ray_rdt_pool.native
+Built on request, never at import and never during a put: ``python -m ray_rdt_pool.memory.native
 build`` (``make venv`` runs it) compiles ``_native.cpp`` with the system C++ compiler
 (``$CXX``, else ``c++``) against the headers and libraries of the torch installed in this
 environment. The result goes to a cache folder (``RAY_RDT_POOL_NATIVE_DIR``, default
@@ -118,7 +118,7 @@ def build(folder: Path | None = None, *, force: bool = False) -> Path:
         tmp.unlink(missing_ok=True)
         raise NativeBuildError(
             f"cannot run the C++ compiler {cmd[0]!r} ({e}); install one (g++ or clang++) "
-            "or set CXX, then run `python -m ray_rdt_pool.native build` again. Without "
+            "or set CXX, then run `python -m ray_rdt_pool.memory.native build` again. Without "
             "the helper describe() uses its Python loop") from e
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -135,7 +135,7 @@ def load(folder: Path | None = None) -> ModuleType | None:
 
     A file that fails to import, or reports another torch build than this process runs,
     is skipped with one warning. The caller checks the helper's answers before trusting
-    them (:mod:`ray_rdt_pool.tensors` compares it with the Python loop on probe tensors).
+    them (:mod:`ray_rdt_pool.memory.tensors` compares it with the Python loop on probe tensors).
     """
     global _loaded, _module
     if _loaded:
@@ -161,7 +161,7 @@ def _import(path: Path) -> ModuleType | None:
     except ImportError as e:
         _log.warning("ray_rdt_pool: the compiled describe helper %s does not load (%s); "
                      "describe() uses its Python loop. Rebuild it with "
-                     "`python -m ray_rdt_pool.native build --force`", path, e)
+                     "`python -m ray_rdt_pool.memory.native build --force`", path, e)
         return None
     if mod.built_for() != build_tag():
         _log.warning("ray_rdt_pool: the compiled describe helper %s was built for torch %s, "
@@ -172,11 +172,11 @@ def _import(path: Path) -> ModuleType | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ray_rdt_pool.native build [--force] | path``: build the helper for the
+    """``python -m ray_rdt_pool.memory.native build [--force] | path``: build the helper for the
     installed torch, or print where it is (exit status 1 when it is not built)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m ray_rdt_pool.native",
+    p = argparse.ArgumentParser(prog="python -m ray_rdt_pool.memory.native",
                                 description="Build or locate the compiled describe helper.")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="compile the helper for the installed torch")
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(build(force=args.force))
     except NativeBuildError as e:
-        print(f"ray_rdt_pool.native: {e}", file=sys.stderr)
+        print(f"ray_rdt_pool.memory.native: {e}", file=sys.stderr)
         return 0 if args.optional else 1
     return 0
 

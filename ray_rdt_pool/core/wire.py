@@ -4,9 +4,9 @@ Pure (stdlib and msgpack; never pickle, so a peer's bytes cannot run code here).
 sender describes an object as a :class:`WireMeta`: who holds the bytes (NIXL agent
 name and registration epoch), on which device, the tensors as runs of equal
 ``(shape, dtype)`` gathered into repeated *groups*, and the *segments* mapping the
-object's packed space (see :mod:`ray_rdt_pool.layout`) onto the sender's registered
+object's packed space (see :mod:`ray_rdt_pool.core.layout`) onto the sender's registered
 memory. Tensor offsets are not sent: both sides derive them from the groups with
-:func:`~ray_rdt_pool.layout.group_layout`.
+:func:`~ray_rdt_pool.core.layout.group_layout`.
 
 Encoding (version 2), a msgpack array of :data:`_NFIELDS` items::
 
@@ -25,7 +25,7 @@ repeated patterns itself, in time linear in the tensors: an RL batch sent per sa
 dict that repeats one layer's pattern, each encode in under 200 bytes, and one field of
 a repeated pattern is a regular strided array of the packed block (from the second
 repetition on, and from the first unless it lies off the grid: see
-:mod:`ray_rdt_pool.layout`). 10,000 *different*
+:mod:`ray_rdt_pool.core.layout`). 10,000 *different*
 2-D shapes with dims below 65,536 still take at most 9 bytes per run, under 100 KB in
 all (the tests hold these bounds).
 
@@ -47,14 +47,14 @@ from typing import Any, TypeVar, overload
 
 import msgpack
 
-from ray_rdt_pool.errors import InvalidInputError, WireFormatError
-from ray_rdt_pool.layout import (
+from ray_rdt_pool.core.layout import (
     Placed,
     Spec,
     group_layout,
     group_offsets,
     group_run_starts,
 )
+from ray_rdt_pool.errors import InvalidInputError, WireFormatError
 
 __all__ = [
     "DTYPES",
@@ -160,7 +160,7 @@ class TensorRun:
 
     @property
     def spec(self) -> Spec:
-        """``(nbytes_each, align, count)``, the run as :mod:`ray_rdt_pool.layout` sees it."""
+        """``(nbytes_each, align, count)``, the run as :mod:`ray_rdt_pool.core.layout` sees it."""
         itemsize = DTYPES[self.dtype][1]
         return math.prod(self.shape) * itemsize, itemsize, self.count
 
@@ -170,7 +170,7 @@ class RunGroup:
     """The runs of one repetition of a pattern, repeated ``repeat`` times back to back.
 
     ``repeat == 1`` is a plain stretch of runs. The repetitions of a group are uniform
-    from the second on (see :mod:`ray_rdt_pool.layout`).
+    from the second on (see :mod:`ray_rdt_pool.core.layout`).
     """
 
     runs: tuple[TensorRun, ...]
@@ -264,7 +264,7 @@ class Runs(Sequence[TensorRun]):
         return f"Runs({list(self._groups)!r})"
 
     def layout(self) -> _Layout:
-        """:func:`~ray_rdt_pool.layout.group_layout` of the groups (computed once).
+        """:func:`~ray_rdt_pool.core.layout.group_layout` of the groups (computed once).
 
         Raises:
             ValueError: for an invalid run or repeat.

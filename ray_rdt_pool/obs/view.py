@@ -13,8 +13,8 @@ Calls go to the ``_ray_system`` concurrency group that Ray creates for actors wi
 ``enable_tensor_transport=True``, so a table can be taken while the actor is busy in a
 long method. Command line (best effort, for an attached cluster)::
 
-    python -m ray_rdt_pool.view --address auto [--namespace NS] [--json] [--timeout 10]
-    python -m ray_rdt_pool.view --prometheus http://127.0.0.1:PORT/metrics
+    python -m ray_rdt_pool.obs.view --address auto [--namespace NS] [--json] [--timeout 10]
+    python -m ray_rdt_pool.obs.view --prometheus http://127.0.0.1:PORT/metrics
 
 The first form lists the alive actors and asks the *named* ones that loaded the
 transport (Ray gives another driver a handle to an actor only by name; unnamed actors
@@ -49,9 +49,9 @@ COLUMNS: tuple[str, ...] = (
 
 def _actor_stats(actor_self: Any, only_if_loaded: bool = False) -> dict[str, Any] | None:
     """Runs inside the actor: its transport stats as a dict (None if not loaded)."""
-    if only_if_loaded and "ray_rdt_pool.transport" not in sys.modules:
+    if only_if_loaded and "ray_rdt_pool._ray.transport" not in sys.modules:
         return None
-    from ray_rdt_pool.transport import stats
+    from ray_rdt_pool._ray.transport import stats
 
     row = stats().as_dict()
     row["pid"] = os.getpid()
@@ -280,9 +280,9 @@ def _reachable_handles(alive: Sequence[dict[str, Any]], namespace: str | None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m ray_rdt_pool.view``: print the table for every actor with the transport."""
+    """``python -m ray_rdt_pool.obs.view``: print the table for every actor with the transport."""
     parser = argparse.ArgumentParser(
-        prog="python -m ray_rdt_pool.view",
+        prog="python -m ray_rdt_pool.obs.view",
         description="Show the nixl_pool sender pool and receive arena of every alive named "
                     "actor that loaded the transport, or of every process that exports "
                     "the transport's metrics (--prometheus).")

@@ -2,8 +2,8 @@
 
 Role: the only module that imports Ray. It turns Ray's calls into calls on the
 process's :class:`Runtime`, which wires the three owners together:
-:mod:`ray_rdt_pool.registry` (every NIXL registration), :mod:`ray_rdt_pool.sender`
-(the pool and the objects sent) and :mod:`ray_rdt_pool.receiver` (arenas, peers and
+:mod:`ray_rdt_pool.registry` (every NIXL registration), :mod:`ray_rdt_pool.send.sender`
+(the pool and the objects sent) and :mod:`ray_rdt_pool.receive.receiver` (arenas, peers and
 READs). It also owns the two Ray-side pieces: the per-object metadata Ray pickles
 (:class:`PoolTransportMetadata`) and the agent directory in Ray's GCS
 (:class:`KVDirectory`), the process-wide lifecycle (``configure``, ``runtime``,
@@ -40,8 +40,8 @@ from ray.experimental.rdt.tensor_transport_manager import (
     TensorTransportMetadata,
 )
 
-from ray_rdt_pool import _nixl
 from ray_rdt_pool.config import PoolConfig, Tuning, from_env
+from ray_rdt_pool.core.wire import WireMeta, decode
 from ray_rdt_pool.errors import (
     ConfigurationError,
     InvalidInputError,
@@ -50,17 +50,17 @@ from ray_rdt_pool.errors import (
     WireFormatError,
     shut_down_error,
 )
-from ray_rdt_pool.events import Events
-from ray_rdt_pool.receiver import Fetch, Receiver
+from ray_rdt_pool.nixl import backend as _nixl
+from ray_rdt_pool.obs.events import Events
+from ray_rdt_pool.obs.stats import TransportStats
+from ray_rdt_pool.receive.receiver import Fetch, Receiver
 from ray_rdt_pool.registry import Registry
-from ray_rdt_pool.sender import Sender
-from ray_rdt_pool.snapshot import TransportStats
-from ray_rdt_pool.wire import WireMeta, decode
+from ray_rdt_pool.send.sender import Sender
 
 if TYPE_CHECKING:
     import torch
 
-    from ray_rdt_pool.shared import SourceProcess
+    from ray_rdt_pool.same_node.shared import SourceProcess
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class LazyTensorMeta(Sequence[Any]):
         if self._items is None:
             import torch
 
-            from ray_rdt_pool.tensors import torch_dtype
+            from ray_rdt_pool.memory.tensors import torch_dtype
 
             meta = self._owner.decoded()
             # One (Size, dtype) pair per run of a pattern, replicated per tensor: an
@@ -212,9 +212,9 @@ class Runtime:
     """All transport state of one process: one owner per lifetime.
 
     * :class:`~ray_rdt_pool.registry.Registry`: every NIXL registration and the epoch;
-    * :class:`~ray_rdt_pool.sender.Sender`: the pool, overflow regions, sent objects;
-    * :class:`~ray_rdt_pool.receiver.Receiver`: arenas, peers, READs, aborts;
-    * :class:`~ray_rdt_pool.events.Events`: counters and the metrics observer.
+    * :class:`~ray_rdt_pool.send.sender.Sender`: the pool, overflow regions, sent objects;
+    * :class:`~ray_rdt_pool.receive.receiver.Receiver`: arenas, peers, READs, aborts;
+    * :class:`~ray_rdt_pool.obs.events.Events`: counters and the metrics observer.
 
     This class only wires them together and answers ``stats()``. The NIXL agent is
     created on first use; until then ``configure()`` may still replace the runtime.
@@ -257,7 +257,7 @@ class Runtime:
         # away again: the runtime configure() makes instead may not want it.
         self._debug_handler: Any = None
         if config.debug_transfers:
-            from ray_rdt_pool.logs import debug_handler, enable_debug_logging
+            from ray_rdt_pool.obs.logs import debug_handler, enable_debug_logging
 
             if debug_handler() is None:
                 self._debug_handler = enable_debug_logging()
@@ -333,7 +333,7 @@ class Runtime:
             if self.observer is not None and hasattr(self.observer, "close"):
                 self.observer.close()
             if self._debug_handler is not None:
-                from ray_rdt_pool.logs import disable_debug_logging
+                from ray_rdt_pool.obs.logs import disable_debug_logging
 
                 disable_debug_logging(self._debug_handler)
         finally:
@@ -396,8 +396,8 @@ class Runtime:
         """The tensors of an object this process put, as the put copied them: new tensors,
         each with its own storage (pickled one by one, none carries the others' bytes),
         never views of the pool. None for an object this transport does not hold."""
-        from ray_rdt_pool.receiver import target_descs
-        from ray_rdt_pool.tensors import copy_bytes, empty_tensor, torch_dtype
+        from ray_rdt_pool.memory.tensors import copy_bytes, empty_tensor, torch_dtype
+        from ray_rdt_pool.receive.receiver import target_descs
 
         with self.sender.lock:  # the blocks cannot be freed (and reused) meanwhile
             p = self.sender.sent.get(obj_id)
@@ -708,13 +708,13 @@ def runtime() -> Runtime:
             _runtime = Runtime(_config)
             _runtime.sender.cuda_stream = _cuda_stream
             try:
-                from ray_rdt_pool import metrics
+                from ray_rdt_pool.obs import metrics
 
                 _runtime.observer = metrics.observer_for(_runtime)
             except Exception:
                 logger.debug("metrics unavailable", exc_info=True)
             if not _atexit_registered:
-                from ray_rdt_pool.tensors import install_exit_hook
+                from ray_rdt_pool.memory.tensors import install_exit_hook
 
                 install_exit_hook()  # atexit runs it last: after shutdown below
                 atexit.register(shutdown)
@@ -735,7 +735,7 @@ def shutdown() -> None:
     # is the parent's: shutting it down here would remove the parent's agent key from
     # Ray's GCS (its receivers could no longer find it) and tear down NIXL state the
     # parent still uses. The child leaves it alone; its memory goes with the process.
-    from ray_rdt_pool.tensors import stop_pack_helpers
+    from ray_rdt_pool.memory.tensors import stop_pack_helpers
 
     stop_pack_helpers()
 
@@ -831,7 +831,7 @@ def fetch_selected(ref: ray.ObjectRef, selection: Sequence[tuple[slice, ...] | N
                                 "made with _tensor_transport='nixl_pool'")
     store = mgr.rdt_store
     if store.has_object(obj_id):  # this process holds the object itself: no READ
-        from ray_rdt_pool.receiver import selection_bounds
+        from ray_rdt_pool.receive.receiver import selection_bounds
 
         held = store.get_object(obj_id)
         _check_selection_count(selection, len(held))
@@ -852,7 +852,7 @@ def source_process() -> SourceProcess | None:
     """This process as a source of direct reads by same-node receivers (the weights
     API's stream), or None outside a Ray worker or driver, or where ``same_node`` is
     ``"off"``."""
-    from ray_rdt_pool.shared import this_process
+    from ray_rdt_pool.same_node.shared import this_process
 
     node = _ray_node_id()
     if node is None or runtime().config.same_node == "off":
@@ -1331,7 +1331,7 @@ class _StoredTensor:
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         import torch
 
-        from ray_rdt_pool.tensors import dtype_name
+        from ray_rdt_pool.memory.tensors import dtype_name
 
         t = self.tensor
         return _tensor_from_store, (dtype_name(t.dtype), tuple(t.shape),
@@ -1344,7 +1344,7 @@ def _tensor_from_store(dtype: str, shape: tuple[int, ...], raw: Any) -> Any:
     import numpy
     import torch
 
-    from ray_rdt_pool.tensors import empty_tensor, torch_dtype
+    from ray_rdt_pool.memory.tensors import empty_tensor, torch_dtype
 
     out = empty_tensor(shape, torch_dtype(dtype))
     want = out.numel() * out.element_size()
@@ -1527,7 +1527,7 @@ def _check_tensor(tensor: Any, what: str) -> None:
 def _check_memory(tensor: Any, what: str) -> None:
     """InvalidInputError unless ``tensor`` is a CPU or CUDA tensor with memory of its own
     behind its storage (not a ZeroTensor, a storage resized to 0, or a DTensor)."""
-    from ray_rdt_pool.tensors import storage_base
+    from ray_rdt_pool.memory.tensors import storage_base
 
     _check_tensor(tensor, what)
     if tensor._is_zerotensor():

@@ -3,8 +3,8 @@
 Pure module: ctypes and the standard library only (no torch, Ray or NIXL).
 
 :func:`stream_copy` returns ``rdt_stream_copy`` from the optional extension
-``ray_rdt_pool._copy`` (built from ``_copy.c`` at install when a C compiler is present),
-or None without it; the torch layer (:mod:`ray_rdt_pool.tensors`) uses it for host copies
+``ray_rdt_pool.memory._copy`` (built from ``_copy.c`` at install when a C compiler is present),
+or None without it; the torch layer (:mod:`ray_rdt_pool.memory.tensors`) uses it for host copies
 of at least ``Tuning.stream_copy_bytes`` in all and :func:`ctypes.memmove` for the
 rest. Both take ``(destination address, source address, bytes)`` and release the GIL
 (ctypes foreign calls), so the pack threads copy in parallel. :func:`move_batch` returns
@@ -47,7 +47,7 @@ def _load() -> None:
         if _loaded:
             return
         try:
-            mod = importlib.import_module("ray_rdt_pool._copy")
+            mod = importlib.import_module("ray_rdt_pool.memory._copy")
             lib = ctypes.CDLL(mod.__file__)
             fn = lib.rdt_stream_copy
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]

@@ -65,15 +65,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from ray_rdt_pool.core.layout import BLOCK_ALIGN, align_up, packed_offsets
 from ray_rdt_pool.errors import InvalidInputError, PoolExhaustedError, RdtPoolError, fmt_bytes
-from ray_rdt_pool.layout import BLOCK_ALIGN, align_up, packed_offsets
 from ray_rdt_pool.registry import storage_key
 
 if TYPE_CHECKING:
     from ray import ObjectRef
     from ray.actor import ActorHandle
 
-    from ray_rdt_pool.shared import SourceProcess
+    from ray_rdt_pool.same_node.shared import SourceProcess
 
 logger = logging.getLogger(__name__)
 
@@ -481,7 +481,7 @@ def _check_weight(name: str, t: torch.Tensor, what: str) -> None:
     memory behind them (not on the meta device, a ZeroTensor, a DTensor, or a storage
     resized or shrunk under it), and, as a destination, one whose elements each have
     bytes of their own. Anything else is read or written out of bounds, or not at all."""
-    from ray_rdt_pool.tensors import memory_problem
+    from ray_rdt_pool.memory.tensors import memory_problem
 
     desc = f"{what} {name!r} ({tuple(t.shape)} {t.dtype})"
     if t.is_nested or t.layout is not torch.strided:
@@ -534,7 +534,7 @@ def _check_wire_dtype(wire_dtype: WireDtype) -> None:
 
 
 def _wire_carries(dt: torch.dtype, name: str | None) -> None:
-    from ray_rdt_pool.wire import DTYPES
+    from ray_rdt_pool.core.wire import DTYPES
 
     if _dtype_str(dt) not in DTYPES:
         who = f" for {name!r}" if name is not None else ""
@@ -647,7 +647,7 @@ def _put_bucket(tensors: list[torch.Tensor], entries: Sequence[TensorEntry]) -> 
     convert = _conversions(tensors, entries)
     if not convert:
         return ray.put(tensors, _tensor_transport=_transport())
-    from ray_rdt_pool.transport import pack_as
+    from ray_rdt_pool._ray.transport import pack_as
 
     with pack_as(convert):
         return ray.put(tensors, _tensor_transport=_transport())
@@ -699,7 +699,7 @@ def _owned_bucket(obj_id: str, tensors: list[torch.Tensor], entries: Sequence[Te
     snapshot; tensors whose entry names another dtype are converted by the pack copy
     itself), or ``by_reference`` with no pack, receivers READ the tensors where they lie
     and the sender keeps them, unchanged, until every receiver acknowledged it."""
-    from ray_rdt_pool.transport import put_owned
+    from ray_rdt_pool._ray.transport import put_owned
 
     convert = None if by_reference else _conversions(tensors, entries) or None
     wire, device = put_owned(obj_id, tensors, convert, by_reference=by_reference)
@@ -707,7 +707,7 @@ def _owned_bucket(obj_id: str, tensors: list[torch.Tensor], entries: Sequence[Te
 
 
 def _registration_cache_bytes() -> int:
-    from ray_rdt_pool.transport import runtime
+    from ray_rdt_pool._ray.transport import runtime
 
     return int(runtime().config.registration_cache_bytes)
 
@@ -898,7 +898,7 @@ def _pool_capacity() -> int:
     s = _stats()
     if s.pool_capacity:
         return int(s.pool_capacity)
-    from ray_rdt_pool.transport import runtime
+    from ray_rdt_pool._ray.transport import runtime
 
     return int(runtime().config.pool_capacity)
 
@@ -1177,7 +1177,7 @@ class WeightSender:
 
         src_proc: SourceProcess | None = None
         if self.source_reads:
-            from ray_rdt_pool.transport import source_process
+            from ray_rdt_pool._ray.transport import source_process
 
             src_proc = source_process()
         # From here on ``v`` may be committed by some receiver, even if the stream fails:
@@ -1497,7 +1497,7 @@ class _Run:
 
 def _forget_registrations(keys: set[Any]) -> None:
     if keys:
-        from ray_rdt_pool.transport import forget_registrations
+        from ray_rdt_pool._ray.transport import forget_registrations
 
         forget_registrations(keys)
 
@@ -1576,7 +1576,7 @@ _LATE = _LateBuckets()
 
 
 def _free_owned(obj_ids: Sequence[str | None]) -> None:
-    from ray_rdt_pool.transport import free_owned
+    from ray_rdt_pool._ray.transport import free_owned
 
     for oid in obj_ids:
         if oid is not None:
@@ -1632,7 +1632,7 @@ def _wait_for_pool(nbytes: int, limit: int, capacity: int, timeout_s: float,
 
     Returns the seconds waited.
     """
-    from ray_rdt_pool.transport import runtime
+    from ray_rdt_pool._ray.transport import runtime
 
     def fits(s: Any) -> bool:
         return _fits(s, nbytes, limit, capacity, one_block)
@@ -1744,7 +1744,7 @@ def _check_arrived(plan: BucketPlan, got: Sequence[torch.Tensor] | None = None,
     tensors), for a bucket not fetched yet. Checked before anything is written: ``copy_`` would
     broadcast or cast a tensor of another shape or dtype into the destination without a
     word, and a landing would blame the destination."""
-    from ray_rdt_pool.wire import decode
+    from ray_rdt_pool.core.wire import decode
 
     facts = list(decode(wire).shapes_dtypes()) if wire is not None else [
         (tuple(g.shape), _dtype_str(g.dtype)) for g in got or ()]
@@ -1888,7 +1888,7 @@ class _Claims(dict[tuple[Any, ...], tuple[str, int, str, str]]):
     bucket, the manifest name written there, the destination name). ``spans`` holds the
     byte ranges of the contiguous claimed tensors, (device, start, end, destination
     name), sorted and disjoint; ``strided`` the others with their byte runs
-    (:func:`~ray_rdt_pool.tensors.byte_runs`), so that a destination that shares bytes
+    (:func:`~ray_rdt_pool.memory.tensors.byte_runs`), so that a destination that shares bytes
     with another without being the same tensor (a slice of it, a dtype view, a
     conjugate, a transpose, a column slice crossing another) is found, while strided
     views that interleave without sharing a byte are not."""
@@ -1913,7 +1913,7 @@ class _Claims(dict[tuple[Any, ...], tuple[str, int, str, str]]):
         could not be shown apart."""
         import bisect
 
-        from ray_rdt_pool.tensors import byte_runs, reach, runs_meet
+        from ray_rdt_pool.memory.tensors import byte_runs, reach, runs_meet
 
         if not d.nbytes:
             return None
@@ -1951,7 +1951,7 @@ class _Claims(dict[tuple[Any, ...], tuple[str, int, str, str]]):
 
 
 def _one(addr: int) -> torch.Tensor:
-    """The start of a single run, as :func:`~ray_rdt_pool.tensors.byte_runs` lists it."""
+    """The start of a single run, as :func:`~ray_rdt_pool.memory.tensors.byte_runs` lists it."""
     return torch.tensor([addr], dtype=torch.int64)
 
 
@@ -2213,7 +2213,7 @@ class WeightReceiver:
             met = mem.overlap(d, dn)
             if met is not None:
                 other, unsure = met
-                from ray_rdt_pool.tensors import MAX_BYTE_RUNS
+                from ray_rdt_pool.memory.tensors import MAX_BYTE_RUNS
 
                 how = (f"spans the bytes of destination {other!r} in over "
                        f"{MAX_BYTE_RUNS:,} strided runs, too many to show that they do "
@@ -2388,7 +2388,7 @@ class WeightReceiver:
             got = self._read_source(plan, ref)
             src = got
         elif isinstance(ref, PoolBucket):
-            from ray_rdt_pool.transport import fetch_owned
+            from ray_rdt_pool._ray.transport import fetch_owned
 
             _check_arrived(plan, wire=ref.wire)
 
@@ -2398,7 +2398,7 @@ class WeightReceiver:
                               plan.targets if plan.select is None else None, plan.select)
             src = got if plan.select is not None or plan.targets is None else plan.targets
         elif plan.select is not None:
-            from ray_rdt_pool import transport
+            from ray_rdt_pool._ray import transport
 
             got = transport.fetch_selected(ref, plan.select)
             src = got
@@ -2459,7 +2459,7 @@ class WeightReceiver:
         """Copy bucket ``plan.index`` straight out of the sender's tensors: into the
         destination tensors when it lands directly, else into the receive arena (only
         the selected part of each tensor with ``select``)."""
-        from ray_rdt_pool.transport import read_source
+        from ray_rdt_pool._ray.transport import read_source
 
         entries = plan.entries
         if len(sb.addrs) != len(entries):
@@ -2485,7 +2485,7 @@ class WeightReceiver:
         """Whether this receiver can copy stream buckets straight out of ``source`` (the
         sender's process): same Ray node, ``same_node`` not ``"off"`` here, and the
         kernel lets it read that process (see docs/weight-sync.md)."""
-        from ray_rdt_pool.transport import can_read_source
+        from ray_rdt_pool._ray.transport import can_read_source
 
         return can_read_source(source)
 

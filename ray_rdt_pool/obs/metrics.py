@@ -1,8 +1,8 @@
 """Ray metrics of the nixl_pool transport: gauges, counters and histograms per process.
 
 Role: :func:`observer_for` gives the transport's runtime an :class:`Observer`, which
-implements :class:`ray_rdt_pool.events.Observer`; the runtime is seen only through
-:class:`ray_rdt_pool.snapshot.StatsSource` (``config`` and ``stats()``), so this module
+implements :class:`ray_rdt_pool.obs.events.Observer`; the runtime is seen only through
+:class:`ray_rdt_pool.obs.stats.StatsSource` (``config`` and ``stats()``), so this module
 never imports the transport. The runtime calls the observer once per put,
 free, completed fetch and failed fetch, never per tensor. The observer exports through
 ``ray.util.metrics``, which Ray serves on its Prometheus endpoint under a ``ray_`` prefix
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ray_rdt_pool.snapshot import StatsSource as Runtime
-    from ray_rdt_pool.snapshot import TransportStats
+    from ray_rdt_pool.obs.stats import StatsSource as Runtime
+    from ray_rdt_pool.obs.stats import TransportStats
 
 __all__ = [
     "COUNTERS",

@@ -2,7 +2,7 @@
 
 Depends on torch and the pure modules, never on Ray or NIXL. The transport calls these
 functions on both sides, so the byte layout of an object is decided in one place
-(:mod:`ray_rdt_pool.layout`) and applied here.
+(:mod:`ray_rdt_pool.core.layout`) and applied here.
 
 Threads: every function runs on its caller's thread. The one exception is a large
 ``pack_into`` with ``threads`` > 1, which shares its memmoves with daemon helper threads
@@ -28,10 +28,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ray_rdt_pool.core.layout import BlockMap
+from ray_rdt_pool.core.wire import DTYPES, RunGroup, Runs, TensorRun
 from ray_rdt_pool.errors import InvalidInputError
-from ray_rdt_pool.fastcopy import move_batch, stream_copy
-from ray_rdt_pool.layout import BlockMap
-from ray_rdt_pool.wire import DTYPES, RunGroup, Runs, TensorRun
+from ray_rdt_pool.memory.fastcopy import move_batch, stream_copy
 
 if TYPE_CHECKING:
     import numpy as np
@@ -126,7 +126,7 @@ def describe(tensors: Sequence[Any], *, allow_cuda: bool = False,
     with bytes but no memory (a ZeroTensor, a storage resized to 0).
 
     With ``native`` (``Tuning.native``) and the compiled helper built for this torch
-    (:mod:`ray_rdt_pool.native`), the facts of an object of plain dense CPU tensors are
+    (:mod:`ray_rdt_pool.memory.native`), the facts of an object of plain dense CPU tensors are
     read in C++; anything else, and every error, takes the Python loop.
     """
     if native and tensors:
@@ -262,7 +262,7 @@ def _checked_native() -> Callable[[Sequence[Any]], _Facts | None] | None:
 
     import torch
 
-    from ray_rdt_pool import native
+    from ray_rdt_pool.memory import native
 
     mod = native.load()
     if mod is None:
@@ -282,7 +282,7 @@ def _checked_native() -> Callable[[Sequence[Any]], _Facts | None] | None:
             logging.getLogger(__name__).warning(
                 "ray_rdt_pool: the compiled describe helper disagrees with the Python loop "
                 "on %d probe tensors (%s); describe() uses its Python loop. Rebuild it with "
-                "`python -m ray_rdt_pool.native build --force`",
+                "`python -m ray_rdt_pool.memory.native build --force`",
                 len(probe), sorted({str(t.dtype) for t in probe}))
             return None
     return fn
@@ -1087,7 +1087,7 @@ def pack_into(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[i
     tensor costs more than its copy (seed 000: ~8 us per fragment).
 
     Stores: a pack into blocks of at least ``stream_min`` bytes in all (0: never) copies
-    with streaming stores where the compiled helper exists (:mod:`ray_rdt_pool.fastcopy`).
+    with streaming stores where the compiled helper exists (:mod:`ray_rdt_pool.memory.fastcopy`).
 
     Threads: with ``threads`` > 1 and at least ``threshold`` bytes to copy, the calling
     thread and up to ``threads - 1`` daemon helper threads (started on first use, shared
@@ -1164,7 +1164,7 @@ def rebuild(block: torch.Tensor, runs: Sequence[TensorRun],
     ``starts`` are the packed offsets of the runs' first tensors (``meta.run_starts()``).
     Each run of equal (shape, dtype) tensors becomes one reshape and one ``unbind``, so
     thousands of row views cost a few torch calls, not one per tensor. When ``runs`` is a
-    :class:`~ray_rdt_pool.wire.Runs` (what the decoder returns), a repeated group costs a
+    :class:`~ray_rdt_pool.core.wire.Runs` (what the decoder returns), a repeated group costs a
     few torch calls too, however many repetitions it has: see :func:`_rebuild_group`.
     """
     out: list[torch.Tensor] = []

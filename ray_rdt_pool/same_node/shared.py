@@ -82,7 +82,7 @@ from typing import Any
 import msgpack
 
 from ray_rdt_pool.errors import WireFormatError
-from ray_rdt_pool.tensors import HostRegion
+from ray_rdt_pool.memory.tensors import HostRegion
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The NIXL boundary: the backend protocol and the real agent behind it."""

@@ -1,0 +1,1 @@
+"""The receiving side: arenas, peers, READs in flight, mapped gets."""
