@@ -14,6 +14,7 @@ PURE_MODULES = [
     "ray_rdt_pool.core.allocator",
     "ray_rdt_pool.core.descriptors",
     "ray_rdt_pool.core.wire",
+    "ray_rdt_pool.core.selection",
     "ray_rdt_pool.config",
     "ray_rdt_pool.obs.stats",
     "ray_rdt_pool.obs.events",

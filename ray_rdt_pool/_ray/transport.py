@@ -831,7 +831,7 @@ def fetch_selected(ref: ray.ObjectRef, selection: Sequence[tuple[slice, ...] | N
                                 "made with _tensor_transport='nixl_pool'")
     store = mgr.rdt_store
     if store.has_object(obj_id):  # this process holds the object itself: no READ
-        from ray_rdt_pool.receive.receiver import selection_bounds
+        from ray_rdt_pool.core.selection import selection_bounds
 
         held = store.get_object(obj_id)
         _check_selection_count(selection, len(held))

@@ -60,11 +60,12 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ray_rdt_pool.core.descriptors import merge_descriptors
+from ray_rdt_pool.core.selection import SelectionPlan, plan_for_object, plan_selection
 from ray_rdt_pool.errors import (
     InvalidInputError,
     PoolExhaustedError,
@@ -186,7 +187,7 @@ class Fetch:
         self.transfer: Transfer | None = None
         self.copy_into: list[torch.Tensor] | None = None
         self.targets: list[torch.Tensor] | None = None
-        self.selected: Selection | None = None  # a partial READ (fetch_selected)
+        self.selected: SelectionPlan | None = None  # a partial READ (fetch_selected)
         self.selection: Sequence[Any] | None = None  # its slices, as the caller gave them
         self.tensors: list[torch.Tensor] = []
         self.t_start = time.perf_counter()
@@ -1140,7 +1141,7 @@ class Receiver:
                 raise InvalidInputError(f"unknown dtype {dt!r} in a source read")
             sizes.append(math.prod(shape) * DTYPES[dt][1])
         landing: Landing | None = None
-        sel: Selection | None = None
+        sel: SelectionPlan | None = None
         if targets is not None:
             if len(targets) != len(tensors) or selection is not None:
                 raise InvalidInputError(
@@ -1201,7 +1202,7 @@ class Receiver:
               targets: Sequence[torch.Tensor] | None,
               selection: Sequence[Any] | None = None) -> Fetch:
         """Start reading ``obj_id`` (or, with ``selection``, only part of each tensor:
-        see :func:`selection_plan`); never waits for other fetches."""
+        see :func:`~ray_rdt_pool.core.selection.plan_for_object`); never waits for other fetches."""
         from ray_rdt_pool.memory.tensors import empty_like_run_list, empty_tensor, torch_dtype
 
         f = Fetch(obj_id, meta)
@@ -1219,7 +1220,7 @@ class Receiver:
                 "give the actor a GPU (num_gpus=1), or land it in host memory with "
                 "ray.experimental.set_target_device_for_ref(ref, 'cpu') before ray.get")
         if selection is not None:
-            f.selected = selection_plan(meta, selection)
+            f.selected = plan_for_object(meta, selection)
             f.selection = selection
             if f.selected.total == 0:
                 f.tensors = [empty_tensor(s, torch_dtype(d), device)
@@ -1383,7 +1384,7 @@ class Receiver:
         self.events.notify("fetch", meta.total, time.perf_counter() - f.t_start)
         return f.tensors
 
-    def _rebuild_selected(self, landing: Landing, sel: Selection) -> list[torch.Tensor]:
+    def _rebuild_selected(self, landing: Landing, sel: SelectionPlan) -> list[torch.Tensor]:
         from ray_rdt_pool.memory.tensors import device_block, torch_dtype
 
         if landing.kind == "arena":
@@ -1627,110 +1628,6 @@ def target_descs(targets: Sequence[torch.Tensor], meta: WireMeta
     spans = [(off, t.data_ptr(), t.numel() * t.element_size())
              for t, off in zip(targets, meta.tensor_offsets()) if t.numel()]
     return _read_pieces(meta, spans, targets[0].device.index or 0)
-
-
-@dataclass
-class Selection:
-    """What a partial READ lands: per tensor its selected shape, dtype and offset in the
-    landing, and the byte runs ``(landing offset, packed offset, length)`` to read."""
-
-    shapes: list[tuple[int, ...]]
-    dtypes: list[str]
-    offsets: list[int]
-    total: int
-    runs: list[tuple[int, int, int]]
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes read (``total`` adds the alignment padding of the landing)."""
-        return sum(n for _lo, _p, n in self.runs)
-
-
-def selection_plan(meta: WireMeta, selection: Sequence[Any]) -> Selection:
-    """Plan a READ of only the selected part of each tensor (see transport.fetch_selected)."""
-    if len(selection) != meta.num_tensors:
-        raise InvalidInputError(
-            f"{len(selection)} selections for an object of {meta.num_tensors} tensors; pass "
-            "one (a tuple of slices, or None) per tensor")
-    return plan_selection(meta.shapes_dtypes(), meta.tensor_offsets(), selection)
-
-
-def plan_selection(shapes_dtypes: Iterable[tuple[tuple[int, ...], str]],
-                   bases: Sequence[int], selection: Sequence[Any]) -> Selection:
-    """:func:`selection_plan` for tensors whose bytes start at ``bases`` (packed offsets
-    of a pool object, or addresses in a source process): the runs read from there."""
-    from ray_rdt_pool.core.layout import packed_offsets
-    from ray_rdt_pool.core.wire import DTYPES
-
-    shapes: list[tuple[int, ...]] = []
-    dtypes: list[str] = []
-    rel: list[list[tuple[int, int]]] = []
-    items: list[int] = []
-    for i, ((shape, dt), sel) in enumerate(zip(shapes_dtypes, selection)):
-        item = DTYPES[dt][1]
-        out, runs = _byte_runs(i, shape, item, sel)
-        shapes.append(out)
-        dtypes.append(dt)
-        rel.append(runs)
-        items.append(item)
-    sizes = [sum(n for _o, n in r) for r in rel]
-    offsets, total = packed_offsets(sizes, items)
-    runs_out: list[tuple[int, int, int]] = []
-    for off, base, runs in zip(offsets, bases, rel):
-        pos = off
-        for o, n in runs:
-            runs_out.append((pos, base + o, n))
-            pos += n
-    return Selection(shapes, dtypes, offsets, total, runs_out)
-
-
-def selection_bounds(i: int, shape: tuple[int, ...], sel: Any) -> list[tuple[int, int]]:
-    """The ``[start, stop)`` of selection ``sel`` of tensor ``i`` (of ``shape``) on every
-    dim, or InvalidInputError: a tuple of at most one step-1 slice per dim (a lone slice
-    or None also do). The one check of a selection, whether it is read or, for an object
-    this process holds, sliced."""
-    if sel is None:
-        sel = ()
-    if isinstance(sel, slice):
-        sel = (sel,)
-    if not isinstance(sel, tuple) or len(sel) > len(shape) or not all(
-            isinstance(s, slice) for s in sel):
-        raise InvalidInputError(
-            f"selection {i} is {sel!r} for a tensor of shape {shape}: pass a tuple of at most "
-            f"{len(shape)} slices (or None for the whole tensor)")
-    bounds: list[tuple[int, int]] = []
-    for dim, size in enumerate(shape):
-        start, stop, step = (sel[dim] if dim < len(sel) else slice(None)).indices(size)
-        if step != 1:
-            raise InvalidInputError(
-                f"selection {i} has step {step} on dim {dim}; only step-1 slices can be "
-                "read as byte ranges: read the range and slice it afterwards")
-        bounds.append((start, max(start, stop)))
-    return bounds
-
-
-def _byte_runs(i: int, shape: tuple[int, ...], item: int, sel: Any
-               ) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
-    """The selected shape and the (offset, length) byte runs of a C-contiguous tensor."""
-    bounds = selection_bounds(i, shape, sel)
-    out = tuple(b - a for a, b in bounds)
-    if 0 in out:
-        return out, []
-    strides = [1] * len(shape)
-    for dim in range(len(shape) - 2, -1, -1):
-        strides[dim] = strides[dim + 1] * shape[dim + 1]
-    narrow = [d for d, (a, b) in enumerate(bounds) if (a, b) != (0, shape[d])]
-    if not narrow:
-        n = 1
-        for x in shape:
-            n *= x
-        return out, [(0, n * item)]
-    k = narrow[-1]
-    run = out[k] * strides[k]
-    runs = [((sum(j * s for j, s in zip(idx, strides)) + bounds[k][0] * strides[k]) * item,
-             run * item)
-            for idx in itertools.product(*(range(a, b) for a, b in bounds[:k]))]
-    return out, runs
 
 
 def _check_targets(targets: Sequence[torch.Tensor], meta: WireMeta,

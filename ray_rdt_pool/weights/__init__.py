@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from ray_rdt_pool.core.layout import BLOCK_ALIGN, align_up, packed_offsets
+from ray_rdt_pool.core.selection import Slices
 from ray_rdt_pool.errors import InvalidInputError, PoolExhaustedError, RdtPoolError, fmt_bytes
 from ray_rdt_pool.registry import storage_key
 
@@ -139,7 +140,6 @@ NameMap = Mapping[str, str | None] | Callable[[str], str | None] | None
 #: ``(name, tensor) -> dtype | None`` per tensor (``None``: send as it is).
 WireDtype = torch.dtype | Callable[[str, torch.Tensor], torch.dtype | None] | None
 #: ``WeightReceiver(select=)``: ``(name, full_shape) -> slices | None`` (``None``: all of it).
-Selection = tuple[slice, ...]
 Select = Callable[[str, tuple[int, ...]], Sequence[slice] | slice | None]
 
 
@@ -1776,7 +1776,7 @@ class BucketPlan:
     #: per object tensor, the part to read (``transport.fetch_selected``; an empty dim-0
     #: slice skips a tensor nobody takes), or None: the bucket is read whole. ``nbytes``
     #: is then the selected bytes.
-    select: list[Selection | None] | None = None
+    select: list[Slices | None] | None = None
     #: the bucket's manifest entries in object order (what a source read copies)
     entries: list[TensorEntry] = field(default_factory=list)
     #: (idx, dest, what): destinations an earlier bucket of a lazy stream wrote from
@@ -1799,7 +1799,7 @@ def _can_land(d: torch.Tensor, e: TensorEntry) -> bool:
             and d.is_contiguous() and not d.is_conj() and not d.is_neg())
 
 
-def _skip(e: TensorEntry) -> Selection | None:
+def _skip(e: TensorEntry) -> Slices | None:
     """The selection that reads nothing of ``e`` (None, i.e. all of it, for a scalar)."""
     return (slice(0, 0), *(slice(0, n) for n in e.shape[1:])) if e.shape else None
 
@@ -1821,7 +1821,7 @@ def _same_bytes(dest: torch.Tensor, src: torch.Tensor) -> bool:
         return bool(torch.equal(raw(dest), raw(got)))
 
 
-def _normalize_select(raw: Any, shape: tuple[int, ...]) -> Selection | None:
+def _normalize_select(raw: Any, shape: tuple[int, ...]) -> Slices | None:
     """``select``'s answer as one step-1 slice per dimension, or None for the whole
     tensor. Raises ValueError (with what is wrong) for an answer that does not fit."""
     if raw is None:
@@ -1854,7 +1854,7 @@ def _normalize_select(raw: Any, shape: tuple[int, ...]) -> Selection | None:
     return tuple(out)
 
 
-def _selected_shape(sel: Selection | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+def _selected_shape(sel: Slices | None, shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape if sel is None else tuple(sl.stop - sl.start for sl in sel)
 
 
@@ -2131,7 +2131,7 @@ class WeightReceiver:
                  dests: Mapping[str, torch.Tensor], claimed: dict[str, str],
                  problems: list[tuple[str, str, str]], mem: _Claims | None = None,
                  lazy: bool = False
-                 ) -> tuple[dict[str, _Target], int, dict[str, Selection | None]]:
+                 ) -> tuple[dict[str, _Target], int, dict[str, Slices | None]]:
         """Map each source name to its target (a dest tensor, the loader, or skipped),
         and each entry with a target to its selection (``select``).
 
@@ -2143,7 +2143,7 @@ class WeightReceiver:
         mem = _Claims() if mem is None else mem
         mapname = _mapper(self.name_map)
         resolved: dict[str, _Target] = {}
-        selections: dict[str, Selection | None] = {}
+        selections: dict[str, Slices | None] = {}
         bad_select: set[str] = set()
         skipped = 0
         for name, e in sources:
@@ -2240,7 +2240,7 @@ class WeightReceiver:
             "map one of them to None, or untie the destination")))
         return None
 
-    def _select(self, e: TensorEntry) -> Selection | None:
+    def _select(self, e: TensorEntry) -> Slices | None:
         """``select``'s part of entry ``e``, normalized; ValueError naming the fix if it
         does not fit."""
         if self.select is None:
@@ -2305,7 +2305,7 @@ class WeightReceiver:
         return LoadPlan(layout, self._plan_buckets(layout, resolved, selections), skipped)
 
     def _plan_buckets(self, layout: WeightLayout, resolved: Mapping[str, _Target],
-                      selections: Mapping[str, Selection | None] | None = None
+                      selections: Mapping[str, Slices | None] | None = None
                       ) -> list[BucketPlan]:
         selections = selections or {}
         alias_of: dict[str, list[str]] = {}
