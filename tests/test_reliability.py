@@ -1222,7 +1222,8 @@ def _overflow_then_shutdown(self) -> dict[str, Any]:
         ray_rdt_pool.shutdown()
         after_shutdown = [r.mem._map.closed for r in regions]
         del held
-        wait_for(lambda: not rt.sender.overflow, timeout=60)
+        # The region leaves the list under the sender lock and is unmapped just after.
+        wait_for(lambda: not rt.sender.overflow and regions[1].mem._map.closed, timeout=60)
         after_free = [r.mem._map.closed for r in regions]
     finally:
         log.removeHandler(handler)

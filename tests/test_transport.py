@@ -734,7 +734,8 @@ def test_the_environment_names_reach_the_workers():
     @ray.remote(enable_tensor_transport=True)
     class Probe:
         def run(self):
-            from ray_rdt_pool import config, transport
+            from ray_rdt_pool import config
+            from ray_rdt_pool._ray import transport
 
             ray_rdt_pool.register()
             self.kept = ray.put([torch.ones(4)], _tensor_transport="nixl_pool")  # the pool
