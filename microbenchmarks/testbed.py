@@ -7,11 +7,12 @@ host gets no new interface, address or route, and the host's firewall (bridge ne
 a FORWARD policy of DROP as Docker sets it) never sees the traffic. Each node has its
 egress AND its ingress limited by ``tc`` (a token bucket on each end of its veth: inside
 the node, and on the switch's end, as a full-duplex NIC would be), so a transfer between
-two nodes is bounded by the link rate, not by memory bandwidth. Node 0 is the Ray head; every node
-``i`` carries a custom resource ``node<i>`` (1 unit) so that a caller places an actor on
-node ``i`` with ``.options(resources={"node<i>": 0.01})``. UCX is held to TCP over the
-veth (``UCX_TLS=tcp,self``, ``UCX_NET_DEVICES=eth0``), so NIXL's bytes cross the limited
-link instead of going through cma or shared memory.
+two nodes is bounded by the link rate, not by memory bandwidth; :meth:`TestBed.link_bytes`
+counts what crossed a node's link. Node 0 is the Ray head; every node ``i`` carries a
+custom resource ``node<i>`` (1 unit), so a caller places an actor on node ``i`` with
+``.options(resources={"node<i>": 0.01})``. UCX is held to TCP on the veth
+(``UCX_TLS=tcp,self``, ``UCX_NET_DEVICES=eth0``), so NIXL's bytes cross the limited link
+instead of going through cma or shared memory (the namespaces share one host).
 
     from microbenchmarks.testbed import TestBed
     if (why := TestBed.available()) is not None: raise SystemExit(why)
@@ -171,6 +172,20 @@ def _tail(path: Path, lines: int = 15, max_chars: int = 2000) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])[-max_chars:]
+
+
+#: Ray log lines at error or fatal severity, failed checks, crash banners, exceptions.
+_BAD_LINE = re.compile(r"^\[\S+ \S+ [EC] |Check failed|^\*\*\* |^\w*(Error|Exception)\b")
+
+
+def _excerpt(path: Path, tail: int = 4, bad: int = 4) -> str:
+    """The last ``bad`` error lines of a log, then its last ``tail`` lines (a fatal
+    line's stack trace would otherwise fill the tail)."""
+    text = _tail(path, lines=400, max_chars=200_000)
+    lines = text.splitlines()
+    worst = [ln[:600] for ln in lines if _BAD_LINE.search(ln)][-bad:]
+    last = [ln[:300] for ln in lines[-tail:]] if tail else []
+    return "\n".join([*worst, *(["..."] if worst and last else []), *last])
 
 
 def _ray_cli() -> str | None:
@@ -390,8 +405,10 @@ class TestBed:
     limit. ``burst`` and ``latency`` are the token bucket's (tc tbf). ``env`` is added to
     the environment of every Ray process and of drivers (e.g. ``PYTHONPATH`` and
     ``RAY_RDT_POOL_*`` settings). ``num_cpus`` and ``object_store_bytes`` are each node's.
-    ``node_args`` adds ``ray start`` arguments for some nodes (by index). ``ray=False``
-    builds the network only (for tests of the links themselves).
+    ``node_args`` adds ``ray start`` arguments for some nodes (by index). Worker nodes
+    start ``start_parallel`` at a time (a raylet dies when its agent starts slowly, and
+    many at once on few cores are slow). ``ray=False`` builds the network only (for tests
+    of the links themselves).
     """
 
     __test__ = False  # not a pytest test class
@@ -404,7 +421,7 @@ class TestBed:
                  env: Mapping[str, str] | None = None, num_cpus: int = 1,
                  object_store_bytes: int = 100 << 20,
                  node_args: Mapping[int, Sequence[str]] | None = None,
-                 ray: bool = True, start_timeout_s: float = 180.0,
+                 ray: bool = True, start_timeout_s: float = 300.0, start_parallel: int = 2,
                  keep_logs: bool = False, python: str | None = None) -> None:
         if not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"nodes must be an int in [1, {MAX_NODES}], got {nodes!r}")
@@ -426,6 +443,7 @@ class TestBed:
         self.node_args = {int(k): list(v) for k, v in (node_args or {}).items()}
         self.with_ray = ray
         self.start_timeout_s = start_timeout_s
+        self.start_parallel = max(1, start_parallel)
         self.keep_logs = keep_logs
         self.python = python or sys.executable
         #: Every command run, with its time, in order.
@@ -632,39 +650,58 @@ class TestBed:
         finally:
             out.close()
 
-    def _wait_start(self, procs: Mapping[int, subprocess.Popen[bytes]], deadline: float
-                    ) -> None:
+    def _start_nodes(self, indices: Sequence[int], deadline: float) -> None:
+        """Run ``ray start`` on the nodes, at most ``start_parallel`` at a time; after a
+        failure start no more, let those under way finish, and raise naming the failed."""
+        pending = list(indices)
+        running: dict[int, subprocess.Popen[bytes]] = {}
         failed: list[int] = []
-        for i, p in procs.items():
-            try:
-                rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-                rc = None
-            if rc != 0:
-                failed.append(i)
+        while pending or running:
+            while pending and not failed and len(running) < self.start_parallel:
+                i = pending.pop(0)
+                running[i] = self._ray_start(i)
+            if not running:
+                break
+            time.sleep(0.1)
+            for i, p in list(running.items()):
+                rc = p.poll()
+                if rc is None and time.monotonic() > deadline:
+                    p.kill()
+                    rc = p.wait()
+                if rc is not None:
+                    del running[i]
+                    if rc != 0:
+                        failed.append(i)
         if failed:
-            raise TestBedError(
-                f"ray start failed on node(s) {failed} of test bed {self.tag}"
-                + "".join(self.node_report(i) for i in failed))
+            failed.sort()
+            first = "".join(self.node_report(i) for i in failed[:2])
+            rest = "".join(f"\n--- node {i}: {self.node_report(i, short=True)}"
+                           for i in failed[2:])
+            raise TestBedError(f"ray start failed on node(s) {failed} of test bed "
+                               f"{self.tag}{first}{rest}")
 
-    def node_report(self, i: int) -> str:
-        """The `ray start` output and the tails of node ``i``'s Ray logs, for an error."""
+    def node_report(self, i: int, short: bool = False) -> str:
+        """The `ray start` output and the telling lines of node ``i``'s Ray logs (errors,
+        then the tail), for an error message; ``short``: the last line of each only."""
         node = self.nodes[i]
-        parts = [f"\n--- node {i} ({node.namespace}, {node.ip}): ray start output ---\n"
-                 + _tail(self.dir / f"ray-start-n{i}.log", lines=25)]
+        start = _excerpt(self.dir / f"ray-start-n{i}.log", tail=12)
         logs = node.temp_dir / "session_latest" / "logs"
+        if short:
+            last = [t.strip().splitlines()[-1] for t in
+                    [start, *(_excerpt(logs / n, tail=0) for n in _LOG_FILES)] if t.strip()]
+            return " | ".join(x[-300:] for x in last)
+        parts = [f"\n--- node {i} ({node.namespace}, {node.ip}): ray start output ---\n"
+                 + start]
         for name in _LOG_FILES:
-            text = _tail(logs / name)
+            text = _excerpt(logs / name)
             if text.strip():
                 parts.append(f"\n--- node {i}: {name} ---\n{text}")
         return "".join(parts)
 
     def _start_ray(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
-        self._wait_start({0: self._ray_start(0)}, deadline)
-        self._wait_start({i: self._ray_start(i) for i in range(1, self.n)}, deadline)
+        self._start_nodes([0], deadline)
+        self._start_nodes(range(1, self.n), deadline)
         out = self.run_driver(_WAIT_NODES, [str(self.n), str(max(5.0, deadline -
                                                                   time.monotonic()))],
                               timeout=max(30.0, deadline - time.monotonic() + 30.0))
@@ -693,12 +730,13 @@ class TestBed:
 
     def run_driver(self, script: str | os.PathLike[str], args: Sequence[str] = (), *,
                    timeout: float = 600.0, env: Mapping[str, str] | None = None,
-                   node: int = 0, echo: bool = False) -> str:
+                   node: int = 0, echo: bool = False, echo_stderr: bool = False) -> str:
         """Run a Python driver on node ``node`` (the head by default) and return its stdout.
 
         ``script`` is a path to a ``.py`` file or Python source. ``RAY_ADDRESS`` is the
         head's, so a plain ``ray.init()`` joins the test bed. ``echo`` copies the
-        driver's stdout and stderr to this process's as they come. Raises TestBedError
+        driver's stdout and stderr to this process's as they come, ``echo_stderr`` only
+        its stderr (progress, logs). Raises TestBedError
         (with the tail of its output) when it exits non-zero or outlives ``timeout``.
         """
         self._check_up()
@@ -714,9 +752,10 @@ class TestBed:
         chunks: dict[str, list[bytes]] = {"out": [], "err": []}
 
         def pump(src: IO[bytes], key: str, dst: IO[str]) -> None:
+            show = echo or (echo_stderr and key == "err")
             for line in iter(src.readline, b""):
                 chunks[key].append(line)
-                if echo:
+                if show:
                     dst.write(line.decode(errors="replace"))
                     dst.flush()
 
