@@ -1,0 +1,972 @@
+"""A multi-node Ray cluster on one Linux host, one network namespace per node, with real
+link limits.
+
+Each of the N nodes lives in its own network namespace and reaches the others through a
+veth on a private bridge. The bridge sits in a namespace of its own (the "switch"), so the
+host gets no new interface, address or route, and the host's firewall (bridge netfilter,
+a FORWARD policy of DROP as Docker sets it) never sees the traffic. Each node has its
+egress AND its ingress limited by ``tc`` (a token bucket on each end of its veth: inside
+the node, and on the switch's end, as a full-duplex NIC would be), so a transfer between
+two nodes is bounded by the link rate, not by memory bandwidth; :meth:`TestBed.link_bytes`
+counts what crossed a node's link. Node 0 is the Ray head; every node ``i`` carries a
+custom resource ``node<i>`` (1 unit), so a caller places an actor on node ``i`` with
+``.options(resources={"node<i>": 0.01})``. UCX is held to TCP on the veth
+(``UCX_TLS=tcp,self``, ``UCX_NET_DEVICES=eth0``), so NIXL's bytes cross the limited link
+instead of going through cma or shared memory (the namespaces share one host).
+
+    from microbenchmarks.testbed import TestBed
+    if (why := TestBed.available()) is not None: raise SystemExit(why)
+    with TestBed(nodes=3, rate="500mbit", env={"PYTHONPATH": repo}) as bed:
+        out = bed.run_driver("driver.py", ["--engines", "2"], timeout=300)
+
+or from the shell (the driver runs on the head, in namespace 0, with ``RAY_ADDRESS`` set)::
+
+    python -m microbenchmarks.testbed --nodes 3 --rate 500mbit -- driver.py ARGS
+    python -m microbenchmarks.testbed --check | --cleanup
+
+Rules it keeps (the host is shared):
+
+* It needs root, ``ip`` and ``tc`` (iproute2), network namespaces, veths, bridges and the
+  ``tbf`` qdisc; :meth:`TestBed.available` returns why not (probed inside a throwaway
+  namespace, never on the host's links), so tests skip with that reason.
+* Every namespace it makes starts with ``rtb`` and a 4-character tag unique to the run
+  (the bridge and the veths live inside them); it deletes only namespaces with its own
+  tag, or, for leftovers of a crashed run, those whose tag's lock file
+  (``/tmp/rtb/<tag>.lock``, held with ``flock`` for the run's lifetime) is no longer held.
+* Traffic stays between the namespaces. The subnet is a /24 of 198.18.0.0/15 (reserved
+  for benchmarks) that no host address or route overlaps.
+* Processes end by PID: those in its namespaces (``ip netns pids``), SIGTERM then
+  SIGKILL. Never ``ray stop`` (it ends every Ray on the host).
+* Each node has its own Ray temp dir under ``/tmp/rtb/<tag>/``, so ``ray start --head``
+  does not overwrite ``ray_current_cluster`` in Ray's default temp dir (a later plain
+  ``ray.init()`` on the host would join the test bed); should that file name the test
+  bed's address anyway, it is removed at close.
+* Everything is undone at close, after a failed bring-up, and after an exception in the
+  ``with`` body; the Ray logs go too unless ``keep_logs=True`` (a failed bring-up puts
+  the tail of the failing node's logs in its exception).
+
+Only the standard library and the ``ray`` CLI (plus a short ``ray.init``/``ray.nodes()``
+script run inside namespace 0 to wait for the nodes) are used here, so the module can
+move into the package unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import fcntl
+import ipaddress
+import json
+import logging
+import os
+import re
+import secrets
+import shlex
+import shutil
+import signal
+import string
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Node", "TestBed", "TestBedError", "cleanup_stale", "parse_rate"]
+
+#: Every name the test bed gives an interface or a namespace starts with this.
+PREFIX = "rtb"
+#: Where its lock files, Ray temp dirs, scripts and command logs live.
+BASE_DIR = Path("/tmp/rtb")
+#: The node's end of its veth, inside its namespace (the same name in every namespace).
+INNER_DEV = "eth0"
+HEAD_PORT = 6379
+#: The candidate subnets: 198.18.0.0/15 is reserved for network benchmarks (RFC 2544).
+SUBNET_POOL = ipaddress.IPv4Network("198.18.0.0/15")
+#: Linux limits interface names to 15 characters; "rtb" + tag + "v" + 3 digits fits.
+MAX_NODES = 200
+_TAG_LEN = 4
+_TAG_CHARS = string.ascii_lowercase + string.digits
+#: Namespaces: nodes ("n<i>"), the switch ("s"), the probe ("p"); host links of that form
+#: are never made, but would be removed too.
+_NAME_RE = re.compile(rf"^{PREFIX}([a-z0-9]{{{_TAG_LEN}}})(?:n\d+|s|p|v\d+|b)$")
+#: The bridge in the switch namespace (which also holds the veths' switch ends, "v<i>").
+_BRIDGE = "br0"
+_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps)$")
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
+_SIZE_RE = re.compile(r"^(\d+)(b|kb|mb|k|m|kbit|mbit)?$")
+_SIZE_UNITS = {None: 1, "b": 1, "k": 1024, "kb": 1024, "m": 1 << 20, "mb": 1 << 20,
+               "kbit": 128, "mbit": 131072}
+#: The Ray log files whose tails go into a bring-up error.
+_LOG_FILES = ("raylet.err", "raylet.out", "gcs_server.err", "gcs_server.out",
+              "runtime_env_agent.err", "dashboard_agent.err")
+
+_WAIT_NODES = r"""
+import json, sys, time
+import ray
+want, timeout = int(sys.argv[1]), float(sys.argv[2])
+ray.init(logging_level="ERROR", log_to_driver=False)
+deadline = time.monotonic() + timeout
+while True:
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    if len(alive) >= want or time.monotonic() > deadline:
+        break
+    time.sleep(0.2)
+print(json.dumps([{"ip": n["NodeManagerAddress"], "resources": n["Resources"]}
+                  for n in alive]))
+"""
+
+
+class TestBedError(RuntimeError):
+    """The test bed could not be built, a command in it failed, or cleanup left something."""
+
+    __test__ = False  # not a pytest test class
+
+
+def parse_rate(rate: str) -> float:
+    """Bits per second of a ``tc`` rate such as ``"500mbit"`` (``mbps`` means megabytes)."""
+    m = _RATE_RE.match(rate.strip().lower())
+    if m is None:
+        raise ValueError(f"rate {rate!r} is not a tc rate: give e.g. '500mbit' or '1gbit'")
+    return float(m.group(1)) * _RATE_UNITS[m.group(2)]
+
+
+def parse_size(size: str) -> int:
+    """Bytes of a ``tc`` size such as ``"512kb"`` (``kb`` = 1024 bytes, as tc reads it)."""
+    m = _SIZE_RE.match(size.strip().lower())
+    if m is None:
+        raise ValueError(f"size {size!r} is not a tc size: give e.g. '512kb' or '1mb'")
+    return int(m.group(1)) * _SIZE_UNITS[m.group(2)]
+
+
+def _ns_name(tag: str, i: int) -> str:
+    return f"{PREFIX}{tag}n{i}"
+
+
+def _switch_name(tag: str) -> str:
+    return f"{PREFIX}{tag}s"
+
+
+def _probe_name(tag: str) -> str:
+    return f"{PREFIX}{tag}p"
+
+
+def _own(name: str, tag: str) -> bool:
+    m = _NAME_RE.match(name)
+    return m is not None and m.group(1) == tag
+
+
+def _tail(path: Path, lines: int = 15, max_chars: int = 2000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16 * max_chars))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])[-max_chars:]
+
+
+#: Ray log lines at error or fatal severity, failed checks, crash banners, exceptions.
+_BAD_LINE = re.compile(r"^\[\S+ \S+ [EC] |Check failed|^\*\*\* |^\w*(Error|Exception)\b")
+
+
+def _excerpt(path: Path, tail: int = 4, bad: int = 4) -> str:
+    """The last ``bad`` error lines of a log, then its last ``tail`` lines (a fatal
+    line's stack trace would otherwise fill the tail)."""
+    text = _tail(path, lines=400, max_chars=200_000)
+    lines = text.splitlines()
+    worst = [ln[:600] for ln in lines if _BAD_LINE.search(ln)][-bad:]
+    last = [ln[:300] for ln in lines[-tail:]] if tail else []
+    return "\n".join([*worst, *(["..."] if worst and last else []), *last])
+
+
+def _ray_cli() -> str | None:
+    here = Path(sys.executable).with_name("ray")
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    return shutil.which("ray")
+
+
+def _lock(tag: str, create: bool) -> int | None:
+    """Open and flock the tag's lock file; None when another live process holds it (or,
+    with ``create``, when the tag is taken)."""
+    path = BASE_DIR / f"{tag}.lock"
+    flags = os.O_RDWR | os.O_CREAT | (os.O_EXCL if create else 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileExistsError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return None
+        raise
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def _new_tag() -> tuple[str, int]:
+    BASE_DIR.mkdir(parents=True, exist_ok=True)
+    for _ in range(100):
+        tag = "".join(secrets.choice(_TAG_CHARS) for _ in range(_TAG_LEN))
+        if (BASE_DIR / tag).exists():
+            continue  # the kept logs of an earlier run
+        fd = _lock(tag, create=True)
+        if fd is not None:
+            return tag, fd
+    raise TestBedError(f"no free test-bed tag in {BASE_DIR} after 100 tries")
+
+
+def _sh(argv: Sequence[str], check: bool = True, timeout: float = 30.0,
+        log: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = shlex.join(argv)
+    logger.debug("testbed: %s", cmd)
+    if log is not None:
+        log.append(f"{time.strftime('%H:%M:%S')} {cmd}")
+    r = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
+                       check=False)
+    if check and r.returncode != 0:
+        raise TestBedError(f"`{cmd}` failed with exit status {r.returncode}: "
+                           f"{(r.stderr or r.stdout).strip()[-2000:]}")
+    return r
+
+
+def _netns_list() -> list[str]:
+    r = _sh(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
+
+
+def _link_names() -> list[str]:
+    r = _sh(["ip", "-o", "link", "show"], check=False)
+    names = []
+    for line in r.stdout.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) >= 2:
+            names.append(parts[1].strip().split("@", 1)[0])
+    return names
+
+
+def _ns_pids(ns: str) -> list[int]:
+    r = _sh(["ip", "netns", "pids", ns], check=False)
+    return [int(p) for p in r.stdout.split() if p.isdigit()]
+
+
+def _kill_namespaces(namespaces: Sequence[str], tag: str, grace_s: float = 2.0,
+                     log: list[str] | None = None) -> list[str]:
+    """SIGTERM every process in the namespaces, SIGKILL what is left after ``grace_s``,
+    and wait until none is left; returns the problems."""
+    assert all(_own(ns, tag) for ns in namespaces), namespaces
+    me = os.getpid()
+
+    def signal_all(sig: int) -> int:
+        n = 0
+        for ns in namespaces:
+            for pid in _ns_pids(ns):
+                if pid == me:
+                    continue
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+                    n += 1
+        return n
+
+    if log is not None and namespaces:
+        log.append(f"{time.strftime('%H:%M:%S')} kill -TERM $(ip netns pids ...) "
+                   f"in {' '.join(namespaces)}")
+    if signal_all(signal.SIGTERM) == 0:
+        return []
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_ns_pids(ns) for ns in namespaces):
+        time.sleep(0.1)
+    if any(_ns_pids(ns) for ns in namespaces):
+        if log is not None:
+            log.append(f"{time.strftime('%H:%M:%S')} kill -KILL $(ip netns pids ...)")
+        signal_all(signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and any(_ns_pids(ns) for ns in namespaces):
+            time.sleep(0.1)
+    left = {ns: _ns_pids(ns) for ns in namespaces}
+    return [f"processes {pids} still run in namespace {ns}" for ns, pids in left.items()
+            if pids]
+
+
+def _delete_tag(tag: str, log: list[str] | None = None) -> list[str]:
+    """Remove every namespace of a tag, processes first (deleting a namespace takes its
+    veths and bridge with it), and any host link of the tag. A namespace whose processes
+    would not end is kept, so that a later cleanup can still find them. Returns the
+    problems."""
+    namespaces = [ns for ns in _netns_list() if _own(ns, tag)]
+    problems = _kill_namespaces(namespaces, tag, log=log)
+    for ns in namespaces:
+        if _ns_pids(ns):
+            continue
+        r = _sh(["ip", "netns", "del", ns], check=False, log=log)
+        if r.returncode != 0:
+            problems.append(f"ip netns del {ns}: {r.stderr.strip()}")
+    for name in [name for name in _link_names() if _own(name, tag)]:
+        r = _sh(["ip", "link", "del", name], check=False, log=log)
+        if r.returncode != 0 and name in _link_names():
+            problems.append(f"ip link del {name}: {r.stderr.strip()}")
+    return problems
+
+
+def cleanup_stale() -> list[str]:
+    """Remove what crashed test-bed runs left (processes, namespaces with their veths and
+    bridge, directories): only names with the ``rtb`` prefix whose run's lock is no longer held.
+    Returns the tags removed."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return []
+    BASE_DIR.mkdir(parents=True, exist_ok=True)
+    tags = {m.group(1) for name in [*_netns_list(), *_link_names()]
+            if (m := _NAME_RE.match(name)) is not None}
+    tags |= {p.stem for p in BASE_DIR.glob("*.lock")}
+    tags |= {p.name for p in BASE_DIR.iterdir() if p.is_dir()
+             and re.fullmatch(f"[a-z0-9]{{{_TAG_LEN}}}", p.name)}
+    removed = []
+    for tag in sorted(tags):
+        if not re.fullmatch(f"[a-z0-9]{{{_TAG_LEN}}}", tag):
+            continue
+        fd = _lock(tag, create=False)
+        if fd is None:
+            continue  # a live run holds it
+        try:
+            d = BASE_DIR / tag
+            kept = (d / "KEEP").exists()
+            if kept and not any(_own(name, tag) for name in [*_netns_list(), *_link_names()]):
+                continue  # the logs of a finished run, kept on purpose
+            problems = _delete_tag(tag)
+            if problems:
+                logger.warning("testbed: leftovers of run %s not removed: %s", tag, problems)
+                continue
+            if d.is_dir() and not kept:
+                shutil.rmtree(d, ignore_errors=True)
+            if not d.exists():
+                with contextlib.suppress(FileNotFoundError):
+                    (BASE_DIR / f"{tag}.lock").unlink()
+            removed.append(tag)
+        finally:
+            os.close(fd)
+    if removed:
+        logger.info("testbed: removed leftovers of earlier runs %s", removed)
+    return removed
+
+
+def _used_networks() -> list[ipaddress.IPv4Network]:
+    nets = []
+    for argv in (["ip", "-4", "-o", "addr", "show"], ["ip", "-4", "route", "show", "table",
+                                                     "all"]):
+        out = _sh(argv, check=False).stdout
+        for tok in re.findall(r"\b(\d+\.\d+\.\d+\.\d+(?:/\d+)?)\b", out):
+            with contextlib.suppress(ValueError):
+                nets.append(ipaddress.IPv4Network(tok, strict=False))
+    return nets
+
+
+def _pick_subnet() -> ipaddress.IPv4Network:
+    used = _used_networks()
+    candidates = [ipaddress.IPv4Network(n) for n in SUBNET_POOL.subnets(new_prefix=24)]
+    secrets.SystemRandom().shuffle(candidates)
+    for net in candidates:
+        if not any(net.overlaps(u) for u in used):
+            return net
+    raise TestBedError(f"every /24 of {SUBNET_POOL} overlaps a host address or route")
+
+
+@dataclass(frozen=True)
+class Node:
+    """One Ray node of the test bed."""
+
+    index: int
+    namespace: str
+    ip: str
+    veth: str  # its end in the switch namespace; the node's end is INNER_DEV
+    temp_dir: Path
+
+    @property
+    def resource(self) -> str:
+        """The custom resource that places an actor on this node."""
+        return f"node{self.index}"
+
+
+class TestBed:
+    """A Ray cluster of ``nodes`` nodes, one network namespace each, links limited to ``rate``.
+
+    Use as a context manager (or :meth:`start` / :meth:`close`). ``rate`` is a tc rate
+    (``"500mbit"``, ``"1gbit"``) applied to each node's egress and ingress; None means no
+    limit. ``burst`` and ``latency`` are the token bucket's (tc tbf). ``env`` is added to
+    the environment of every Ray process and of drivers (e.g. ``PYTHONPATH`` and
+    ``RAY_RDT_POOL_*`` settings). ``num_cpus`` and ``object_store_bytes`` are each node's.
+    ``node_args`` adds ``ray start`` arguments for some nodes (by index). Worker nodes
+    start ``start_parallel`` at a time (a raylet dies when its agent starts slowly, and
+    many at once on few cores are slow). ``ray=False`` builds the network only (for tests
+    of the links themselves).
+    """
+
+    __test__ = False  # not a pytest test class
+
+    _available: str | None = None
+    _probed = False
+
+    def __init__(self, nodes: int = 2, rate: str | None = "500mbit", *,
+                 burst: str = "512kb", latency: str = "100ms",
+                 env: Mapping[str, str] | None = None, num_cpus: int = 1,
+                 object_store_bytes: int = 100 << 20,
+                 node_args: Mapping[int, Sequence[str]] | None = None,
+                 ray: bool = True, start_timeout_s: float = 300.0, start_parallel: int = 2,
+                 keep_logs: bool = False, python: str | None = None) -> None:
+        if not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES:
+            raise ValueError(f"nodes must be an int in [1, {MAX_NODES}], got {nodes!r}")
+        if rate is not None:
+            parse_rate(rate)
+            parse_size(burst)
+            if not re.fullmatch(r"\d+(?:\.\d+)?(?:ms|us|s)", latency):
+                raise ValueError(f"latency {latency!r} is not a tc time: give e.g. '100ms'")
+        if object_store_bytes < 78 << 20:
+            raise ValueError(f"object_store_bytes must be at least 78 MiB for Ray, got "
+                             f"{object_store_bytes}")
+        self.n = nodes
+        self.rate = rate
+        self.burst = burst
+        self.latency = latency
+        self.extra_env = {k: str(v) for k, v in (env or {}).items()}
+        self.num_cpus = num_cpus
+        self.object_store_bytes = object_store_bytes
+        self.node_args = {int(k): list(v) for k, v in (node_args or {}).items()}
+        self.with_ray = ray
+        self.start_timeout_s = start_timeout_s
+        self.start_parallel = max(1, start_parallel)
+        self.keep_logs = keep_logs
+        self.python = python or sys.executable
+        #: Every command run, with its time, in order.
+        self.commands: list[str] = []
+        #: Seconds of "bring_up" (network plus Ray) and "teardown".
+        self.timings: dict[str, float] = {}
+        self.nodes: list[Node] = []
+        self.tag = ""
+        self.dir = BASE_DIR
+        self.subnet: ipaddress.IPv4Network | None = None
+        #: The namespace that holds the bridge and the switch ends of the veths.
+        self.switch = ""
+        self._lock_fd: int | None = None
+        self._started = False
+        self._closed = False
+        self._drivers = 0
+        self._ray_cluster_file_before: bytes | None = None
+
+    # ---------------------------------------------------------------- availability
+
+    @classmethod
+    def available(cls, ray: bool = True) -> str | None:
+        """None when a test bed can run here, else the reason it cannot (for a skip)."""
+        if not cls._probed:
+            cls._available = cls._probe()
+            cls._probed = True
+        if cls._available is None and ray and _ray_cli() is None:
+            return "the `ray` command is not installed next to this Python or on PATH"
+        return cls._available
+
+    @staticmethod
+    def _probe() -> str | None:
+        if not sys.platform.startswith("linux"):
+            return f"needs Linux network namespaces (this is {sys.platform})"
+        if os.geteuid() != 0:
+            return "needs root (it creates network namespaces, veths and tc qdiscs)"
+        for tool in ("ip", "tc"):
+            if shutil.which(tool) is None:
+                return f"needs the `{tool}` command (iproute2)"
+        try:
+            tag, fd = _new_tag()
+        except OSError as e:
+            return f"cannot write its lock file in {BASE_DIR}: {e}"
+        ns = _probe_name(tag)
+        try:
+            # Everything is made inside a throwaway namespace: the host's links are untouched.
+            steps = [["ip", "netns", "add", ns],
+                     ["ip", "-n", ns, "link", "add", "b0", "type", "bridge"],
+                     ["ip", "-n", ns, "link", "add", "v0", "type", "veth", "peer", "name", "v1"],
+                     ["ip", "-n", ns, "link", "set", "v0", "master", "b0"],
+                     ["ip", "-n", ns, "link", "set", "v0", "up"],
+                     ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "v0", "root",
+                      "tbf", "rate", "100mbit", "burst", "64kb", "latency", "50ms"]]
+            for argv in steps:
+                r = _sh(argv, check=False)
+                if r.returncode != 0:
+                    return (f"`{shlex.join(argv)}` failed here: "
+                            f"{(r.stderr or r.stdout).strip()[-300:]}")
+            return None
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"network namespaces do not work here: {e}"
+        finally:
+            if ns in _netns_list():
+                _sh(["ip", "netns", "del", ns], check=False)
+            with contextlib.suppress(FileNotFoundError):
+                (BASE_DIR / f"{tag}.lock").unlink()
+            os.close(fd)
+
+    # ---------------------------------------------------------------- properties
+
+    @property
+    def head(self) -> Node:
+        return self.nodes[0]
+
+    @property
+    def address(self) -> str:
+        """The Ray head's GCS address (``RAY_ADDRESS`` of a driver)."""
+        return f"{self.head.ip}:{HEAD_PORT}"
+
+    @property
+    def rate_bps(self) -> float | None:
+        """The per-node link rate in bits per second (None: unlimited)."""
+        return None if self.rate is None else parse_rate(self.rate)
+
+    def env(self) -> dict[str, str]:
+        """The environment of every process the test bed starts in a namespace."""
+        base = {k: v for k, v in os.environ.items()
+                if k not in ("RAY_ADDRESS", "RAY_TMPDIR") and not k.startswith("UCX_")}
+        base.update({
+            "RAY_AUTH_MODE": "disabled",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            # NIXL's bytes over the veth: TCP only, on the namespace's one NIC.
+            "UCX_TLS": "tcp,self",
+            "UCX_NET_DEVICES": INNER_DEV,
+        })
+        base.update(self.extra_env)
+        return base
+
+    # ---------------------------------------------------------------- bring-up
+
+    def __enter__(self) -> TestBed:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close(raise_errors=exc is None)
+
+    def start(self) -> TestBed:
+        """Build the network and start Ray on every node; on any failure undo it all."""
+        if self._started:
+            raise TestBedError("this TestBed was started already; make a new one")
+        self._started = True
+        reason = self.available(ray=self.with_ray)
+        if reason is not None:
+            raise TestBedError(f"the test bed cannot run here: {reason}")
+        t0 = time.monotonic()
+        cleanup_stale()
+        self.tag, self._lock_fd = _new_tag()
+        self.dir = BASE_DIR / self.tag
+        self._ray_cluster_file_before = _read(_default_cluster_file())
+        try:
+            self.dir.mkdir(parents=True)
+            self._build_network()
+            if self.with_ray:
+                self._start_ray()
+        except BaseException:
+            problems = self._teardown()
+            if problems:
+                logger.error("testbed %s: cleanup after the failed bring-up left: %s",
+                             self.tag, "; ".join(problems))
+            raise
+        self.timings["bring_up"] = time.monotonic() - t0
+        logger.info("testbed %s: %d nodes up in %.1f s (%s)", self.tag, self.n,
+                    self.timings["bring_up"], self.address if self.with_ray else "no Ray")
+        return self
+
+    def _run(self, argv: Sequence[str], check: bool = True, timeout: float = 30.0
+             ) -> subprocess.CompletedProcess[str]:
+        return _sh(argv, check=check, timeout=timeout, log=self.commands)
+
+    def _ns(self, i: int) -> list[str]:
+        return ["ip", "netns", "exec", self.nodes[i].namespace]
+
+    def _tbf(self) -> list[str]:
+        assert self.rate is not None
+        return ["root", "tbf", "rate", self.rate, "burst", self.burst, "latency",
+                self.latency]
+
+    def _build_network(self) -> None:
+        self.subnet = _pick_subnet()
+        hosts = list(self.subnet.hosts())
+        sw = self.switch = _switch_name(self.tag)
+        self._run(["ip", "netns", "add", sw])
+        self._run(["ip", "-n", sw, "link", "add", _BRIDGE, "type", "bridge"])
+        self._run(["ip", "-n", sw, "link", "set", _BRIDGE, "up"])
+        for i in range(self.n):
+            node = Node(i, _ns_name(self.tag, i), str(hosts[i]), f"v{i}", self.dir / f"n{i}")
+            self.nodes.append(node)
+            ns, veth = node.namespace, node.veth
+            self._run(["ip", "netns", "add", ns])
+            self._run(["ip", "-n", sw, "link", "add", veth, "type", "veth", "peer", "name",
+                       INNER_DEV, "netns", ns])
+            self._run(["ip", "-n", sw, "link", "set", veth, "master", _BRIDGE])
+            self._run(["ip", "-n", sw, "link", "set", veth, "up"])
+            self._run(["ip", "-n", ns, "addr", "add", f"{node.ip}/{self.subnet.prefixlen}",
+                       "dev", INNER_DEV])
+            self._run(["ip", "-n", ns, "link", "set", INNER_DEV, "up"])
+            self._run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            if self.rate is not None:
+                # Egress inside the node; the switch end's egress is the node's ingress.
+                self._run([*self._ns(i), "tc", "qdisc", "add", "dev", INNER_DEV, *self._tbf()])
+                self._run(["ip", "netns", "exec", sw, "tc", "qdisc", "add", "dev", veth,
+                           *self._tbf()])
+            node.temp_dir.mkdir(parents=True)
+
+    def link_bytes(self, i: int) -> tuple[int, int]:
+        """(bytes into node ``i``, bytes out of it) so far, counted on its link."""
+        self._check_up()
+        r = self._run(["ip", "-n", self.switch, "-s", "-j", "link", "show", "dev",
+                       self.nodes[i].veth])
+        stats = json.loads(r.stdout)[0]["stats64"]
+        # The switch end transmits what goes into the node and receives what leaves it.
+        return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
+
+    def _ray_start(self, i: int) -> subprocess.Popen[bytes]:
+        node = self.nodes[i]
+        argv = [*self._ns(i), _ray_cli() or "ray", "start"]
+        if i == 0:
+            argv += ["--head", "--port", str(HEAD_PORT), "--include-dashboard", "false"]
+        else:
+            argv += ["--address", self.address]
+        argv += ["--node-ip-address", node.ip, "--num-cpus", str(self.num_cpus),
+                 "--object-store-memory", str(self.object_store_bytes),
+                 "--resources", json.dumps({node.resource: 1}),
+                 "--temp-dir", str(node.temp_dir), "--disable-usage-stats",
+                 *self.node_args.get(i, [])]
+        self.commands.append(f"{time.strftime('%H:%M:%S')} {shlex.join(argv)}")
+        logger.debug("testbed: %s", shlex.join(argv))
+        out = open(self.dir / f"ray-start-n{i}.log", "wb")
+        try:
+            return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=self.env())
+        finally:
+            out.close()
+
+    def _start_nodes(self, indices: Sequence[int], deadline: float) -> None:
+        """Run ``ray start`` on the nodes, at most ``start_parallel`` at a time; after a
+        failure start no more, let those under way finish, and raise naming the failed."""
+        pending = list(indices)
+        running: dict[int, subprocess.Popen[bytes]] = {}
+        failed: list[int] = []
+        while pending or running:
+            while pending and not failed and len(running) < self.start_parallel:
+                i = pending.pop(0)
+                running[i] = self._ray_start(i)
+            if not running:
+                break
+            time.sleep(0.1)
+            for i, p in list(running.items()):
+                rc = p.poll()
+                if rc is None and time.monotonic() > deadline:
+                    p.kill()
+                    rc = p.wait()
+                if rc is not None:
+                    del running[i]
+                    if rc != 0:
+                        failed.append(i)
+        if failed:
+            failed.sort()
+            first = "".join(self.node_report(i) for i in failed[:2])
+            rest = "".join(f"\n--- node {i}: {self.node_report(i, short=True)}"
+                           for i in failed[2:])
+            raise TestBedError(f"ray start failed on node(s) {failed} of test bed "
+                               f"{self.tag}{first}{rest}")
+
+    def node_report(self, i: int, short: bool = False) -> str:
+        """The `ray start` output and the telling lines of node ``i``'s Ray logs (errors,
+        then the tail), for an error message; ``short``: the last line of each only."""
+        node = self.nodes[i]
+        start = _excerpt(self.dir / f"ray-start-n{i}.log", tail=12)
+        logs = node.temp_dir / "session_latest" / "logs"
+        if short:
+            last = [t.strip().splitlines()[-1] for t in
+                    [start, *(_excerpt(logs / n, tail=0) for n in _LOG_FILES)] if t.strip()]
+            return " | ".join(x[-300:] for x in last)
+        parts = [f"\n--- node {i} ({node.namespace}, {node.ip}): ray start output ---\n"
+                 + start]
+        for name in _LOG_FILES:
+            text = _excerpt(logs / name)
+            if text.strip():
+                parts.append(f"\n--- node {i}: {name} ---\n{text}")
+        return "".join(parts)
+
+    def _start_ray(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        self._start_nodes([0], deadline)
+        self._start_nodes(range(1, self.n), deadline)
+        out = self.run_driver(_WAIT_NODES, [str(self.n), str(max(5.0, deadline -
+                                                                  time.monotonic()))],
+                              timeout=max(30.0, deadline - time.monotonic() + 30.0))
+        try:
+            alive = json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError) as e:
+            raise TestBedError(f"waiting for the nodes printed no node list: {out!r}") from e
+        by_ip = {a["ip"]: a for a in alive}
+        missing = [node.index for node in self.nodes
+                   if node.resource not in by_ip.get(node.ip, {}).get("resources", {})]
+        if missing or len(alive) != self.n:
+            raise TestBedError(
+                f"after {self.start_timeout_s:.0f} s the cluster has {len(alive)} alive "
+                f"node(s) {sorted(by_ip)}, want {self.n}; missing node(s) {missing}"
+                + "".join(self.node_report(i) for i in missing))
+
+    # ---------------------------------------------------------------- use
+
+    def popen(self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None,
+              **kw: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` in node ``i``'s namespace (ended at close, like the rest)."""
+        self._check_up()
+        full = [*self._ns(i), *argv]
+        self.commands.append(f"{time.strftime('%H:%M:%S')} {shlex.join(full)}")
+        return subprocess.Popen(full, env={**self.env(), **(env or {})}, **kw)
+
+    def run_driver(self, script: str | os.PathLike[str], args: Sequence[str] = (), *,
+                   timeout: float = 600.0, env: Mapping[str, str] | None = None,
+                   node: int = 0, echo: bool = False, echo_stderr: bool = False) -> str:
+        """Run a Python driver on node ``node`` (the head by default) and return its stdout.
+
+        ``script`` is a path to a ``.py`` file or Python source. ``RAY_ADDRESS`` is the
+        head's, so a plain ``ray.init()`` joins the test bed. ``echo`` copies the
+        driver's stdout and stderr to this process's as they come, ``echo_stderr`` only
+        its stderr (progress, logs). Raises TestBedError
+        (with the tail of its output) when it exits non-zero or outlives ``timeout``.
+        """
+        self._check_up()
+        path = Path(os.fspath(script))
+        if not (path.suffix == ".py" and path.is_file()):
+            self._drivers += 1
+            path = self.dir / f"driver-{self._drivers}.py"
+            path.write_text(os.fspath(script))
+        drv_env = {"RAY_ADDRESS": self.address, **(env or {})}
+        p = self.popen(node, [self.python, str(path), *map(str, args)], env=drv_env,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       stdin=subprocess.DEVNULL, start_new_session=True)
+        chunks: dict[str, list[bytes]] = {"out": [], "err": []}
+
+        def pump(src: IO[bytes], key: str, dst: IO[str]) -> None:
+            show = echo or (echo_stderr and key == "err")
+            for line in iter(src.readline, b""):
+                chunks[key].append(line)
+                if show:
+                    dst.write(line.decode(errors="replace"))
+                    dst.flush()
+
+        assert p.stdout is not None and p.stderr is not None
+        pumps = [threading.Thread(target=pump, args=(p.stdout, "out", sys.stdout), daemon=True),
+                 threading.Thread(target=pump, args=(p.stderr, "err", sys.stderr), daemon=True)]
+        for t in pumps:
+            t.start()
+        timed_out = False
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        except BaseException:
+            _kill_group(p)
+            raise
+        if timed_out:
+            _kill_group(p)
+        for t in pumps:
+            t.join(timeout=10)
+        out = b"".join(chunks["out"]).decode(errors="replace")
+        err = b"".join(chunks["err"]).decode(errors="replace")
+        if timed_out or p.returncode != 0:
+            what = (f"timed out after {timeout:.0f} s" if timed_out
+                    else f"exited with status {p.returncode}")
+            raise TestBedError(f"driver {path} on node {node} {what}\n--- stdout tail ---\n"
+                               f"{out[-3000:]}\n--- stderr tail ---\n{err[-5000:]}")
+        return out
+
+    def pids(self) -> dict[int, list[int]]:
+        """The PIDs in each node's namespace."""
+        return {node.index: _ns_pids(node.namespace) for node in self.nodes}
+
+    def _check_up(self) -> None:
+        if not self._started or self._closed or not self.nodes:
+            raise TestBedError("the test bed is not running (use it inside its `with`)")
+
+    # ---------------------------------------------------------------- teardown
+
+    def close(self, raise_errors: bool = True) -> None:
+        """End every process in the namespaces, delete them and the links, and the logs
+        unless ``keep_logs``. Raises TestBedError when something is left (with
+        ``raise_errors``; else only logs it)."""
+        if self._closed or not self._started:
+            return
+        t0 = time.monotonic()
+        problems = self._teardown()
+        self.timings["teardown"] = time.monotonic() - t0
+        logger.info("testbed %s: torn down in %.1f s", self.tag, self.timings["teardown"])
+        if problems:
+            msg = f"test bed {self.tag} cleanup left: " + "; ".join(problems)
+            if raise_errors:
+                raise TestBedError(msg)
+            logger.error("%s", msg)
+
+    def _teardown(self) -> list[str]:
+        self._closed = True
+        if not self.tag:
+            return []
+        problems = _delete_tag(self.tag, log=self.commands)
+        problems += self._restore_cluster_file()
+        with contextlib.suppress(OSError):
+            (self.dir / "commands.log").write_text("\n".join(self.commands) + "\n")
+        if self.keep_logs:
+            with contextlib.suppress(OSError):
+                (self.dir / "KEEP").touch()
+            logger.warning("testbed %s: logs kept in %s", self.tag, self.dir)
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        if not problems and (not self.dir.exists() or self.keep_logs):
+            with contextlib.suppress(FileNotFoundError):
+                (BASE_DIR / f"{self.tag}.lock").unlink()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        return problems
+
+    def _restore_cluster_file(self) -> list[str]:
+        """Remove Ray's default ``ray_current_cluster`` if it names this test bed (a plain
+        ``ray.init()`` on the host would try to join the dead address)."""
+        if not self.nodes:
+            return []
+        path = _default_cluster_file()
+        now = _read(path)
+        if now is None or now == self._ray_cluster_file_before:
+            return []
+        if now.decode(errors="replace").strip() != self.address:
+            return []  # someone else's cluster wrote it meanwhile: theirs
+        try:
+            if self._ray_cluster_file_before is None:
+                path.unlink()
+            else:
+                path.write_bytes(self._ray_cluster_file_before)
+        except OSError as e:
+            return [f"could not restore {path}: {e}"]
+        return []
+
+
+def _default_cluster_file() -> Path:
+    """Ray's ``ray_current_cluster`` in its default temp dir (as Ray computes it)."""
+    tmp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    return Path(tmp) / "ray" / "ray_current_cluster"
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _kill_group(p: subprocess.Popen[Any]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGTERM)
+    try:
+        p.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+# -------------------------------------------------------------------- CLI
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """A SIGTERM ends the CLI through its `finally`s, so the test bed is cleaned up."""
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _env_pairs(items: Sequence[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise SystemExit(f"--env takes KEY=VALUE, got {item!r}")
+        out[k] = v
+    return out
+
+
+def add_bed_args(ap: argparse.ArgumentParser, nodes: int | None = 2) -> None:
+    """The options of a test bed (shared by the CLIs that build one)."""
+    if nodes is not None:
+        ap.add_argument("--nodes", type=int, default=nodes, help="Ray nodes (node 0 is the head)")
+    ap.add_argument("--rate", default="500mbit",
+                    help="per-node link rate, egress and ingress, as tc writes it; 'none' = "
+                         "unlimited (default 500mbit)")
+    ap.add_argument("--burst", default="512kb", help="tbf burst (default 512kb)")
+    ap.add_argument("--latency", default="100ms", help="tbf latency (default 100ms)")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment for every node and the driver (repeatable)")
+    ap.add_argument("--num-cpus", type=int, default=1, help="CPUs each node advertises")
+    ap.add_argument("--keep-logs", action="store_true",
+                    help="keep the Ray logs in /tmp/rtb/<tag>/ after the run")
+
+
+def bed_from_args(args: argparse.Namespace, nodes: int, env: Mapping[str, str] | None = None
+                  ) -> TestBed:
+    rate = None if str(args.rate).lower() in ("none", "0", "") else args.rate
+    return TestBed(nodes=nodes, rate=rate, burst=args.burst, latency=args.latency,
+                   env={**(env or {}), **_env_pairs(args.env)}, num_cpus=args.num_cpus,
+                   keep_logs=args.keep_logs)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m microbenchmarks.testbed",
+        description="Run a Ray driver on a multi-node test bed: N Ray nodes in network "
+                    "namespaces of this host, each link limited to --rate.",
+        epilog="example: python -m microbenchmarks.testbed --nodes 3 --rate 500mbit -- "
+               "microbenchmarks/testbed_sync.py --driver ...")
+    add_bed_args(ap)
+    ap.add_argument("--timeout", type=float, default=1800.0, help="driver timeout, seconds")
+    ap.add_argument("--check", action="store_true", help="say whether a test bed can run here")
+    ap.add_argument("--cleanup", action="store_true",
+                    help="remove the leftovers of crashed test-bed runs, then exit")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log every command")
+    ap.add_argument("driver", nargs="?", help="the driver script (.py)")
+    ap.add_argument("driver_args", nargs=argparse.REMAINDER, help="its arguments")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(message)s", stream=sys.stderr)
+    if args.check:
+        reason = TestBed.available()
+        print("test bed: available" if reason is None else f"test bed: unavailable: {reason}")
+        return 0 if reason is None else 1
+    if args.cleanup:
+        print(f"removed leftovers of runs: {cleanup_stale() or 'none'}")
+        return 0
+    if not args.driver:
+        ap.error("give a driver script (after --), or --check / --cleanup")
+    driver_args = args.driver_args[1:] if args.driver_args[:1] == ["--"] else args.driver_args
+    with _sigterm_as_exit(), bed_from_args(args, args.nodes) as bed:
+        print(f"test bed {bed.tag}: {bed.n} nodes {[n.ip for n in bed.nodes]}, rate "
+              f"{bed.rate or 'unlimited'}, up in {bed.timings['bring_up']:.1f} s",
+              file=sys.stderr)
+        try:
+            bed.run_driver(args.driver, driver_args, timeout=args.timeout, echo=True)
+        except TestBedError as e:
+            print(str(e).split("\n", 1)[0], file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""Weight sync across Ray nodes with real link limits: one trainer to N engine nodes.
+
+Builds a :class:`microbenchmarks.testbed.TestBed` of ``max(--engines) + 1`` nodes (each in
+its own network namespace, each link limited to ``--rate`` both ways) and runs this file
+as the Ray driver on the head. The trainer actor lives on node 0 and holds a
+``WeightSender`` over a model of ``--tensors`` fp32 tensors, ``--size-mib`` in all;
+engine ``k`` lives on node ``k`` and holds a ``WeightReceiver`` over zeros of the same
+shapes. For each engine count N: one cold sync, then ``--syncs`` timed ones of
+``sync(trainer, engines, mode="stream")``; before each, the trainer changes every byte of
+every tensor, and after each, every engine's bytes must equal the trainer's (SHA-256 of
+all tensors), or the run fails. The engines of one N are killed before the next N starts
+(idle actors cost CPU on a small host).
+
+Reported per N: the median and every time of the timed syncs (driver wall clock around
+``sync``), and the link floor without relay, N * size / rate (the trainer's egress carries
+every engine's copy). Prints a table and writes ``testbed_sync.json`` to ``--out``.
+
+    python -m microbenchmarks.testbed_sync --engines 1,2,4,8 --rate 500mbit --out DIR
+
+Adding a parameter: add the option in :func:`parse_args` (it reaches the driver as is,
+since the driver gets the same argument list) and read it in :func:`measure`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MIB = 1 << 20
+REPO = Path(__file__).resolve().parents[1]
+RESULT_TAG = "RESULT "
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from microbenchmarks.testbed import add_bed_args
+
+    ap = argparse.ArgumentParser(prog="python -m microbenchmarks.testbed_sync",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engines", default="1,2,4,8",
+                    help="comma-separated engine counts, each engine its own Ray node")
+    ap.add_argument("--size-mib", type=int, default=64, help="model size, MiB")
+    ap.add_argument("--tensors", type=int, default=32, help="tensors in the model")
+    ap.add_argument("--bucket-mib", type=float, default=2.0, help="bucket size, MiB")
+    ap.add_argument("--syncs", type=int, default=3, help="timed syncs per engine count")
+    ap.add_argument("--max-inflight", type=int, default=2, help="sync(max_inflight=)")
+    ap.add_argument("--mode", default="stream", choices=("stream", "publish"),
+                    help="sync(mode=)")
+    ap.add_argument("--pool-mib", type=int, default=32, help="each actor's nixl_pool, MiB")
+    ap.add_argument("--out", default=None, help="folder for testbed_sync.json")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="driver timeout, seconds")
+    ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
+    add_bed_args(ap, nodes=None)
+    args = ap.parse_args(argv)
+    args.engine_counts = sorted({int(x) for x in str(args.engines).split(",") if x.strip()})
+    if not args.engine_counts or args.engine_counts[0] < 1:
+        ap.error(f"--engines must list counts >= 1, got {args.engines!r}")
+    if args.size_mib * MIB % args.tensors or (args.size_mib * MIB // args.tensors) % 4:
+        ap.error("--size-mib must split into --tensors equal fp32 tensors")
+    return args
+
+
+# ------------------------------------------------------------------ driver side (node 0)
+
+
+def _peer_class() -> Any:
+    import ray
+
+    @ray.remote(num_cpus=0, enable_tensor_transport=True)
+    class Peer:
+        """The trainer (sender) or an engine (receiver); one process on one node each."""
+
+        def __init__(self, role: str, numel: int, tensors: int, bucket_bytes: int,
+                     pool_bytes: int) -> None:
+            import torch
+
+            import ray_rdt_pool
+            from ray_rdt_pool.weights import WeightReceiver, WeightSender
+
+            ray_rdt_pool.register()
+            ray_rdt_pool.configure(pool_bytes=pool_bytes, arena_bytes=pool_bytes)
+            torch.set_num_threads(1)
+            g = torch.Generator().manual_seed(1234)
+            self.state = {f"layers.{i}.weight": (torch.randn(numel, generator=g)
+                                                 if role == "trainer" else torch.zeros(numel))
+                          for i in range(tensors)}
+            if role == "trainer":
+                self.weight_sender = WeightSender(self.state, bucket_bytes=bucket_bytes)
+            else:
+                self.weight_receiver = WeightReceiver(self.state)
+
+        def where(self) -> str:
+            return str(ray.util.get_node_ip_address())
+
+        def step(self) -> None:
+            """Change every byte: a stale byte on an engine then fails the digest."""
+            import torch
+
+            with torch.no_grad():
+                for t in self.state.values():
+                    t.view(torch.int32).add_(1)
+
+        def digest(self) -> str:
+            h = hashlib.sha256()
+            for t in self.state.values():
+                h.update(t.numpy().tobytes())
+            return h.hexdigest()
+
+    return Peer
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    from ray_rdt_pool.weights import sync
+
+    ray.init(log_to_driver=False)
+    n_nodes = len([n for n in ray.nodes() if n["Alive"]])
+    if n_nodes < args.engine_counts[-1] + 1:
+        raise SystemExit(f"{n_nodes} Ray nodes, need {args.engine_counts[-1] + 1}")
+    size = args.size_mib * MIB
+    numel = size // args.tensors // 4
+    bucket = int(args.bucket_mib * MIB)
+    Peer = _peer_class()
+
+    def on(i: int) -> Any:
+        return Peer.options(resources={f"node{i}": 0.01})
+
+    trainer = on(0).remote("trainer", numel, args.tensors, bucket, args.pool_mib * MIB)
+    trainer_ip = ray.get(trainer.where.remote())
+    results = []
+    for n in args.engine_counts:
+        engines = [on(k).remote("engine", numel, args.tensors, bucket, args.pool_mib * MIB)
+                   for k in range(1, n + 1)]
+        ips = ray.get([e.where.remote() for e in engines])
+        if len(set(ips) | {trainer_ip}) != n + 1:
+            raise SystemExit(f"trainer {trainer_ip} and engines {ips} do not sit on "
+                             f"{n + 1} distinct nodes")
+        times: list[float] = []
+        reported: list[float] = []
+        for k in range(args.syncs + 1):
+            ray.get(trainer.step.remote())
+            t0 = time.perf_counter()
+            rep = sync(trainer, engines, mode=args.mode, max_inflight=args.max_inflight)
+            wall = time.perf_counter() - t0
+            want = ray.get(trainer.digest.remote())
+            got = ray.get([e.digest.remote() for e in engines])
+            bad = [i + 1 for i, d in enumerate(got) if d != want]
+            if bad:
+                raise SystemExit(f"{n} engines, sync {k}: engines {bad} hold other bytes "
+                                 "than the trainer")
+            if k == 0:
+                cold = wall
+            else:
+                times.append(wall)
+                reported.append(rep.seconds)
+            print(f"engines={n} sync={k} {wall:.3f} s (byte-exact)", file=sys.stderr,
+                  flush=True)
+        for e in engines:
+            ray.kill(e)
+        del engines
+        time.sleep(1.0)
+        results.append({"engines": n, "median_s": statistics.median(times),
+                        "times_s": times, "cold_s": cold, "sync_report_s": reported,
+                        "byte_exact": True})
+    return {"results": results, "trainer_ip": trainer_ip, "nodes": n_nodes}
+
+
+# ------------------------------------------------------------------ host side
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _git_commit() -> str | None:
+    r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                       capture_output=True, text=True, check=False)
+    return r.stdout.strip() or None
+
+
+def table(report: dict[str, Any]) -> str:
+    rate = report["rate"] or "unlimited"
+    lines = [f"sync(mode={report['mode']!r}) of {report['size_mib']} MiB in "
+             f"{report['tensors']} tensors, {report['bucket_mib']:g} MiB buckets, trainer "
+             f"on node 0, one engine per node, {rate} per node (test bed, "
+             f"{report['host']['cpu']}, {report['host']['cores']} cores)",
+             f"| engines | median of {report['syncs']} | all times | vs 1 engine | "
+             "link floor N*S/B |",
+             "|---|---|---|---|---|"]
+    base = report["results"][0]["median_s"] if report["results"][0]["engines"] == 1 else None
+    for r in report["results"]:
+        times = ", ".join(f"{t:.2f}" for t in r["times_s"])
+        ratio = f"{r['median_s'] / base:.2f}x" if base else "-"
+        floor = f"{r['floor_s']:.2f} s" if r["floor_s"] is not None else "-"
+        lines.append(f"| {r['engines']} | {r['median_s']:.2f} s | {times} | {ratio} | "
+                     f"{floor} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.driver:
+        print(RESULT_TAG + json.dumps(measure(args)), flush=True)
+        return 0
+
+    import logging
+
+    from microbenchmarks.testbed import TestBed, bed_from_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    reason = TestBed.available()
+    if reason is not None:
+        print(f"the test bed cannot run here: {reason}", file=sys.stderr)
+        return 2
+    nodes = args.engine_counts[-1] + 1
+    pypath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": pypath, "RAY_RDT_POOL_METRICS": "0", "RAY_DEDUP_LOGS": "0"}
+    bed = bed_from_args(args, nodes, env=env)
+    load_before = list(os.getloadavg())
+    with bed:
+        out = bed.run_driver(__file__, [*(argv if argv is not None else sys.argv[1:]),
+                                        "--driver"], timeout=args.timeout,
+                             echo_stderr=True)
+    lines = [ln for ln in out.splitlines() if ln.startswith(RESULT_TAG)]
+    if not lines:
+        print(f"the driver printed no result:\n{out[-3000:]}", file=sys.stderr)
+        return 1
+    got = json.loads(lines[-1][len(RESULT_TAG):])
+    rate_bps = bed.rate_bps
+    size = args.size_mib * MIB
+    for r in got["results"]:
+        r["floor_s"] = r["engines"] * size * 8 / rate_bps if rate_bps else None
+    report = {
+        "what": "testbed_sync", "mode": args.mode, "size_mib": args.size_mib,
+        "tensors": args.tensors, "bucket_mib": args.bucket_mib, "syncs": args.syncs,
+        "max_inflight": args.max_inflight, "rate": bed.rate, "burst": bed.burst,
+        "nodes": nodes, "results": got["results"],
+        "bring_up_s": bed.timings.get("bring_up"), "teardown_s": bed.timings.get("teardown"),
+        "host": {"cpu": _cpu(), "cores": os.cpu_count(), "loadavg_before": load_before,
+                 "loadavg_after": list(os.getloadavg())},
+        "commit": _git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "note": "multi-node test bed: one network namespace per Ray node on one host, "
+                "links limited by tc (not the one-host `make bench` figures)",
+    }
+    print(table(report))
+    print(f"bring-up {report['bring_up_s']:.1f} s, teardown {report['teardown_s']:.1f} s")
+    if args.out:
+        path = Path(args.out)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "testbed_sync.json").write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {path / 'testbed_sync.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
