@@ -18,6 +18,7 @@ PURE_MODULES = [
     "ray_rdt_pool.config",
     "ray_rdt_pool.obs.stats",
     "ray_rdt_pool.obs.events",
+    "ray_rdt_pool.receive.targets",
     # The package itself imports nothing heavy: its functions load the transport lazily.
     "ray_rdt_pool",
 ]

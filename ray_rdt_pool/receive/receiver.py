@@ -51,7 +51,6 @@ receiver lock. Imports no Ray.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 import math
@@ -74,6 +73,7 @@ from ray_rdt_pool.errors import (
     WireFormatError,
     shut_down_error,
 )
+from ray_rdt_pool.receive.targets import check_targets, read_pieces, target_descs
 from ray_rdt_pool.registry import MEM_TYPE, Directory, RegEntry, Region, Registry
 from ray_rdt_pool.same_node.shared import (
     ChildLeases,
@@ -98,6 +98,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["PEER_IDLE_S", "Fetch", "Landing", "Peer", "Receiver", "Transfer"]
+# re-exported for other packages until the lead rewires them
+__all__ += ["target_descs"]
 
 #: A peer unused this long, with nothing in flight, is removed (its process may be gone).
 #: Long: with NIXL 1.5.1 (UCX) a removed agent's connection stays open in both processes,
@@ -405,7 +407,7 @@ class Receiver:
             landing = Landing("temp", buf.data_ptr(), device, dev_id, temp=buf,
                               temp_handle=handle)
         if f.selected is not None:
-            return (landing, *_read_pieces(
+            return (landing, *read_pieces(
                 meta, [(p, landing.addr + lo, n) for lo, p, n in f.selected.runs], dev_id))
         local = [(landing.addr + v, n, dev_id) for v, _a, n in meta.segments]
         remote = [(a, n, meta.device_id) for _v, a, n in meta.segments]
@@ -1207,7 +1209,7 @@ class Receiver:
 
         f = Fetch(obj_id, meta)
         if targets:
-            _check_targets(targets, meta, self.config.tuning.native)
+            check_targets(targets, meta, self.config.tuning.native)
             device = targets[0].device.type
         else:
             device = device_hint if device_hint in MEM_TYPE else meta.device
@@ -1595,112 +1597,3 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     if t.numel() == 0:
         return empty_tensor(t.shape, t.dtype)
     return t if t.is_contiguous() else t.contiguous()
-
-
-def _read_pieces(meta: WireMeta, spans: Sequence[tuple[int, int, int]], ldev: int
-                 ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-    """(local, remote) descriptors that land packed ranges ``(packed offset, local
-    address, length)`` at their local addresses, split where the sender's segments
-    split (the wire decoder checked that the segments cover every tensor's bytes)."""
-    segments = meta.segments
-    starts = [v for v, _a, _n in segments]
-    local: list[tuple[int, int, int]] = []
-    remote: list[tuple[int, int, int]] = []
-    rdev = meta.device_id
-    for off, addr, n in spans:
-        i = bisect.bisect_right(starts, off) - 1
-        pos, end = off, off + n
-        while pos < end:
-            v, a, m = segments[i]
-            take = min(v + m, end) - pos
-            local.append((addr + (pos - off), take, ldev))
-            remote.append((a + (pos - v), take, rdev))
-            pos += take
-            i += 1
-    return local, remote
-
-
-def target_descs(targets: Sequence[torch.Tensor], meta: WireMeta
-                 ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-    """(local, remote) descriptors ``(address, bytes, device id)`` landing each packed
-    tensor of ``meta`` in its contiguous target (one per tensor, in order; empty ones
-    take nothing): for a READ, or for a local copy out of the sender's own blocks."""
-    spans = [(off, t.data_ptr(), t.numel() * t.element_size())
-             for t, off in zip(targets, meta.tensor_offsets()) if t.numel()]
-    return _read_pieces(meta, spans, targets[0].device.index or 0)
-
-
-def _check_targets(targets: Sequence[torch.Tensor], meta: WireMeta,
-                   native: bool = True) -> None:
-    """Raise InvalidInputError, naming the first bad buffer and the fix, unless every
-    target is a contiguous tensor of its source tensor's shape and dtype, all on one
-    device type. ``native``: ``PoolConfig.tuning.native``, passed on to ``describe``."""
-    import torch
-
-    from ray_rdt_pool.memory.tensors import describe, dtype_name
-
-    if len(targets) != meta.num_tensors:
-        raise InvalidInputError(
-            f"{len(targets)} target buffers for an object of {meta.num_tensors} tensors; "
-            "pass one buffer per tensor, in the order they were sent")
-    # All at once first, with the sender's one-pass attribute reads (thousands of
-    # per-sample buffers cost a few ms, not tens); the walk below names the bad buffer.
-    found: InvalidInputError | None = None
-    try:
-        d = describe(targets, allow_cuda=True, native=native)
-    except InvalidInputError as e:
-        d, found = None, e  # raised below unless the walk names a more specific fault
-    if d is not None and all(d.plain):
-        want = list(meta.shapes_dtypes())
-        if d.shapes == [s for s, _ in want] and d.dtypes == [dt for _, dt in want]:
-            _refuse_overlapping(d.ptrs, d.nbytes)
-            return
-    for i, (t, (shape, dt)) in enumerate(zip(targets, meta.shapes_dtypes())):
-        if not isinstance(t, torch.Tensor):
-            raise InvalidInputError(
-                f"target buffer {i} is a {type(t).__name__}, not a torch.Tensor; pass "
-                "preallocated tensors, one per tensor of the object")
-        if tuple(t.shape) != shape or dtype_name(t.dtype) != dt:
-            raise InvalidInputError(
-                f"target buffer {i} is {tuple(t.shape)} {t.dtype} but the object holds "
-                f"{shape} {dt}; allocate it with that shape and dtype")
-        if t.is_conj() or t.is_neg():
-            raise InvalidInputError(
-                f"target buffer {i} is a lazy {'conjugate' if t.is_conj() else 'negative'} "
-                "view: the READ writes its storage, whose bytes it shows transformed; pass "
-                "a plain tensor (resolve_conj() / resolve_neg() copies)")
-        if not t.is_contiguous() or t.device.type != targets[0].device.type:
-            raise InvalidInputError(
-                f"target buffer {i} must be contiguous and on the same device type as buffer "
-                f"0 (is_contiguous={t.is_contiguous()}, device={t.device}); use "
-                "torch.empty(...) or .contiguous()")
-    if found is not None:
-        # A buffer describe() refuses for another reason (one with no memory behind its
-        # bytes: a READ into it would write near address 0).
-        raise InvalidInputError(f"target buffers: {found}") from found
-    _refuse_overlapping([t.data_ptr() for t in targets], [t.nbytes for t in targets])
-
-
-def _refuse_overlapping(ptrs: Sequence[int], nbytes: Sequence[int]) -> None:
-    """InvalidInputError if two (contiguous) target buffers share bytes: the READs or
-    copies into them would overwrite each other, in no fixed order."""
-    import itertools
-
-    end = 0
-    for p, n in zip(ptrs, nbytes):  # the common case: in address order, one pass
-        if n:
-            if p < end:
-                break
-            end = p + n
-    else:
-        return
-    # Targets are on one device type, and CUDA's unified addressing keeps the addresses
-    # of every device and the host apart: addresses alone tell.
-    spans = sorted((p, p + n, i) for i, (p, n) in enumerate(zip(ptrs, nbytes)) if n)
-    for (_s0, e0, i0), (s1, _e1, i1) in itertools.pairwise(spans):
-        if s1 < e0:
-            a, b = sorted((i0, i1))
-            raise InvalidInputError(
-                f"target buffers {a} and {b} share memory: the bytes of one would overwrite "
-                "the other's. Pass buffers that do not overlap (separate tensors, or "
-                "disjoint slices of one)")
