@@ -132,10 +132,10 @@ def test_a_peer_removed_by_housekeeping_is_exported(ray_up: dict[str, bool],
     """The progress thread's removal of an idle peer is no event, and nothing is live by
     then, so the exporter had stopped polling: the remote_agents gauge stayed at 1 and
     remote_agents_removed at 0 for good."""
-    from ray_rdt_pool.receive import receiver as receiver_mod
+    from ray_rdt_pool.receive import peers as peers_mod
 
-    monkeypatch.setattr(receiver_mod, "PEER_IDLE_S", 0.3)  # for the 120 s
-    monkeypatch.setattr(receiver_mod, "_HOUSEKEEPING_S", 0.05)
+    monkeypatch.setattr(peers_mod, "PEER_IDLE_S", 0.3)  # for the 120 s
+    monkeypatch.setattr(peers_mod, "HOUSEKEEPING_S", 0.05)
     w = World()
     s, r = _runtime(w), _runtime(w)
     try:

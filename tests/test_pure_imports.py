@@ -18,6 +18,7 @@ PURE_MODULES = [
     "ray_rdt_pool.config",
     "ray_rdt_pool.obs.stats",
     "ray_rdt_pool.obs.events",
+    "ray_rdt_pool.receive.drain",
     "ray_rdt_pool.receive.targets",
     # The package itself imports nothing heavy: its functions load the transport lazily.
     "ray_rdt_pool",
@@ -50,6 +51,9 @@ def test_pure_modules_do_not_import_heavy_dependencies() -> None:
 
 OWNER_MODULES = [
     "ray_rdt_pool.registry", "ray_rdt_pool.send.sender", "ray_rdt_pool.receive.receiver",
+    "ray_rdt_pool.receive.arena", "ray_rdt_pool.receive.fork", "ray_rdt_pool.receive.mapped",
+    "ray_rdt_pool.receive.peers", "ray_rdt_pool.receive.source",
+    "ray_rdt_pool.receive.transfers",
 ]
 
 

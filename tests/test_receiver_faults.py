@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ray_rdt_pool.errors import TransferError
-from ray_rdt_pool.receive import receiver as receiver_mod
+from ray_rdt_pool.receive import mapped as mapped_mod
 from ray_rdt_pool.same_node.shared import this_process
 from tests.fakenixl import World
 from tests.test_same_node_logic import get, make, settle
@@ -44,7 +44,7 @@ def test_a_failed_lookup_of_the_senders_pool_reads_with_nixl_and_asks_again(
 
     world.lookup_host = flaky  # type: ignore[method-assign]
     src = [torch.arange(1000, dtype=torch.float32)]
-    with caplog.at_level(logging.DEBUG, logger="ray_rdt_pool.receive.receiver"):
+    with caplog.at_level(logging.DEBUG, logger="ray_rdt_pool.receive.mapped"):
         assert torch.equal(get(s, r, "a", src)[0], src[0])
         assert torch.equal(get(s, r, "b", src)[0], src[0])  # not asked again yet
     st = r.stats()
@@ -53,10 +53,10 @@ def test_a_failed_lookup_of_the_senders_pool_reads_with_nixl_and_asks_again(
     warned = [x for x in caplog.records if x.levelno == logging.WARNING
               and "GCS unreachable" in x.getMessage()]
     assert len(warned) == 1
-    monkeypatch.setattr(receiver_mod, "HOST_RETRY_S", 0.0)
+    monkeypatch.setattr(mapped_mod, "HOST_RETRY_S", 0.0)
     caplog.clear()
-    with caplog.at_level(logging.DEBUG, logger="ray_rdt_pool.receive.receiver"):
-        r.receiver._host_retry[s.agent_name] = 0.0  # its retry time has come
+    with caplog.at_level(logging.DEBUG, logger="ray_rdt_pool.receive.mapped"):
+        r.receiver.mapped.host_retry[s.agent_name] = 0.0  # its retry time has come
         assert torch.equal(get(s, r, "c", src)[0], src[0])  # fails again: NIXL, quietly
     assert not [x for x in caplog.records if x.levelno >= logging.WARNING]
     assert torch.equal(get(s, r, "d", src)[0], src[0])  # the GCS answers: mapped
@@ -79,7 +79,7 @@ def test_a_failure_after_the_lease_is_a_transfer_error_and_returns_the_lease(
         raise MemoryError("cannot allocate 40000 bytes")
 
     if mode == "copy":
-        monkeypatch.setattr(r.receiver, "_local_landing", boom)
+        monkeypatch.setattr(r.receiver.landings, "local", boom)
         targets = None
     else:
         monkeypatch.setattr("ray_rdt_pool.memory.tensors.unpack_into", boom)

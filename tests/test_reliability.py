@@ -1119,11 +1119,11 @@ def _age_peers(self, seconds: float) -> int:
 
     rcv = runtime().receiver
     with rcv.lock:
-        for p in rcv.peers.values():
+        for p in rcv.peers.by_name.values():
             p.last_used -= seconds
-        rcv._next_housekeeping = 0.0
+        rcv.peers.next_housekeeping = 0.0
     rcv.reap()
-    return len(rcv.peers)
+    return len(rcv.peers.by_name)
 
 
 def test_a_sender_idle_for_half_an_hour_is_read_again_over_the_same_connection(send):

@@ -325,7 +325,9 @@ def test_reaps_racing_for_the_last_dropped_read_raise_nothing(world):
     dropped READ left, and the second one's pop raised IndexError out of fetch()."""
     from collections import deque
 
-    from ray_rdt_pool.receive.receiver import Landing, Peer, Transfer
+    from ray_rdt_pool.receive.arena import Landing
+    from ray_rdt_pool.receive.peers import Peer
+    from ray_rdt_pool.receive.transfers import Transfer
 
     r = make(world).receiver
 
@@ -336,10 +338,10 @@ def test_reaps_racing_for_the_last_dropped_read_raise_nothing(world):
                 super().popleft()
             return n
 
-    r._dropped = Raced([Transfer("x", None, Peer("p"), Landing("temp", released=True), 0.0,
-                                 final="DONE")])
+    t = Transfer("x", None, Peer("p"), Landing("temp", released=True), 0.0, final="DONE")
+    r.transfers.dropped_reads = Raced([t])
     r.reap()
-    assert not r._dropped
+    assert not r.transfers.dropped_reads
 
 
 def test_target_buffer_mismatch_is_rejected_before_any_read(world):
@@ -1170,7 +1172,7 @@ def test_a_peer_waiting_for_its_first_metadata_is_not_idle_and_blocks_no_reap(wo
     done = threading.Event()
 
     def reap() -> None:
-        r.receiver._next_housekeeping = 0.0
+        r.receiver.peers.next_housekeeping = 0.0
         r.backend().tick()
         done.set()
 
@@ -1193,18 +1195,18 @@ def test_a_sender_never_found_in_the_directory_leaves_no_peer(world):
 
 
 def test_an_idle_peer_whose_removal_nixl_refuses_is_retried_then_forgotten(world, monkeypatch):
-    from ray_rdt_pool.receive import receiver as rmod
+    from ray_rdt_pool.receive import peers as rmod
 
     s, r = make(world), make(world)
     assert same(roundtrip(s, r, "a", [torch.arange(3)]), [torch.arange(3)])
     monkeypatch.setattr(rmod, "PEER_IDLE_S", 0.0)
-    monkeypatch.setattr(rmod, "_HOUSEKEEPING_S", 0.0)
+    monkeypatch.setattr(rmod, "HOUSEKEEPING_S", 0.0)
     world.remove_errors = True
     for _ in range(rmod.MAX_REMOVE_TRIES - 1):
-        r.receiver._next_housekeeping = 0.0
+        r.receiver.peers.next_housekeeping = 0.0
         r.backend().tick()
         assert r.stats().remote_agents == 1  # kept, to be tried again
-    r.receiver._next_housekeeping = 0.0
+    r.receiver.peers.next_housekeeping = 0.0
     r.backend().tick()
     assert r.stats().remote_agents == 0
     world.remove_errors = False
@@ -1217,15 +1219,15 @@ def test_a_peer_nixl_may_still_hold_is_not_forgotten_when_its_lookup_fails(world
     hold its agent. A fetch whose metadata lookup then failed (the sender exited, its GCS
     key gone) took it for a peer never loaded and forgot it: nothing removed the agent
     afterwards, and no warning said so."""
-    from ray_rdt_pool.receive import receiver as rmod
+    from ray_rdt_pool.receive import peers as rmod
 
     s, r = make(world), make(world, fetch_timeout_s=0.2)
     assert same(roundtrip(s, r, "a", [torch.arange(3)]), [torch.arange(3)])
     monkeypatch.setattr(rmod, "PEER_IDLE_S", 0.0)
-    monkeypatch.setattr(rmod, "_HOUSEKEEPING_S", 0.0)
+    monkeypatch.setattr(rmod, "HOUSEKEEPING_S", 0.0)
     backend = r.backend()
     world.remove_errors = True
-    r.receiver._next_housekeeping = 0.0
+    r.receiver.peers.next_housekeeping = 0.0
     backend.tick()  # the idle peer's removal is refused: kept, to be tried again
     assert s.agent_name in backend.loaded
     meta = ship(s.put("b", [torch.arange(5)]))
@@ -1234,7 +1236,7 @@ def test_a_peer_nixl_may_still_hold_is_not_forgotten_when_its_lookup_fails(world
         r.wait(r.fetch("b", meta, None), -1)
     world.remove_errors = False
     for _ in range(3):
-        r.receiver._next_housekeeping = 0.0
+        r.receiver.peers.next_housekeeping = 0.0
         backend.tick()
     assert s.agent_name not in backend.loaded  # removed, not forgotten
     assert r.stats().remote_agents == 0
@@ -1495,7 +1497,7 @@ def test_landing_uses_the_arena_of_the_senders_device(world, monkeypatch):
     from ray_rdt_pool.receive import receiver as rdt_receiver
 
     real_block = rdt_tensors.device_block
-    monkeypatch.setattr(rdt_receiver, "_cuda_available", lambda: True)
+    monkeypatch.setattr(rdt_receiver, "cuda_available", lambda: True)
     # Without a GPU the "cuda" block is host memory: view it as such.
     monkeypatch.setattr(rdt_tensors, "device_block",
                         lambda addr, n, dev, i, on_free: real_block(addr, n, "cpu", 0, on_free))

@@ -24,7 +24,8 @@ import torch
 from ray_rdt_pool._ray.transport import PoolTransportMetadata, Runtime
 from ray_rdt_pool.config import PoolConfig
 from ray_rdt_pool.errors import PoolExhaustedError, RegistrationError, WireFormatError
-from ray_rdt_pool.receive import receiver as receiver_mod
+from ray_rdt_pool.receive import fork as fork_mod
+from ray_rdt_pool.receive import mapped as mapped_mod
 from ray_rdt_pool.same_node import shared
 from ray_rdt_pool.same_node.shared import PAGE, HostInfo, LeaseTable, process_start, still_running
 from tests.fakenixl import World
@@ -309,7 +310,7 @@ def test_the_sender_checks_only_the_slots_released(world: World,
     s.sender.reap()
     assert sorted(checked[-1]) == sorted([slots[3], slots[11]])
     assert s.stats().leased_objects == 18
-    host = r.receiver.hosts[s.agent_name]
+    host = r.receiver.mapped.hosts[s.agent_name]
     assert host is not None
     spare = host.info.slots - 1  # a page no object of this test starts at
     with r.receiver.lock:  # more releases than a log holds: one check of everything
@@ -420,7 +421,7 @@ def test_rows_of_dead_receivers_come_back_with_nothing_leased(
     die before Ray's free, nothing ever waits for a lease. The sweep used to run only
     while something waited, so once 128 receivers had come and gone every new one was
     refused a row; and a receiver refused once never asked again."""
-    monkeypatch.setattr(receiver_mod, "HOST_RETRY_S", 0.0)
+    monkeypatch.setattr(mapped_mod, "HOST_RETRY_S", 0.0)
     s = make(world)
     s.put("warm", [torch.arange(10)])
     table = s.sender.leases
@@ -454,10 +455,10 @@ def test_leases_taken_before_a_close_drop_when_the_views_die(world: World, mode:
     if mode == "views":
         r.shutdown()
     else:  # what _host's eviction or the housekeeping of a dead sender does
-        host = r.receiver.hosts[s.agent_name]
+        host = r.receiver.mapped.hosts[s.agent_name]
         assert host is not None
         with r.receiver.lock:
-            r.receiver.hosts[s.agent_name] = None
+            r.receiver.mapped.hosts[s.agent_name] = None
             host.close()
     assert s.sender.free("a")
     settle(s)
@@ -501,11 +502,11 @@ def test_after_shutdown_a_view_dying_while_the_lock_is_held_still_returns_its_le
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         s.sender.reap()
-        if s.stats().leased_objects == 0 and r.receiver.mapped_objects == 0:
+        if s.stats().leased_objects == 0 and r.receiver.mapped.objects == 0:
             break  # (the drain thread counts after it returned the lease)
         time.sleep(0.02)
     assert s.stats().leased_objects == 0
-    assert r.receiver.mapped_objects == 0
+    assert r.receiver.mapped.objects == 0
 
 
 def test_after_shutdown_a_view_dying_during_a_fork_returns_its_lease(world: World) -> None:
@@ -515,20 +516,20 @@ def test_after_shutdown_a_view_dying_during_a_fork_returns_its_lease(world: Worl
     rc = r.receiver
     kept = get(s, r, "a", [torch.arange(5000, dtype=torch.int64)])
     r.shutdown()
-    rc._before_fork()
+    fork_mod.before(rc.mapped)
     try:
         del kept
         gc.collect()  # the deleter finds drains held off: its release is queued
-        assert rc._unmaps
+        assert rc.mapped.unmaps
     finally:
-        rc._after_fork_parent()
-    assert not rc._unmaps
-    for fd, _extra in rc._forks:  # no child was made: settle the extra leases
+        fork_mod.after_parent(rc.mapped)
+    assert not rc.mapped.unmaps
+    for fd, _extra in rc.mapped.forks.pending:  # no child was made: settle the extra leases
         os.close(fd)
-    for _fd, extra in rc._forks:
+    for _fd, extra in rc.mapped.forks.pending:
         for host, slot in extra:
             host.release_one(slot)
-    rc._forks = []
+    rc.mapped.forks.pending = []
     s.sender.free("a")
     s.sender.reap()
     assert s.stats().leased_objects == 0
@@ -542,7 +543,7 @@ def test_a_release_queued_at_the_end_of_a_drain_is_not_left_behind(world: World,
     rc = r.receiver
     kept = get(s, r, "a", [torch.arange(5000, dtype=torch.int64)])
     views = [kept]
-    real = rc._settle_forks_locked
+    real = rc.mapped.forks.settle_locked
 
     def gc_inside_the_drain() -> None:
         if views:
@@ -552,15 +553,15 @@ def test_a_release_queued_at_the_end_of_a_drain_is_not_left_behind(world: World,
 
     pr, pw = os.pipe()  # a fork whose child has not copied yet: the drain settles it
     os.set_blocking(pr, False)
-    rc._forks = [(pr, [])]
-    monkeypatch.setattr(rc, "_settle_forks_locked", gc_inside_the_drain)
+    rc.mapped.forks.pending = [(pr, [])]
+    monkeypatch.setattr(rc.mapped.forks, "settle_locked", gc_inside_the_drain)
     del kept
     try:
         with rc.lock:
-            rc._drain_locked()
-            assert not rc._unmaps and rc.mapped_objects == 0
+            rc.drain.run_locked()
+            assert not rc.mapped.unmaps and rc.mapped.objects == 0
     finally:
-        rc._forks = []
+        rc.mapped.forks.pending = []
         os.close(pr)
         os.close(pw)
     s.sender.free("a")
@@ -577,16 +578,16 @@ def test_a_handle_closed_between_lookup_and_lease_is_looked_up_again(world: Worl
     s, r = make(world), make(world, same_node=mode)
     src = [torch.arange(100)]
     get(s, r, "a", src)
-    host = r.receiver.hosts[s.agent_name]
+    host = r.receiver.mapped.hosts[s.agent_name]
     assert host is not None
-    real = r.receiver._backend
+    real = r.receiver.mapped._backend
     closed = []
 
     def close_on_another_thread():
         if not closed:
             def evict() -> None:
                 with r.receiver.lock:
-                    r.receiver.hosts.pop(s.agent_name, None)
+                    r.receiver.mapped.hosts.pop(s.agent_name, None)
                     host.close()
             t = threading.Thread(target=evict)
             t.start()
@@ -594,9 +595,9 @@ def test_a_handle_closed_between_lookup_and_lease_is_looked_up_again(world: Worl
             closed.append(True)
         return real()
 
-    r.receiver._backend = close_on_another_thread
+    r.receiver.mapped._backend = close_on_another_thread
     got = get(s, r, "b", src)
-    r.receiver._backend = real
+    r.receiver.mapped._backend = real
     assert closed and torch.equal(got[0], src[0])
     st = r.stats()
     assert (st.mapped_gets, st.reads_posted, st.transfer_errors) == (2, 0, 0)
@@ -615,7 +616,7 @@ def test_a_handle_closed_between_lease_and_mapping_still_maps_the_pool(
     s, r = make(world), make(world, same_node=mode)
     src = [torch.arange(5000, dtype=torch.int64)]
     get(s, r, "warm", [torch.arange(3)])  # opens the handle
-    host = r.receiver.hosts[s.agent_name]
+    host = r.receiver.mapped.hosts[s.agent_name]
     assert host is not None
     if host._shared:  # copy mode: make the next copy the first, which maps the pool
         shared.unmap(host._shared, host.info.pool_bytes)
@@ -628,7 +629,7 @@ def test_a_handle_closed_between_lease_and_mapping_still_maps_the_pool(
         if not decoys:
             def evict() -> None:
                 with r.receiver.lock:
-                    r.receiver.hosts.pop(s.agent_name, None)
+                    r.receiver.mapped.hosts.pop(s.agent_name, None)
                     self.close()
             if r.receiver.lock._is_owned():
                 evict()  # under our lock: the close came just before it was taken
@@ -679,7 +680,7 @@ def test_handles_are_evicted_least_recently_used_first_even_with_views_out(
         world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     """A hit moves the handle to the end (the busiest sender used to be evicted first);
     a handle evicted while its views live keeps their lease until they die."""
-    monkeypatch.setattr(receiver_mod, "MAX_HOSTS", 2)
+    monkeypatch.setattr(mapped_mod, "MAX_HOSTS", 2)
     a, b, c = make(world), make(world), make(world)
     r = make(world)
     src = [torch.arange(2000, dtype=torch.int32)]
@@ -687,9 +688,9 @@ def test_handles_are_evicted_least_recently_used_first_even_with_views_out(
     get(b, r, "b1", src)
     get(a, r, "a2", src)  # a is the most recently used now
     get(c, r, "c1", src)
-    assert list(r.receiver.hosts) == [a.agent_name, c.agent_name]
+    assert list(r.receiver.mapped.hosts) == [a.agent_name, c.agent_name]
     get(b, r, "b2", src)  # evicts a, whose views of a1 live
-    assert list(r.receiver.hosts) == [c.agent_name, b.agent_name]
+    assert list(r.receiver.mapped.hosts) == [c.agent_name, b.agent_name]
     assert a.sender.free("a1")
     settle(a, r)
     assert a.stats().leased_objects == 1 and torch.equal(kept[0], src[0])
@@ -869,13 +870,13 @@ def test_until_the_child_copied_its_mappings_the_parent_holds_their_blocks(
     n = PAGE
     views = {"a": get(s, r, "a", [torch.full((n,), 7, dtype=torch.int32)])}
     go_r, go_w = os.pipe()
-    real = receiver_mod.privatize
+    real = fork_mod.privatize
 
     def slow_privatize(addr: int, length: int) -> bool:
         os.read(go_r, 1)  # the child is slow to copy: the parent goes on meanwhile
         return real(addr, length)
 
-    monkeypatch.setattr(receiver_mod, "privatize", slow_privatize)
+    monkeypatch.setattr(fork_mod, "privatize", slow_privatize)
 
     def child() -> None:
         assert (views["a"][0].numpy() == 7).all()
@@ -931,14 +932,14 @@ def test_a_forked_child_holds_its_blocks_if_its_parent_dies_while_it_copies(
         r = make(world)
         views = r.wait(r.fetch("a", meta, None), -1)
         assert r.stats().mapped_gets == 1
-        real = receiver_mod.privatize
+        real = fork_mod.privatize
 
         def slow_privatize(addr: int, length: int) -> bool:
             os.write(copying_w, b"c")
             _read1(go_r)
             return False if copy_fails else real(addr, length)
 
-        receiver_mod.privatize = slow_privatize  # type: ignore[assignment]
+        fork_mod.privatize = slow_privatize  # type: ignore[assignment]
         if os.fork() == 0:
             if copy_fails:  # its block is still held after its hook has run
                 os.write(done_w, b"1" if table.held(off_a // PAGE) else b"0")
@@ -987,7 +988,7 @@ def test_a_forked_child_never_writes_the_parents_lease_row(world: World) -> None
     n = PAGE
     src = torch.full((n,), 7, dtype=torch.int32)
     views = {"a": get(s, r, "a", [src])}
-    host = r.receiver.hosts[s.agent_name]
+    host = r.receiver.mapped.hosts[s.agent_name]
     assert host is not None
     table = s.sender.leases
     assert table is not None
@@ -1004,7 +1005,7 @@ def test_a_forked_child_never_writes_the_parents_lease_row(world: World) -> None
         assert int(table.counts[row, slot]) == before
         got = r.wait(r.fetch("c", later, None), -1)  # maps "c" with a row of its own
         assert (got[0].numpy() == 5).all()
-        mine = r.receiver.hosts[s.agent_name]
+        mine = r.receiver.mapped.hosts[s.agent_name]
         assert mine is not None and mine.row != row
         assert int(table.counts[mine.row, slot_c]) == 1
         assert int(table.counts[row, slot_c]) == 0
@@ -1040,7 +1041,7 @@ def test_the_shared_view_outlives_a_close_until_the_last_copy_lease(world: World
     s, r = make(world), make(world, same_node="copy")
     src = [torch.arange(5000, dtype=torch.int64)]
     assert torch.equal(get(s, r, "a", src)[0], src[0])
-    host = r.receiver.hosts[s.agent_name]
+    host = r.receiver.mapped.hosts[s.agent_name]
     assert host is not None
     base = host.shared_view()
     import ctypes
@@ -1060,9 +1061,9 @@ def test_leases_of_a_dropped_sender_handle_still_count_until_the_views_die(world
     mapped from it stay valid and stay counted in ``mapped_objects`` until they die."""
     s, r = make(world), make(world)
     kept = get(s, r, "a", [torch.arange(3000, dtype=torch.int32)])
-    host = r.receiver.hosts[s.agent_name]
+    host = r.receiver.mapped.hosts[s.agent_name]
     assert host is not None
-    r.receiver.hosts[s.agent_name] = None  # what the housekeeping does for a dead sender
+    r.receiver.mapped.hosts[s.agent_name] = None  # what the housekeeping does for a dead sender
     host.close()
     st = r.stats()
     assert (st.mapped_objects, st.mapped_bytes) == (1, 12032)
@@ -1091,7 +1092,7 @@ def test_a_self_drain_never_runs_inside_a_locked_change_of_the_arena(world):
         return rc.read_source(src, [(x.data_ptr(), (n,), "float32")])[0]
 
     a1, a2, b = land(), land(), land()  # the arena: a1 [0,4K), a2 [4K,8K), b [8K,12K)
-    rc._self_drain = True  # as in a forked child: no progress thread drains
+    rc.drain.self_drain = True  # as in a forked child: no progress thread drains
     del a2
     gc.collect()  # a hole at [4K,8K), given back at the next drain
     holder, cycle = [b], [mapped]
@@ -1143,8 +1144,8 @@ def test_a_fetch_after_shutdown_keeps_no_handle_on_a_same_node_sender(world):
         with pytest.raises(Exception, match="shut down"):
             r.fetch("b", meta2, None)
         with pytest.raises(Exception, match="shut down"):  # past the runtime's own check
-            r.receiver._host(meta2.decoded().agent, meta2.decoded().agent_version)
-    assert not r.receiver.hosts and len(os.listdir("/proc/self/fd")) == fds
+            r.receiver.mapped.host(meta2.decoded().agent, meta2.decoded().agent_version)
+    assert not r.receiver.mapped.hosts and len(os.listdir("/proc/self/fd")) == fds
 
 
 @pytest.mark.parametrize("mode", ["map", "copy"])

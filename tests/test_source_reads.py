@@ -168,7 +168,7 @@ def test_receiver_reads_whole_selected_and_into_targets(receiver: Runtime) -> No
     assert rt.stats().bytes_received == a.nbytes + b.nbytes + c.nbytes + big.nbytes
     del out
     gc.collect()
-    rt.receiver._drain_locked()
+    rt.receiver.drain.run_locked()
     assert rt.stats().arena_used == 0  # the block returned with its views
 
     sel = [(slice(10, 20), slice(5, 9)), (slice(100, 200),), None, (slice(0, 0),)]
@@ -199,12 +199,12 @@ def test_receiver_refuses_bad_targets_and_dead_sources(receiver: Runtime) -> Non
     with pytest.raises(TransferError, match="has probably exited"):
         rt.receiver.read_source(gone, _spec(a))
     assert rt.stats().transfer_errors == errors + 1
-    rt.receiver._drain_locked()
+    rt.receiver.drain.run_locked()
     assert rt.stats().arena_used == 0 and rt.stats().source_reads == 0  # nothing leaked
     # a bad address inside a live source: the kernel refuses, still a typed error
     with pytest.raises(TransferError):
         rt.receiver.read_source(me, [(8, (1024,), "float32")])
-    rt.receiver._drain_locked()
+    rt.receiver.drain.run_locked()
     assert rt.stats().arena_used == 0
 
 
