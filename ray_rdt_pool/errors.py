@@ -1,22 +1,69 @@
 """The exception hierarchy of ray_rdt_pool (pure: no torch, Ray or NIXL).
 
-Every error the package raises on purpose derives from :class:`RdtPoolError`, and each
-also derives from the built-in exception a caller would naturally catch (``MemoryError``
-for an exhausted pool, ``ValueError`` for malformed input), so existing ``except``
-clauses keep working. Messages carry the numbers involved and name the fix.
+Every error the package raises on purpose, the weight-sync API's included, is one class
+of this tree::
+
+    RdtPoolError
+    ├── PoolExhaustedError (MemoryError)
+    ├── WireFormatError (ValueError)
+    ├── RegistrationError
+    ├── TransferError
+    │   └── ReadStillRunningError
+    ├── ConfigurationError (ValueError)
+    ├── InvalidInputError (ValueError, TypeError)
+    ├── NativeBuildError (RuntimeError)
+    └── WeightSyncError
+        ├── ManifestMismatchError (ValueError)
+        │   ├── DuplicateTargetError
+        │   ├── ShapeMismatchError
+        │   ├── DtypeMismatchError
+        │   ├── MissingWeightsError
+        │   ├── UnexpectedWeightsError
+        │   └── SelectError
+        ├── ManifestReleasedError (ValueError)
+        ├── WireDtypeError (ValueError)
+        ├── WeightSyncTimeoutError (TimeoutError)
+        ├── StaleVersionError (ValueError)
+        ├── SourceExhaustedError (ValueError)
+        ├── DuplicateNameError (ValueError)
+        └── LoaderError
+
+Each also derives from the built-in exception in brackets, the one a caller would
+naturally catch, so existing ``except`` clauses keep working. Messages carry the numbers
+involved and name the fix. The weight-sync errors are importable from
+``ray_rdt_pool.weights`` as well. Errors with fields beyond the message keep them
+through pickling (``__reduce__``): Ray pickles an exception to hand it to the caller.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 __all__ = [
     "ConfigurationError",
+    "DtypeMismatchError",
+    "DuplicateNameError",
+    "DuplicateTargetError",
     "InvalidInputError",
+    "LoaderError",
+    "ManifestMismatchError",
+    "ManifestReleasedError",
+    "MissingWeightsError",
     "NativeBuildError",
     "PoolExhaustedError",
     "RdtPoolError",
     "ReadStillRunningError",
     "RegistrationError",
+    "SelectError",
+    "ShapeMismatchError",
+    "SourceExhaustedError",
+    "StaleVersionError",
     "TransferError",
+    "UnexpectedWeightsError",
+    "WeightSyncError",
+    "WeightSyncTimeoutError",
+    "WireDtypeError",
     "WireFormatError",
 ]
 
@@ -36,11 +83,13 @@ class RdtPoolError(Exception):
 class PoolExhaustedError(RdtPoolError, MemoryError):
     """An object does not fit in the free space of a pool.
 
-    Raised by the allocator when the free bytes of the sender pool (or the receive
-    arena) cannot hold an object, and by the transport in strict mode instead of
-    falling back to direct registration. What to do: raise ``pool_bytes`` (or
-    ``RAY_RDT_POOL_POOL_BYTES``), free objects sooner by dropping their refs, or leave
-    strict mode off so oversized objects fall back to direct registration.
+    Raised by the transport in strict mode (``strict=True``) when the sender pool cannot
+    hold an object, instead of copying it into overflow memory, and by
+    ``WeightSender.stream`` for a bucket larger than the pool (a stream never uses
+    overflow memory). What to do: raise ``pool_bytes`` (or ``RAY_RDT_POOL_POOL_BYTES``),
+    free objects sooner by dropping their refs, or leave strict mode off so oversized
+    objects are copied into overflow memory (still a snapshot, at the cost of a NIXL
+    registration); for a stream, lower ``bucket_bytes``.
     """
 
     def __init__(self, needed: int, free: int, largest_free: int, capacity: int,
@@ -149,3 +198,199 @@ class NativeBuildError(RdtPoolError, RuntimeError):
     helper: without it ``describe`` uses its Python loop. What to do: install a C++
     compiler (or set ``CXX``) and build again, or go on without the helper.
     """
+
+
+# -- weight sync (ray_rdt_pool.weights) --
+
+
+class WeightSyncError(RdtPoolError):
+    """Base class of the weight-sync errors (a subclass of :class:`RdtPoolError`)."""
+
+
+class ManifestMismatchError(WeightSyncError, ValueError):
+    """The manifest does not fit the destination; nothing was written.
+
+    Raised by :meth:`WeightReceiver.check` (and so by every load) after validating the
+    whole layout, before the first destination tensor is touched. ``problems`` lists
+    every problem found as ``(kind, name, detail)``; the exception's class is the kind
+    of the first one in the order select, duplicate, shape, dtype, missing, unexpected.
+    """
+
+    kind = "mismatch"
+
+    def __init__(self, message: str, problems: Sequence[tuple[str, str, str]] = ()) -> None:
+        super().__init__(message)
+        self.problems = tuple(problems)
+
+
+class DuplicateTargetError(ManifestMismatchError):
+    """Two manifest names map to the same destination name. Fix the name map."""
+
+    kind = "duplicate"
+
+
+class ShapeMismatchError(ManifestMismatchError):
+    """A manifest tensor and its destination have different shapes (no reshaping)."""
+
+    kind = "shape"
+
+
+class DtypeMismatchError(ManifestMismatchError):
+    """A manifest dtype cannot be cast to its destination's dtype under the casting rule.
+
+    With ``casting="same_kind"`` (the default) a cast is allowed when
+    ``torch.can_cast(src, dst)``: within a kind (float32 -> bfloat16, int64 -> int32)
+    or up the order bool -> integer -> floating -> complex. Casts down that order
+    (float -> integer, anything but bool -> bool, complex -> real) are refused.
+    ``casting="no"`` refuses any change, ``casting="unsafe"`` allows whatever
+    ``Tensor.copy_`` does.
+    """
+
+    kind = "dtype"
+
+
+class MissingWeightsError(ManifestMismatchError):
+    """Destination tensors that no manifest tensor maps to (``strict=True``)."""
+
+    kind = "missing"
+
+
+class UnexpectedWeightsError(ManifestMismatchError):
+    """Manifest tensors whose (mapped) name is not in the destination (``strict=True``).
+
+    Map such names to ``None`` in ``name_map`` to skip them on purpose.
+    """
+
+    kind = "unexpected"
+
+
+class SelectError(ManifestMismatchError):
+    """The receiver's ``select`` does not fit a manifest tensor; nothing was read.
+
+    Raised by :meth:`WeightReceiver.check` (so by every load, and for a lazy stream at
+    the bucket holding the tensor) before any byte of the load is read or written, when
+    ``select(name, full_shape)`` returns something other than ``None`` or a tuple of
+    ``slice`` objects with step 1 that fit the full shape (at most one per dimension,
+    ``0 <= start <= stop <= size`` after negative indices are counted from the end), or
+    raises. The message names the tensor, its full shape and what was returned. Fix the
+    ``select`` callable: return e.g. ``(slice(rank * n, (rank + 1) * n),)`` for a dim-0
+    shard, or ``None`` for the whole tensor.
+    """
+
+    kind = "select"
+
+
+class ManifestReleasedError(WeightSyncError, ValueError):
+    """A manifest whose bucket refs were already dropped was loaded again.
+
+    :meth:`WeightReceiver.load` consumes the refs it loads (``release=True``) so the
+    sender can free its pool blocks; pass ``release=False`` to load one manifest twice.
+    """
+
+
+class WireDtypeError(WeightSyncError, ValueError):
+    """``WeightSender(wire_dtype=...)`` asks for a dtype a tensor cannot be sent as.
+
+    Raised by the sender while it computes the layout: for a module or mapping before
+    any bucket is put, for a lazy source before the bucket holding the tensor is put
+    (earlier buckets of a stream are loaded, the receivers' versions unchanged). The
+    wire dtype must be a ``torch.dtype`` the transport carries, and the conversion must
+    stay within the casting order (``torch.can_cast(tensor.dtype, wire_dtype)``: e.g.
+    float32 -> bfloat16 or int64 -> int32, never float -> int or complex -> real).
+    ``name`` is the tensor (``None`` for a bad ``wire_dtype`` argument). Fix: return
+    ``None`` from the ``wire_dtype`` callable for tensors to send as they are.
+    """
+
+    def __init__(self, message: str, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self.args[0]) if self.args else "", self.name))
+
+
+class WeightSyncTimeoutError(WeightSyncError, TimeoutError):
+    """A wait of the weights API outlasted ``timeout_s``: for pool space, receiver acks,
+    or (``sync()``) the trainer's publish or stream; the message names which."""
+
+
+class StaleVersionError(WeightSyncError, ValueError):
+    """A manifest or stream is not newer than the receiver's last complete load.
+
+    Raised by :meth:`WeightReceiver.load` and by :meth:`WeightSender.stream` (when a
+    receiver begins, before any bucket is put), always before anything is written: when
+    the version is not newer than the receiver's last complete load, or than a load or
+    stream in progress there (``loading=True``), including for a load that waited for a
+    concurrent one and finds, when its turn comes, that a newer version was committed.
+    ``version`` is the refused version, ``current`` the receiver's (or the one it is
+    loading). Fix: pass a larger ``version=`` to ``publish``/``stream`` (e.g. the
+    trainer step), or create a new receiver to start over.
+    """
+
+    def __init__(self, version: int, current: int, what: str = "manifest",
+                 loading: bool = False) -> None:
+        where = (f"version {current}, which this receiver is loading now" if loading else
+                 f"this receiver's last complete load (version {current})")
+        super().__init__(
+            f"{what} version {version} is not newer than {where}; refused, nothing was "
+            f"written. Publish or stream with a version > {current} (e.g. the trainer "
+            "step), or create a new WeightReceiver to start over")
+        self.loading = loading
+        self.version = version
+        self.current = current
+        self.what = what
+
+    def __reduce__(self) -> Any:
+        return (type(self), (self.version, self.current, self.what, self.loading))
+
+
+class SourceExhaustedError(WeightSyncError, ValueError):
+    """A one-shot source (an iterator or generator) was used for a second sync.
+
+    An iterator can be consumed once: the second ``publish``/``stream``/``layout``
+    would see no tensors. Fix: pass a zero-argument callable that returns a fresh
+    iterable (e.g. ``WeightSender(lambda: model.named_parameters())``), which is called
+    once per sync, or pass the iterator as ``state=`` to each call.
+    """
+
+
+class DuplicateNameError(WeightSyncError, ValueError):
+    """A lazy source yielded the same tensor name twice.
+
+    Raised by the sender when the duplicate arrives. ``name`` is the tensor,
+    ``bucket`` the bucket being filled then (it is not sent), ``applied`` the buckets
+    every receiver had already loaded (streaming; empty for ``publish``, which returns
+    nothing). The receivers' versions are unchanged. Fix the source so each name is
+    yielded once.
+    """
+
+    def __init__(self, name: str, bucket: int, applied: Sequence[int] = (),
+                 detail: str = "") -> None:
+        msg = (f"the weight source yielded {name!r} twice (the second time while bucket "
+               f"{bucket} was being filled); yield each name once")
+        super().__init__(msg + (f"; {detail}" if detail else ""))
+        self.detail = detail
+        self.name = name
+        self.bucket = bucket
+        self.applied = tuple(applied)
+
+    def __reduce__(self) -> Any:
+        return (type(self), (self.name, self.bucket, self.applied, self.detail))
+
+
+class LoaderError(WeightSyncError):
+    """The receiver's ``load_weights`` callable raised while loading a bucket.
+
+    ``bucket`` is the bucket index, ``names`` the (mapped) names passed in that call;
+    the original exception is the ``__cause__``. The bucket's arena block was released
+    and the receiver's version is unchanged (buckets before it stay loaded). Fix the
+    loader (often: a name it does not know; map it with ``name_map`` or to ``None``).
+    """
+
+    def __init__(self, message: str, bucket: int = -1, names: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.bucket = bucket
+        self.names = tuple(names)
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self.args[0]) if self.args else "", self.bucket, self.names))

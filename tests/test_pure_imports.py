@@ -4,6 +4,8 @@ directory as protocols, so fake-NIXL tests need no cluster."""
 
 from __future__ import annotations
 
+import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -55,10 +57,16 @@ OWNER_MODULES = [
     "ray_rdt_pool.receive.peers", "ray_rdt_pool.receive.source",
     "ray_rdt_pool.receive.transfers",
 ]
+#: The weights API imports Ray and the transport only when it is called.
+WEIGHTS_MODULES = [
+    f"ray_rdt_pool.weights.{name}" for name in (
+        "state", "manifest", "planning", "reports", "pool", "validate", "loadplan", "loading",
+        "receiver", "remote", "late", "stream", "sender", "driver")
+]
 
 
 def test_owner_modules_import_no_ray_and_no_nixl() -> None:
-    assert loaded_after_import(OWNER_MODULES, ["ray", "nixl"]) == []
+    assert loaded_after_import(OWNER_MODULES + WEIGHTS_MODULES, ["ray", "nixl"]) == []
 
 
 def test_the_errors_the_readme_lists_are_exported_with_their_bases() -> None:
@@ -78,3 +86,56 @@ def test_the_errors_the_readme_lists_are_exported_with_their_bases() -> None:
         assert issubclass(cls, ray_rdt_pool.RdtPoolError) and cls is getattr(errors, name)
         assert all(issubclass(cls, b) for b in extra), name
     assert issubclass(errors.NativeBuildError, errors.RdtPoolError)
+
+
+def test_the_error_tree_drawn_in_errors_is_the_class_tree() -> None:
+    """The tree at the top of errors.py names every class of ``errors.__all__`` once,
+    under its parent, with its built-in bases in brackets: a class added, moved or
+    rebased without the drawing fails here."""
+    from ray_rdt_pool import errors
+
+    drawn: dict[str, tuple[str | None, set[str]]] = {}
+    parents: list[str] = []
+    for line in (errors.__doc__ or "").splitlines():
+        m = re.fullmatch(r"    ([ │├└─]*)(\w+Error)(?: \(([\w, ]+)\))?", line)
+        if m is None:
+            continue
+        depth = len(m.group(1)) // 4
+        del parents[depth:]
+        assert m.group(2) not in drawn, m.group(2)
+        drawn[m.group(2)] = (parents[-1] if parents else None,
+                             set(m.group(3).split(", ")) if m.group(3) else set())
+        parents.append(m.group(2))
+    classes = {name: getattr(errors, name) for name in errors.__all__
+               if isinstance(getattr(errors, name), type)}
+    actual = {}
+    for name, cls in classes.items():
+        ours = [b.__name__ for b in cls.__bases__ if issubclass(b, errors.RdtPoolError)]
+        assert len(ours) <= 1, name
+        actual[name] = (ours[0] if ours else None,
+                        {b.__name__ for b in cls.__bases__} - set(ours))
+    assert actual.pop("RdtPoolError") == (None, {"Exception"})  # the root: drawn bare
+    assert drawn.pop("RdtPoolError") == (None, set())
+    assert drawn == actual
+
+
+def test_the_weight_sync_errors_are_one_class_each_and_pickle_with_their_fields() -> None:
+    """The weight-sync errors live in ``ray_rdt_pool.errors`` and are the same classes
+    under ``ray_rdt_pool.weights``; Ray pickles them to the caller, fields included."""
+    from ray_rdt_pool import errors, weights
+
+    for name in weights.__all__:
+        obj = getattr(weights, name)
+        if isinstance(obj, type) and issubclass(obj, BaseException):
+            assert obj is getattr(errors, name) and issubclass(obj, errors.WeightSyncError)
+    made = [
+        errors.ShapeMismatchError("m", [("shape", "w", "detail")]),
+        errors.WireDtypeError("m", "w"),
+        errors.StaleVersionError(3, 7, "stream", loading=True),
+        errors.DuplicateNameError("w", 2, (0, 1), "detail"),
+        errors.LoaderError("m", 4, ("a", "b")),
+    ]
+    for e in made:
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and str(back) == str(e)
+        assert vars(back) == vars(e), type(e).__name__

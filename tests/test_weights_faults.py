@@ -570,7 +570,7 @@ def test_an_untied_sender_into_a_tied_receiver_is_refused_up_front(runtime: Any,
 def _lazy_buckets(state: dict[str, torch.Tensor], bucket_bytes: int
                   ) -> tuple[WeightLayout, list[list[torch.Tensor]], list[BucketLayout]]:
     """The buckets a lazy source makes of ``state`` (a tie across buckets is sent twice)."""
-    from ray_rdt_pool.weights import _iter_buckets
+    from ray_rdt_pool.weights.planning import _iter_buckets
 
     specs, groups = [], []
     for p in _iter_buckets(iter(state.items()), bucket_bytes):
@@ -834,10 +834,10 @@ def test_the_default_version_is_past_every_version_published(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """publish() did not count its version as used: after an explicit lower version the
     next default one repeated a version receivers had already loaded (and refused)."""
-    import ray_rdt_pool.weights as W
+    import ray_rdt_pool.weights.sender as S
 
-    monkeypatch.setattr(W, "_put_bucket", lambda tensors, entries: [tensors])
-    monkeypatch.setattr(W, "_stats", lambda: type("S", (), {"fallbacks": 0, "pool_used": 0}))
+    monkeypatch.setattr(S, "_put_bucket", lambda tensors, entries: [tensors])
+    monkeypatch.setattr(S, "_stats", lambda: type("S", (), {"fallbacks": 0, "pool_used": 0}))
     sender = WeightSender({"w": torch.zeros(4)})
     assert [sender.publish().version for _ in range(2)] == [1, 2]
     assert sender.publish(version=1).version == 1
@@ -887,7 +887,7 @@ def queued_calls_pend(monkeypatch: pytest.MonkeyPatch) -> None:
     import ray
     from ray.exceptions import GetTimeoutError
 
-    import ray_rdt_pool.weights as W
+    import ray_rdt_pool.weights.late as L
 
     def ready(ref: Any) -> bool:
         return not isinstance(ref, _Queued) or ref.ref is not None
@@ -904,7 +904,7 @@ def queued_calls_pend(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ray, "get", get)
     monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (
         [r for r in refs if ready(r)], [r for r in refs if not ready(r)]))
-    monkeypatch.setattr(W._LateBuckets, "POLL_S", 0.05)
+    monkeypatch.setattr(L._LateBuckets, "POLL_S", 0.05)
 
 
 def test_a_bucket_a_receiver_still_reads_after_a_timeout_is_not_freed_under_it(
@@ -916,6 +916,7 @@ def test_a_bucket_a_receiver_still_reads_after_a_timeout_is_not_freed_under_it(
     import ray
 
     import ray_rdt_pool.weights as W
+    import ray_rdt_pool.weights.late as L
 
     rt = runtime()
     queued_calls_pend(monkeypatch)
@@ -934,9 +935,9 @@ def test_a_bucket_a_receiver_still_reads_after_a_timeout_is_not_freed_under_it(
     assert values(rec.dest)[0] == 6.0 and rec.version == 0  # type: ignore[arg-type]
     assert held == 1
     deadline = time.monotonic() + 10
-    while W._LATE.held() and time.monotonic() < deadline:
+    while L._LATE.held() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert W._LATE.held() == 0
+    assert L._LATE.held() == 0
     st = rt.stats()
     assert st.live_objects == 1  # "other" alone: the late bucket went once it was read
 
@@ -949,7 +950,7 @@ def test_a_bucket_call_that_cannot_be_made_frees_nothing_an_earlier_call_reads(
     receiver's queued call was still to READ it. It is now in flight before any call."""
     import ray
 
-    import ray_rdt_pool.weights as W
+    import ray_rdt_pool.weights.late as L
 
     rt = runtime()
     queued_calls_pend(monkeypatch)
@@ -977,9 +978,9 @@ def test_a_bucket_call_that_cannot_be_made_frees_nothing_an_earlier_call_reads(
     h1.run_queued()
     assert values(first.weight_receiver.dest)[0] == 6.0  # type: ignore[arg-type]
     deadline = time.monotonic() + 10
-    while W._LATE.held() and time.monotonic() < deadline:
+    while L._LATE.held() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert W._LATE.held() == 0 and rt.stats().live_objects == 1  # "other" alone
+    assert L._LATE.held() == 0 and rt.stats().live_objects == 1  # "other" alone
 
 
 def test_late_buckets_go_once_ray_is_shut_down(runtime: Any,
@@ -988,18 +989,18 @@ def test_late_buckets_go_once_ray_is_shut_down(runtime: Any,
     stream are freed then, instead of being polled for the life of the process."""
     import ray
 
-    import ray_rdt_pool.weights as W
+    import ray_rdt_pool.weights.late as L
 
     rt = runtime()
-    monkeypatch.setattr(W._LateBuckets, "POLL_S", 0.05)
+    monkeypatch.setattr(L._LateBuckets, "POLL_S", 0.05)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(W, "_ended", lambda refs: False)  # the calls never end
+    monkeypatch.setattr(L, "_ended", lambda refs: False)  # the calls never end
     rt.put("late", [torch.ones(10)])
-    W._LATE.add([([object()], None, ["late"])], "s")
+    L._LATE.add([L._InFlight([object()], None, ["late"])], "s")
     deadline = time.monotonic() + 10
-    while W._LATE.held() and time.monotonic() < deadline:
+    while L._LATE.held() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert W._LATE.held() == 0 and rt.stats().live_objects == 0
+    assert L._LATE.held() == 0 and rt.stats().live_objects == 0
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,98 @@
+"""The driver's side of a sync: :func:`sync` runs one between a trainer actor and its
+inference actors, in ``"stream"`` or ``"publish"`` mode.
+
+Owns :func:`sync` and the trainer's entry points it runs through ``__ray_call__``
+(``_remote_publish``, ``_remote_stream``: each finds the actor's :class:`WeightSender`
+by attribute name). Stateless; :func:`sync` runs on the driver's thread, and drops its
+copy of a published manifest before it returns or raises, so nothing it held pins the
+trainer's pool.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from ray_rdt_pool.errors import InvalidInputError
+from ray_rdt_pool.weights.manifest import Manifest
+from ray_rdt_pool.weights.remote import (
+    RECEIVER_ATTR,
+    SENDER_ATTR,
+    _actor_handles,
+    _find,
+    _get_all,
+    _is_actor,
+    _remote_load,
+    _timeout,
+)
+from ray_rdt_pool.weights.reports import StreamReport, SyncReport
+from ray_rdt_pool.weights.sender import WeightSender
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+
+def _remote_publish(actor: Any, attr: str, version: int | None = None) -> Manifest:
+    return _find(actor, attr, WeightSender).publish(version=version)
+
+
+def _remote_stream(actor: Any, attr: str, receivers: list[ActorHandle], receiver_attr: str,
+                   max_inflight: int, timeout_s: float, version: int | None = None
+                   ) -> StreamReport:
+    return _find(actor, attr, WeightSender).stream(
+        receivers, version=version, receiver_attr=receiver_attr, max_inflight=max_inflight,
+        timeout_s=timeout_s)
+
+
+def sync(trainer: ActorHandle, receivers: Sequence[ActorHandle], *,
+         mode: Literal["stream", "publish"] = "stream", max_inflight: int = 2,
+         sender_attr: str = SENDER_ATTR, receiver_attr: str = RECEIVER_ATTR,
+         timeout_s: float = 300.0, version: int | None = None) -> SyncReport:
+    """Driver-side: sync the trainer's weights to every receiver and wait for it.
+
+    The trainer actor holds a :class:`WeightSender` at ``sender_attr``; each receiver a
+    :class:`WeightReceiver` at ``receiver_attr``. ``mode="stream"`` runs
+    :meth:`WeightSender.stream` in the trainer (bounded pool memory, pipelined with
+    ``max_inflight >= 2``). ``mode="publish"`` puts every bucket, hands the manifest to
+    all receivers at once (they load concurrently), then drops the driver's copy, so the
+    sender frees the pool when the last receiver is done. ``version`` is passed to
+    ``publish``/``stream`` (default: one more than the highest version the sender
+    used, successful or not). Every wait that outlasts its bound raises
+    :class:`WeightSyncTimeoutError` naming what it waited for.
+    """
+    timeout_s = _timeout(timeout_s)
+    if not _is_actor(trainer):
+        raise InvalidInputError(f"sync() takes the trainer's actor handle first, got "
+                                f"{type(trainer).__name__}")
+    receivers = _actor_handles(receivers, "sync()")
+    if mode not in ("stream", "publish"):
+        raise InvalidInputError(f"mode must be 'stream' or 'publish', got {mode!r}")
+    t0 = time.perf_counter()
+    if mode == "stream":
+        rep: StreamReport = _get_all(
+            [trainer.__ray_call__.remote(_remote_stream, sender_attr, receivers,
+                                         receiver_attr, max_inflight, timeout_s, version)],
+            timeout_s * 2, f"the streaming sync (WeightSender.stream at {sender_attr!r} "
+                           "on the trainer)")[0]
+        return SyncReport("stream", rep.version, time.perf_counter() - t0, rep.nbytes,
+                          rep.buckets, rep.loads, rep, rep.peak_pool_used)
+    published = [trainer.__ray_call__.remote(_remote_publish, sender_attr, version)]
+    try:
+        manifest: Manifest = _get_all(
+            published, timeout_s,
+            f"publishing on the trainer (WeightSender.publish at {sender_attr!r})")[0]
+    finally:
+        # A held timeout's traceback must not keep the ref, and through it the buckets
+        # of a publish that ends later, in the trainer's pool.
+        published.clear()
+    layout, version, used = manifest.layout, manifest.version, manifest.sender_pool_used
+    try:
+        loads = tuple(_get_all([r.__ray_call__.remote(_remote_load, receiver_attr, manifest)
+                                for r in receivers], timeout_s,
+                               "loading the manifest on the receivers"))
+    finally:
+        manifest.release()  # even on error: a held traceback must not pin the pool
+        del manifest
+    return SyncReport("publish", version, time.perf_counter() - t0, layout.total_bytes,
+                      len(layout.buckets), loads, None, used)

@@ -1,0 +1,166 @@
+"""A receiver's load plan: per bucket, where each tensor of the layout goes.
+
+Owns :class:`LoadPlan` and :class:`BucketPlan` and how they are made from a validated
+layout (:func:`plan_load`): which buckets land directly in the destination tensors,
+which are read into the arena and copied, which go to ``load_weights``, which parts
+``select`` reads, and which destinations are compared instead of written. A plan is made
+per load (or per bucket of a lazy stream) and used once; plans run on whichever thread
+loads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ray_rdt_pool.core.selection import Slices
+from ray_rdt_pool.weights.manifest import TensorEntry, WeightLayout, _itemsize
+from ray_rdt_pool.weights.state import _identity_key
+from ray_rdt_pool.weights.validate import (
+    ReceiverOptions,
+    _Check,
+    _check_layout,
+    _Claims,
+    _dests,
+    _missing,
+    _raise,
+    _resolve,
+    _selected_shape,
+    _Target,
+    _ToLoader,
+)
+
+
+@dataclass
+class BucketPlan:
+    """How one bucket is loaded: landed in ``targets`` (direct) or copied via ``copies``."""
+
+    index: int
+    nbytes: int
+    targets: list[torch.Tensor] | None  # direct landing buffers, one per object tensor
+    copies: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (idx, dest)
+    loads: list[tuple[int, str]] = field(default_factory=list)  # (idx, name) for load_weights
+    #: per object tensor, the part to read (``transport.fetch_selected``; an empty dim-0
+    #: slice skips a tensor nobody takes), or None: the bucket is read whole. ``nbytes``
+    #: is then the selected bytes.
+    select: list[Slices | None] | None = None
+    #: the bucket's manifest entries in object order (what a source read copies)
+    entries: list[TensorEntry] = field(default_factory=list)
+    #: (idx, dest, what): destinations an earlier bucket of a lazy stream wrote from
+    #: another manifest tensor; compared, not written, before anything of the bucket is
+    #: (:class:`_Check`)
+    verify: list[tuple[int, torch.Tensor, str]] = field(default_factory=list)
+
+
+@dataclass
+class LoadPlan:
+    """The result of :meth:`WeightReceiver.check`: a validated layout, planned per bucket."""
+
+    layout: WeightLayout
+    buckets: list[BucketPlan]
+    skipped: int
+
+
+def _can_land(d: torch.Tensor, e: TensorEntry) -> bool:
+    return (d.device.type == "cpu" and d.dtype == e.torch_dtype and tuple(d.shape) == e.shape
+            and d.is_contiguous() and not d.is_conj() and not d.is_neg())
+
+
+def _skip(e: TensorEntry) -> Slices | None:
+    """The selection that reads nothing of ``e`` (None, i.e. all of it, for a scalar)."""
+    return (slice(0, 0), *(slice(0, n) for n in e.shape[1:])) if e.shape else None
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and _identity_key(a) == _identity_key(b)
+
+
+def plan_load(opts: ReceiverOptions, layout: WeightLayout) -> LoadPlan:
+    """Validate ``layout`` against the destination and plan the load; writes nothing.
+
+    Raises a :class:`ManifestMismatchError` subclass listing every problem, or
+    :class:`WeightSyncError` for a layout that contradicts itself.
+    """
+    _check_layout(layout.entries, layout.buckets)
+    dests = _dests(opts)
+    by_name = layout.by_name()
+    sources = [(e.name, e) for e in layout.entries]
+    sources += [(a, by_name[c]) for a, c in layout.aliases if c in by_name]
+    problems: list[tuple[str, str, str]] = []
+    claimed: dict[str, str] = {}
+    mem = _Claims()
+    resolved, skipped, selections = _resolve(opts, sources, dests, claimed, problems, mem)
+    _missing(opts, dests, claimed, problems, mem)
+    _raise(problems)
+    return LoadPlan(layout, _plan_buckets(opts, layout, resolved, selections), skipped)
+
+
+def _plan_buckets(opts: ReceiverOptions, layout: WeightLayout, resolved: Mapping[str, _Target],
+                  selections: Mapping[str, Slices | None] | None = None
+                  ) -> list[BucketPlan]:
+    selections = selections or {}
+    alias_of: dict[str, list[str]] = {}
+    for a, c in layout.aliases:
+        alias_of.setdefault(c, []).append(a)
+    plans: list[BucketPlan] = []
+    by_bucket: dict[int, list[TensorEntry]] = {}
+    for e in layout.entries:
+        by_bucket.setdefault(e.bucket, []).append(e)
+    for b in layout.buckets:
+        entries = sorted(by_bucket.get(b.index, []), key=lambda e: e.index)
+        targets = [resolved.get(e.name) for e in entries]
+        dests = [t if isinstance(t, torch.Tensor) else None for t in targets]
+        # A bucket that must first be compared with what an earlier bucket wrote into
+        # a tied destination is read into the arena, so a refusal writes none of it.
+        checked = any(isinstance(t, _Check) for t in targets) or any(
+            isinstance(resolved.get(a), _Check) for e in entries
+            for a in alias_of.get(e.name, ()))
+        land = opts.direct and not checked and all(
+            d is not None and _can_land(d, e) for d, e in zip(dests, entries))
+        if land:
+            ptrs = [d.data_ptr() for d in dests if d is not None and d.numel() > 0]
+            land = len(ptrs) == len(set(ptrs))
+        wanted = [selections.get(e.name) for e in entries]
+        select = None
+        if opts.select is not None:
+            # Read part of the bucket when a tensor is selected or nobody takes one
+            # (an empty dim-0 slice skips it).
+            taken = [_taken(e, t, alias_of, resolved) for e, t in zip(entries, targets)]
+            if any(w is not None for w in wanted) or not all(taken):
+                select = [w if ok else _skip(e) for w, ok, e in zip(wanted, taken, entries)]
+                land = False
+        plan = BucketPlan(b.index, b.nbytes, list(dests) if land else None,  # type: ignore
+                          entries=entries)
+        if select is not None:
+            plan.select = select
+            plan.nbytes = sum(
+                math.prod(_selected_shape(sl, e.shape)) * _itemsize(e.torch_dtype)
+                for sl, e in zip(select, entries))
+        for e, t in zip(entries, targets):
+            if isinstance(t, _ToLoader):
+                plan.loads.append((e.index, t.name))
+            elif isinstance(t, _Check):
+                plan.verify.append((e.index, t.dest, t.what))
+            elif not land and t is not None:
+                plan.copies.append((e.index, t))
+            for a in alias_of.get(e.name, ()):
+                at = resolved.get(a)
+                if isinstance(at, _ToLoader):
+                    plan.loads.append((e.index, at.name))
+                elif isinstance(at, _Check):
+                    plan.verify.append((e.index, at.dest, at.what))
+                elif at is not None and not (isinstance(t, torch.Tensor)
+                                             and _same_memory(at, t)):
+                    plan.copies.append((e.index, at))
+        plans.append(plan)
+    return plans
+
+
+def _taken(e: TensorEntry, t: _Target, alias_of: Mapping[str, list[str]],
+           resolved: Mapping[str, _Target]) -> bool:
+    """Does any name of entry ``e`` (itself or an alias) have a target?"""
+    return t is not None or any(resolved.get(a) is not None
+                                for a in alias_of.get(e.name, ()))

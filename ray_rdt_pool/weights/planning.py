@@ -1,0 +1,224 @@
+"""Bucketing a state on the sender: the layout of a module or mapping, the buckets of a
+lazy source as its pairs arrive, and the wire dtype of each tensor.
+
+Owns the bucketing rule (in order, at most ``bucket_bytes`` packed bytes per bucket, a
+larger tensor alone; ties within a bucket become aliases) and ``wire_dtype`` checks.
+Stateless: :func:`plan_layout` returns a new layout, :func:`_iter_buckets` is a
+generator that holds at most the bucket being filled. Runs on the sender's thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ray_rdt_pool.core.layout import BLOCK_ALIGN, align_up, packed_offsets
+from ray_rdt_pool.errors import DuplicateNameError, InvalidInputError, WireDtypeError
+from ray_rdt_pool.weights.manifest import (
+    DEFAULT_BUCKET_BYTES,
+    Bucket,
+    BucketLayout,
+    TensorEntry,
+    WeightLayout,
+    _dtype_str,
+    _itemsize,
+)
+from ray_rdt_pool.weights.state import (
+    StateLike,
+    WireDtype,
+    _check_weight,
+    _identity_key,
+    named_tensors,
+)
+
+
+def _check_bucket_bytes(bucket_bytes: Any) -> None:
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise InvalidInputError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+
+
+def _check_wire_dtype(wire_dtype: WireDtype) -> None:
+    if wire_dtype is None or callable(wire_dtype):
+        return
+    if not isinstance(wire_dtype, torch.dtype) or not wire_dtype.is_floating_point:
+        raise WireDtypeError(
+            f"wire_dtype must be a floating-point torch.dtype (applied to every "
+            f"floating-point tensor), a callable (name, tensor) -> dtype | None, or None; "
+            f"got {wire_dtype!r}")
+    _wire_carries(wire_dtype, None)
+
+
+def _wire_carries(dt: torch.dtype, name: str | None) -> None:
+    from ray_rdt_pool.core.wire import DTYPES
+
+    if _dtype_str(dt) not in DTYPES:
+        who = f" for {name!r}" if name is not None else ""
+        raise WireDtypeError(f"wire_dtype{who} is {dt}, which the nixl_pool wire does not "
+                             f"carry; use one of {', '.join(DTYPES)}", name)
+
+
+def _wire_of(wire_dtype: WireDtype, name: str, t: torch.Tensor) -> torch.dtype:
+    """The dtype ``t`` is sent as: ``t.dtype`` unless ``wire_dtype`` says otherwise."""
+    if wire_dtype is None:
+        return t.dtype
+    if isinstance(wire_dtype, torch.dtype):  # checked in WeightSender.__init__
+        return wire_dtype if t.is_floating_point() else t.dtype
+    got = wire_dtype(name, t)
+    if got is None or got == t.dtype:
+        return t.dtype
+    if not isinstance(got, torch.dtype):
+        raise WireDtypeError(
+            f"wire_dtype({name!r}, <{_dtype_str(t.dtype)} tensor>) returned "
+            f"{type(got).__name__} {got!r}; return a torch.dtype, or None to send {name!r} "
+            "as it is", name)
+    _wire_carries(got, name)
+    if not torch.can_cast(t.dtype, got):
+        raise WireDtypeError(
+            f"wire_dtype asks to send {name!r} ({_dtype_str(t.dtype)}) as "
+            f"{_dtype_str(got)}, a cast down the order bool -> integer -> floating -> "
+            f"complex; return None for {name!r} to send it as {_dtype_str(t.dtype)}", name)
+    return got
+
+
+def plan_layout(state: StateLike, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                wire_dtype: WireDtype = None
+                ) -> tuple[WeightLayout, list[list[torch.Tensor]]]:
+    """Split a state, in order, into buckets of at most ``bucket_bytes`` packed bytes.
+
+    Returns the layout and, per bucket, the (detached) tensors to put. A tensor larger
+    than ``bucket_bytes`` gets a bucket of its own. Names that are the same tensor as an
+    earlier name (same storage, offset, shape, strides and dtype) become aliases.
+    ``wire_dtype`` (see :class:`WeightSender`) sets the dtype each tensor is sent as;
+    the layout's entries, sizes and buckets are those of the wire dtypes, and the put
+    converts (:func:`_put_bucket`). An alias is sent as its canonical tensor is.
+    """
+    _check_bucket_bytes(bucket_bytes)
+    _check_wire_dtype(wire_dtype)
+    items = named_tensors(state)
+    seen: dict[tuple[Any, ...], str] = {}
+    aliases: list[tuple[str, str]] = []
+    groups: list[list[tuple[str, torch.Tensor, torch.dtype]]] = []
+    cur: list[tuple[str, torch.Tensor, torch.dtype]] = []
+    end = 0
+    for name, t in items:
+        key = _identity_key(t)
+        if t.numel() > 0 and key in seen:
+            aliases.append((name, seen[key]))
+            continue
+        seen.setdefault(key, name)
+        wire = _wire_of(wire_dtype, name, t)
+        size = _itemsize(wire)
+        n = t.numel() * size
+        grown = align_up(align_up(end, size) + n, BLOCK_ALIGN)
+        if cur and grown > bucket_bytes:
+            groups.append(cur)
+            cur, end = [], 0
+        cur.append((name, t, wire))
+        end = align_up(end, size) + n
+    if cur:
+        groups.append(cur)
+    entries: list[TensorEntry] = []
+    buckets: list[Bucket] = []
+    tensors: list[list[torch.Tensor]] = []
+    for k, group in enumerate(groups):
+        spec = _bucket_spec(k, group, [])
+        entries.extend(spec.entries)
+        buckets.append(spec.bucket)
+        tensors.append([t.detach() for _n, t, _w in group])
+    return WeightLayout(tuple(entries), tuple(buckets), tuple(aliases), bucket_bytes), tensors
+
+
+def _bucket_spec(k: int, group: Sequence[tuple[str, torch.Tensor, torch.dtype]],
+                 aliases: Sequence[tuple[str, str]]) -> BucketLayout:
+    """Bucket ``k``'s layout: entries in object order with their wire dtypes and sizes."""
+    items = [_itemsize(w) for _n, _t, w in group]
+    sizes = [t.numel() * i for (_n, t, _w), i in zip(group, items)]
+    _offsets, total = packed_offsets(sizes, items)
+    entries = tuple(TensorEntry(name, tuple(t.shape), _dtype_str(w), k, i, n)
+                    for i, ((name, t, w), n) in enumerate(zip(group, sizes)))
+    return BucketLayout(Bucket(k, tuple(n for n, _t, _w in group), total), entries,
+                        tuple(aliases))
+
+
+def _conversions(tensors: Sequence[torch.Tensor], entries: Sequence[TensorEntry]
+                 ) -> dict[int, torch.dtype]:
+    """``id(tensor)`` -> the wire dtype, for the tensors whose entry names another dtype."""
+    return {id(t): e.torch_dtype for t, e in zip(tensors, entries)
+            if _dtype_str(t.dtype) != e.dtype}
+
+
+@dataclass
+class _Packed:
+    spec: BucketLayout
+    tensors: list[torch.Tensor]
+
+
+def _pairs(source: Iterable[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    for item in source:
+        pair = tuple(item) if isinstance(item, (tuple, list)) else None
+        if pair is None or len(pair) != 2 or not isinstance(pair[0], str) \
+                or not isinstance(pair[1], torch.Tensor):
+            raise InvalidInputError(
+                f"a lazy weight source yields (name: str, tensor: torch.Tensor) pairs, got "
+                f"{type(item).__name__} {str(item)[:80]!r}")
+        yield pair[0], pair[1]
+
+
+def _pack(k: int, cur: list[tuple[str, torch.Tensor, torch.dtype]],
+          aliases: list[tuple[str, str]]) -> _Packed:
+    """Make bucket ``k`` of ``cur`` and empty ``cur`` and ``aliases`` (so the caller,
+    a suspended generator, keeps no reference to the tensors)."""
+    packed = _Packed(_bucket_spec(k, cur, aliases), [t.detach() for _n, t, _w in cur])
+    cur.clear()
+    aliases.clear()
+    return packed
+
+
+def _iter_buckets(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                  wire_dtype: WireDtype = None) -> Iterator[_Packed]:
+    """Bucket ``pairs`` as they arrive, with :func:`plan_layout`'s rule.
+
+    Holds at most the bucket being filled (plus the pair that starts the next one).
+    Aliases (tied tensors) are found only within a bucket: a tensor already handed out
+    may have been freed, and a new one may reuse its address, so identity across
+    buckets is not checked; a tie across buckets is sent twice. Raises
+    :class:`DuplicateNameError` when a name comes again, :class:`WireDtypeError` when
+    ``wire_dtype`` refuses a tensor (before its bucket is yielded).
+    """
+    names: set[str] = set()
+    cur: list[tuple[str, torch.Tensor, torch.dtype]] = []
+    aliases: list[tuple[str, str]] = []
+    keys: dict[tuple[Any, ...], str] = {}
+    end = 0
+    k = 0
+    for name, t in pairs:
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise InvalidInputError(
+                f"a lazy source yielded ({type(name).__name__}, {type(t).__name__}); it must "
+                "yield (str name, torch.Tensor) pairs")
+        if name in names:
+            raise DuplicateNameError(name, k)
+        names.add(name)
+        _check_weight(name, t, "weight")
+        key = _identity_key(t)
+        if t.numel() > 0 and key in keys:
+            aliases.append((name, keys[key]))
+            continue
+        wire = _wire_of(wire_dtype, name, t)
+        size = _itemsize(wire)
+        n = t.numel() * size
+        grown = align_up(align_up(end, size) + n, BLOCK_ALIGN)
+        if cur and grown > bucket_bytes:
+            yield _pack(k, cur, aliases)
+            k += 1
+            keys = {}
+            end = 0
+        keys.setdefault(key, name)
+        cur.append((name, t, wire))
+        end = align_up(end, size) + n
+        del t
+    if cur:
+        yield _pack(k, cur, aliases)

@@ -1,0 +1,119 @@
+"""The trainer's transport as the weights API uses it: the sender pool, owned buckets,
+kept registrations.
+
+Owns the calls into ``ray_rdt_pool._ray.transport`` on the sender's side: pool
+statistics and waits for room (:func:`_wait_for_pool`), stream buckets put as objects a
+stream owns and freed by id (:func:`_owned_bucket`, :func:`_free_owned`), and the
+storage registrations kept for by-reference buckets (:func:`_forget_registrations`).
+Each imports the transport when called, so importing ``ray_rdt_pool.weights`` loads no
+Ray. Called from the stream's thread and from the late-bucket thread (frees only).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ray_rdt_pool.errors import PoolExhaustedError, WeightSyncTimeoutError, fmt_bytes
+from ray_rdt_pool.weights.manifest import Bucket, PoolBucket, TensorEntry
+from ray_rdt_pool.weights.planning import _conversions
+
+
+def _stats() -> Any:
+    from ray_rdt_pool import stats
+
+    return stats()
+
+
+def _pool_capacity() -> int:
+    s = _stats()
+    if s.pool_capacity:
+        return int(s.pool_capacity)
+    from ray_rdt_pool._ray.transport import runtime
+
+    return int(runtime().config.pool_capacity)
+
+
+def _registration_cache_bytes() -> int:
+    from ray_rdt_pool._ray.transport import runtime
+
+    return int(runtime().config.registration_cache_bytes)
+
+
+def _forget_registrations(keys: set[Any]) -> None:
+    if keys:
+        from ray_rdt_pool._ray.transport import forget_registrations
+
+        forget_registrations(keys)
+
+
+def _free_owned(obj_ids: Sequence[str | None]) -> None:
+    from ray_rdt_pool._ray.transport import free_owned
+
+    for oid in obj_ids:
+        if oid is not None:
+            free_owned(oid)
+
+
+def _owned_bucket(obj_id: str, tensors: list[torch.Tensor], entries: Sequence[TensorEntry],
+                  by_reference: bool = False) -> PoolBucket:
+    """Put one stream bucket as an object the stream owns: packed into the pool (a
+    snapshot; tensors whose entry names another dtype are converted by the pack copy
+    itself), or ``by_reference`` with no pack, receivers READ the tensors where they lie
+    and the sender keeps them, unchanged, until every receiver acknowledged it."""
+    from ray_rdt_pool._ray.transport import put_owned
+
+    convert = None if by_reference else _conversions(tensors, entries) or None
+    wire, device = put_owned(obj_id, tensors, convert, by_reference=by_reference)
+    return PoolBucket(obj_id, wire, device)
+
+
+def _too_big(b: Bucket, capacity: int) -> PoolExhaustedError:
+    s = _stats()
+    return PoolExhaustedError(
+        b.nbytes, int(s.pool_free) if s.pool_capacity else capacity,
+        int(s.pool_largest_free_block) if s.pool_capacity else capacity,
+        capacity, what=f"sender pool (bucket {b.index}: {b.names[:3]}...)",
+        remedy="streaming never falls back: lower bucket_bytes or raise "
+               "pool_bytes (RAY_RDT_POOL_POOL_BYTES) above the largest tensor")
+
+
+def _fits(s: Any, nbytes: int, limit: int, capacity: int, one_block: bool = False) -> bool:
+    """Does a pack of ``nbytes`` fit the pool (stats ``s``) with its use within ``limit``?"""
+    used = s.pool_used if s.pool_capacity else 0
+    if not s.pool_capacity:
+        free = capacity
+    elif one_block or s.pool_device == "cuda":
+        free = s.pool_largest_free_block  # a CUDA or converting pack takes one block
+    else:
+        free = s.pool_free
+    return bool(free >= nbytes and used + nbytes <= limit)
+
+
+def _wait_for_pool(nbytes: int, limit: int, capacity: int, timeout_s: float,
+                   one_block: bool = False) -> float:
+    """Block until ``nbytes`` fit the sender pool with its use staying within ``limit``.
+
+    Returns the seconds waited.
+    """
+    from ray_rdt_pool._ray.transport import runtime
+
+    def fits(s: Any) -> bool:
+        return _fits(s, nbytes, limit, capacity, one_block)
+
+    t0 = time.monotonic()
+    if runtime().wait_for(fits, timeout_s) is None:
+        s = _stats()
+        used = s.pool_used if s.pool_capacity else 0
+        raise WeightSyncTimeoutError(
+            f"for {timeout_s}s the sender pool had {fmt_bytes(int(used))} in use of "
+            f"{fmt_bytes(capacity)} (this stream may use up to {fmt_bytes(limit)}), but "
+            f"the next bucket needs {fmt_bytes(nbytes)}"
+            + (f" in one block (the largest free one has "
+               f"{fmt_bytes(int(s.pool_largest_free_block))})" if one_block else "")
+            + "; other objects hold the pool (drop their refs, or raise pool_bytes) or a "
+            "same-node receiver still maps this stream's blocks")
+    return time.monotonic() - t0

@@ -1,0 +1,498 @@
+"""The inference actor's side of weight sync: :class:`WeightReceiver`.
+
+Owns a receiver's version and who may write its destination: the version reservations
+of loads in progress, the one stream that holds the receiver between its calls
+(:class:`_Stream`), and the two locks. A load checks and plans with
+:mod:`~ray_rdt_pool.weights.loadplan` and writes each bucket with
+:func:`~ray_rdt_pool.weights.loading.load_bucket`. Lives in the inference actor for as
+long as it keeps it. Threads: any of the actor's (``max_concurrency > 1``,
+:meth:`WeightReceiver.load_async`, stream calls on ``__ray_call__``); ``_lock`` guards
+the state, ``_writing`` serialises the writers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ray_rdt_pool.errors import (
+    InvalidInputError,
+    ManifestReleasedError,
+    StaleVersionError,
+    WeightSyncError,
+)
+from ray_rdt_pool.weights.loading import load_bucket
+from ray_rdt_pool.weights.loadplan import BucketPlan, LoadPlan, _plan_buckets, plan_load
+from ray_rdt_pool.weights.manifest import (
+    BucketLayout,
+    Manifest,
+    PoolBucket,
+    SourceBucket,
+    WeightLayout,
+)
+from ray_rdt_pool.weights.reports import BucketReport, LoadReport, _ranges, _summarise
+from ray_rdt_pool.weights.state import (
+    Casting,
+    LoadWeights,
+    NameMap,
+    Select,
+    StateLike,
+    _check_flag,
+    named_tensors,
+)
+from ray_rdt_pool.weights.validate import (
+    _check_layout,
+    _Claims,
+    _dests,
+    _mapper,
+    _missing,
+    _raise,
+    _resolve,
+    can_cast,
+)
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+    from ray_rdt_pool.same_node.shared import SourceProcess
+
+
+@dataclass
+class _Stream:
+    """One stream in progress on a receiver."""
+
+    session: str
+    version: int
+    plan: LoadPlan | None  # the whole layout's plan; None for a lazy (bucket-by-bucket) stream
+    claimed: dict[str, str] = field(default_factory=dict)  # lazy: target name -> manifest name
+    skipped: int = 0
+    next: int = 0
+    pending: dict[int, tuple[list[ObjectRef], BucketLayout | None]] = field(
+        default_factory=dict)
+    failed: str | None = None
+    #: it still holds its version's reservation (given back once: by its commit, or by
+    #: its first failure; a second give-back would drop another load's reservation)
+    reserved: bool = True
+    draining: bool = False
+    #: lazy: destination memory written so far, across buckets (see :class:`_Check`)
+    mem: _Claims = field(default_factory=_Claims)
+    #: the sender process this receiver accepted source-read buckets from, if any
+    source: SourceProcess | None = None
+
+
+class WeightReceiver:
+    """Loads manifests into a destination in place. Lives in the inference actor.
+
+    Args:
+        dest: An ``nn.Module`` (its ``state_dict(keep_vars=True)``: live parameters and
+            persistent buffers) or a ``Mapping[str, Tensor]`` of the tensors to write.
+            May be ``None`` when ``load_weights`` is given.
+        load_weights: A callable taking an iterable of ``(name, tensor)`` pairs, such as
+            an inference engine's ``model.load_weights``. Each bucket's tensors whose
+            (mapped) name is not in ``dest`` are passed to it as soon as the bucket
+            arrives, in the manifest's dtype. The tensors are views of the receive arena,
+            valid during the call only: copy what you keep (the arena block returns when
+            the call ends). An exception in it raises :class:`LoaderError`.
+        name_map: Maps a manifest name to a destination name: a dict (unlisted names
+            keep their name) or a callable; ``None`` as the value skips the tensor.
+        casting: dtype rule, see :func:`can_cast`. The destination's dtype is the
+            target: fp32 weights load into a bf16 model converted.
+        strict: Raise on destination tensors no manifest tensor maps to
+            (:class:`MissingWeightsError`) and on manifest tensors whose mapped name is
+            not in the destination and that no ``load_weights`` takes
+            (:class:`UnexpectedWeightsError`). With ``False`` both are ignored (extras
+            are skipped).
+        direct: Land exactly matching buckets in the destination tensors
+            (``set_target_for_ref``); ``False`` always reads into the arena and copies.
+        select: Sharded pulls: ``select(name, full_shape)`` returns the part of manifest
+            tensor ``name`` this receiver needs, as a tuple of ``slice`` objects (step 1,
+            one per leading dimension; the rest are whole), or ``None`` for all of it.
+            Only those bytes are read (``transport.fetch_selected``), and tensors nobody
+            takes are not read at all. The destination tensor has the selected shape;
+            ``load_weights`` gets the selected part. An answer that does not fit the
+            full shape raises :class:`SelectError` before anything is read. Buckets with
+            a selection go through the arena (no direct landing); aliases (tied
+            tensors) get their canonical tensor's selection.
+
+    ``version`` is the version of the last manifest or stream fully loaded (0 before
+    any); it never goes down. A load whose version is not newer raises
+    :class:`StaleVersionError`. One writer at a time: a load writes the destination
+    under one lock, a stream each bucket; a load or stream checks its version when it
+    starts, again when it takes the receiver over (after any write in progress), and
+    once more when it commits, all under the version lock. So concurrent loads (an
+    actor with ``max_concurrency > 1``, :meth:`load_async`, a driver's publish during a
+    stream) are safe: of two loads of one version exactly one succeeds; an older one
+    that starts writing after a newer one committed raises :class:`StaleVersionError`
+    before it writes; a newer load or stream supersedes a stream in progress (whose
+    later buckets and commit are then refused), and an older one is refused while it
+    runs. A load that fails midway leaves ``version`` as it was.
+    """
+
+    def __init__(self, dest: StateLike | None = None, *, load_weights: LoadWeights | None = None,
+                 name_map: NameMap = None, casting: Casting = "same_kind", strict: bool = True,
+                 direct: bool = True, select: Select | None = None) -> None:
+        if select is not None and not callable(select):
+            raise InvalidInputError(f"select must be callable (name, full_shape) -> slices | "
+                                    f"None, got {type(select).__name__}")
+        _check_flag("strict", strict)
+        _check_flag("direct", direct)
+        if dest is None and load_weights is None:
+            raise InvalidInputError("WeightReceiver needs a dest (module or mapping), a "
+                                    "load_weights callable, or both")
+        if load_weights is not None and not callable(load_weights):
+            raise InvalidInputError(f"load_weights must be callable, got "
+                                    f"{type(load_weights).__name__}")
+        if dest is not None:
+            named_tensors(dest, "destination tensor")  # validate early
+        can_cast(torch.float32, torch.float32, casting)
+        _mapper(name_map)
+        self.dest = dest
+        self.load_weights = load_weights
+        self.name_map = name_map
+        self.casting = casting
+        self.strict = strict
+        self.direct = direct
+        self.select = select
+        self._version = 0
+        self._loaded = False  # any complete load yet (so any first version is accepted)
+        self._last_id = ""  # Manifest.id of the last complete load
+        self._reserved: list[int] = []  # versions being loaded now
+        # Guards the version, the reservations and the stream state. Never held while
+        # waiting for _writing (taken first when both are needed).
+        self._lock = threading.Lock()
+        # Held while bytes are written (a whole load(), one stream bucket) and at a
+        # stream's commit, so no commit ever sees another writer's bytes in flight.
+        self._writing = threading.Lock()
+        # The stream that holds this receiver between its calls (begin, buckets, commit).
+        self._stream: _Stream | None = None
+
+    @property
+    def version(self) -> int:
+        """The version of the last complete load (0 before any)."""
+        return self._version
+
+    def _reserve(self, version: int, what: str = "manifest", manifest_id: str = "") -> None:
+        """Check that ``version`` is newer than the last complete load and than every load
+        in progress, and reserve it, atomically; else raise StaleVersionError.
+
+        The one exception: the manifest loaded last (same ``Manifest.id``) may be loaded
+        again when no load of it is in progress (``release=False`` re-loads)."""
+        with self._lock:
+            top = max(self._reserved, default=None)
+            if top is not None and version <= top:
+                raise StaleVersionError(version, top, what, loading=True)
+            self._newer_locked(version, what, manifest_id)
+            self._reserved.append(version)
+
+    def _unreserve(self, version: int) -> None:
+        with self._lock:
+            self._unreserve_locked(version)
+
+    def _unreserve_locked(self, version: int) -> None:
+        if version in self._reserved:
+            self._reserved.remove(version)
+
+    def _newer_locked(self, version: int, what: str, manifest_id: str = "") -> None:
+        """StaleVersionError unless ``version`` is newer than the last complete load (or
+        is the manifest loaded last, loaded again)."""
+        again = bool(manifest_id) and manifest_id == self._last_id and version == self._version
+        if self._loaded and version <= self._version and not again:
+            raise StaleVersionError(version, self._version, what)
+
+    def _take_over_locked(self, version: int, what: str, manifest_id: str = "") -> None:
+        """Before a load writes or a stream begins: re-check the version (a load may have
+        committed a newer one since the reservation), refuse if a stream of the same or a
+        newer version holds the receiver, and supersede an older one (it never commits)."""
+        self._newer_locked(version, what, manifest_id)
+        st = self._stream
+        if st is not None and st.failed is None and st.version >= version:
+            raise StaleVersionError(version, st.version, what, loading=True)
+        if st is not None:
+            self._drop_locked(st, f"{what} version {version} superseded it on this receiver")
+
+    def _drop_locked(self, st: _Stream, why: str) -> None:
+        """End stream ``st`` without a commit: its later buckets and its commit are refused,
+        and the buckets it holds early are dropped."""
+        if self._stream is st:
+            self._stream = None
+        self._fail_locked(st, why)
+
+    def _commit_locked(self, version: int, what: str, manifest_id: str = "") -> None:
+        self._newer_locked(version, what, manifest_id)  # never lets the version go down
+        self._unreserve_locked(version)
+        self._version, self._loaded, self._last_id = version, True, manifest_id
+
+    # -- validation --
+
+    def check(self, layout: WeightLayout) -> LoadPlan:
+        """Validate ``layout`` against the destination and plan the load; writes nothing.
+
+        Raises a :class:`ManifestMismatchError` subclass listing every problem, or
+        :class:`WeightSyncError` for a layout that contradicts itself.
+        """
+        return plan_load(self, layout)
+
+    # -- loading --
+
+    def _load_bucket(self, plan: BucketPlan, ref: ObjectRef | SourceBucket | PoolBucket,
+                     source: SourceProcess | None = None) -> BucketReport:
+        # One method for every bucket a load or stream writes: a subclass may wrap it.
+        return load_bucket(plan, ref, source, self.load_weights)
+
+    def accept_source(self, session: str, source: SourceProcess) -> bool:
+        """For stream ``session`` (just begun): accept buckets read straight out of
+        ``source`` if :meth:`can_read_source`; buckets naming any other process are
+        refused."""
+        ok = self.can_read_source(source)
+        with self._lock:
+            st = self._stream
+            if st is None or st.session != session:
+                return False
+            st.source = source if ok else None
+        return ok
+
+    def can_read_source(self, source: SourceProcess) -> bool:
+        """Whether this receiver can copy stream buckets straight out of ``source`` (the
+        sender's process): same Ray node, ``same_node`` not ``"off"`` here, and the
+        kernel lets it read that process (see docs/weight-sync.md)."""
+        from ray_rdt_pool._ray.transport import can_read_source
+
+        return can_read_source(source)
+
+    def load(self, manifest: Manifest, *, release: bool = True) -> LoadReport:
+        """Validate, then load every bucket of ``manifest`` in order, in place.
+
+        Raises :class:`StaleVersionError` (writing nothing) when ``manifest.version`` is
+        not newer than :attr:`version`, or than a load or stream in progress. Loads on
+        one receiver run one at a time (a concurrent one waits, then checks its version
+        again before it writes: an older one then raises). A load newer than a stream in
+        progress supersedes that stream once its bucket in progress is written (the
+        stream's later buckets and its commit are refused). With ``release=True`` each
+        bucket's ref is removed from ``manifest`` (this process's copy) as soon as the
+        bucket is loaded.
+        """
+        _check_flag("release", release)
+        if not isinstance(manifest, Manifest):
+            raise InvalidInputError(f"load() takes a Manifest (from WeightSender.publish), "
+                                    f"got {type(manifest).__name__}")
+        v, mid = manifest.version, manifest.id
+        self._reserve(v, "manifest", mid)
+        try:
+            # Refused manifests (a layout mismatch, released buckets) write nothing, so
+            # they must not supersede a healthy stream either: check before taking over.
+            plan = self._plan(manifest)
+            with self._writing:
+                with self._lock:
+                    self._take_over_locked(v, "manifest", mid)
+                report = self._load(manifest, plan, release)
+                with self._lock:
+                    self._commit_locked(v, "manifest", mid)
+        finally:
+            self._unreserve(v)
+        return report
+
+    def _plan(self, manifest: Manifest) -> LoadPlan:
+        plan = self.check(manifest.layout)
+        missing = [k for k, r in enumerate(manifest.refs) if r is None]
+        if missing:
+            raise ManifestReleasedError(
+                f"bucket(s) {missing[:10]} of manifest version {manifest.version} were "
+                "already released; load a fresh manifest, or pass release=False to load "
+                "one twice")
+        return plan
+
+    def _load(self, manifest: Manifest, plan: LoadPlan, release: bool) -> LoadReport:
+        reports: list[BucketReport] = []
+        for bp in plan.buckets:
+            box = manifest.refs[bp.index]
+            assert box is not None
+            reports.append(self._load_bucket(bp, box[0]))
+            if release:
+                manifest.refs[bp.index] = None
+            del box
+        return _summarise(manifest.version, reports, plan.skipped)
+
+    async def load_async(self, manifest: Manifest, *, release: bool = True) -> LoadReport:
+        """:meth:`load` in a worker thread, for ``async def`` actor methods.
+
+        The actor's event loop keeps serving other calls while the buckets are read and
+        copied (``asyncio.to_thread``).
+        """
+        return await asyncio.to_thread(self.load, manifest, release=release)
+
+    # -- streaming (called through __ray_call__ by WeightSender.stream) --
+
+    def begin_stream(self, session: str, layout: WeightLayout | None, version: int) -> int:
+        """Validate a streamed layout and get ready for its buckets.
+
+        ``layout=None`` starts a lazy stream, whose buckets each bring their own
+        :class:`BucketLayout`. Raises :class:`StaleVersionError` when ``version`` is not
+        newer than :attr:`version`, or than a load or stream in progress. A stream in
+        progress of an older version (its sender gave up, or died) is superseded: its
+        later buckets and its commit are refused. Returns the number of manifest tensors
+        this receiver will skip (0 for a lazy stream; :meth:`finish_stream` returns its
+        count).
+        """
+        self._reserve(version, "stream")
+        try:
+            plan = self.check(layout) if layout is not None else None
+            with self._lock:
+                self._take_over_locked(version, "stream")
+                self._stream = _Stream(session, version, plan)
+        except BaseException:
+            self._unreserve(version)
+            raise
+        return plan.skipped if plan is not None else 0
+
+    def abort_stream(self, session: str | None = None) -> None:
+        """Drop the stream in progress (``session``, or any) and the buckets it holds.
+        It never commits; a bucket being written now finishes, and is the last."""
+        with self._lock:
+            st = self._stream
+            if st is None or (session is not None and st.session != session):
+                return
+            self._drop_locked(st, "the stream was aborted")
+
+    def load_stream_bucket(self, session: str, k: int, box: list[ObjectRef],
+                           spec: BucketLayout | None = None) -> list[BucketReport]:
+        """Load bucket ``k`` of the current stream; returns the buckets loaded by this call.
+
+        Buckets are loaded in order. One that arrives early (an async or threaded actor
+        may run the calls out of order) is kept and loaded, by the call that loads its
+        predecessor, right after it; such a call returns ``[]``. After a failure the
+        stream's later buckets are refused. Nothing is committed here: the version is
+        committed by :meth:`finish_stream`, which the sender calls once every receiver
+        acknowledged every bucket.
+        """
+        with self._lock:
+            st = self._stream
+            if st is None or st.session != session:
+                box.clear()
+                raise WeightSyncError(
+                    f"bucket {k} of stream {session} arrived, but this receiver is not in "
+                    "that stream (a newer load or stream superseded it, or it was aborted)")
+            if st.failed is not None:
+                box.clear()
+                raise WeightSyncError(f"bucket {k} skipped: {st.failed}")
+            if (st.plan is None) != (spec is not None) or k < st.next or k in st.pending:
+                self._fail_locked(st, f"bucket {k} does not belong to this stream "
+                                      f"(expected {st.next})")
+                box.clear()
+                raise WeightSyncError(st.failed)
+            st.pending[k] = (box, spec)
+            if st.draining:
+                return []  # the call loading an earlier bucket loads this one too
+            st.draining = True
+        reports: list[BucketReport] = []
+        loaded_k = False
+        while True:
+            # One bucket per hold of _writing: a newer load waits for this bucket only,
+            # and supersedes the stream before its next one.
+            with self._writing:
+                with self._lock:
+                    item = None
+                    if self._stream is st and st.failed is None:
+                        item = st.pending.pop(st.next, None)
+                    if item is None:
+                        st.draining = False
+                        if st.failed is not None and not loaded_k:
+                            raise WeightSyncError(f"bucket {k} skipped: {st.failed}")
+                        return reports
+                    j = st.next
+                kbox, kspec = item
+                del item
+                try:
+                    reports.append(self._stream_one(st, j, kbox[0], kspec))
+                except BaseException as e:
+                    with self._lock:
+                        self._fail_locked(st, f"bucket {j} failed on this receiver: {e!r}")
+                        st.draining = False
+                    raise
+                finally:
+                    kbox.clear()
+                with self._lock:
+                    st.next = j + 1
+                loaded_k = loaded_k or j == k
+
+    def _fail_locked(self, st: _Stream, why: str) -> None:
+        """Stream ``st`` failed here: it keeps the receiver (so its later buckets are
+        refused with ``why``) until it is aborted or superseded, and never commits."""
+        if st.reserved:
+            st.reserved = False
+            self._unreserve_locked(st.version)
+        if st.failed is None:
+            st.failed = why
+        for b, _s in st.pending.values():
+            b.clear()
+        st.pending.clear()
+
+    def _stream_one(self, st: _Stream, k: int, ref: ObjectRef | SourceBucket | PoolBucket,
+                    spec: BucketLayout | None
+                    ) -> BucketReport:
+        if st.plan is not None:
+            return self._load_bucket(st.plan.buckets[k], ref, st.source)
+        assert spec is not None
+        if spec.bucket.index != k:
+            raise WeightSyncError(f"bucket {k} arrived with the layout of bucket "
+                                  f"{spec.bucket.index}")
+        _check_layout(spec.entries, (spec.bucket,), k)
+        by_name = {e.name: e for e in spec.entries}
+        sources = [(e.name, e) for e in spec.entries]
+        sources += [(a, by_name[c]) for a, c in spec.aliases if c in by_name]
+        problems: list[tuple[str, str, str]] = []
+        claimed, mem = dict(st.claimed), st.mem.copy()
+        resolved, skipped, selections = _resolve(self, sources, _dests(self), claimed,
+                                                 problems, mem, lazy=True)
+        _raise(problems, f"bucket {k} was not written; bucket(s) {_ranges(range(k))} "
+                         f"were, and the version stays {self._version}")
+        layout = WeightLayout(spec.entries, (spec.bucket,), spec.aliases)
+        rep = self._load_bucket(_plan_buckets(self, layout, resolved, selections)[0], ref,
+                                st.source)
+        st.claimed, st.mem, st.skipped = claimed, mem, st.skipped + skipped
+        return rep
+
+    def finish_stream(self, session: str, buckets: int) -> int:
+        """Commit a stream after its ``buckets`` buckets: the sender calls it once every
+        receiver acknowledged every bucket. Checks for destination tensors that received
+        nothing (``strict``; a lazy stream's only chance to), then commits the version.
+        A stream that was aborted, superseded or failed here never commits. Returns the
+        number of manifest tensors skipped."""
+        with self._writing, self._lock:
+            st = self._stream
+            if st is None or st.session != session:
+                raise WeightSyncError(
+                    f"stream {session} ended, but this receiver is not in that stream (a "
+                    "newer load or stream superseded it, or it was aborted); the version "
+                    f"stays {self._version}")
+            if st.failed is not None:
+                raise WeightSyncError(f"stream {session} failed on this receiver: {st.failed}")
+            if st.next != buckets or st.pending:
+                raise WeightSyncError(f"stream {session} ended after {buckets} bucket(s), but "
+                                      f"this receiver loaded {st.next}")
+            problems: list[tuple[str, str, str]] = []
+            if st.plan is None:
+                _missing(self, _dests(self), st.claimed, problems, st.mem)
+            if problems:
+                self._drop_locked(st, "destination tensors received nothing")
+            _raise(problems, f"all {buckets} bucket(s) were written, but the version "
+                             f"stays {self._version}")
+            try:
+                self._commit_locked(st.version, "stream")
+                st.reserved = False  # the commit gave it back
+            finally:
+                self._drop_locked(st, "it was committed")  # or lost to a newer version
+        return st.plan.skipped if st.plan is not None else st.skipped
+
+
+def load_manifest(manifest: Manifest, dest: StateLike | None = None, *,
+                  load_weights: LoadWeights | None = None, name_map: NameMap = None,
+                  casting: Casting = "same_kind", strict: bool = True, direct: bool = True,
+                  release: bool = True, select: Select | None = None) -> LoadReport:
+    """Load ``manifest`` into ``dest`` in place: ``WeightReceiver(dest, ...).load(...)``."""
+    receiver = WeightReceiver(dest, load_weights=load_weights, name_map=name_map,
+                              casting=casting, strict=strict, direct=direct, select=select)
+    return receiver.load(manifest, release=release)

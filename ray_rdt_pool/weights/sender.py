@@ -1,0 +1,332 @@
+"""The trainer's side of weight sync: :class:`WeightSender`.
+
+Owns what a sender keeps between syncs: its source, its options, the versions it used,
+whether a one-shot source is spent, and the storages of by-reference buckets that stay
+registered between streams. :meth:`WeightSender.publish` puts every bucket as a Ray
+object; :meth:`WeightSender.stream` runs a :class:`~ray_rdt_pool.weights.stream.StreamSession`.
+Lives in the trainer actor, as long as the caller keeps it; one sync at a time (calls
+from one thread, the actor's).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ray_rdt_pool.errors import DuplicateNameError, InvalidInputError, SourceExhaustedError
+from ray_rdt_pool.weights.manifest import (
+    DEFAULT_BUCKET_BYTES,
+    BucketLayout,
+    Manifest,
+    TensorEntry,
+    WeightLayout,
+    _layout_of,
+)
+from ray_rdt_pool.weights.planning import (
+    _check_bucket_bytes,
+    _check_wire_dtype,
+    _conversions,
+    _iter_buckets,
+    _pairs,
+    plan_layout,
+)
+from ray_rdt_pool.weights.pool import _forget_registrations, _stats
+from ray_rdt_pool.weights.remote import RECEIVER_ATTR, _actor_handles, _timeout
+from ray_rdt_pool.weights.reports import StreamReport
+from ray_rdt_pool.weights.state import Source, SourceLike, StateLike, WireDtype, _check_flag
+from ray_rdt_pool.weights.stream import StreamSession
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+
+
+def _transport() -> str:
+    from ray_rdt_pool import TRANSPORT
+
+    return TRANSPORT
+
+
+def _put_bucket(tensors: list[torch.Tensor], entries: Sequence[TensorEntry]) -> ObjectRef:
+    """``ray.put`` one bucket; tensors whose entry names another dtype are converted by
+    the pack copy itself (``transport.pack_as``), not by a separate cast."""
+    import ray
+
+    convert = _conversions(tensors, entries)
+    if not convert:
+        return ray.put(tensors, _tensor_transport=_transport())
+    from ray_rdt_pool._ray.transport import pack_as
+
+    with pack_as(convert):
+        return ray.put(tensors, _tensor_transport=_transport())
+
+
+class WeightSender:
+    """Publishes a named state as ``nixl_pool`` buckets. Lives in the trainer actor.
+
+    Args:
+        source: The state to send. Either a state (an ``nn.Module``, a
+            ``Mapping[str, Tensor]``), or a lazy source: an iterable or generator of
+            ``(name, tensor)`` pairs (e.g. ``model.named_parameters()``), or a
+            zero-argument callable returning any of these (called once per sync).
+            An iterator or generator is one-shot: a second sync raises
+            :class:`SourceExhaustedError`; pass a callable instead. Optional when every
+            call passes ``state=``.
+        bucket_bytes: Most packed bytes per bucket. For :meth:`stream` keep
+            ``max_inflight * bucket_bytes`` within the sender's ``pool_bytes``, and
+            ``bucket_bytes`` within each receiver's ``arena_bytes`` (buckets that are
+            copied rather than landed directly go through the arena).
+        wire_dtype: The dtype tensors are sent as. A ``torch.dtype`` (floating point)
+            applies to every floating-point tensor (integer and bool tensors are sent
+            as they are), e.g. ``torch.bfloat16`` sends fp32 master weights in half the
+            bytes; a callable ``(name, tensor) -> dtype | None`` decides per tensor
+            (``None``: as it is). The conversion is the pack copy into the pool (no
+            separate cast); the layout carries the wire dtypes and sizes, and receivers
+            cast to their destination dtypes. A conversion down the casting order
+            (float -> int, complex -> real) raises :class:`WireDtypeError` before the
+            bucket is put. A tied tensor is sent once, as its first name decides.
+        source_reads: Let :meth:`stream` skip the pool: when every receiver runs on
+            this Ray node and may read this process, each receiver copies the buckets
+            straight out of the source tensors; otherwise, for the module or mapping
+            given as ``source``, each receiver READs them by reference over NIXL (their
+            storages stay registered in the transport's storage cache until a stream no
+            longer sends them, or :meth:`close`). Either way the source tensors must not
+            change while ``stream()`` runs (see docs/weight-sync.md, "Source reads" and
+            "By reference across nodes"). ``False``: always the pool.
+
+    Each publish snapshots the state (the pool copy is made at ``ray.put``), and a stream
+    returns only after every receiver loaded every bucket and committed, so either way
+    the trainer may keep training as soon as the call returns. ``version`` is the
+    version of the last successful publish or stream (0 before any); a call without
+    ``version=`` uses one more than the highest version this sender used, successful
+    or not, so a retry after a stream that failed on some receivers (others may have
+    committed it) is never refused as stale.
+    """
+
+    def __init__(self, source: Source | None = None, *,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 wire_dtype: WireDtype = None, source_reads: bool = True) -> None:
+        _check_bucket_bytes(bucket_bytes)
+        _check_flag("source_reads", source_reads)
+        _check_wire_dtype(wire_dtype)
+        self.source = source
+        self.bucket_bytes = bucket_bytes
+        self.wire_dtype = wire_dtype
+        self.source_reads = source_reads
+        self.version = 0
+        self._used = 0  # the highest version sent to any receiver, successful or not
+        self._spent = False  # a one-shot (iterator) source was consumed
+        # Storage keys of the source tensors the last stream sent by reference: their
+        # registrations stay in the transport's storage cache for the next stream, and
+        # go once a stream no longer sends them (a replaced tensor) or at close().
+        self._ref_keys: set[Any] = set()
+
+    def close(self) -> None:
+        """Let go of the NIXL registrations kept for by-reference streams (the storages
+        of the source's tensors, in the transport's storage cache). The sender stays
+        usable: a later stream registers them again. A sender that is dropped without
+        ``close()`` leaves them to the cache's LRU bound (``registration_cache_bytes``)."""
+        keys, self._ref_keys = self._ref_keys, set()
+        _forget_registrations(keys)
+
+    def _acquire(self, state: SourceLike | None
+                 ) -> tuple[StateLike | None, Iterator[tuple[str, torch.Tensor]] | None]:
+        """This sync's weights: ``(state, None)`` for a module or mapping, else
+        ``(None, pairs)`` for a lazy source (consumed once, as the buckets are made)."""
+        if state is None:
+            src = self.source
+            if src is None:
+                raise InvalidInputError("WeightSender has no source; pass state= or source=")
+            if isinstance(src, Iterator):
+                if self._spent:
+                    raise SourceExhaustedError(
+                        f"the WeightSender's source is a one-shot {type(src).__name__}, "
+                        "already consumed by an earlier sync; pass a zero-argument "
+                        "callable that returns a fresh iterable, e.g. WeightSender(lambda: "
+                        "model.named_parameters()), or pass state= to each call")
+                self._spent = True
+                return None, _pairs(src)
+            if callable(src) and not isinstance(src, torch.nn.Module):
+                src = src()
+            state = src
+        if isinstance(state, (torch.nn.Module, Mapping)):
+            return state, None
+        if isinstance(state, Iterable) and not isinstance(state, (str, bytes, torch.Tensor)):
+            return None, _pairs(state)
+        raise InvalidInputError(
+            f"a weight source is an nn.Module, a Mapping[str, Tensor], an iterable of "
+            f"(name, tensor) pairs or a callable returning one; got {type(state).__name__}")
+
+    def _next_version(self, version: int | None) -> int:
+        if version is None:
+            return max(self.version, self._used) + 1
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise InvalidInputError(f"version must be an int, got {version!r}")
+        return version
+
+    def layout(self, state: SourceLike | None = None) -> WeightLayout:
+        """The layout the next publish would have (no data is moved).
+
+        A lazy source is consumed to compute it (a callable is called once more; a
+        one-shot iterator is spent).
+        """
+        eager, pairs = self._acquire(state)
+        if eager is not None:
+            return plan_layout(eager, self.bucket_bytes, self.wire_dtype)[0]
+        assert pairs is not None
+        specs = []
+        for packed in _iter_buckets(pairs, self.bucket_bytes, self.wire_dtype):
+            specs.append(packed.spec)
+            del packed
+        return _layout_of(specs, self.bucket_bytes)
+
+    def publish(self, state: SourceLike | None = None, *, version: int | None = None
+                ) -> Manifest:
+        """Put every bucket now and return the manifest.
+
+        ``version`` is the manifest's version (an int, e.g. the trainer step); without
+        it, one more than the highest version this sender used. Receivers refuse a
+        manifest that is not newer than their last complete load
+        (:class:`StaleVersionError`).
+
+        A lazy source is consumed whole here, bucket by bucket: each bucket is put as
+        soon as it is full and its source tensors are dropped then. Every bucket is a
+        snapshot: the trainer may modify its weights as soon as this returns. Buckets
+        that do not fit the pool are copied into overflow memory (listed in
+        ``Manifest.overflow``; with ``strict=True`` in the pool config they raise
+        ``PoolExhaustedError`` instead). Nothing is ever sent by reference unless the
+        trainer registered its memory with ``register_memory()``. Use :meth:`stream`
+        for states larger than the pool. A lazy source that repeats a name raises
+        :class:`DuplicateNameError` and publishes nothing.
+        """
+
+        v = self._next_version(version)
+        eager, pairs = self._acquire(state)
+        refs: list[list[ObjectRef] | None] = []
+        overflow: list[int] = []
+        fallbacks = _stats().fallbacks
+
+        def put(k: int, tensors: list[torch.Tensor], entries: Sequence[TensorEntry]) -> None:
+            nonlocal fallbacks
+            refs.append([_put_bucket(tensors, entries)])
+            now = _stats().fallbacks
+            if now != fallbacks:
+                overflow.append(k)
+                fallbacks = now
+
+        if eager is not None:
+            layout, groups = plan_layout(eager, self.bucket_bytes, self.wire_dtype)
+            for k, tensors in enumerate(groups):
+                put(k, tensors, [e for e in layout.entries if e.bucket == k])
+        else:
+            assert pairs is not None
+            specs: list[BucketLayout] = []
+            try:
+                for packed in _iter_buckets(pairs, self.bucket_bytes, self.wire_dtype):
+                    specs.append(packed.spec)
+                    put(packed.spec.bucket.index, packed.tensors, packed.spec.entries)
+                    packed.tensors.clear()  # the pool holds the snapshot now
+                    del packed
+            except DuplicateNameError as e:
+                refs.clear()  # frees the buckets put so far
+                raise DuplicateNameError(e.name, e.bucket, (),
+                                         "publish() published nothing") from None
+            except BaseException:
+                refs.clear()
+                raise
+            layout = _layout_of(specs, self.bucket_bytes)
+        self.version = v
+        self._used = max(self._used, v)  # the next default is past every version used
+        return Manifest(layout, refs, v, tuple(overflow), int(_stats().pool_used),
+                        uuid.uuid4().hex)
+
+    def stream(self, receivers: Sequence[ActorHandle], state: SourceLike | None = None, *,
+               version: int | None = None, receiver_attr: str = RECEIVER_ATTR,
+               max_inflight: int = 2, timeout_s: float = 300.0) -> StreamReport:
+        """Sync ``receivers`` bucket by bucket with bounded sender pool memory.
+
+        Each receiver actor must hold a :class:`WeightReceiver` at ``receiver_attr``.
+        ``version`` as in :meth:`publish`; a receiver whose last complete load is not
+        older refuses the stream when it begins (:class:`StaleVersionError`, before any
+        bucket is put).
+
+        For a module or mapping, every receiver first validates the whole layout (a
+        mismatch raises here, before any bucket is put). For a lazy source (an iterable
+        of pairs) the layout is not known up front: each bucket is filled as pairs
+        arrive and sent with its own :class:`BucketLayout`, which each receiver
+        validates before writing that bucket; a mismatch then raises at that bucket
+        (earlier buckets are loaded, the receivers' versions unchanged), and
+        ``strict`` missing tensors are found after the last bucket.
+
+        Then for each bucket: wait until fewer than ``max_inflight`` buckets are
+        unacknowledged and the pool has room for it, pack it into the pool as an object
+        this stream owns (:class:`PoolBucket`: not a Ray object, so no object-store round
+        trip), and ask every receiver to load it (``__ray_call__``); the object is freed
+        once every receiver acknowledged it. "Room" means the pool has the bucket's bytes
+        free and this stream's pool use (``pool_used`` beyond what was in use when the
+        stream began) stays within ``max_inflight * bucket_bytes``. A lazy source is only
+        pulled for the next bucket once there is room for a full bucket, and the sender
+        drops its tensors as soon as their bucket is packed, so beyond the model and the
+        pool the sync holds at most ``max_inflight`` buckets of source tensors plus one
+        tensor. No bucket is ever packed without room, so there is no fallback
+        registration. With ``max_inflight >= 2`` packing bucket ``k+1`` overlaps the
+        receivers' reads of bucket ``k``; ``max_inflight=1`` serialises them.
+
+        ``source_reads=True`` skips the pack for a bucket whose tensors lie as they are
+        sent, and keeps its tensors until every receiver acknowledged it: with every
+        receiver on this Ray node and able to read this process, the receivers get the
+        tensors' addresses and copy them out of this process (:class:`SourceBucket`);
+        otherwise, for the module or mapping this sender holds as ``source`` (not
+        ``state=``), whose bytes fit the storage cache (``registration_cache_bytes``),
+        they READ them by reference over NIXL. Other buckets go through the pool as
+        above.
+
+        Once every receiver acknowledged every bucket, the sender tells each to commit
+        (:meth:`WeightReceiver.finish_stream`, one more call per receiver) and waits for
+        it: a receiver never commits a stream this sender gave up on, and when
+        ``stream()`` returns every receiver's ``version`` is the new one.
+
+        Raises ``PoolExhaustedError`` if a bucket cannot fit the pool at all (up front
+        for a module or mapping, at that bucket for a lazy source),
+        :class:`WeightSyncTimeoutError` if pool space or acks take longer than
+        ``timeout_s``, :class:`DuplicateNameError` if a lazy source repeats a name,
+        and re-raises a receiver's error (its other buckets still drain). On any error
+        (a begin refused included) every receiver is told to drop the stream, then the
+        sender frees every bucket it still holds, so no bucket stays pinned; a bucket
+        whose receiver call has not ended by then (it outlasted ``timeout_s``) is freed
+        once that call ends, never under it. A failure
+        at the commit itself may leave some receivers committed; the version is used
+        up either way (the next default version is past it).
+        """
+        receivers = _actor_handles(receivers, "stream()")
+        if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) \
+                or max_inflight < 1:
+            raise InvalidInputError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
+        deadline_s = _timeout(timeout_s)
+        t0 = time.perf_counter()
+        v = self._next_version(version)
+        eager, pairs = self._acquire(state)
+        session = StreamSession(
+            receivers, v, receiver_attr=receiver_attr, max_inflight=max_inflight,
+            timeout_s=deadline_s, bucket_bytes=self.bucket_bytes, wire_dtype=self.wire_dtype,
+            source_reads=self.source_reads,
+            by_reference=state is None and isinstance(self.source, (torch.nn.Module, Mapping)))
+        session.plan(eager, pairs)
+        # From here on ``v`` may be committed by some receiver, even if the stream fails:
+        # the next default version is past it.
+        self._used = max(self._used, v)
+        try:
+            session.run()
+        except BaseException:
+            self._ref_keys |= session.ref_keys  # the next complete stream sorts them out
+            raise
+        self.version = v
+        if session.by_ref or self._ref_keys:
+            # Tensors the source no longer holds (replaced) need not stay registered.
+            _forget_registrations(self._ref_keys - session.ref_keys)
+            self._ref_keys = session.ref_keys
+        return session.report(t0)
