@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 from ray_rdt_pool.config import PoolConfig, from_env
 from ray_rdt_pool.core.wire import DTYPES
 from ray_rdt_pool.errors import InvalidInputError, NativeBuildError
+from ray_rdt_pool.memory import describe as D
 from ray_rdt_pool.memory import native
-from ray_rdt_pool.memory import tensors as T
+from ray_rdt_pool.memory.dtypes import torch_dtype
 from tests.fakenixl import World
 
 BUILT = native.artifact_path().exists()
@@ -30,12 +31,12 @@ needs_helper = pytest.mark.skipif(
     not BUILT, reason="the compiled describe helper is not built for this torch; run "
     "`python -m ray_rdt_pool.memory.native build` (make venv does)")
 
-WIRE_DTYPES = [T.torch_dtype(name) for name in DTYPES]
+WIRE_DTYPES = [torch_dtype(name) for name in DTYPES]
 
 
 @pytest.fixture()
 def helper() -> Any:
-    fn = T._native_describe()
+    fn = D._native_describe()
     assert fn is not None, "built for this torch, yet not loaded or refused by its check"
     return fn
 
@@ -80,16 +81,16 @@ def _make(specs: list[tuple[torch.dtype, list[int], int]]) -> list[torch.Tensor]
 @given(st.lists(tensor_specs, min_size=1, max_size=12))
 def test_helper_reads_exactly_what_the_python_loop_reads(specs: list[Any]) -> None:
     tensors = _make(specs)
-    fn = T._native_describe()
+    fn = D._native_describe()
     assert fn is not None
     facts = fn(tensors)
     if any(t.numel() == 0 for t in tensors):  # an empty tensor may have no address
-        assert T.describe(tensors) == T._describe_py(tensors, False)
+        assert D.describe(tensors) == D._describe_py(tensors, False)
         return
     assert facts is not None, "the helper declined plain dense CPU tensors"
-    got = T.Described(*facts, device="cpu")
-    assert got == T._describe_py(tensors, False)
-    assert T.describe(tensors) == got
+    got = D.Described(*facts, device="cpu")
+    assert got == D._describe_py(tensors, False)
+    assert D.describe(tensors) == got
     # Equal shapes share one tuple, as the Python loop's 1-d shapes do.
     by_value: dict[tuple[int, ...], int] = {}
     for s in got.shapes:
@@ -149,7 +150,7 @@ def test_helper_declines_and_the_python_loop_decides(case: str, helper: Any) -> 
     outcomes = []
     for use in (True, False):
         try:
-            outcomes.append(("ok", T.describe(tensors, native=use)))
+            outcomes.append(("ok", D.describe(tensors, native=use)))
         except InvalidInputError as e:
             outcomes.append(("error", str(e)))
     assert outcomes[0] == outcomes[1]
@@ -175,11 +176,11 @@ def test_a_helper_that_disagrees_with_the_python_loop_is_refused(
             return facts
 
     monkeypatch.setattr(native, "load", lambda folder=None: Lying)
-    with caplog.at_level(logging.WARNING, logger="ray_rdt_pool.memory.tensors"):
-        assert T._checked_native() is None
+    with caplog.at_level(logging.WARNING, logger="ray_rdt_pool.memory.describe"):
+        assert D._checked_native() is None
     assert "disagrees with the Python loop" in caplog.text
     monkeypatch.setattr(native, "load", lambda folder=None: real)
-    assert T._checked_native() is not None
+    assert D._checked_native() is not None
 
 
 @needs_helper
@@ -232,7 +233,7 @@ def test_native_off_never_calls_the_helper(monkeypatch: pytest.MonkeyPatch) -> N
     def boom(tensors: Any) -> Any:
         raise AssertionError("the helper ran although native is off")
 
-    monkeypatch.setattr(T, "_NATIVE", [boom])
+    monkeypatch.setattr(D, "_NATIVE", [boom])
     from tests.test_runtime_logic import make, roundtrip, same
 
     world = World()
@@ -241,7 +242,7 @@ def test_native_off_never_calls_the_helper(monkeypatch: pytest.MonkeyPatch) -> N
     targets = [torch.empty(3, 4), torch.empty(5, dtype=torch.int64)]
     assert same(roundtrip(s, r, "a", ts, targets), ts)
     with pytest.raises(AssertionError, match="although native is off"):
-        T.describe(ts)  # and the default is on: the spy is live
+        D.describe(ts)  # and the default is on: the spy is live
 
 
 @needs_helper
@@ -251,21 +252,21 @@ def test_threads_racing_to_the_first_describe_load_and_check_once(
     import threading
 
     checks = []
-    real = T._checked_native
+    real = D._checked_native
 
     def counted() -> Any:
         checks.append(threading.get_ident())
         return real()
 
-    monkeypatch.setattr(T, "_NATIVE", [])
-    monkeypatch.setattr(T, "_checked_native", counted)
+    monkeypatch.setattr(D, "_NATIVE", [])
+    monkeypatch.setattr(D, "_checked_native", counted)
     ts = [torch.arange(6.0).view(2, 3), torch.ones(4, dtype=torch.int64)]
     start = threading.Barrier(8)
     got: list[Any] = []
 
     def first_put() -> None:
         start.wait()
-        got.append((T._native_describe(), T.describe(ts)))
+        got.append((D._native_describe(), D.describe(ts)))
 
     threads = [threading.Thread(target=first_put) for _ in range(8)]
     for th in threads:
@@ -274,7 +275,7 @@ def test_threads_racing_to_the_first_describe_load_and_check_once(
         th.join()
     assert len(checks) == 1 and len(got) == 8
     assert len({id(fn) for fn, _ in got}) == 1 and got[0][0] is not None
-    assert all(d == T._describe_py(ts, False) for _, d in got)
+    assert all(d == D._describe_py(ts, False) for _, d in got)
 
 
 @needs_helper
@@ -284,16 +285,16 @@ def test_the_first_put_under_deterministic_algorithms_checks_and_loads_the_helpe
     training scripts set) makes ``torch.empty`` fill what it allocates, which torch cannot
     do for every wire dtype (float4_e2m1fn_x2): the probe objects of the helper's check
     must not depend on that, or the first put of such a process fails untyped."""
-    monkeypatch.setattr(T, "_NATIVE", [])
+    monkeypatch.setattr(D, "_NATIVE", [])
     ts = [torch.arange(6.0).view(2, 3), torch.ones(4, dtype=torch.int64)]
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        got = T.describe(ts)
+        got = D.describe(ts)
     finally:
         torch.use_deterministic_algorithms(was)
-    assert got == T._describe_py(ts, False)
-    assert T._native_describe() is not None, "the helper passed its check: it is used"
+    assert got == D._describe_py(ts, False)
+    assert D._native_describe() is not None, "the helper passed its check: it is used"
 
 
 def test_a_helper_whose_check_raises_leaves_describe_on_the_python_loop(
@@ -303,10 +304,10 @@ def test_a_helper_whose_check_raises_leaves_describe_on_the_python_loop(
     def broken() -> Any:
         raise NotImplementedError("a probe torch cannot make")
 
-    monkeypatch.setattr(T, "_NATIVE", [])
-    monkeypatch.setattr(T, "_checked_native", broken)
+    monkeypatch.setattr(D, "_NATIVE", [])
+    monkeypatch.setattr(D, "_checked_native", broken)
     ts = [torch.arange(6.0).view(2, 3)]
-    with caplog.at_level(logging.WARNING, logger="ray_rdt_pool.memory.tensors"):
-        assert T.describe(ts) == T._describe_py(ts, False)
-    assert T._native_describe() is None
+    with caplog.at_level(logging.WARNING, logger="ray_rdt_pool.memory.describe"):
+        assert D.describe(ts) == D._describe_py(ts, False)
+    assert D._native_describe() is None
     assert "a probe torch cannot make" in caplog.text
