@@ -1,9 +1,10 @@
-"""The compiled describe helper (ray_rdt_pool.memory.native, _native.cpp): it must read exactly
-the facts the Python loop reads, decline everything the Python loop must judge (so the
-typed errors stay the same), and never be loaded for another torch or when it lies.
+"""The compiled helpers (ray_rdt_pool.memory.native): one command builds both into the keyed
+cache; the describe helper (_native.cpp) must read exactly the facts the Python loop reads,
+decline everything the Python loop must judge (so the typed errors stay the same), and
+never be loaded for another torch or when it lies.
 
-Tests that need the built helper skip with a reason where ``python -m ray_rdt_pool.memory.native
-build`` has not run (``make venv`` runs it). No Ray here.
+Tests that need the built describe helper skip with a reason where ``python -m
+ray_rdt_pool.memory.native build`` has not run (``make venv`` runs it). No Ray here.
 """
 
 from __future__ import annotations
@@ -201,27 +202,70 @@ def test_a_helper_built_for_another_torch_is_not_loaded(
 
 def test_a_failed_build_raises_a_typed_error_and_leaves_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CXX", "false")  # a compiler that always fails
-    with pytest.raises(NativeBuildError, match="exited with status 1"):
-        native.build(tmp_path)
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with pytest.raises(NativeBuildError, match="install one"):
-        native.build(tmp_path)
+    for helper, env in (("describe", "CXX"), ("copy", "CC")):
+        monkeypatch.setenv(env, "false")  # a compiler that always fails
+        with pytest.raises(NativeBuildError, match="exited with status 1"):
+            native.build(tmp_path, helper=helper)
+        monkeypatch.setenv(env, str(tmp_path / "no-such-compiler"))
+        with pytest.raises(NativeBuildError, match=f"install one .* or set {env}"):
+            native.build(tmp_path, helper=helper)
     assert list(tmp_path.iterdir()) == []
+    unwritable = tmp_path / "a-file"
+    unwritable.write_text("")
+    with pytest.raises(NativeBuildError, match=native.DIR_ENV):
+        native.build(unwritable / "cache", helper="copy")
 
 
-def test_the_cli_reports_where_the_helper_is(capsys: pytest.CaptureFixture[str],
-                                             tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    assert native.main(["path"]) == (0 if BUILT else 1)
-    assert capsys.readouterr().out.strip() == str(native.artifact_path())
+def test_the_cli_reports_where_the_helpers_are(capsys: pytest.CaptureFixture[str],
+                                               tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    both = native.artifact_path().exists() and native.artifact_path(helper="copy").exists()
+    assert native.main(["path"]) == (0 if both else 1)
+    assert capsys.readouterr().out.splitlines() == [
+        f"copy: {native.artifact_path(helper='copy')}", f"describe: {native.artifact_path()}"]
     monkeypatch.setenv(native.DIR_ENV, str(tmp_path))
     assert native.cache_dir() == tmp_path
     assert native.main(["path"]) == 1
+    monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("CXX", "false")
     assert native.main(["build"]) == 1
     assert native.main(["build", "--optional"]) == 0
-    assert "exited with status 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "compiling _copy.c exited with status 1" in err
+    assert "compiling _native.cpp exited with status 1" in err
+
+
+def test_one_command_builds_both_helpers_into_a_fresh_cache_and_both_load(
+        tmp_path: Path) -> None:
+    """``python -m ray_rdt_pool.memory.native build`` from the installed package, into an
+    empty ``RAY_RDT_POOL_NATIVE_DIR``: both helpers appear under their keyed names (and
+    nothing else), and a new process loads both from there on first use."""
+    import os
+    import subprocess
+    import sys
+
+    if shutil.which("cc") is None or shutil.which("c++") is None:
+        pytest.skip("no C and C++ compiler here: the helpers are optional")
+    env = {**os.environ, native.DIR_ENV: str(tmp_path / "cache")}
+    env.pop("CC", None)
+    env.pop("CXX", None)
+    cmd = [sys.executable, "-m", "ray_rdt_pool.memory.native"]
+    out = subprocess.run([*cmd, "build"], env=env, capture_output=True, text=True,
+                         timeout=580, check=False)
+    assert out.returncode == 0, out.stderr
+    copy = native.artifact_path(tmp_path / "cache", "copy")
+    desc = native.artifact_path(tmp_path / "cache", "describe")
+    assert out.stdout.splitlines() == [f"copy: {copy}", f"describe: {desc}"]
+    assert sorted((tmp_path / "cache").iterdir()) == sorted([copy, desc])
+    assert subprocess.run([*cmd, "path"], env=env, capture_output=True, timeout=120,
+                          check=False).returncode == 0
+    probe = ("from ray_rdt_pool.memory import describe, fastcopy, native; "
+             "print(native.load_copy() is not None, fastcopy.move_batch() is not None, "
+             "native.load() is not None, describe.native_active())")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True"] * 4
 
 
 def test_native_off_never_calls_the_helper(monkeypatch: pytest.MonkeyPatch) -> None:

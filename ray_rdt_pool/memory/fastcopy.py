@@ -1,8 +1,8 @@
 """Host-memory copies: streaming stores where the compiled copy helper is built, else memmove.
 
 Owns the choice of copy for host moves. :func:`stream_copy` returns ``rdt_stream_copy``
-of the optional extension ``ray_rdt_pool.memory._copy`` (built from ``_copy.c`` at install
-when a C compiler is present), or None without it; :func:`copy_for` picks it for
+of the optional copy helper (``native/_copy.c``, built by ``python -m
+ray_rdt_pool.memory.native build``), or None without it; :func:`copy_for` picks it for
 host copies of at least ``Tuning.stream_copy_bytes`` in all and :func:`ctypes.memmove`
 for the rest. Both take ``(destination address, source address, bytes)`` and release the
 GIL (ctypes foreign calls), so the pack threads copy in parallel. :func:`move_batch`
@@ -22,7 +22,6 @@ Threads: any; the helper is loaded once under a lock, on first use (nothing at i
 from __future__ import annotations
 
 import ctypes
-import importlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,18 +49,21 @@ def _load() -> None:
     with _lock:
         if _loaded:
             return
-        try:
-            mod = importlib.import_module("ray_rdt_pool.memory._copy")
-            lib = ctypes.CDLL(mod.__file__)
-            fn = lib.rdt_stream_copy
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-            fn.restype = None
-            batch = lib.rdt_copy_moves
-            batch.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            batch.restype = None
-            kind = _KINDS.get(int(lib.rdt_stream_kind()), "memmove")
-        except (ImportError, OSError, AttributeError):
-            fn, batch, kind = None, None, "memmove"  # no compiler at install: memmove
+        from ray_rdt_pool.memory import native
+
+        fn, batch, kind = None, None, "memmove"
+        lib = native.load_copy()
+        if lib is not None:
+            try:
+                fn = lib.rdt_stream_copy
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+                fn.restype = None
+                batch = lib.rdt_copy_moves
+                batch.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                batch.restype = None
+                kind = _KINDS.get(int(lib.rdt_stream_kind()), "memmove")
+            except AttributeError:  # a library that is not the helper: memmove
+                fn, batch, kind = None, None, "memmove"
         _fn = fn if kind != "memmove" else None
         _batch = batch
         _kind = kind
