@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 
 .PHONY: test bench bench-full lint venv clean
 
-$(STAMP): pyproject.toml setup.py ray_rdt_pool/memory/_copy.c ray_rdt_pool/memory/_native.cpp
+$(STAMP): pyproject.toml ray_rdt_pool/memory/native/_copy.c ray_rdt_pool/memory/native/_native.cpp
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	# torch is pinned to 2.13.0 here because that release's CPU build lies on this
@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml setup.py ray_rdt_pool/memory/_copy.c ray_rdt_pool/memor
 	# package itself asks only for a range.
 	$(VPY) -m pip install -q "torch==2.13.0"
 	$(VPY) -m pip install -q -e ".[dev]"
-	# The optional C++ helper for describe(), compiled against this torch (about 20 s);
-	# without a compiler the package runs its Python loop instead.
+	# The two optional compiled helpers (the copy in C, describe() in C++ against this
+	# torch), into the user cache; without compilers the package runs memmove and its
+	# Python loop instead.
 	$(VPY) -m ray_rdt_pool.memory.native build --optional
 	touch $(STAMP)
 

@@ -1,4 +1,4 @@
-"""``tensors.byte_runs`` and ``tensors.runs_meet`` against a byte-by-byte enumeration.
+"""``extent.spanned_runs`` and ``extent.runs_meet`` against a byte-by-byte enumeration.
 
 Fast unit tests, no Ray and no NIXL. The weights receiver refuses destinations that share
 bytes on these two functions (``weights.validate._Claims``), so a run left out or a meeting missed
@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ray_rdt_pool.memory.tensors as T
+import ray_rdt_pool.memory.extent as E
 
 DTYPES = [torch.uint8, torch.int16, torch.float32, torch.float64, torch.complex128]
 BUFFER = 512
@@ -57,21 +57,21 @@ BASE = torch.zeros(BUFFER, dtype=torch.uint8)
 @given(a=views(BASE), b=views(BASE))
 def test_runs_cover_each_byte_and_meet_only_when_bytes_are_shared(a: torch.Tensor,
                                                                   b: torch.Tensor) -> None:
-    ra, rb = T.byte_runs(a), T.byte_runs(b)
+    ra, rb = E.spanned_runs(a), E.spanned_runs(b)
     assert ra is not None and rb is not None
     assert run_bytes(ra) == covered(a)
     assert ra[0].tolist() == sorted(ra[0].tolist())
     shared = bool(covered(a) & covered(b))
-    assert T.runs_meet(ra, rb) is shared
-    assert T.runs_meet(rb, ra) is shared
+    assert E.runs_meet(ra, rb) is shared
+    assert E.runs_meet(rb, ra) is shared
 
 
 def test_dense_layouts_are_one_run_and_the_cap_gives_up() -> None:
     m = torch.zeros(64, 32)
     for t in (m, m.t(), m[3:9], m.view(torch.int8)):
-        starts, length = T.byte_runs(t)  # type: ignore[misc]
+        starts, length = E.spanned_runs(t)  # type: ignore[misc]
         assert starts.tolist() == [t.data_ptr()] and length == t.nbytes
-    starts, length = T.byte_runs(m[:, 4:12])  # type: ignore[misc]
+    starts, length = E.spanned_runs(m[:, 4:12])  # type: ignore[misc]
     assert len(starts) == 64 and length == 8 * 4
-    with mock.patch.object(T, "MAX_BYTE_RUNS", 63):
-        assert T.byte_runs(m[:, 4:12]) is None
+    with mock.patch.object(E, "MAX_SPANNED_RUNS", 63):
+        assert E.spanned_runs(m[:, 4:12]) is None

@@ -1,9 +1,10 @@
-"""The compiled describe helper (ray_rdt_pool.memory.native, _native.cpp): it must read exactly
-the facts the Python loop reads, decline everything the Python loop must judge (so the
-typed errors stay the same), and never be loaded for another torch or when it lies.
+"""The compiled helpers (ray_rdt_pool.memory.native): one command builds both into the keyed
+cache; the describe helper (_native.cpp) must read exactly the facts the Python loop reads,
+decline everything the Python loop must judge (so the typed errors stay the same), and
+never be loaded for another torch or when it lies.
 
-Tests that need the built helper skip with a reason where ``python -m ray_rdt_pool.memory.native
-build`` has not run (``make venv`` runs it). No Ray here.
+Tests that need the built describe helper skip with a reason where ``python -m
+ray_rdt_pool.memory.native build`` has not run (``make venv`` runs it). No Ray here.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from hypothesis import strategies as st
 from ray_rdt_pool.config import PoolConfig, from_env
 from ray_rdt_pool.core.wire import DTYPES
 from ray_rdt_pool.errors import InvalidInputError, NativeBuildError
+from ray_rdt_pool.memory import describe as D
 from ray_rdt_pool.memory import native
-from ray_rdt_pool.memory import tensors as T
+from ray_rdt_pool.memory.dtypes import torch_dtype
 from tests.fakenixl import World
 
 BUILT = native.artifact_path().exists()
@@ -30,12 +32,12 @@ needs_helper = pytest.mark.skipif(
     not BUILT, reason="the compiled describe helper is not built for this torch; run "
     "`python -m ray_rdt_pool.memory.native build` (make venv does)")
 
-WIRE_DTYPES = [T.torch_dtype(name) for name in DTYPES]
+WIRE_DTYPES = [torch_dtype(name) for name in DTYPES]
 
 
 @pytest.fixture()
 def helper() -> Any:
-    fn = T._native_describe()
+    fn = D._native_describe()
     assert fn is not None, "built for this torch, yet not loaded or refused by its check"
     return fn
 
@@ -80,16 +82,16 @@ def _make(specs: list[tuple[torch.dtype, list[int], int]]) -> list[torch.Tensor]
 @given(st.lists(tensor_specs, min_size=1, max_size=12))
 def test_helper_reads_exactly_what_the_python_loop_reads(specs: list[Any]) -> None:
     tensors = _make(specs)
-    fn = T._native_describe()
+    fn = D._native_describe()
     assert fn is not None
     facts = fn(tensors)
     if any(t.numel() == 0 for t in tensors):  # an empty tensor may have no address
-        assert T.describe(tensors) == T._describe_py(tensors, False)
+        assert D.describe(tensors) == D._describe_py(tensors, False)
         return
     assert facts is not None, "the helper declined plain dense CPU tensors"
-    got = T.Described(*facts, device="cpu")
-    assert got == T._describe_py(tensors, False)
-    assert T.describe(tensors) == got
+    got = D.Described(*facts, device="cpu")
+    assert got == D._describe_py(tensors, False)
+    assert D.describe(tensors) == got
     # Equal shapes share one tuple, as the Python loop's 1-d shapes do.
     by_value: dict[tuple[int, ...], int] = {}
     for s in got.shapes:
@@ -149,7 +151,7 @@ def test_helper_declines_and_the_python_loop_decides(case: str, helper: Any) -> 
     outcomes = []
     for use in (True, False):
         try:
-            outcomes.append(("ok", T.describe(tensors, native=use)))
+            outcomes.append(("ok", D.describe(tensors, native=use)))
         except InvalidInputError as e:
             outcomes.append(("error", str(e)))
     assert outcomes[0] == outcomes[1]
@@ -175,11 +177,11 @@ def test_a_helper_that_disagrees_with_the_python_loop_is_refused(
             return facts
 
     monkeypatch.setattr(native, "load", lambda folder=None: Lying)
-    with caplog.at_level(logging.WARNING, logger="ray_rdt_pool.memory.tensors"):
-        assert T._checked_native() is None
+    with caplog.at_level(logging.WARNING, logger="ray_rdt_pool.memory.describe"):
+        assert D._checked_native() is None
     assert "disagrees with the Python loop" in caplog.text
     monkeypatch.setattr(native, "load", lambda folder=None: real)
-    assert T._checked_native() is not None
+    assert D._checked_native() is not None
 
 
 @needs_helper
@@ -200,27 +202,70 @@ def test_a_helper_built_for_another_torch_is_not_loaded(
 
 def test_a_failed_build_raises_a_typed_error_and_leaves_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CXX", "false")  # a compiler that always fails
-    with pytest.raises(NativeBuildError, match="exited with status 1"):
-        native.build(tmp_path)
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with pytest.raises(NativeBuildError, match="install one"):
-        native.build(tmp_path)
+    for helper, env in (("describe", "CXX"), ("copy", "CC")):
+        monkeypatch.setenv(env, "false")  # a compiler that always fails
+        with pytest.raises(NativeBuildError, match="exited with status 1"):
+            native.build(tmp_path, helper=helper)
+        monkeypatch.setenv(env, str(tmp_path / "no-such-compiler"))
+        with pytest.raises(NativeBuildError, match=f"install one .* or set {env}"):
+            native.build(tmp_path, helper=helper)
     assert list(tmp_path.iterdir()) == []
+    unwritable = tmp_path / "a-file"
+    unwritable.write_text("")
+    with pytest.raises(NativeBuildError, match=native.DIR_ENV):
+        native.build(unwritable / "cache", helper="copy")
 
 
-def test_the_cli_reports_where_the_helper_is(capsys: pytest.CaptureFixture[str],
-                                             tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    assert native.main(["path"]) == (0 if BUILT else 1)
-    assert capsys.readouterr().out.strip() == str(native.artifact_path())
+def test_the_cli_reports_where_the_helpers_are(capsys: pytest.CaptureFixture[str],
+                                               tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    both = native.artifact_path().exists() and native.artifact_path(helper="copy").exists()
+    assert native.main(["path"]) == (0 if both else 1)
+    assert capsys.readouterr().out.splitlines() == [
+        f"copy: {native.artifact_path(helper='copy')}", f"describe: {native.artifact_path()}"]
     monkeypatch.setenv(native.DIR_ENV, str(tmp_path))
     assert native.cache_dir() == tmp_path
     assert native.main(["path"]) == 1
+    monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("CXX", "false")
     assert native.main(["build"]) == 1
     assert native.main(["build", "--optional"]) == 0
-    assert "exited with status 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "compiling _copy.c exited with status 1" in err
+    assert "compiling _native.cpp exited with status 1" in err
+
+
+def test_one_command_builds_both_helpers_into_a_fresh_cache_and_both_load(
+        tmp_path: Path) -> None:
+    """``python -m ray_rdt_pool.memory.native build`` from the installed package, into an
+    empty ``RAY_RDT_POOL_NATIVE_DIR``: both helpers appear under their keyed names (and
+    nothing else), and a new process loads both from there on first use."""
+    import os
+    import subprocess
+    import sys
+
+    if shutil.which("cc") is None or shutil.which("c++") is None:
+        pytest.skip("no C and C++ compiler here: the helpers are optional")
+    env = {**os.environ, native.DIR_ENV: str(tmp_path / "cache")}
+    env.pop("CC", None)
+    env.pop("CXX", None)
+    cmd = [sys.executable, "-m", "ray_rdt_pool.memory.native"]
+    out = subprocess.run([*cmd, "build"], env=env, capture_output=True, text=True,
+                         timeout=580, check=False)
+    assert out.returncode == 0, out.stderr
+    copy = native.artifact_path(tmp_path / "cache", "copy")
+    desc = native.artifact_path(tmp_path / "cache", "describe")
+    assert out.stdout.splitlines() == [f"copy: {copy}", f"describe: {desc}"]
+    assert sorted((tmp_path / "cache").iterdir()) == sorted([copy, desc])
+    assert subprocess.run([*cmd, "path"], env=env, capture_output=True, timeout=120,
+                          check=False).returncode == 0
+    probe = ("from ray_rdt_pool.memory import describe, fastcopy, native; "
+             "print(native.load_copy() is not None, fastcopy.move_batch() is not None, "
+             "native.load() is not None, describe.native_active())")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True"] * 4
 
 
 def test_native_off_never_calls_the_helper(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -232,7 +277,7 @@ def test_native_off_never_calls_the_helper(monkeypatch: pytest.MonkeyPatch) -> N
     def boom(tensors: Any) -> Any:
         raise AssertionError("the helper ran although native is off")
 
-    monkeypatch.setattr(T, "_NATIVE", [boom])
+    monkeypatch.setattr(D, "_NATIVE", [boom])
     from tests.test_runtime_logic import make, roundtrip, same
 
     world = World()
@@ -241,7 +286,7 @@ def test_native_off_never_calls_the_helper(monkeypatch: pytest.MonkeyPatch) -> N
     targets = [torch.empty(3, 4), torch.empty(5, dtype=torch.int64)]
     assert same(roundtrip(s, r, "a", ts, targets), ts)
     with pytest.raises(AssertionError, match="although native is off"):
-        T.describe(ts)  # and the default is on: the spy is live
+        D.describe(ts)  # and the default is on: the spy is live
 
 
 @needs_helper
@@ -251,21 +296,21 @@ def test_threads_racing_to_the_first_describe_load_and_check_once(
     import threading
 
     checks = []
-    real = T._checked_native
+    real = D._checked_native
 
     def counted() -> Any:
         checks.append(threading.get_ident())
         return real()
 
-    monkeypatch.setattr(T, "_NATIVE", [])
-    monkeypatch.setattr(T, "_checked_native", counted)
+    monkeypatch.setattr(D, "_NATIVE", [])
+    monkeypatch.setattr(D, "_checked_native", counted)
     ts = [torch.arange(6.0).view(2, 3), torch.ones(4, dtype=torch.int64)]
     start = threading.Barrier(8)
     got: list[Any] = []
 
     def first_put() -> None:
         start.wait()
-        got.append((T._native_describe(), T.describe(ts)))
+        got.append((D._native_describe(), D.describe(ts)))
 
     threads = [threading.Thread(target=first_put) for _ in range(8)]
     for th in threads:
@@ -274,7 +319,7 @@ def test_threads_racing_to_the_first_describe_load_and_check_once(
         th.join()
     assert len(checks) == 1 and len(got) == 8
     assert len({id(fn) for fn, _ in got}) == 1 and got[0][0] is not None
-    assert all(d == T._describe_py(ts, False) for _, d in got)
+    assert all(d == D._describe_py(ts, False) for _, d in got)
 
 
 @needs_helper
@@ -284,16 +329,16 @@ def test_the_first_put_under_deterministic_algorithms_checks_and_loads_the_helpe
     training scripts set) makes ``torch.empty`` fill what it allocates, which torch cannot
     do for every wire dtype (float4_e2m1fn_x2): the probe objects of the helper's check
     must not depend on that, or the first put of such a process fails untyped."""
-    monkeypatch.setattr(T, "_NATIVE", [])
+    monkeypatch.setattr(D, "_NATIVE", [])
     ts = [torch.arange(6.0).view(2, 3), torch.ones(4, dtype=torch.int64)]
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        got = T.describe(ts)
+        got = D.describe(ts)
     finally:
         torch.use_deterministic_algorithms(was)
-    assert got == T._describe_py(ts, False)
-    assert T._native_describe() is not None, "the helper passed its check: it is used"
+    assert got == D._describe_py(ts, False)
+    assert D._native_describe() is not None, "the helper passed its check: it is used"
 
 
 def test_a_helper_whose_check_raises_leaves_describe_on_the_python_loop(
@@ -303,10 +348,10 @@ def test_a_helper_whose_check_raises_leaves_describe_on_the_python_loop(
     def broken() -> Any:
         raise NotImplementedError("a probe torch cannot make")
 
-    monkeypatch.setattr(T, "_NATIVE", [])
-    monkeypatch.setattr(T, "_checked_native", broken)
+    monkeypatch.setattr(D, "_NATIVE", [])
+    monkeypatch.setattr(D, "_checked_native", broken)
     ts = [torch.arange(6.0).view(2, 3)]
-    with caplog.at_level(logging.WARNING, logger="ray_rdt_pool.memory.tensors"):
-        assert T.describe(ts) == T._describe_py(ts, False)
-    assert T._native_describe() is None
+    with caplog.at_level(logging.WARNING, logger="ray_rdt_pool.memory.describe"):
+        assert D.describe(ts) == D._describe_py(ts, False)
+    assert D._native_describe() is None
     assert "a probe torch cannot make" in caplog.text

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import platform
-import shutil
 import subprocess
 import sys
 import threading
@@ -26,11 +25,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import ray_rdt_pool.memory.tensors as T
 from ray_rdt_pool.config import PoolConfig, Tuning, from_env
 from ray_rdt_pool.core.layout import BlockMap, packed_offsets
 from ray_rdt_pool.errors import ConfigurationError
+from ray_rdt_pool.memory import fastcopy, native, pack, pack_pool, rebuild
+from ray_rdt_pool.memory.describe import Described, describe
+from ray_rdt_pool.memory.dtypes import dtype_name
 from ray_rdt_pool.memory.fastcopy import move_batch, stream_copy, stream_kind
+from ray_rdt_pool.memory.regions import HostRegion
 
 RELAXED = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=60)
 FILL = 0xA5
@@ -42,7 +44,7 @@ KINDS = ["own", "adjacent", "transposed", "strided", "neg", "conj", "zero"]
 
 @contextmanager
 def unit_bytes(n: int) -> Iterator[None]:
-    with mock.patch.object(T, "_PACK_CHUNK", n):
+    with mock.patch.object(pack_pool, "PACK_CHUNK", n):
         yield
 
 
@@ -114,19 +116,19 @@ def pack_both(tensors: list[torch.Tensor], blocks: list[tuple[int, int]] | None,
               ) -> tuple[bytes, bytes, list[int], list[tuple[int, int]]]:
     """Pack one-thread (memmove) and threaded (streaming stores from ``stream_min``)
     into two regions; return both regions' bytes."""
-    d = T.describe(tensors)
+    d = describe(tensors)
     offsets, total = packed_offsets(d.nbytes, d.aligns)
     if blocks is None:
         blocks, size = [(128, total)], total + 256
     else:
         size = max((o + n for o, n in blocks), default=0) + 64
-    regions = [T.HostRegion(max(size, 64)) for _ in range(2)]
+    regions = [HostRegion(max(size, 64)) for _ in range(2)]
     for r in regions:
         r.tensor.fill_(FILL)
-    T.pack_into(tensors, d, offsets, blocks, regions[0], which)
+    pack.pack_into(tensors, d, offsets, blocks, regions[0], which)
     with unit_bytes(chunk):
-        T.pack_into(tensors, d, offsets, blocks, regions[1], which, threads=threads,
-                    threshold=threshold, stream_min=stream_min)
+        pack.pack_into(tensors, d, offsets, blocks, regions[1], which, threads=threads,
+                       threshold=threshold, stream_min=stream_min)
     out = [r.tensor.numpy().tobytes() for r in regions]
     for r in regions:
         r.close()
@@ -179,7 +181,7 @@ def test_adjacent_in_memory_but_padded_in_the_pool() -> None:
 
 def test_multi_block_placement() -> None:
     tensors = [torch.randn(3000), torch.randn(17).to(torch.bfloat16), torch.randn(5000)]
-    d = T.describe(tensors)
+    d = describe(tensors)
     _, total = packed_offsets(d.nbytes, d.aligns)
     # Five blocks, out of order, with gaps; cuts fall inside tensors on purpose.
     blocks, _ = scatter_blocks(total, [1000, 6001, 12_000, 12_064], [64, 0, 320, 8, 128],
@@ -194,8 +196,8 @@ def test_mixed_plain_and_non_plain() -> None:
              ("neg", 400, torch.float64), ("conj", 100, torch.complex64),
              ("strided", 333, torch.int8), ("own", 10, torch.bfloat16)]
     tensors = build(specs)
-    assert not all(T.describe(tensors).plain)
-    d = T.describe(tensors)
+    assert not all(describe(tensors).plain)
+    d = describe(tensors)
     _, total = packed_offsets(d.nbytes, d.aligns)
     blocks, _ = scatter_blocks(total, [total // 3, total // 2], [0, 64, 192], [2, 0, 1])
     assert_same_pack(tensors, blocks, chunk=300)
@@ -229,18 +231,18 @@ def test_more_threads_than_units() -> None:
 
 def test_threshold_boundary_picks_the_path() -> None:
     tensors = [torch.randn(1024), torch.randn(3072)]  # 16 KiB to copy
-    d = T.describe(tensors)
+    d = describe(tensors)
     offsets, total = packed_offsets(d.nbytes, d.aligns)
     nbytes = sum(d.nbytes)
-    real = T._pack_threaded
+    real = pack._pack_threaded
     calls: list[int] = []
 
     def spy(*args: Any, **kwargs: Any) -> None:
         calls.append(1)
         real(*args, **kwargs)
 
-    region = T.HostRegion(total)
-    with mock.patch.object(T, "_pack_threaded", spy), unit_bytes(1024):
+    region = HostRegion(total)
+    with mock.patch.object(pack, "_pack_threaded", spy), unit_bytes(1024):
         # At the threshold: threaded. One byte above it: the calling thread alone.
         for threshold, threads, which, threaded in [
                 (nbytes, 2, None, True), (nbytes + 1, 2, None, False),
@@ -248,8 +250,8 @@ def test_threshold_boundary_picks_the_path() -> None:
                 (4096, 2, [0], True), (4097, 2, [0], False)]:
             calls.clear()
             region.tensor.fill_(0)
-            T.pack_into(tensors, d, offsets, [(0, total)], region, which, threads=threads,
-                        threshold=threshold)
+            pack.pack_into(tensors, d, offsets, [(0, total)], region, which,
+                           threads=threads, threshold=threshold)
             assert bool(calls) == threaded, (threshold, threads, which)
             check_placed(region.tensor.numpy().tobytes(), tensors, offsets, [(0, total)],
                          which)
@@ -258,12 +260,12 @@ def test_threshold_boundary_picks_the_path() -> None:
 
 def test_default_call_stays_on_the_calling_thread() -> None:
     tensors = [torch.randn(1 << 16)]
-    d = T.describe(tensors)
+    d = describe(tensors)
     offsets, total = packed_offsets(d.nbytes, d.aligns)
-    region = T.HostRegion(total)
-    with mock.patch.object(T, "_pack_threaded", side_effect=AssertionError("threaded")):
-        T.pack_into(tensors, d, offsets, [(0, total)], region)
-        T.pack_into(tensors, d, offsets, [(0, total)], region, [0])
+    region = HostRegion(total)
+    with mock.patch.object(pack, "_pack_threaded", side_effect=AssertionError("threaded")):
+        pack.pack_into(tensors, d, offsets, [(0, total)], region)
+        pack.pack_into(tensors, d, offsets, [(0, total)], region, [0])
     check_placed(region.tensor.numpy().tobytes(), tensors, offsets, [(0, total)], None)
     region.close()
 
@@ -283,7 +285,7 @@ def test_threaded_pack_is_byte_identical(specs: list[tuple[str, int, torch.dtype
                                          cuts: list[int], gaps: list[int], order: list[int],
                                          threads: int, chunk: int, data: Any) -> None:
     tensors = build(specs, seed)
-    d = T.describe(tensors)
+    d = describe(tensors)
     _, total = packed_offsets(d.nbytes, d.aligns)
     blocks, _ = scatter_blocks(total, cuts, gaps, order)
     which = data.draw(st.none() | st.lists(st.sampled_from(range(len(tensors))), unique=True)
@@ -301,7 +303,7 @@ def test_units_cover_every_move_once(moves: list[tuple[int, int]], chunk: int) -
     for start, n in moves:
         triples.append((at + start, 1 << 40 | (at + start), n))
         at += start + n
-    units = T._pack_units(triples, chunk)
+    units = pack_pool.pack_units(triples, chunk)
     assert all(u for u in units)
     assert all(sum(n for *_, n in u) <= max(chunk, 128) for u in units)
     assert_pieces_in_order(triples, [m for u in units for m in u], None)
@@ -327,8 +329,8 @@ def assert_pieces_in_order(moves: Sequence[tuple[int, int, int]],
 def test_many_tensors_threaded_without_the_helper_pack_the_same() -> None:
     """Without the compiled helper the threaded pack of many tensors copies move by move
     (lists of units), and still leaves the one-thread bytes."""
-    with mock.patch.object(T, "move_batch", lambda: None), \
-            mock.patch.object(T, "_array_units", side_effect=AssertionError("arrays")):
+    with mock.patch.object(fastcopy, "move_batch", lambda: None), \
+            mock.patch.object(pack, "array_units", side_effect=AssertionError("arrays")):
         assert_same_pack(_many_small(3), threads=3, chunk=512)
 
 
@@ -348,7 +350,7 @@ def test_array_units_cover_every_byte_once_in_order(moves: list[tuple[int, int]]
         triples.append((at + gap, (1 << 40) + 3 * (at + gap), n))
         at += gap + n
     arr = np.array(triples, dtype=np.int64).reshape(-1, 3)
-    units = T._array_units(arr, chunk)
+    units = pack_pool.array_units(arr, chunk)
     size = max(chunk, 128)
     assert all(len(u) for u in units)
     assert all(int(u[:, 2].sum()) <= 2 * size for u in units)
@@ -378,17 +380,17 @@ def test_vector_spans_equal_the_per_tensor_walk(items: list[tuple[int, int, bool
     idx = data.draw(st.none() | st.lists(st.sampled_from(range(len(items))), unique=True)
                     if items else st.none())
     walk_left: list[int] = []
-    walk = list(T._spans(range(len(items)) if idx is None else idx, nbytes, ptrs, plain,
-                         offsets, walk_left))
+    walk = list(pack._spans(range(len(items)) if idx is None else idx, nbytes, ptrs, plain,
+                            offsets, walk_left))
     vec_left: list[int] = []
-    vec = list(zip(*T._span_lists(idx, nbytes, ptrs, plain, offsets, vec_left)))
+    vec = list(zip(*pack._span_lists(idx, nbytes, ptrs, plain, offsets, vec_left)))
     assert vec == walk and vec_left == walk_left
 
 
 def _many_small(seed: int = 3) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     tensors = []
-    for i in range(3 * T._VECTOR_SPANS):  # alternating shapes and dtypes, some views
+    for i in range(3 * fastcopy.MANY_MOVES):  # alternating shapes and dtypes, some views
         if i % 3 == 0:
             tensors.append(torch.randn(17, generator=g))
         elif i % 3 == 1:
@@ -405,14 +407,15 @@ def test_many_tensors_take_the_vector_path_and_pack_the_same(helper: bool) -> No
     if helper and move_batch() is None:
         pytest.skip("the compiled copy helper is not built here")
     tensors = _many_small()
-    d = T.describe(tensors)
+    d = describe(tensors)
     offsets, total = packed_offsets(d.nbytes, d.aligns)
-    region = T.HostRegion(total + 128)
+    region = HostRegion(total + 128)
     region.tensor.fill_(FILL)
-    with mock.patch.object(T, "_span_arrays", wraps=T._span_arrays) as vec, \
-            mock.patch.object(T, "move_batch", wraps=T.move_batch if helper else lambda: None), \
-            mock.patch.object(T, "_memmove", wraps=T._memmove) as memmove:
-        T.pack_into(tensors, d, offsets, [(64, total)], region)
+    with mock.patch.object(pack, "_span_arrays", wraps=pack._span_arrays) as vec, \
+            mock.patch.object(fastcopy, "move_batch",
+                              wraps=fastcopy.move_batch if helper else lambda: None), \
+            mock.patch.object(fastcopy, "_memmove", wraps=ctypes.memmove) as memmove:
+        pack.pack_into(tensors, d, offsets, [(64, total)], region)
     assert vec.call_count == 1
     plain = sum(d.plain)
     # with the helper only the leftovers (not plain) are memmoved, one each
@@ -428,13 +431,13 @@ def test_many_tensors_threaded_batches_pack_the_same(stream_min: int) -> None:
     """The threaded pack of many tensors into one block finds its moves and units as
     arrays and hands each unit to the helper in one call."""
     tensors = _many_small(5)
-    with mock.patch.object(T, "_batched", wraps=T._batched) as batched, \
-            mock.patch.object(T, "_array_units", wraps=T._array_units) as units:
+    with mock.patch.object(fastcopy, "run_batch", wraps=fastcopy.run_batch) as batched, \
+            mock.patch.object(pack, "array_units", wraps=pack_pool.array_units) as units:
         assert_same_pack(tensors, threads=3, chunk=512, stream_min=stream_min)
     if move_batch() is not None:
         assert units.call_count == 1
         assert batched.call_count > 1  # several units, one call each
-    d = T.describe(tensors)
+    d = describe(tensors)
     _, total = packed_offsets(d.nbytes, d.aligns)
     blocks, _ = scatter_blocks(total, [total // 3, total // 2 + 5], [64, 0], [2, 0, 1])
     assert_same_pack(tensors, blocks, threads=3, chunk=512, stream_min=stream_min)
@@ -479,35 +482,35 @@ def test_threaded_converting_pack_is_byte_identical(
     """``pack_torch`` cut into pieces on several threads (dtype conversions, strided
     sources, row groups) leaves the block of the one-call copy, byte for byte."""
     tensors = [t for t in build(specs, seed) if not t.is_complex()]
-    d = T.describe(tensors)
+    d = describe(tensors)
     for i, t in enumerate(tensors):
         if t.is_floating_point():
-            d.dtypes[i] = T.dtype_name(to)
+            d.dtypes[i] = dtype_name(to)
             d.nbytes[i] = t.numel() * to.itemsize
             d.aligns[i] = to.itemsize
     offsets, total = packed_offsets(d.nbytes, d.aligns)
     one = torch.full((total,), FILL, dtype=torch.uint8)
     many = one.clone()
-    T.pack_torch(tensors, d, offsets, one)
+    pack.pack_torch(tensors, d, offsets, one)
     with unit_bytes(256):  # pieces of a few rows each
-        T.pack_torch(tensors, d, offsets, many, threads=threads, threshold=0)
+        pack.pack_torch(tensors, d, offsets, many, threads=threads, threshold=0)
     assert torch.equal(one, many)
 
 
 # --------------------------------------------------------------------------- failures
 
 
-def _threaded_setup(n: int = 20_000) -> tuple[list[torch.Tensor], T.Described, list[int], int,
-                                              T.HostRegion]:
+def _threaded_setup(n: int = 20_000) -> tuple[list[torch.Tensor], Described, list[int], int,
+                                              HostRegion]:
     tensors = [torch.randn(n)]
-    d = T.describe(tensors)
+    d = describe(tensors)
     offsets, total = packed_offsets(d.nbytes, d.aligns)
-    return tensors, d, offsets, total, T.HostRegion(total)
+    return tensors, d, offsets, total, HostRegion(total)
 
 
 def test_helper_error_propagates_to_the_caller() -> None:
     tensors, d, offsets, total, region = _threaded_setup()
-    real = T._memmove
+    real = ctypes.memmove
     caller = threading.get_ident()
     helper_entered = threading.Event()
 
@@ -522,20 +525,20 @@ def test_helper_error_propagates_to_the_caller() -> None:
         helper_entered.wait(30)
         return real(dst, src, n)
 
-    with mock.patch.object(T, "_memmove", memmove), unit_bytes(1024):
+    with mock.patch.object(fastcopy, "_memmove", memmove), unit_bytes(1024):
         with pytest.raises(Boom, match="helper failed"):
-            T.pack_into(tensors, d, offsets, [(0, total)], region, threads=2, threshold=0)
+            pack.pack_into(tensors, d, offsets, [(0, total)], region, threads=2, threshold=0)
     # The helpers survive a failure: the next threaded pack works.
     region.tensor.fill_(0)
     with unit_bytes(1024):
-        T.pack_into(tensors, d, offsets, [(0, total)], region, threads=2, threshold=0)
+        pack.pack_into(tensors, d, offsets, [(0, total)], region, threads=2, threshold=0)
     check_placed(region.tensor.numpy().tobytes(), tensors, offsets, [(0, total)], None)
     region.close()
 
 
 def test_caller_error_waits_for_helpers_before_raising() -> None:
     tensors, d, offsets, total, region = _threaded_setup()
-    real = T._memmove
+    real = ctypes.memmove
     caller = threading.get_ident()
     helper_in, caller_failing = threading.Event(), threading.Event()
     lock = threading.Lock()
@@ -557,9 +560,9 @@ def test_caller_error_waits_for_helpers_before_raising() -> None:
             with lock:
                 inside[0] -= 1
 
-    with mock.patch.object(T, "_memmove", memmove), unit_bytes(1024):
+    with mock.patch.object(fastcopy, "_memmove", memmove), unit_bytes(1024):
         with pytest.raises(KeyError, match="caller failed"):
-            T.pack_into(tensors, d, offsets, [(0, total)], region, threads=2, threshold=0)
+            pack.pack_into(tensors, d, offsets, [(0, total)], region, threads=2, threshold=0)
         # pack_into returned only after the helper left the pool alone.
         assert inside[0] == 0
     region.close()
@@ -567,9 +570,9 @@ def test_caller_error_waits_for_helpers_before_raising() -> None:
 
 def test_non_plain_tensor_error_propagates() -> None:
     tensors = [torch.randn(20_000), torch.randn(30, 40).t()]
-    d = T.describe(tensors)
+    d = describe(tensors)
     offsets, total = packed_offsets(d.nbytes, d.aligns)
-    region = T.HostRegion(total)
+    region = HostRegion(total)
 
     class Odd(torch.Tensor):
         def contiguous(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -577,7 +580,7 @@ def test_non_plain_tensor_error_propagates() -> None:
 
     tensors[1] = tensors[1].as_subclass(Odd)
     with unit_bytes(1024), pytest.raises(ValueError, match="cannot materialise"):
-        T.pack_into(tensors, d, offsets, [(0, total)], region, threads=2, threshold=0)
+        pack.pack_into(tensors, d, offsets, [(0, total)], region, threads=2, threshold=0)
     region.close()
 
 
@@ -608,25 +611,25 @@ def test_concurrent_callers_share_the_pool() -> None:
 
 def test_helpers_are_daemons_reused_and_renewed_after_fork() -> None:
     assert_same_pack([torch.randn(10_000)], threads=4, chunk=1024)
-    pool = T._pack_pool
+    pool = pack_pool._pack_pool
     assert pool is not None
     started = pool.helpers
     assert started >= 3
     assert_same_pack([torch.randn(10_000)], threads=4, chunk=1024)
-    assert T._pack_pool is pool and pool.helpers == started  # reused, none added
+    assert pack_pool._pack_pool is pool and pool.helpers == started  # reused, none added
     helpers = [t for t in threading.enumerate() if t.name.startswith("ray_rdt_pool-pack-")]
     assert len(helpers) == started and all(t.daemon for t in helpers)
     # A forked child inherits the pool object but none of its threads: a new pool.
     with mock.patch.object(pool, "pid", -1):
         assert_same_pack([torch.randn(10_000)], threads=2, chunk=1024)
-        assert T._pack_pool is not pool
+        assert pack_pool._pack_pool is not pool
     pool.stop(5.0)  # the stand-in "parent's" helpers, which a real child would not have
     assert not any(t.is_alive() for t in helpers)
 
 
 def test_import_starts_no_thread() -> None:
-    code = ("import threading, ray_rdt_pool.memory.tensors as t; "
-            "assert t._pack_pool is None, 'pool at import'; "
+    code = ("import threading, ray_rdt_pool.memory.tensors, ray_rdt_pool.memory.pack_pool as p; "
+            "assert p._pack_pool is None, 'pool at import'; "
             "print(threading.active_count())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=False)
@@ -641,15 +644,15 @@ def _torch_pack(tensors: list[torch.Tensor], which: Sequence[int] | None = None,
                 grouped: bool = True) -> tuple[bytes, list[int]]:
     """pack_torch into a filled block; with ``grouped=False`` every group is one tensor
     (the per-tensor reference the grouped copy must match byte for byte)."""
-    d = T.describe(tensors)
+    d = describe(tensors)
     offsets, total = packed_offsets(d.nbytes, d.aligns)
     block = torch.full((total + 128,), FILL, dtype=torch.uint8)
     if grouped:
-        T.pack_torch(tensors, d, offsets, block, which)
+        pack.pack_torch(tensors, d, offsets, block, which)
     else:
-        with mock.patch.object(T, "_strided_groups",
+        with mock.patch.object(pack, "_strided_groups",
                                lambda ts, d, offs, idx: ((i, 1, 0, 0) for i in idx)):
-            T.pack_torch(tensors, d, offsets, block, which)
+            pack.pack_torch(tensors, d, offsets, block, which)
     return block.numpy().tobytes(), offsets
 
 
@@ -675,9 +678,9 @@ def _row_views(kind: str, rows: int, cols: int, dtype: torch.dtype, seed: int
 
 def test_row_views_are_one_group_and_land_like_single_copies() -> None:
     ts = _row_views("rows", 1000, 16, torch.float32, 0)
-    d = T.describe(ts)
+    d = describe(ts)
     offsets, _total = packed_offsets(d.nbytes, d.aligns)
-    groups = list(T._strided_groups(ts, d, offsets, range(len(ts))))
+    groups = list(pack._strided_groups(ts, d, offsets, range(len(ts))))
     assert [(g[0], g[1]) for g in groups] == [(0, 1000)]
     got, offs = _torch_pack(ts)
     assert got == _torch_pack(ts, grouped=False)[0]
@@ -690,9 +693,9 @@ def test_groups_break_at_another_storage_shape_or_step() -> None:
     c = _row_views("rows", 5, 4, torch.float32, 3)  # another shape
     e = _row_views("every_other", 6, 8, torch.float32, 4)  # another step
     ts = a + b + c + e
-    d = T.describe(ts)
+    d = describe(ts)
     offsets, _total = packed_offsets(d.nbytes, d.aligns)
-    sizes = [g[1] for g in T._strided_groups(ts, d, offsets, range(len(ts)))]
+    sizes = [g[1] for g in pack._strided_groups(ts, d, offsets, range(len(ts)))]
     assert sizes == [4, 1, 1, 1, 5, 3]
     assert _torch_pack(ts)[0] == _torch_pack(ts, grouped=False)[0]
 
@@ -709,14 +712,14 @@ def test_storages_at_one_address_but_of_other_sizes_are_not_one_group() -> None:
     b = torch.from_numpy(arr)[4:8]
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
     ts = [a, b]
-    d = T.describe(ts)
+    d = describe(ts)
     offsets, _total = packed_offsets(d.nbytes, d.aligns)
-    assert [g[1] for g in T._strided_groups(ts, d, offsets, range(2))] == [1, 1]
+    assert [g[1] for g in pack._strided_groups(ts, d, offsets, range(2))] == [1, 1]
     got, offs = _torch_pack(ts)
     assert got == _torch_pack(ts, grouped=False)[0]
     check_placed(got, ts, offs, [(0, len(got))], None)
     whole = [torch.from_numpy(arr)[:4], torch.from_numpy(arr)[4:8]]  # one extent, two objects
-    assert [g[1] for g in T._strided_groups(whole, d, offsets, range(2))] == [2]
+    assert [g[1] for g in pack._strided_groups(whole, d, offsets, range(2))] == [2]
     assert _torch_pack(whole)[0] == got
 
 
@@ -728,14 +731,14 @@ def test_describe_refuses_tensors_without_memory_and_keeps_empty_ones() -> None:
 
     with pytest.raises(InvalidInputError, match=r"tensor 1 \(\(4,\) torch.float32\) is a "
                                                 r"ZeroTensor.*16 bytes.*t\.clone\(\)"):
-        T.describe([torch.ones(2), torch._efficientzerotensor(4)])
+        describe([torch.ones(2), torch._efficientzerotensor(4)])
     base = torch.ones(1100)
     view = base[100:]
     base.untyped_storage().resize_(0)
     with pytest.raises(InvalidInputError, match=r"tensor 0 .* has 4,000 bytes but its storage "
                                                 r"holds 0 .*resized to 0"):
-        T.describe([view])
-    d = T.describe([torch.empty(0), torch.empty(0, 3), torch._efficientzerotensor(0),
+        describe([view])
+    d = describe([torch.empty(0), torch.empty(0, 3), torch._efficientzerotensor(0),
                     torch.ones(2)])
     assert d.nbytes == [0, 0, 0, 8]
 
@@ -755,19 +758,19 @@ def test_describe_refuses_views_the_storage_no_longer_holds(native: bool) -> Non
     assert params[1].data_ptr() >= 1 << 16
     with pytest.raises(InvalidInputError, match=r"tensor 1 \(\(100000,\) torch.float32\) has "
                                                 r"400,000 bytes but its storage holds 0"):
-        T.describe([torch.ones(2), params[1]], native=native)
+        describe([torch.ones(2), params[1]], native=native)
     shrunk = torch.ones(200_000)
     tail = shrunk[1000:]
     cols = torch.ones(100, 100).t()[:, 10:]  # strided: reaches element 9,999
     shrunk.untyped_storage().resize_(4096)
     with pytest.raises(InvalidInputError, match=r"tensor 0 .* reaches byte 800,000 of its "
                                                 r"storage, which holds only 4,096"):
-        T.describe([tail], native=native)
+        describe([tail], native=native)
     cols.untyped_storage().resize_(39_996)
     with pytest.raises(InvalidInputError, match=r"reaches byte 40,000 .* holds only 39,996"):
-        T.describe([cols], native=native)
+        describe([cols], native=native)
     cols.untyped_storage().resize_(40_000)  # exactly enough again
-    assert T.describe([cols], native=native).nbytes == [36_000]
+    assert describe([cols], native=native).nbytes == [36_000]
 
 
 class _NoStorage(torch.Tensor):
@@ -792,7 +795,7 @@ def test_describe_refuses_a_tensor_with_no_storage_of_its_own(native: bool) -> N
     for tensors, i in (([torch.ones(3), _NoStorage((4,))], 1), ([_NoStorage((2, 2))], 0)):
         with pytest.raises(InvalidInputError, match=rf"tensor {i} .*is a _NoStorage with no "
                                                     r"memory of its own.*to_local"):
-            T.describe(tensors, native=native)
+            describe(tensors, native=native)
 
 
 @RELAXED
@@ -814,33 +817,37 @@ def test_grouped_pack_torch_matches_per_tensor_copies(
 
 def test_stop_pack_helpers_ends_every_helper_and_a_later_pack_starts_new_ones() -> None:
     assert_same_pack([torch.randn(10_000)], threads=4, chunk=1024)
-    pool = T._pack_pool
+    pool = pack_pool._pack_pool
     assert pool is not None
     threads = list(pool.threads)
     assert len(threads) == pool.helpers >= 3 and all(t.is_alive() for t in threads)
-    T.stop_pack_helpers()
+    pack_pool.stop_pack_helpers()
     assert not [t for t in threads if t.is_alive()]
-    assert T._pack_pool is None
+    assert pack_pool._pack_pool is None
     assert_same_pack([torch.randn(10_000)], threads=3, chunk=1024)  # new helpers
-    assert T._pack_pool is not None and T._pack_pool.helpers >= 2
+    assert pack_pool._pack_pool is not None and pack_pool._pack_pool.helpers >= 2
 
 
 # ----------------------------------------------------------- streaming-store copies
 
 needs_helper = pytest.mark.skipif(
-    stream_copy() is None, reason="the compiled copy helper (ray_rdt_pool/memory/_copy.c) is not "
-    "built here: no C compiler at install, or no streaming stores on this CPU")
+    stream_copy() is None, reason="the compiled copy helper (native/_copy.c) is not built "
+    "here (`python -m ray_rdt_pool.memory.native build`), or this CPU has no streaming stores")
 
 
-def test_the_helper_is_built_where_a_compiler_is() -> None:
-    """setup.py builds the helper as optional: a broken build would only show as slower
-    packs, so on x86-64 with a C compiler its absence is a failure."""
-    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None:
-        pytest.skip("no x86-64 C compiler here: the helper is optional")
+def test_a_built_copy_helper_loads_and_streams() -> None:
+    """A built helper that fails to load would only show as slower packs, so on x86-64 a
+    helper built for this source must load and stream (tests/test_native.py builds one
+    in a fresh folder)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("not x86-64: the helper copies with memmove")
+    if not native.artifact_path(helper="copy").exists():
+        pytest.skip("the copy helper is not built; run `python -m ray_rdt_pool.memory.native "
+                    "build` (make venv does)")
     assert stream_kind() == "sse2-stream"
-    assert T._copy_for(8 << 20, 4 << 20) is stream_copy()
-    assert T._copy_for(1 << 20, 4 << 20) is T._memmove  # small copies keep plain stores
-    assert T._copy_for(8 << 20, 0) is T._memmove  # 0 turns streaming off
+    assert fastcopy.copy_for(8 << 20, 4 << 20) is stream_copy()
+    assert fastcopy.copy_for(1 << 20, 4 << 20) is ctypes.memmove  # small copies: plain stores
+    assert fastcopy.copy_for(8 << 20, 0) is ctypes.memmove  # 0 turns streaming off
 
 
 @needs_helper
@@ -882,7 +889,7 @@ def test_streaming_pack_is_byte_identical(threads: int) -> None:
     big = torch.randn(300_000, generator=g)
     tensors = [big[:70_001], big[70_001:150_000], torch.randn(33_333, generator=g),
                torch.randn(400, 300, generator=g).t(), torch.randn(20_000, generator=g)]
-    d = T.describe(tensors)
+    d = describe(tensors)
     _, total = packed_offsets(d.nbytes, d.aligns)
     blocks, _ = scatter_blocks(total, [total // 3, total // 2 + 5], [64, 0], [2, 0, 1])
     one, many, offsets, used = pack_both(tensors, blocks, None, threads, 512 << 10,
@@ -902,7 +909,7 @@ def test_config_stream_copy_bytes() -> None:
     assert from_env({env: "0"}).tuning.stream_copy_bytes == 0
 
 
-@pytest.mark.parametrize("count", [3, 2 * T._VECTOR_SPANS])
+@pytest.mark.parametrize("count", [3, 2 * fastcopy.MANY_MOVES])
 @pytest.mark.parametrize("helper", [True, False], ids=["helper", "no-helper"])
 @pytest.mark.parametrize("stream_min", [0, 1])
 def test_unpack_into_and_copy_bytes_land_every_byte(count: int, helper: bool,
@@ -915,15 +922,16 @@ def test_unpack_into_and_copy_bytes_land_every_byte(count: int, helper: bool,
     sizes = [(i * 37) % 3000 for i in range(count)]  # some empty, some over 1 KiB
     offsets, total = packed_offsets([4 * n for n in sizes], [4] * count)
     block = torch.randint(0, 256, (total,), generator=g, dtype=torch.uint8)
-    with mock.patch.object(T, "move_batch", wraps=T.move_batch if helper else lambda: None):
+    with mock.patch.object(fastcopy, "move_batch",
+                           wraps=fastcopy.move_batch if helper else lambda: None):
         targets = [torch.full((n,), -1.0) for n in sizes]
-        T.unpack_into(targets, offsets, block.data_ptr(), total, "cpu", 0, stream_min)
+        rebuild.unpack_into(targets, offsets, block.data_ptr(), total, "cpu", 0, stream_min)
         for t, off, n in zip(targets, offsets, sizes):
             assert torch.equal(t.view(torch.uint8), block[off:off + 4 * n])
         again = torch.full((total + 64,), FILL, dtype=torch.uint8)
         moves = [(again.data_ptr() + off, block.data_ptr() + off, 4 * n)
                  for off, n in zip(offsets, sizes)]
-        T.copy_bytes(moves, "cpu", 0, stream_min)
+        rebuild.copy_bytes(moves, "cpu", 0, stream_min)
     want = torch.full((total + 64,), FILL, dtype=torch.uint8)
     for off, n in zip(offsets, sizes):
         want[off:off + 4 * n] = block[off:off + 4 * n]
@@ -938,7 +946,7 @@ def test_put_phases_times_every_phase_and_leaves_the_packed_bytes(capsys: Any) -
 
     tensors = W.build_tensors(W.make_spec("experience_samples", W.QUICK_SIZES))[0][:50]
     total = sum(t.nbytes for t in tensors)
-    region = T.HostRegion(total + (1 << 20), prefault=True)
+    region = HostRegion(total + (1 << 20), prefault=True)
     try:
         ph = P.put_phases(tensors, region, reps=2, idle_s=0.0)
         assert set(ph) == {"describe", "group", "offsets", "pack", "wire", "put"}
@@ -949,7 +957,7 @@ def test_put_phases_times_every_phase_and_leaves_the_packed_bytes(capsys: Any) -
         assert torch.equal(region.tensor[:first.numel()], first)
     finally:
         region.close()
-    small = T.HostRegion(4096)
+    small = HostRegion(4096)
     try:
         with pytest.raises(ValueError, match="region holds 4,096"):
             P.put_phases(tensors, small, reps=1, idle_s=0.0)
@@ -964,7 +972,7 @@ def test_put_phases_times_every_phase_and_leaves_the_packed_bytes(capsys: Any) -
         P.main(["--workloads", "views,sync"])
     assert "sync is not a one-object workload" in capsys.readouterr().err
     # native=False keeps describe on its Python loop: the same phases, the same bytes.
-    region = T.HostRegion(total + (1 << 20), prefault=True)
+    region = HostRegion(total + (1 << 20), prefault=True)
     try:
         ph = P.put_phases(tensors, region, reps=1, idle_s=0.0, native=False)
         assert set(ph) == {"describe", "group", "offsets", "pack", "wire", "put"}

@@ -69,6 +69,19 @@ def test_owner_modules_import_no_ray_and_no_nixl() -> None:
     assert loaded_after_import(OWNER_MODULES + WEIGHTS_MODULES, ["ray", "nixl"]) == []
 
 
+#: The torch layer: torch and the OS (torch only inside its functions), never Ray or NIXL.
+MEMORY_MODULES = [
+    "ray_rdt_pool.memory.dtypes", "ray_rdt_pool.memory.extent", "ray_rdt_pool.memory.describe",
+    "ray_rdt_pool.memory.regions", "ray_rdt_pool.memory.blocks", "ray_rdt_pool.memory.pack",
+    "ray_rdt_pool.memory.pack_pool", "ray_rdt_pool.memory.rebuild",
+    "ray_rdt_pool.memory.fastcopy", "ray_rdt_pool.memory.native", "ray_rdt_pool.memory.tensors",
+]
+
+
+def test_memory_modules_import_no_ray_no_nixl_and_torch_only_when_called() -> None:
+    assert loaded_after_import(MEMORY_MODULES, HEAVY) == []
+
+
 def test_the_errors_the_readme_lists_are_exported_with_their_bases() -> None:
     """docs/troubleshooting.md: every class is importable from ``ray_rdt_pool`` (the
     helper's from ``ray_rdt_pool.errors``) and derives from what the page says it does."""

@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 from ray_rdt_pool.core.layout import packed_offsets
 from ray_rdt_pool.core.wire import DTYPES, WireMeta, decode, encode, runs_from
 from ray_rdt_pool.errors import InvalidInputError
-from ray_rdt_pool.memory.tensors import describe, rebuild, torch_dtype
+from ray_rdt_pool.memory.describe import describe
+from ray_rdt_pool.memory.dtypes import torch_dtype
+from ray_rdt_pool.memory.rebuild import rebuild
 
 RELAXED = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

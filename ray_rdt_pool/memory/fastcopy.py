@@ -1,39 +1,42 @@
-"""The host-memory copy of large packs: streaming stores where the compiled helper exists.
+"""Host-memory copies: streaming stores where the compiled copy helper is built, else memmove.
 
-Pure module: ctypes and the standard library only (no torch, Ray or NIXL).
-
-:func:`stream_copy` returns ``rdt_stream_copy`` from the optional extension
-``ray_rdt_pool.memory._copy`` (built from ``_copy.c`` at install when a C compiler is present),
-or None without it; the torch layer (:mod:`ray_rdt_pool.memory.tensors`) uses it for host copies
-of at least ``Tuning.stream_copy_bytes`` in all and :func:`ctypes.memmove` for the
-rest. Both take ``(destination address, source address, bytes)`` and release the GIL
-(ctypes foreign calls), so the pack threads copy in parallel. :func:`move_batch` returns
-``rdt_copy_moves``, which runs a whole list of such moves in one call: packs of thousands
-of small tensors use it.
+Owns the choice of copy for host moves. :func:`stream_copy` returns ``rdt_stream_copy``
+of the optional copy helper (``native/_copy.c``, built by ``python -m
+ray_rdt_pool.memory.native build``), or None without it; :func:`copy_for` picks it for
+host copies of at least ``Tuning.stream_copy_bytes`` in all and :func:`ctypes.memmove`
+for the rest. Both take ``(destination address, source address, bytes)`` and release the
+GIL (ctypes foreign calls), so the pack threads copy in parallel. :func:`move_batch`
+returns ``rdt_copy_moves``, which runs a whole list of such moves in one call: copies of
+at least :data:`MANY_MOVES` moves use it (:func:`run_batch`, :func:`host_moves`).
 
 Why: plain stores read each destination line before overwriting it; for a copy larger
 than the caches that is a third more memory traffic. glibc's memmove switches to
-streaming stores only above a cache-derived threshold (114 MiB on a 2-core Xeon VM this
-project is measured on), so the few-MiB units of a threaded pack, and every tensor of
-a model's weights, used plain stores. Small copies keep plain stores: their bytes stay in
-cache for whoever reads them next.
+streaming stores only above a cache-derived threshold, far above the few-MiB units of a
+threaded pack and most tensors of a model's weights. Small copies keep plain stores:
+their bytes stay in cache for whoever reads them next.
 
+No torch, Ray or NIXL: ctypes and the standard library (numpy inside :func:`run_batch`).
 Threads: any; the helper is loaded once under a lock, on first use (nothing at import).
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["move_batch", "stream_copy", "stream_kind"]
+__all__ = ["MANY_MOVES", "batch_unit", "copy_for", "host_moves", "move_batch", "run_batch",
+           "stream_copy", "stream_kind", "streams"]
 
 #: What ``rdt_stream_kind()`` returns, by name.
 _KINDS = {0: "memmove", 1: "sse2-stream"}
+_memmove = ctypes.memmove
+#: Copies of at least this many moves (packs of this many tensors) go through numpy
+#: arrays and one call of the helper; below it numpy's fixed cost is larger.
+MANY_MOVES = 256
 
+# All four set once, under _lock, by the first _load() of the process.
 _lock = threading.Lock()
 _loaded = False
 _fn: Callable[[int, int, int], Any] | None = None
@@ -46,18 +49,21 @@ def _load() -> None:
     with _lock:
         if _loaded:
             return
-        try:
-            mod = importlib.import_module("ray_rdt_pool.memory._copy")
-            lib = ctypes.CDLL(mod.__file__)
-            fn = lib.rdt_stream_copy
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-            fn.restype = None
-            batch = lib.rdt_copy_moves
-            batch.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            batch.restype = None
-            kind = _KINDS.get(int(lib.rdt_stream_kind()), "memmove")
-        except (ImportError, OSError, AttributeError):
-            fn, batch, kind = None, None, "memmove"  # no compiler at install: memmove
+        from ray_rdt_pool.memory import native
+
+        fn, batch, kind = None, None, "memmove"
+        lib = native.load_copy()
+        if lib is not None:
+            try:
+                fn = lib.rdt_stream_copy
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+                fn.restype = None
+                batch = lib.rdt_copy_moves
+                batch.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                batch.restype = None
+                kind = _KINDS.get(int(lib.rdt_stream_kind()), "memmove")
+            except AttributeError:  # a library that is not the helper: memmove
+                fn, batch, kind = None, None, "memmove"
         _fn = fn if kind != "memmove" else None
         _batch = batch
         _kind = kind
@@ -92,3 +98,51 @@ def stream_kind() -> str:
         _load()
     return _kind
 
+
+def copy_for(total: int, stream_min: int) -> Callable[[int, int, int], Any]:
+    """The copy for the moves of one host copy of ``total`` bytes: streaming stores from
+    ``stream_min`` bytes (0: never) where the compiled helper exists, else memmove."""
+    fn = stream_copy() if 0 < stream_min <= total else None
+    return _memmove if fn is None else fn
+
+
+def streams(copy: Callable[[int, int, int], Any]) -> bool:
+    """Whether ``copy`` (from :func:`copy_for`) is the streaming copy, not memmove."""
+    return copy is not _memmove
+
+
+def run_batch(moves: Any, stream: bool) -> bool:
+    """Run ``(destination, source, bytes)`` moves (an ``(n, 3)`` int64 array, or a
+    sequence of triples) in one call of the compiled helper; False (nothing copied) where
+    the helper is missing."""
+    fn = move_batch()
+    if fn is None:
+        return False
+    import numpy as np
+
+    arr = np.ascontiguousarray(moves, dtype=np.int64).reshape(-1, 3)
+    fn(arr.ctypes.data, len(arr), 1 if stream else 0)
+    return True
+
+
+def host_moves(moves: Sequence[tuple[int, int, int]], total: int, stream_min: int) -> None:
+    """Run host ``(destination, source, bytes)`` moves of ``total`` bytes in all: in one
+    call of the compiled helper when there are many, else one copy each (streaming
+    stores from ``stream_min`` bytes in all, as :func:`copy_for`)."""
+    copy = copy_for(total, stream_min)
+    if len(moves) >= MANY_MOVES and run_batch(moves, streams(copy)):
+        return
+    for dst, src, n in moves:
+        if n:
+            copy(dst, src, n)
+
+
+def batch_unit(stream: bool) -> Callable[[Sequence[tuple[int, int, int]]], Any] | None:
+    """A threaded pack's per-unit copy through the compiled helper (one foreign call per
+    unit of moves), or None where the helper is missing."""
+    if move_batch() is None:
+        return None
+
+    def batch(unit: Sequence[tuple[int, int, int]]) -> None:
+        run_batch(unit, stream)
+    return batch

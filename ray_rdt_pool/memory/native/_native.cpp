@@ -1,17 +1,17 @@
 /*
  * The per-tensor reads of a put in C++: the optional compiled helper of
- * ray_rdt_pool.native, built against the installed torch by
- * `python -m ray_rdt_pool.native build` (the package works without it).
+ * ray_rdt_pool.memory.describe, built against the installed torch by
+ * `python -m ray_rdt_pool.memory.native build` (the package works without it).
  *
- * Why: tensors.describe reads seven facts off every tensor of an object (dtype, size,
- * rank, address, device, contiguity, negation bit). From Python each read is one
- * attribute lookup or method call through torch's bindings, 300 to 500 ns apiece, so a
- * put of 5,120 small tensors spent 6 to 12 ms there. Here the same facts come straight
- * off each tensor's TensorImpl.
+ * Why: describe() reads seven facts off every tensor of an object (dtype, size, rank,
+ * address, device, contiguity, negation bit). From Python each read is one attribute
+ * lookup or method call through torch's bindings, which for objects of thousands of small
+ * tensors adds up to milliseconds per put. Here the same facts come straight off each
+ * tensor's TensorImpl.
  *
  * What it promises: describe() returns exactly what the Python loop of
- * tensors.describe returns for the same tensors, or None. It answers None, and the
- * Python loop runs instead (and raises the typed error where one is due), for anything
+ * ray_rdt_pool.memory.describe returns for the same tensors, or None. It answers None, and
+ * the Python loop runs instead (and raises the typed error where one is due), for anything
  * that is not a plain dense CPU tensor it can read without running Python code: a
  * subclass other than the exact types it was given, a layout other than strided, a
  * nested, sparse or meta tensor, a tensor with Python dispatch or symbolic sizes, a
@@ -305,7 +305,7 @@ PyMethodDef kMethods[] = {
      "wire name and element size), the exact tensor types accepted and the no-memory "
      "bound that every describe() uses."},
     {"describe", describe, METH_O,
-     "describe(tensors): the facts of tensors.describe, or None where the Python loop "
+     "describe(tensors): the facts of memory.describe, or None where the Python loop "
      "must decide."},
     {"scalar_types", scalar_types, METH_O,
      "scalar_types(dtypes): the ScalarType index of each torch.dtype."},

@@ -1,13 +1,15 @@
 /*
  * Streaming-store copies for large host-memory copies: the optional compiled helper of
- * ray_rdt_pool.fastcopy (built by setup.py; the package works without it, with memmove).
+ * ray_rdt_pool.memory.fastcopy, a plain shared library (no Python, no torch) built by
+ * `python -m ray_rdt_pool.memory.native build` and called through ctypes. Without it the
+ * package copies with memmove, with the same results.
  *
  * Why: a large pack writes memory that is not in cache. Plain stores first read every
  * destination line into the cache (read for ownership) and only then overwrite it, so a
  * copy moves three bytes per byte copied. Streaming (non-temporal) stores write whole
  * lines without reading them. glibc's memmove uses them only above a threshold derived
- * from the cache size (over 100 MiB on some machines), far above the few-MiB units a
- * threaded pack copies, so those units pay for the extra reads.
+ * from the cache size, far above the few-MiB units a threaded pack copies, so those
+ * units pay for the extra reads.
  *
  * The copy reads four pages at a time, one 64-byte line from each in turn: several
  * independent read streams keep more of the memory system busy than one.
@@ -16,8 +18,6 @@
  * Python state; ctypes releases the GIL around them, so the pack threads copy in
  * parallel.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -29,13 +29,12 @@
 
 #define RDT_PAGE 4096u
 #define RDT_LINE 64u
-/* Moves shorter than this use memmove: measured on 2-core VMs, streaming did not pay
- * for 64 KiB moves (the fence after each costs about what it saves) and paid 1.4x to
- * 1.7x for moves of 256 KiB and more within copies of 64 MiB and more. */
+/* Moves shorter than this use memmove: for smaller moves the fence after each costs
+ * about what streaming saves. */
 #define RDT_MOVE_MIN (128u * 1024u)
 
-/* 0: memmove only; 1: SSE2 streaming stores (every x86-64 CPU has them; wider AVX2
- * stores measured the same, since the copy waits on memory, not on instructions). */
+/* 0: memmove only; 1: SSE2 streaming stores (every x86-64 CPU has them; wider stores
+ * gain nothing, since the copy waits on memory, not on instructions). */
 #ifdef RDT_X86
 #define RDT_KIND 1
 #else
@@ -118,7 +117,7 @@ void rdt_stream_copy(void *dst, const void *src, size_t n)
 /* Copy count moves, given as (destination, source, bytes) triples of int64 in order.
  * One foreign call for a whole pack: an object of thousands of tensors of a few KiB
  * each (one RL sample field per tensor) would otherwise pay a ctypes call per tensor,
- * about a microsecond, as long as the copy itself.
+ * which costs as much as the copy itself.
  *
  * With stream non-zero (a pack large enough not to stay in cache), moves of at least
  * RDT_MOVE_MIN go through rdt_stream_copy, and moves of at least RDT_SMALL_MIN stream
@@ -160,15 +159,4 @@ void rdt_copy_moves(const int64_t *moves, size_t count, int stream)
 int rdt_stream_kind(void)
 {
     return RDT_KIND;
-}
-
-static struct PyModuleDef rdt_copy_module = {
-    PyModuleDef_HEAD_INIT, "_copy",
-    "Streaming-store copies; called through ctypes by ray_rdt_pool.fastcopy.", -1, NULL,
-    NULL, NULL, NULL, NULL,
-};
-
-PyMODINIT_FUNC PyInit__copy(void)
-{
-    return PyModule_Create(&rdt_copy_module);
 }
