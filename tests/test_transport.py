@@ -734,11 +734,12 @@ def test_the_environment_names_reach_the_workers():
     @ray.remote(enable_tensor_transport=True)
     class Probe:
         def run(self):
-            from ray_rdt_pool import config, transport
+            from ray_rdt_pool import config
+            from ray_rdt_pool._ray.transport import runtime
 
             ray_rdt_pool.register()
             self.kept = ray.put([torch.ones(4)], _tensor_transport="nixl_pool")  # the pool
-            return (ray_rdt_pool.stats().pool_capacity, transport.runtime().config.options(),
+            return (ray_rdt_pool.stats().pool_capacity, runtime().config.options(),
                     sorted(config._warned))
 
     env = {"RAY_RDT_POOL_PACK_THREADS": "3", "RAY_RDT_POOL_DEBUG_TRANSFERS": "1",
