@@ -110,8 +110,8 @@ def configure(
     """
     given = dict(locals())  # the parameters, before any other name is bound
     options = {k: v for k, v in given.items() if k != "unknown" and v is not None}
-    options.update(unknown)  # transport.configure refuses them by name
-    from ray_rdt_pool._ray.transport import configure as _configure
+    options.update(unknown)  # runtime.configure refuses them by name
+    from ray_rdt_pool._ray.runtime import configure as _configure
 
     return _configure(**options)
 
@@ -122,14 +122,14 @@ def set_cuda_stream(stream: Any) -> None:
     Before packing, the transport waits for that stream (by default the current stream
     of the tensors' device), and it finishes the pack copy before any metadata exists.
     """
-    from ray_rdt_pool._ray.transport import set_cuda_stream as _set
+    from ray_rdt_pool._ray.runtime import set_cuda_stream as _set
 
     _set(stream)
 
 
 def stats() -> TransportStats:
     """A frozen snapshot of this process's pool, arena and NIXL counters."""
-    from ray_rdt_pool._ray.transport import stats as _stats
+    from ray_rdt_pool._ray.runtime import stats as _stats
 
     return _stats()
 
@@ -142,7 +142,7 @@ def register_memory(tensor: torch.Tensor) -> None:
     storage stays registered (and alive) until :func:`deregister_memory` and the last
     object naming it is freed.
     """
-    from ray_rdt_pool._ray.transport import register_memory as _register_memory
+    from ray_rdt_pool._ray.runtime import register_memory as _register_memory
 
     _register_memory(tensor)
 
@@ -153,14 +153,14 @@ def shutdown() -> None:
     Runs by itself at interpreter exit (``atexit``); call it earlier to tear down
     before Ray does. The transport cannot be used again in the process afterwards.
     """
-    from ray_rdt_pool._ray.transport import shutdown as _shutdown
+    from ray_rdt_pool._ray.runtime import shutdown as _shutdown
 
     _shutdown()
 
 
 def deregister_memory(tensor: torch.Tensor) -> None:
     """Undo one :func:`register_memory` of the same storage."""
-    from ray_rdt_pool._ray.transport import deregister_memory as _deregister_memory
+    from ray_rdt_pool._ray.runtime import deregister_memory as _deregister_memory
 
     _deregister_memory(tensor)
 

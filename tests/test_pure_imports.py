@@ -18,6 +18,9 @@ PURE_MODULES = [
     "ray_rdt_pool.config",
     "ray_rdt_pool.obs.stats",
     "ray_rdt_pool.obs.events",
+    # Ray glue that needs none of them to load: pack_as's state, the stats assembly.
+    "ray_rdt_pool._ray.conversions",
+    "ray_rdt_pool._ray.stats",
     # The package itself imports nothing heavy: its functions load the transport lazily.
     "ray_rdt_pool",
 ]
