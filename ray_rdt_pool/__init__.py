@@ -39,6 +39,9 @@ def register() -> str:
     ``__init__`` (Ray registers custom transports on actors asynchronously, so a put in
     ``__init__`` could otherwise run first). Repeated calls are no-ops. Returns
     :data:`TRANSPORT`.
+
+    Raises ConfigurationError when the installed Ray is not the release this package was
+    tested with (2.60.x); ``RAY_RDT_POOL_ALLOW_UNTESTED_RAY=1`` turns that into a warning.
     """
     from ray_rdt_pool._ray.transport import register as _register
 

@@ -3,7 +3,7 @@
 Ray 2.60's RDT offers no hook for what these do, so each one reaches into a private
 module. Each section says which Ray it targets, why it exists, the upstream issue, and
 when it can go. :func:`apply` installs the changes, once per process (``register()``
-calls it); each finds Ray's original by name and leaves
+calls it after :func:`check_ray_version`); each finds Ray's original by name and leaves
 a Ray laid out otherwise alone. The Parameter reducer is installed by ``pack_as`` and the
 tensor reducer by each put, since Ray installs its own reducer late.
 
@@ -17,6 +17,8 @@ elsewhere, in directory.py.
 from __future__ import annotations
 
 import logging
+import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +26,7 @@ import ray
 
 from ray_rdt_pool import TRANSPORT
 from ray_rdt_pool._ray import conversions
-from ray_rdt_pool.errors import WireFormatError
+from ray_rdt_pool.errors import ConfigurationError, WireFormatError
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,37 @@ def apply() -> None:
     _transfers_before_their_tasks()
     _flat_values_as_one_object()
     _snapshots_through_the_object_store()
+
+
+# ---------------------------------------------------------------------------------------
+# The Ray these patches fit
+# ---------------------------------------------------------------------------------------
+
+#: The Ray minor release every section below was written against and tested with.
+TESTED_RAY = "2.60"
+#: Set to 1 to run on another Ray with a warning instead of an error.
+ALLOW_UNTESTED_ENV = "RAY_RDT_POOL_ALLOW_UNTESTED_RAY"
+_warned_untested = False  # the escape hatch warns once per process, not per register()
+
+
+def check_ray_version(installed: str | None = None) -> None:
+    """ConfigurationError unless Ray is the tested minor release (or the escape hatch is
+    set): the private code patched below changes between Ray releases without notice."""
+    global _warned_untested
+    from ray_rdt_pool.config import _parse_bool
+
+    installed = ray.__version__ if installed is None else installed
+    if ".".join(installed.split(".")[:2]) == TESTED_RAY:
+        return
+    message = (f"ray_rdt_pool is tested with Ray {TESTED_RAY}.x, but Ray {installed} is "
+               "installed, and it patches private parts of Ray that change between "
+               f"releases; install the tested Ray (pip install 'ray[default]=={TESTED_RAY}.*')"
+               f", or set {ALLOW_UNTESTED_ENV}=1 to run on this one at your own risk")
+    if not _parse_bool(ALLOW_UNTESTED_ENV, os.environ.get(ALLOW_UNTESTED_ENV, "")):
+        raise ConfigurationError(message)
+    if not _warned_untested:
+        _warned_untested = True
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 # ---------------------------------------------------------------------------------------

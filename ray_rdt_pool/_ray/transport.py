@@ -1,8 +1,8 @@
 """The ``nixl_pool`` tensor transport: the class Ray instantiates, and ``register()``.
 
 Owns :class:`NixlPoolTransport`, which turns each of Ray's calls into a call on the
-process's :class:`~ray_rdt_pool._ray.runtime.Runtime`, and :func:`register`, which
-applies :mod:`ray_rdt_pool._ray.patches` and registers the class.
+process's :class:`~ray_rdt_pool._ray.runtime.Runtime`, and :func:`register`, which checks
+the installed Ray, applies :mod:`ray_rdt_pool._ray.patches` and registers the class.
 
 Lifetime: Ray makes one instance per process, lazily; it holds only a per-actor cache of
 ``actor_has_tensor_transport``, and all state lives in the runtime. Threads: see the
@@ -152,10 +152,15 @@ class NixlPoolTransport(TensorTransportManager):
 
 
 def register() -> str:
-    """Register the transport with Ray in this process; safe to call again."""
+    """Register the transport with Ray in this process; safe to call again.
+
+    Raises ConfigurationError on a Ray other than the tested minor release (unless
+    ``RAY_RDT_POOL_ALLOW_UNTESTED_RAY=1``), or when another class holds the name.
+    """
     import torch
     from ray.experimental import register_tensor_transport
 
+    patches.check_ray_version()
     patches.apply()
 
     registered = patches.registered_transport_class(TRANSPORT)
