@@ -6,8 +6,10 @@ the functions, so importing the package does nothing at import time.
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from ray_rdt_pool.config import PoolConfig, Tuning
 from ray_rdt_pool.errors import (
     ConfigurationError,
     InvalidInputError,
@@ -18,14 +20,15 @@ from ray_rdt_pool.errors import (
     TransferError,
     WireFormatError,
 )
+from ray_rdt_pool.obs.stats import TransportStats
 
 if TYPE_CHECKING:
     import torch
 
-    from ray_rdt_pool.config import PoolConfig, Tuning
-    from ray_rdt_pool.obs.stats import TransportStats
-
-__version__ = "0.1.0"
+try:
+    __version__ = version("ray-rdt-pool")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 #: The name Ray knows the transport by. Ray upper-cases transport names, so
 #: ``tensor_transport="nixl_pool"`` works as well.
@@ -172,11 +175,14 @@ __all__ = [
     "TRANSPORT",
     "ConfigurationError",
     "InvalidInputError",
+    "PoolConfig",
     "PoolExhaustedError",
     "RdtPoolError",
     "ReadStillRunningError",
     "RegistrationError",
     "TransferError",
+    "TransportStats",
+    "Tuning",
     "WireFormatError",
     "configure",
     "deregister_memory",
