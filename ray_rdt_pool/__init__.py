@@ -6,8 +6,10 @@ the functions, so importing the package does nothing at import time.
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from ray_rdt_pool.config import PoolConfig, Tuning
 from ray_rdt_pool.errors import (
     ConfigurationError,
     InvalidInputError,
@@ -18,14 +20,15 @@ from ray_rdt_pool.errors import (
     TransferError,
     WireFormatError,
 )
+from ray_rdt_pool.obs.stats import TransportStats
 
 if TYPE_CHECKING:
     import torch
 
-    from ray_rdt_pool.config import PoolConfig, Tuning
-    from ray_rdt_pool.obs.stats import TransportStats
-
-__version__ = "0.1.0"
+try:
+    __version__ = version("ray-rdt-pool")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 #: The name Ray knows the transport by. Ray upper-cases transport names, so
 #: ``tensor_transport="nixl_pool"`` works as well.
@@ -39,6 +42,9 @@ def register() -> str:
     ``__init__`` (Ray registers custom transports on actors asynchronously, so a put in
     ``__init__`` could otherwise run first). Repeated calls are no-ops. Returns
     :data:`TRANSPORT`.
+
+    Raises ConfigurationError when the installed Ray is not the release this package was
+    tested with (2.60.x); ``RAY_RDT_POOL_ALLOW_UNTESTED_RAY=1`` turns that into a warning.
     """
     from ray_rdt_pool._ray.transport import register as _register
 
@@ -110,8 +116,8 @@ def configure(
     """
     given = dict(locals())  # the parameters, before any other name is bound
     options = {k: v for k, v in given.items() if k != "unknown" and v is not None}
-    options.update(unknown)  # transport.configure refuses them by name
-    from ray_rdt_pool._ray.transport import configure as _configure
+    options.update(unknown)  # runtime.configure refuses them by name
+    from ray_rdt_pool._ray.runtime import configure as _configure
 
     return _configure(**options)
 
@@ -122,14 +128,14 @@ def set_cuda_stream(stream: Any) -> None:
     Before packing, the transport waits for that stream (by default the current stream
     of the tensors' device), and it finishes the pack copy before any metadata exists.
     """
-    from ray_rdt_pool._ray.transport import set_cuda_stream as _set
+    from ray_rdt_pool._ray.runtime import set_cuda_stream as _set
 
     _set(stream)
 
 
 def stats() -> TransportStats:
     """A frozen snapshot of this process's pool, arena and NIXL counters."""
-    from ray_rdt_pool._ray.transport import stats as _stats
+    from ray_rdt_pool._ray.runtime import stats as _stats
 
     return _stats()
 
@@ -142,7 +148,7 @@ def register_memory(tensor: torch.Tensor) -> None:
     storage stays registered (and alive) until :func:`deregister_memory` and the last
     object naming it is freed.
     """
-    from ray_rdt_pool._ray.transport import register_memory as _register_memory
+    from ray_rdt_pool._ray.runtime import register_memory as _register_memory
 
     _register_memory(tensor)
 
@@ -153,14 +159,14 @@ def shutdown() -> None:
     Runs by itself at interpreter exit (``atexit``); call it earlier to tear down
     before Ray does. The transport cannot be used again in the process afterwards.
     """
-    from ray_rdt_pool._ray.transport import shutdown as _shutdown
+    from ray_rdt_pool._ray.runtime import shutdown as _shutdown
 
     _shutdown()
 
 
 def deregister_memory(tensor: torch.Tensor) -> None:
     """Undo one :func:`register_memory` of the same storage."""
-    from ray_rdt_pool._ray.transport import deregister_memory as _deregister_memory
+    from ray_rdt_pool._ray.runtime import deregister_memory as _deregister_memory
 
     _deregister_memory(tensor)
 
@@ -169,11 +175,14 @@ __all__ = [
     "TRANSPORT",
     "ConfigurationError",
     "InvalidInputError",
+    "PoolConfig",
     "PoolExhaustedError",
     "RdtPoolError",
     "ReadStillRunningError",
     "RegistrationError",
     "TransferError",
+    "TransportStats",
+    "Tuning",
     "WireFormatError",
     "configure",
     "deregister_memory",

@@ -51,7 +51,7 @@ def _report_at_exit() -> None:
     the latest registered first): what the exit shutdown left of the overflow regions."""
     if not _AT_EXIT:
         return
-    from ray_rdt_pool._ray.transport import runtime
+    from ray_rdt_pool._ray.runtime import runtime
 
     print(json.dumps({"unmapped": [r.mem._map.closed for r in _AT_EXIT],
                       "stranded": len(runtime().registry._stranded)}))
@@ -190,7 +190,7 @@ def overflow() -> None:
     region is empty and lingering when this returns."""
     import time
 
-    from ray_rdt_pool._ray.transport import runtime
+    from ray_rdt_pool._ray.runtime import runtime
 
     big = ray.put([torch.ones(24 << 20, dtype=torch.uint8)], _tensor_transport="nixl_pool")
     _AT_EXIT.extend(runtime().sender.overflow)

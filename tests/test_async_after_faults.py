@@ -7,7 +7,7 @@ passed as task arguments in creation order and in a shuffled order, every result
 
 The async case used to fail in about one run of three here: a Ray 2.60 deadlock in
 out-of-order receivers when a task reaches the actor before its transfer (see
-``transport._transfers_before_their_tasks`` for the cause and the workaround). It now
+``patches._transfers_before_their_tasks`` for the cause and the workaround). It now
 passes every run.
 """
 
@@ -86,7 +86,7 @@ class Receiver:
 @ray.remote(enable_tensor_transport=True)
 class InOrderReceiver:
     """Runs one task at a time: the ordering workaround for out-of-order receivers (see
-    transport._transfers_before_their_tasks) does not apply, so a blocked _ray_system
+    patches._transfers_before_their_tasks) does not apply, so a blocked _ray_system
     shows as Ray's own fetch timeout."""
 
     def __init__(self):
@@ -154,7 +154,7 @@ def test_sender_killed_during_fetch(recv, monkeypatch):
     # before it sends the task. The READ is held (SIGSTOP), so with the default (10 s,
     # longer than this module's 8 s fetch timeout) the kill came after the fetch had
     # already timed out; a short wait kills the sender while its READ is in flight.
-    monkeypatch.setattr("ray_rdt_pool._ray.transport.ORDER_WAIT_S", 1.0)
+    monkeypatch.setattr("ray_rdt_pool._ray.patches.ORDER_WAIT_S", 1.0)
     s = Sender.remote()
     ref = s.make.remote(5, 4 << 20)
     made(ref)
@@ -195,7 +195,7 @@ def test_an_argument_whose_producer_failed_is_not_waited_for(recv, monkeypatch):
     return, and the consumer gets the producer's error."""
     import threading
 
-    monkeypatch.setattr("ray_rdt_pool._ray.transport.ORDER_WAIT_S", 600.0)
+    monkeypatch.setattr("ray_rdt_pool._ray.patches.ORDER_WAIT_S", 600.0)
     s = Sender.remote()
     ref = s.fail.remote()
     ray.wait([ref], timeout=60)
@@ -207,7 +207,7 @@ def test_an_argument_whose_producer_failed_is_not_waited_for(recv, monkeypatch):
     with pytest.raises(ray.exceptions.RayTaskError, match="the producer failed"):
         ray.get(out[0], timeout=60)
     # A good argument is still told apart (and so still ordered), and is exact.
-    from ray_rdt_pool._ray.transport import _holds_an_error
+    from ray_rdt_pool._ray.patches import _holds_an_error
 
     good = s.make.remote(12, 1024)
     made(good)
@@ -298,7 +298,7 @@ def test_passing_a_ref_of_ones_own_queued_method_does_not_stall(kind):
     actor, queued behind the very task that makes the call, that wait could only end at
     ORDER_WAIT_S (10 s): an async actor's event loop, or a plain actor's one thread,
     never got to run it. The call must return at once and the bytes arrive."""
-    from ray_rdt_pool._ray.transport import ORDER_WAIT_S
+    from ray_rdt_pool._ray.patches import ORDER_WAIT_S
 
     relay = (AsyncActor if kind == "async" else PlainRelay).remote()
     b = AsyncActor.remote()

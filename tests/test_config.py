@@ -258,8 +258,8 @@ def test_tuning_must_be_a_tuning() -> None:
 
 @pytest.fixture()
 def fresh_transport(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """transport.configure() in a process state where nothing was configured or made."""
-    from ray_rdt_pool._ray import transport as tp
+    """runtime.configure() in a process state where nothing was configured or made."""
+    from ray_rdt_pool._ray import runtime as tp
 
     for name, value in (("_runtime", None), ("_config", None), ("_configured", False)):
         monkeypatch.setattr(tp, name, value)
@@ -270,8 +270,8 @@ def fresh_transport(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 def test_configure_has_a_typed_keyword_for_every_option() -> None:
     """An editor completes configure()'s options: one keyword-only parameter each, None
-    meaning unset, in the package's function and the transport's alike."""
-    from ray_rdt_pool._ray import transport as tp
+    meaning unset, in the package's function and the runtime's alike."""
+    from ray_rdt_pool._ray import runtime as tp
 
     for fn in (ray_rdt_pool.configure, tp.configure):
         params = inspect.signature(fn).parameters

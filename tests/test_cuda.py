@@ -65,7 +65,7 @@ def _world():
 
 
 def _runtime(world, **cfg):
-    from ray_rdt_pool._ray.transport import Runtime
+    from ray_rdt_pool._ray.runtime import Runtime
     from ray_rdt_pool.config import PoolConfig
 
     cfg.setdefault("pool_bytes", 64 << 20)

@@ -36,7 +36,7 @@ def test_configure_is_accepted_after_stats_before_first_use() -> None:
         "assert s.pool_capacity == 0 and s.agent_name == ''\n"
         "c = ray_rdt_pool.configure(pool_bytes=3 << 20, metrics=False)\n"
         "assert c.pool_bytes == 3 << 20\n"
-        "from ray_rdt_pool._ray.transport import runtime\n"
+        "from ray_rdt_pool._ray.runtime import runtime\n"
         "assert runtime().config.pool_bytes == 3 << 20\n"
         "try:\n"
         "    ray_rdt_pool.configure(pool_bytes=5 << 20)\n"
@@ -55,7 +55,7 @@ def test_configure_after_set_cuda_stream_keeps_the_stream() -> None:
     stream instead, and could race the producer."""
     code = (
         "import ray_rdt_pool\n"
-        "from ray_rdt_pool._ray.transport import runtime\n"
+        "from ray_rdt_pool._ray.runtime import runtime\n"
         "marker = object()  # stands in for a torch.cuda.Stream\n"
         "ray_rdt_pool.set_cuda_stream(marker)\n"
         "ray_rdt_pool.configure(pool_bytes=3 << 20, metrics=False)\n"
@@ -72,7 +72,7 @@ def test_register_memory_refuses_what_has_no_memory_before_anything_starts() -> 
     AttributeError."""
     code = (
         "import torch, ray_rdt_pool\n"
-        "from ray_rdt_pool._ray.transport import runtime\n"
+        "from ray_rdt_pool._ray.runtime import runtime\n"
         "t = torch.ones(8); t.untyped_storage().resize_(0)\n"
         "cases = [(ray_rdt_pool.register_memory, torch._efficientzerotensor(4), 'ZeroTensor'),\n"
         "         (ray_rdt_pool.register_memory, t, 'holds no memory'),\n"

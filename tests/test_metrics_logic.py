@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from ray_rdt_pool._ray.transport import Runtime
+from ray_rdt_pool._ray.runtime import Runtime
 from ray_rdt_pool.config import PoolConfig
 from ray_rdt_pool.obs import metrics
 from ray_rdt_pool.same_node.shared import PAGE

@@ -24,7 +24,7 @@ import ray
 import torch
 
 import ray_rdt_pool
-from ray_rdt_pool._ray.transport import Runtime
+from ray_rdt_pool._ray.runtime import Runtime
 from ray_rdt_pool.config import PoolConfig, from_env
 from ray_rdt_pool.obs import metrics as rdt_metrics
 from ray_rdt_pool.obs import view
@@ -75,7 +75,7 @@ class Sender:
         self.refs.clear()
 
     def observer_kind(self) -> str:
-        from ray_rdt_pool._ray.transport import runtime
+        from ray_rdt_pool._ray.runtime import runtime
 
         return type(runtime().observer).__name__
 

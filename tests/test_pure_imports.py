@@ -22,6 +22,9 @@ PURE_MODULES = [
     "ray_rdt_pool.obs.events",
     "ray_rdt_pool.receive.drain",
     "ray_rdt_pool.receive.targets",
+    # Ray glue that needs none of them to load: pack_as's state, the stats assembly.
+    "ray_rdt_pool._ray.conversions",
+    "ray_rdt_pool._ray.stats",
     # The package itself imports nothing heavy: its functions load the transport lazily.
     "ray_rdt_pool",
 ]

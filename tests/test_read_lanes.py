@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_rdt_pool._ray.transport import Runtime
+from ray_rdt_pool._ray.runtime import Runtime
 from ray_rdt_pool.config import PoolConfig, Tuning, from_env
 from ray_rdt_pool.errors import (
     ConfigurationError,

@@ -201,7 +201,7 @@ def test_describe_of_many_views_of_one_storage() -> None:
 def test_a_batch_sent_per_sample_round_trips_through_the_transport() -> None:
     import pickle
 
-    from ray_rdt_pool._ray.transport import Runtime
+    from ray_rdt_pool._ray.runtime import Runtime
     from ray_rdt_pool.config import PoolConfig
     from tests.fakenixl import World
 

@@ -274,7 +274,7 @@ class Receiver:
 
     def fetch_wire(self, wire_bytes: bytes, make_targets: Callable[[], list[Any]] | None = None):
         """Call the transport's fetch directly, as Ray would, on hand-made metadata."""
-        from ray_rdt_pool._ray.transport import PoolTransportMetadata
+        from ray_rdt_pool._ray.metadata import PoolTransportMetadata
 
         return self.fetch_meta(
             PoolTransportMetadata(tensor_meta=[], tensor_device="cpu", wire=wire_bytes),
@@ -542,13 +542,13 @@ def test_owner_drops_every_ref_while_fetch_in_flight(recv, form, monkeypatch):
 
     task_argument: ``recv`` is an out-of-order actor, so the driver's ``.remote()`` first
     waits, up to ``ORDER_WAIT_S``, for the transfer to be done before it sends the task
-    (ray_rdt_pool._ray.transport._transfers_before_their_tasks). A held READ is not done, so
+    (ray_rdt_pool._ray.patches._transfers_before_their_tasks). A held READ is not done, so
     with the default ORDER_WAIT_S (10 s, equal to FETCH_TIMEOUT_S) ``.remote()`` returned
     only some 20 ms before the READ timed out, and the in-flight check raced that timeout.
     A short wait here lets ``.remote()`` return while the READ is still held.
     """
     if form == "task_argument":
-        monkeypatch.setattr("ray_rdt_pool._ray.transport.ORDER_WAIT_S", 1.0)
+        monkeypatch.setattr("ray_rdt_pool._ray.patches.ORDER_WAIT_S", 1.0)
     s = Sender.remote()  # recv meets it for the first time: its READ can be held
     sbase = stats(s)
     ref = s.make.remote(11, 8 << 20)
@@ -1115,7 +1115,7 @@ def _sockets(pid: int) -> int:
 def _age_peers(self, seconds: float) -> int:
     """In a receiver: make every loaded peer look idle for ``seconds`` more, then run the
     housekeeping the progress thread runs once a second; returns the peers loaded."""
-    from ray_rdt_pool._ray.transport import runtime
+    from ray_rdt_pool._ray.runtime import runtime
 
     rcv = runtime().receiver
     with rcv.lock:
@@ -1206,7 +1206,7 @@ def _overflow_then_shutdown(self) -> dict[str, Any]:
     still holding an object; ``ray_rdt_pool.shutdown()``, then that object freed. What
     ray_rdt_pool logged at WARNING or above meanwhile, and which regions were unmapped
     (their mappings closed) after the shutdown and after the free."""
-    from ray_rdt_pool._ray.transport import runtime
+    from ray_rdt_pool._ray.runtime import runtime
 
     rt = runtime()
     small = ray.put([torch.ones(6 << 20, dtype=torch.uint8)], _tensor_transport="nixl_pool")

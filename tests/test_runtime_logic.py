@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from ray_rdt_pool._ray.transport import PoolTransportMetadata, Runtime
+from ray_rdt_pool._ray.metadata import PoolTransportMetadata
+from ray_rdt_pool._ray.runtime import Runtime
 from ray_rdt_pool.config import PoolConfig
 from ray_rdt_pool.errors import (
     ConfigurationError,
@@ -569,20 +570,20 @@ def test_a_forked_child_never_shuts_down_the_runtime_it_inherited(world, monkeyp
     runtime shuts it down."""
     import os
 
-    from ray_rdt_pool._ray import transport
+    from ray_rdt_pool._ray import runtime as runtime_module
 
     rt = make(world)
     r, w = os.pipe()
     monkeypatch.setattr(rt, "shutdown", lambda: os.write(w, str(os.getpid()).encode() + b" "))
-    monkeypatch.setattr(transport, "_runtime", rt)
+    monkeypatch.setattr(runtime_module, "_runtime", rt)
     pid = os.fork()
     if pid == 0:  # the child: what its atexit would run
         try:
-            transport.shutdown()
+            runtime_module.shutdown()
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
-    transport.shutdown()  # the parent: its own runtime does shut down
+    runtime_module.shutdown()  # the parent: its own runtime does shut down
     os.close(w)
     with os.fdopen(r, "rb") as f:
         shut = f.read().split()
@@ -795,7 +796,7 @@ def test_configure_during_the_first_put_in_another_thread(monkeypatch):
     under that put, which then failed blaming a shutdown() nobody called, or succeeded
     into the closed runtime (an object nothing would ever free). Now exactly one wins:
     configure() raises ConfigurationError, and the put lands in the live runtime."""
-    from ray_rdt_pool._ray import transport as tp
+    from ray_rdt_pool._ray import runtime as runtime_module
     from ray_rdt_pool.nixl import backend as _nixl
 
     w = World()
@@ -807,18 +808,18 @@ def test_configure_during_the_first_put_in_another_thread(monkeypatch):
         return w.factory(name, interval, **kw)
 
     monkeypatch.setattr(_nixl, "NixlBackend", slow_factory)
-    monkeypatch.setattr(tp, "KVDirectory", lambda: w)
-    monkeypatch.setattr(tp, "_ray_node_id", lambda: None)
+    monkeypatch.setattr(runtime_module, "KVDirectory", lambda: w)
+    monkeypatch.setattr(runtime_module, "ray_node_id", lambda: None)
     for name, value in (("_runtime", None), ("_config", None), ("_configured", False),
                         ("_atexit_registered", True)):
-        monkeypatch.setattr(tp, name, value)
+        monkeypatch.setattr(runtime_module, name, value)
     monkeypatch.setenv("RAY_RDT_POOL_METRICS", "0")
-    rt = tp.runtime()  # an early stats(), say: nothing started
+    rt = runtime_module.runtime()  # an early stats(), say: nothing started
     res: dict[str, Any] = {}
 
     def put():
         try:
-            res["meta"] = tp.runtime().put("obj", [torch.arange(16.0)])
+            res["meta"] = runtime_module.runtime().put("obj", [torch.arange(16.0)])
         except Exception as e:
             res["err"] = e
 
@@ -828,26 +829,26 @@ def test_configure_during_the_first_put_in_another_thread(monkeypatch):
     threading.Timer(0.2, go.set).start()
     try:
         with pytest.raises(ConfigurationError, match="first used in another thread"):
-            tp.configure(pool_bytes=2 << 20)
+            runtime_module.configure(pool_bytes=2 << 20)
     finally:
         go.set()
         t.join(10)
-    assert "err" not in res and tp.runtime() is rt and not rt.closed
+    assert "err" not in res and runtime_module.runtime() is rt and not rt.closed
     assert rt.stats().live_objects == 1
     rt.free("obj")
     assert rt.stats().live_objects == 0
     rt.shutdown()
     # configure() before anything started still replaces the runtime, and a put that
     # reaches the retired one is told so.
-    monkeypatch.setattr(tp, "_runtime", None)
-    monkeypatch.setattr(tp, "_configured", False)
-    old = tp.runtime()
+    monkeypatch.setattr(runtime_module, "_runtime", None)
+    monkeypatch.setattr(runtime_module, "_configured", False)
+    old = runtime_module.runtime()
     go.set()
-    tp.configure(pool_bytes=2 << 20)
-    assert tp.runtime() is not old and old.closed
+    runtime_module.configure(pool_bytes=2 << 20)
+    assert runtime_module.runtime() is not old and old.closed
     with pytest.raises(ConfigurationError, match="configure\\(\\) replaced"):
         old.put("x", [torch.ones(4)])
-    tp.runtime().shutdown()
+    runtime_module.runtime().shutdown()
 
 
 def test_configure_after_shutdown_is_refused_and_a_retired_runtime_takes_its_debug_handler(
@@ -858,42 +859,42 @@ def test_configure_after_shutdown_is_refused_and_a_retired_runtime_takes_its_deb
     that configure(debug_transfers=False) replaced stayed installed for good."""
     import logging
 
-    from ray_rdt_pool._ray import transport as tp
+    from ray_rdt_pool._ray import runtime as runtime_module
     from ray_rdt_pool.obs.logs import debug_handler, disable_debug_logging
 
     w = World()
-    monkeypatch.setattr(tp, "KVDirectory", lambda: w)
-    monkeypatch.setattr(tp, "_ray_node_id", lambda: None)
+    monkeypatch.setattr(runtime_module, "KVDirectory", lambda: w)
+    monkeypatch.setattr(runtime_module, "ray_node_id", lambda: None)
     for name, value in (("_runtime", None), ("_config", None), ("_configured", False),
                         ("_atexit_registered", True)):
-        monkeypatch.setattr(tp, name, value)
+        monkeypatch.setattr(runtime_module, name, value)
     monkeypatch.setenv("RAY_RDT_POOL_METRICS", "0")
     monkeypatch.setenv("RAY_RDT_POOL_DEBUG_TRANSFERS", "1")
     pkg = logging.getLogger("ray_rdt_pool")
     level = pkg.level
     try:
-        first = tp.runtime()  # a stats() before configure(): nothing started
+        first = runtime_module.runtime()  # a stats() before configure(): nothing started
         assert debug_handler() is not None and pkg.level == logging.DEBUG
-        tp.configure(debug_transfers=False, pool_bytes=2 << 20)
+        runtime_module.configure(debug_transfers=False, pool_bytes=2 << 20)
         assert first.closed and debug_handler() is None and pkg.level == level
         # A handler the user installed is not the runtime's to take away.
         from ray_rdt_pool.obs.logs import enable_debug_logging
 
         theirs = enable_debug_logging(io.StringIO())
-        monkeypatch.setattr(tp, "_runtime", None)
-        monkeypatch.setattr(tp, "_configured", False)
-        monkeypatch.setattr(tp, "_config", None)
-        tp.runtime()
-        tp.configure(debug_transfers=False)
+        monkeypatch.setattr(runtime_module, "_runtime", None)
+        monkeypatch.setattr(runtime_module, "_configured", False)
+        monkeypatch.setattr(runtime_module, "_config", None)
+        runtime_module.runtime()
+        runtime_module.configure(debug_transfers=False)
         assert debug_handler() is theirs
         disable_debug_logging()
         for name, value in (("_runtime", None), ("_config", None), ("_configured", False)):
-            monkeypatch.setattr(tp, name, value)
-        rt = tp.runtime()
-        tp.shutdown()
+            monkeypatch.setattr(runtime_module, name, value)
+        rt = runtime_module.runtime()
+        runtime_module.shutdown()
         with pytest.raises(ConfigurationError, match=r"after ray_rdt_pool\.shutdown"):
-            tp.configure(pool_bytes=4 << 20)
-        assert tp.runtime() is rt and rt.closed
+            runtime_module.configure(pool_bytes=4 << 20)
+        assert runtime_module.runtime() is rt and rt.closed
     finally:
         disable_debug_logging()
         pkg.setLevel(level)
@@ -901,7 +902,7 @@ def test_configure_after_shutdown_is_refused_and_a_retired_runtime_takes_its_deb
 
 def test_fetch_selected_of_an_object_this_process_holds_checks_the_selection(
         world, monkeypatch):
-    """transport.fetch_selected() of an object this process holds itself indexed the held
+    """owned.fetch_selected() of an object this process holds itself indexed the held
     tensor with the selection as given: a step-2 slice was taken (a READ refuses it),
     three slices on a 2-d tensor raised IndexError, a list was taken. Both paths now
     check the same way. Ray's RDT manager is a stand-in here."""
@@ -909,7 +910,7 @@ def test_fetch_selected_of_an_object_this_process_holds_checks_the_selection(
 
     import ray
 
-    from ray_rdt_pool._ray import transport as tp
+    from ray_rdt_pool._ray import owned
 
     x = torch.arange(24.0).reshape(4, 6)
     store = types.SimpleNamespace(has_object=lambda oid: True, get_object=lambda oid: [x])
@@ -922,8 +923,8 @@ def test_fetch_selected_of_an_object_this_process_holds_checks_the_selection(
                       ([(slice(None),) * 3], "at most 2 slices"),
                       ([[slice(0, 2)]], "pass a tuple"), ([None, None], "2 selections")):
         with pytest.raises(InvalidInputError, match=re.escape(text)):
-            tp.fetch_selected(ref, bad)  # type: ignore[arg-type]
-    out = tp.fetch_selected(ref, [(slice(1, 3), slice(2, 5))])  # type: ignore[arg-type]
+            owned.fetch_selected(ref, bad)  # type: ignore[arg-type]
+    out = owned.fetch_selected(ref, [(slice(1, 3), slice(2, 5))])  # type: ignore[arg-type]
     assert torch.equal(out[0], x[1:3, 2:5]) and out[0].is_contiguous()
 
 
@@ -1766,7 +1767,7 @@ def test_selection_errors_are_typed_and_read_nothing(world):
 
 
 def test_pack_as_converts_in_the_pack(world):
-    from ray_rdt_pool._ray.transport import pack_as
+    from ray_rdt_pool._ray.conversions import pack_as
 
     s, r = make(world), make(world)
     w = torch.randn(100, 7)
@@ -1786,7 +1787,7 @@ def test_pack_as_converts_in_the_pack(world):
 def test_pack_as_a_dtype_torch_cannot_convert_to_is_refused_before_placing(world):
     """torch has no copy kernel for float4_e2m1fn_x2: packing into it (or out of it)
     raised torch's untyped NotImplementedError out of put()."""
-    from ray_rdt_pool._ray.transport import pack_as
+    from ray_rdt_pool._ray.conversions import pack_as
 
     s = make(world)
     t = torch.randn(4)
@@ -1817,21 +1818,21 @@ def test_flat_values_stand_in_and_rebuild(monkeypatch) -> None:
     count that does not match (a sender and receiver of different versions)."""
     from types import SimpleNamespace
 
-    from ray_rdt_pool._ray import transport
+    from ray_rdt_pool._ray import patches
 
     a, b = torch.zeros(2), torch.ones(3)
-    assert transport.flat_tensors([a, 1], torch.Tensor) is None
-    assert transport.flat_tensors([], torch.Tensor) is None
-    assert transport.flat_tensors({1: a}, torch.Tensor) is None
-    assert transport.flat_tensors(set(), torch.Tensor) is None
-    assert transport.flat_tensors([torch.nn.Parameter(a)], torch.Tensor) is None
+    assert patches.flat_tensors([a, 1], torch.Tensor) is None
+    assert patches.flat_tensors([], torch.Tensor) is None
+    assert patches.flat_tensors({1: a}, torch.Tensor) is None
+    assert patches.flat_tensors(set(), torch.Tensor) is None
+    assert patches.flat_tensors([torch.nn.Parameter(a)], torch.Tensor) is None
     many = [torch.zeros(1) for _ in range(5000)]
-    stand_in, ts = transport.flat_tensors(many, torch.Tensor)
+    stand_in, ts = patches.flat_tensors(many, torch.Tensor)
     assert ts == many and len(pickle.dumps(stand_in)) < 200
     local = SimpleNamespace(rdt_tensors=[])
-    monkeypatch.setattr(transport, "_rdt_context_local", lambda: local)
+    monkeypatch.setattr(patches, "_rdt_context_local", lambda: local)
     for value in ([a, b, a], (b, a), {"x": a, "y": b, "z": a}):
-        stand_in, ts = transport.flat_tensors(value, torch.Tensor)
+        stand_in, ts = patches.flat_tensors(value, torch.Tensor)
         assert len(ts) == 2
         local.rdt_tensors = ts
         got = pickle.loads(pickle.dumps(stand_in))
@@ -1851,7 +1852,7 @@ def test_only_rays_rdt_tensor_reducer_is_replaced() -> None:
     that one, and leaves a reducer of anyone else (or none) alone."""
     from ray import cloudpickle
 
-    from ray_rdt_pool._ray import transport
+    from ray_rdt_pool._ray import patches
 
     def reducer_closing_over(qualname: str):
         def deserialize(val):
@@ -1867,14 +1868,14 @@ def test_only_rays_rdt_tensor_reducer_is_replaced() -> None:
     try:
         someone_elses = reducer_closing_over("mine.<locals>.deserialize")
         dispatch[torch.Tensor] = someone_elses
-        transport._by_reference_tensor_reducer()
+        patches.by_reference_tensor_reducer()
         assert dispatch[torch.Tensor] is someone_elses
         dispatch.pop(torch.Tensor)
-        transport._by_reference_tensor_reducer()
+        patches.by_reference_tensor_reducer()
         assert torch.Tensor not in dispatch
-        dispatch[torch.Tensor] = reducer_closing_over(transport._RAY_RDT_DESERIALIZER)
-        transport._by_reference_tensor_reducer()
-        assert dispatch[torch.Tensor] is transport._reduce_tensor
+        dispatch[torch.Tensor] = reducer_closing_over(patches._RAY_RDT_DESERIALIZER)
+        patches.by_reference_tensor_reducer()
+        assert dispatch[torch.Tensor] is patches._reduce_tensor
     finally:
         if saved is None:
             dispatch.pop(torch.Tensor, None)
@@ -1962,18 +1963,18 @@ def test_a_value_whose_order_is_not_one_flat_tensors_makes_is_a_wire_format_erro
     ([1, 1]) silently put another tensor in its place."""
     import types
 
-    from ray_rdt_pool._ray import transport as tp
+    from ray_rdt_pool._ray import patches
 
     a, b, c = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
-    monkeypatch.setattr(tp, "_rdt_context_local",
+    monkeypatch.setattr(patches, "_rdt_context_local",
                         lambda: types.SimpleNamespace(rdt_tensors=[a, b]))
     for order in ([0, 5], [0, -1], [1, 1], [1, 0], [0, 0], [0, True], [0, 1.0]):
         with pytest.raises(WireFormatError, match="same ray_rdt_pool version"):
-            tp._flat_from_rdt("list", 2, None, order)
-    stand_in, tensors = tp.flat_tensors([a, b, a, c, b], torch.Tensor)
-    monkeypatch.setattr(tp, "_rdt_context_local",
+            patches._flat_from_rdt("list", 2, None, order)
+    stand_in, tensors = patches.flat_tensors([a, b, a, c, b], torch.Tensor)
+    monkeypatch.setattr(patches, "_rdt_context_local",
                         lambda: types.SimpleNamespace(rdt_tensors=tensors))
-    out = tp._flat_from_rdt(stand_in.kind, stand_in.n, stand_in.keys, stand_in.order)
+    out = patches._flat_from_rdt(stand_in.kind, stand_in.n, stand_in.keys, stand_in.order)
     assert [t is x for t, x in zip(out, [a, b, a, c, b])] == [True] * 5
 
 

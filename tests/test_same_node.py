@@ -55,13 +55,13 @@ class Sender:
     def put_by_reference(self, obj_id: str, n: int):
         """An object sent by reference (read where it lies, never in the pool): puts
         no pool into being."""
-        from ray_rdt_pool._ray.transport import put_owned
+        from ray_rdt_pool._ray.owned import put_owned
 
         self.lent = [torch.arange(n, dtype=torch.int64)]
         return put_owned(obj_id, self.lent, by_reference=True), digest(self.lent)
 
     def free_owned(self, obj_id: str) -> bool:
-        from ray_rdt_pool._ray.transport import free_owned
+        from ray_rdt_pool._ray.owned import free_owned
 
         return free_owned(obj_id)
 
@@ -92,7 +92,7 @@ class Receiver:
         return int(t.sum())
 
     def get_owned(self, obj_id: str, wire_device):
-        from ray_rdt_pool._ray.transport import fetch_owned
+        from ray_rdt_pool._ray.owned import fetch_owned
 
         return digest(fetch_owned(obj_id, *wire_device))
 

@@ -43,7 +43,8 @@ class Sender:
 
     def put_many(self, prefix: str, n: int, fill: int | None = None, size: int = 4):
         """``n`` small objects in one call; their wire bytes, and the pool offset of each."""
-        from ray_rdt_pool._ray.transport import put_owned, runtime
+        from ray_rdt_pool._ray.owned import put_owned
+        from ray_rdt_pool._ray.runtime import runtime
 
         wires, offsets = [], []
         for i in range(n):
@@ -54,7 +55,7 @@ class Sender:
         return wires, offsets
 
     def free_many(self, prefix: str, n: int) -> int:
-        from ray_rdt_pool._ray.transport import free_owned
+        from ray_rdt_pool._ray.owned import free_owned
 
         return sum(free_owned(f"{prefix}{i}") for i in range(n))
 
@@ -70,7 +71,7 @@ class Receiver:
 
     def keep(self, prefix: str, wires, scribble: bool = False) -> list[int]:
         """Fetch and keep every object; the first element of each as received."""
-        from ray_rdt_pool._ray.transport import fetch_owned
+        from ray_rdt_pool._ray.owned import fetch_owned
 
         first = []
         for i, w in enumerate(wires):
@@ -83,7 +84,7 @@ class Receiver:
 
     def values(self, obj_id: str, wire: bytes) -> list[int]:
         """Fetch one object and return its first tensor's values (the views die here)."""
-        from ray_rdt_pool._ray.transport import fetch_owned
+        from ray_rdt_pool._ray.owned import fetch_owned
 
         return fetch_owned(obj_id, wire, "cpu")[0].tolist()
 

@@ -21,7 +21,8 @@ import traceback
 import pytest
 import torch
 
-from ray_rdt_pool._ray.transport import PoolTransportMetadata, Runtime
+from ray_rdt_pool._ray.metadata import PoolTransportMetadata
+from ray_rdt_pool._ray.runtime import Runtime
 from ray_rdt_pool.config import PoolConfig
 from ray_rdt_pool.errors import PoolExhaustedError, RegistrationError, WireFormatError
 from ray_rdt_pool.receive import fork as fork_mod

@@ -32,7 +32,7 @@ import torch
 from ray import cloudpickle
 
 import ray_rdt_pool
-from ray_rdt_pool._ray.transport import Runtime
+from ray_rdt_pool._ray.runtime import Runtime
 from ray_rdt_pool.config import PoolConfig, Tuning
 from ray_rdt_pool.errors import InvalidInputError, TransferError
 from ray_rdt_pool.memory.tensors import copy_moves

@@ -102,22 +102,22 @@ class Sender:
 
     def put_counting_flat(self, value):
         """Put ``value``; also say whether it went as one stand-in object past Ray's
-        per-tensor serializer (see transport.flat_tensors)."""
-        from ray_rdt_pool._ray import transport
+        per-tensor serializer (see patches.flat_tensors)."""
+        from ray_rdt_pool._ray import patches
 
         took = []
-        real = transport.flat_tensors
+        real = patches.flat_tensors
 
         def spy(v, tensor_type):
             out = real(v, tensor_type)
             took.append(out is not None)
             return out
 
-        transport.flat_tensors = spy
+        patches.flat_tensors = spy
         try:
             ref = ray.put(value, _tensor_transport="nixl_pool")
         finally:
-            transport.flat_tensors = real
+            patches.flat_tensors = real
         return [ref], took == [True]
 
     def tensor_reducer(self):
@@ -125,12 +125,12 @@ class Sender:
         outside an RDT object still round-trips through it."""
         from ray import cloudpickle
 
-        from ray_rdt_pool._ray import transport
+        from ray_rdt_pool._ray import patches
 
         t = torch.arange(5.0)
         blob = cloudpickle.dumps([t])
         return {"ours": cloudpickle.CloudPickler.dispatch[torch.Tensor]
-                is transport._reduce_tensor,
+                is patches._reduce_tensor,
                 "function_by_value": b"serialize_rdt_objects" in blob,
                 "round_trip": torch.equal(cloudpickle.loads(blob)[0], t)}
 
@@ -165,7 +165,7 @@ class Sender:
     def put_parameters_as_bf16(self):
         """pack_as over Parameters: a list of one, and a dict that mixes a Parameter, a
         plain tensor and a Parameter left out of the mapping."""
-        from ray_rdt_pool._ray.transport import pack_as
+        from ray_rdt_pool._ray.conversions import pack_as
 
         p, q = torch.nn.Parameter(torch.arange(8.0)), torch.nn.Parameter(torch.ones(2))
         plain = torch.arange(4.0)
@@ -469,7 +469,7 @@ def test_a_stored_snapshot_tensor_round_trips_and_refuses_a_wrong_byte_count():
 
     import numpy as np
 
-    from ray_rdt_pool._ray.transport import _StoredTensor, _tensor_from_store
+    from ray_rdt_pool._ray.patches import _StoredTensor, _tensor_from_store
     from ray_rdt_pool.errors import WireFormatError
 
     t = torch.arange(6, dtype=torch.int32).view(torch.uint16).reshape(3, 4)
@@ -496,7 +496,7 @@ def test_get_snapshot_follows_the_sender_through_retried_puts():
     the tensors changed, copies with storages of their own; a retried put that fails
     before placing keeps the first try, one that fails placing releases it and its
     metadata (kept until a free that never comes, before)."""
-    from ray_rdt_pool._ray.transport import Runtime
+    from ray_rdt_pool._ray.runtime import Runtime
     from ray_rdt_pool.config import PoolConfig
     from ray_rdt_pool.errors import InvalidInputError, PoolExhaustedError
     from tests.fakenixl import World
@@ -735,11 +735,11 @@ def test_the_environment_names_reach_the_workers():
     class Probe:
         def run(self):
             from ray_rdt_pool import config
-            from ray_rdt_pool._ray import transport
+            from ray_rdt_pool._ray.runtime import runtime
 
             ray_rdt_pool.register()
             self.kept = ray.put([torch.ones(4)], _tensor_transport="nixl_pool")  # the pool
-            return (ray_rdt_pool.stats().pool_capacity, transport.runtime().config.options(),
+            return (ray_rdt_pool.stats().pool_capacity, runtime().config.options(),
                     sorted(config._warned))
 
     env = {"RAY_RDT_POOL_PACK_THREADS": "3", "RAY_RDT_POOL_DEBUG_TRANSFERS": "1",

@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-import ray_rdt_pool._ray.transport as T
-from ray_rdt_pool._ray.transport import Runtime, free_owned, put_owned
+import ray_rdt_pool._ray.runtime as T
+from ray_rdt_pool._ray.owned import free_owned, put_owned
+from ray_rdt_pool._ray.runtime import Runtime
 from ray_rdt_pool.config import PoolConfig
 from ray_rdt_pool.errors import InvalidInputError, PoolExhaustedError
 from ray_rdt_pool.weights import (
