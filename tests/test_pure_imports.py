@@ -18,6 +18,9 @@ PURE_MODULES = [
     "ray_rdt_pool.config",
     "ray_rdt_pool.obs.stats",
     "ray_rdt_pool.obs.events",
+    "ray_rdt_pool.nixl.protocol",
+    # The fake NIXL: torch only inside a READ into device memory.
+    "ray_rdt_pool.testing",
     # The package itself imports nothing heavy: its functions load the transport lazily.
     "ray_rdt_pool",
 ]
@@ -49,6 +52,10 @@ def test_pure_modules_do_not_import_heavy_dependencies() -> None:
 
 OWNER_MODULES = [
     "ray_rdt_pool.registry", "ray_rdt_pool.send.sender", "ray_rdt_pool.receive.receiver",
+    "ray_rdt_pool.same_node.regions", "ray_rdt_pool.same_node.leases",
+    "ray_rdt_pool.same_node.info", "ray_rdt_pool.same_node.mapped",
+    "ray_rdt_pool.same_node.fork", "ray_rdt_pool.same_node.cuda",
+    "ray_rdt_pool.same_node.source", "ray_rdt_pool.same_node.shared",
 ]
 
 
