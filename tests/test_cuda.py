@@ -206,7 +206,9 @@ def test_real_ray_round_trip_between_actors_on_one_gpu():
 def test_cuda_ipc_entry_round_trips_and_rejects_malformed_fields():
     """The directory entry of a CUDA pool (no device needed: it is bytes and ints)."""
     from ray_rdt_pool.errors import WireFormatError
-    from ray_rdt_pool.same_node.shared import PAGE, CudaExport, HostInfo
+    from ray_rdt_pool.same_node._libc import PAGE
+    from ray_rdt_pool.same_node.cuda import CudaExport
+    from ray_rdt_pool.same_node.info import HostInfo
 
     cuda = CudaExport("GPU-1234", b"\x01" * 64, PAGE * 8, 0, b"/torch_1", 16, b"\x02" * 64,
                       True)
@@ -321,17 +323,17 @@ def test_gpu_check_sanity_cuda_ipc_export_opens_in_another_process():
     import subprocess
     import sys
 
-    from ray_rdt_pool.same_node.shared import export_cuda_pool
+    from ray_rdt_pool.same_node.cuda import export_cuda_pool
 
     t = torch.arange(1 << 20, dtype=torch.int32, device="cuda")
     exp = export_cuda_pool(t.view(torch.uint8))
     torch.cuda.synchronize()
     code = (
         "import sys, torch\n"
-        "from ray_rdt_pool.same_node.shared import CudaExport, _CudaMapping\n"
+        "from ray_rdt_pool.same_node.cuda import CudaExport, CudaMapping\n"
         f"c = CudaExport({exp.uuid!r}, {exp.handle!r}, {exp.size}, {exp.offset}, "
         f"{exp.ref_handle!r}, {exp.ref_offset}, {exp.event_handle!r}, {exp.event_sync})\n"
-        "m = _CudaMapping(c, 4 << 20)\n"
+        "m = CudaMapping(c, 4 << 20)\n"
         "x = torch.empty(0, dtype=torch.uint8, device='cuda').set_(m.storage).view(torch.int32)\n"
         "assert torch.equal(x.cpu(), torch.arange(1 << 20, dtype=torch.int32)), 'bytes differ'\n"
         "print('ok')\n")

@@ -17,7 +17,7 @@ import torch
 from ray_rdt_pool._ray.runtime import Runtime
 from ray_rdt_pool.config import PoolConfig
 from ray_rdt_pool.obs import metrics
-from ray_rdt_pool.same_node.shared import PAGE
+from ray_rdt_pool.same_node._libc import PAGE
 from tests.fakenixl import World
 
 _NAMES = [name for name, _doc, _fn in metrics.GAUGES]
@@ -107,7 +107,7 @@ def test_source_reads_are_exported(ray_up: dict[str, bool]) -> None:
     """A weights stream read in place on one node fired no observer event: a receiver
     whose streams all went so never exported its source reads, received bytes or arena
     use."""
-    from ray_rdt_pool.same_node.shared import this_process
+    from ray_rdt_pool.same_node.source import this_process
 
     rt = _runtime(World(), node="n1")
     try:

@@ -25,6 +25,9 @@ PURE_MODULES = [
     # Ray glue that needs none of them to load: pack_as's state, the stats assembly.
     "ray_rdt_pool._ray.conversions",
     "ray_rdt_pool._ray.stats",
+    "ray_rdt_pool.nixl.protocol",
+    # The fake NIXL: torch only inside a READ into device memory.
+    "ray_rdt_pool.testing",
     # The package itself imports nothing heavy: its functions load the transport lazily.
     "ray_rdt_pool",
 ]
@@ -59,6 +62,10 @@ OWNER_MODULES = [
     "ray_rdt_pool.receive.arena", "ray_rdt_pool.receive.fork", "ray_rdt_pool.receive.mapped",
     "ray_rdt_pool.receive.peers", "ray_rdt_pool.receive.source",
     "ray_rdt_pool.receive.transfers",
+    "ray_rdt_pool.same_node.regions", "ray_rdt_pool.same_node.leases",
+    "ray_rdt_pool.same_node.info", "ray_rdt_pool.same_node.mapped",
+    "ray_rdt_pool.same_node.fork", "ray_rdt_pool.same_node.cuda",
+    "ray_rdt_pool.same_node.source", "ray_rdt_pool.same_node.shared",
 ]
 #: The weights API imports Ray and the transport only when it is called.
 WEIGHTS_MODULES = [

@@ -1,4 +1,4 @@
-"""Read lanes (ray_rdt_pool.nixl.backend): the descriptor split, the composite handle of a split
+"""Read lanes (ray_rdt_pool.nixl.lanes): the descriptor split, the composite handle of a split
 READ, registrations and peers on every lane, the configuration, and the runtime's wiring.
 
 Fast and without Ray: :class:`NixlBackend` runs here over :class:`FakeAgent`, a stand-in
@@ -30,13 +30,8 @@ from ray_rdt_pool.errors import (
     RegistrationError,
     TransferError,
 )
-from ray_rdt_pool.nixl.backend import (
-    PROGRESS_HOLD_S,
-    SPLIT_ALIGN,
-    NixlBackend,
-    SplitRead,
-    split_pairs,
-)
+from ray_rdt_pool.nixl.backend import PROGRESS_HOLD_S, NixlBackend
+from ray_rdt_pool.nixl.lanes import SPLIT_ALIGN, SplitRead, split_pairs
 from tests.fakenixl import World
 
 MIB = 1 << 20

@@ -16,7 +16,7 @@ import torch
 
 from ray_rdt_pool.errors import TransferError
 from ray_rdt_pool.receive import mapped as mapped_mod
-from ray_rdt_pool.same_node.shared import this_process
+from ray_rdt_pool.same_node.source import this_process
 from tests.fakenixl import World
 from tests.test_same_node_logic import get, make, settle
 

@@ -1,51 +1,49 @@
-"""The NIXL side of the transport: the agents of one process, their locks, quiet progress.
+"""NIXL's agents for one process: :class:`NixlBackend`, the real :class:`~.protocol.Backend`.
 
-Only this module and :mod:`ray_rdt_pool._ray.transport` touch NIXL. Everything above it talks
-to the small :class:`Backend` interface, which a fake can implement for unit tests of
-the transport's logic (never for integration tests).
-
-**Read lanes.** With UCX over cma (two processes on one host) the copy of a READ runs
-inside ``transfer()`` on the calling thread, and two threads posting on *one* agent
-serialize. Several agents in one process (each its own UCX context and worker) copy
-concurrently. So :class:`NixlBackend` may hold ``lanes`` agents: lane 0 is the agent
-senders publish and peers load; lanes 1.. are extra agents used only to initiate READs,
-created when the process first acts as a receiver (so a process that only sends never
-pays for them). A large READ into memory registered with every lane (the receive
-arenas) is cut into one part per lane, posted concurrently, and tracked by one
-composite handle.
+Only this package and :mod:`ray_rdt_pool._ray.transport` touch NIXL. The backend owns
+the process's agents (lane 0, and the read lanes of :mod:`.lanes`), one lock per agent,
+and a quiet progress thread. Lifetime: made on first use by the runtime, closed by
+``ray_rdt_pool.shutdown()``. Threads: any of Ray's threads and the progress thread.
 
 **Quiet progress.** A peer's first READ needs this process's lane 0 to progress its UCX
-worker a few times (the connection handshake; measured here: about four progress
-intervals). Later READs are one-sided and need nothing from it. So the progress thread
-runs at ``interval_s`` for :data:`PROGRESS_HOLD_S` after this process last sent something
+worker a few times (the connection handshake). Later READs are one-sided and need
+nothing from it. So the progress thread runs at ``interval_s`` for
+:data:`PROGRESS_HOLD_S` after this process last sent something
 (:meth:`NixlBackend.active`), when peers connect, and at ``idle_interval_s`` otherwise.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import queue
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from typing import Any, NoReturn, Protocol
+from typing import Any
 
-from ray_rdt_pool.errors import ReadStillRunningError, RegistrationError, TransferError
+from ray_rdt_pool.errors import RegistrationError
+from ray_rdt_pool.nixl.lanes import (
+    SPLIT_ALIGN,  # re-exported for other packages until the lead rewires them
+    Lane,
+    LaneRegs,
+    SplitRead,
+    post,
+    release_split,
+    split_pairs,
+    split_state,
+    start_split,
+)
+from ray_rdt_pool.nixl.protocol import (
+    Backend,  # re-exported for other packages until the lead rewires them
+    Desc,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Backend", "NixlBackend", "SplitRead", "new_agent_name", "split_pairs"]
-
-Desc = tuple[int, int, int]
-
-#: Cut points of a split READ fall on multiples of this many bytes of the READ's stream,
-#: so two lanes rarely share a page (the arena blocks themselves are aligned).
-SPLIT_ALIGN = 4096
+__all__ = ["PROGRESS_HOLD_S", "SPLIT_ALIGN", "Backend", "NixlBackend", "SplitRead",
+           "new_agent_name", "split_pairs"]
 
 #: Seconds the progress thread keeps its fast interval after :meth:`NixlBackend.active`:
 #: the receivers of an object connect (if they are new) within moments of its put.
@@ -55,202 +53,6 @@ PROGRESS_HOLD_S = 1.0
 def new_agent_name() -> str:
     """A name unique per process incarnation, so a restarted actor is a new peer."""
     return f"rdtpool-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-
-
-class Backend(Protocol):
-    """What the transport needs from NIXL. All methods are thread-safe."""
-
-    name: str
-
-    def register(self, addr: int, nbytes: int, mem: str, dev: int,
-                 lanes: bool = False) -> Any: ...
-    def deregister(self, handle: Any) -> None: ...
-    def metadata(self) -> bytes: ...
-    def load_remote(self, md: bytes) -> str: ...
-    def remove_remote(self, name: str) -> None: ...
-    def start_read(self, local: Sequence[Desc], remote: Sequence[Desc], remote_name: str,
-                   local_mem: str, remote_mem: str, split: bool = False) -> Any: ...
-    def state(self, xfer: Any) -> str: ...
-    def release(self, xfer: Any) -> None: ...
-    def add_tick(self, fn: Any) -> None: ...
-    def close(self) -> None: ...
-
-
-def _dlist(agent: Any, descs: Sequence[Desc], mem: str) -> Any:
-    if len(descs) > 64:
-        import numpy as np
-
-        # NIXL builds an Nx3 array in C; a list of tuples is converted in Python.
-        return agent.get_xfer_descs(np.array(descs, dtype=np.uint64), mem)
-    return agent.get_xfer_descs(list(descs), mem)
-
-
-def split_pairs(local: Sequence[Desc], remote: Sequence[Desc], parts: int,
-                align: int = SPLIT_ALIGN) -> list[tuple[list[Desc], list[Desc]]]:
-    """Cut paired descriptors into at most ``parts`` groups of about equal bytes.
-
-    The pairs are read as one stream of bytes (pair 0's, then pair 1's, ...); the cut
-    points are the multiples of ``align`` nearest to ``total * i / parts``, and a pair
-    that straddles a cut is split at the same byte offset on both sides, so every
-    group is again a list of pairs of equal length. Every byte is in exactly one group,
-    groups keep the order of the stream, and each holds ``total / parts`` bytes give or
-    take ``align``. Fewer groups come back when the READ is too small for ``parts``
-    (fewer than ``parts * align`` bytes). Zero-length pairs are dropped.
-
-    Pure: runs on the thread calling ``start_read``.
-
-    Raises:
-        ValueError: the lists differ in length or a pair differs in length.
-    """
-    if len(local) != len(remote):
-        raise ValueError(f"{len(local)} local descriptors but {len(remote)} remote ones")
-    total = 0
-    for i, (ld, rd) in enumerate(zip(local, remote)):
-        if ld[1] != rd[1] or ld[1] < 0:
-            raise ValueError(f"descriptor {i}: local length {ld[1]}, remote length {rd[1]}")
-        total += ld[1]
-    k = max(1, int(parts))
-    align = max(1, int(align))
-    cuts: list[int] = []
-    for i in range(1, k):
-        c = (total * i // k + align // 2) // align * align
-        cuts.append(min(max(c, cuts[-1] if cuts else 0), total))
-    cuts.append(total)
-    groups: list[tuple[list[Desc], list[Desc]]] = []
-    cur_l: list[Desc] = []
-    cur_r: list[Desc] = []
-    pos = 0  # stream offset of the next byte to place
-    ci = 0  # index of the next cut ahead of pos
-    for (la, n, ldev), (ra, _m, rdev) in zip(local, remote):
-        off = 0
-        while off < n:
-            # pos < total here and cuts[-1] == total, so ci stays in range.
-            while pos >= cuts[ci]:
-                if cur_l:
-                    groups.append((cur_l, cur_r))
-                    cur_l, cur_r = [], []
-                ci += 1
-            take = min(n - off, cuts[ci] - pos)
-            cur_l.append((la + off, take, ldev))
-            cur_r.append((ra + off, take, rdev))
-            off += take
-            pos += take
-    if cur_l:
-        groups.append((cur_l, cur_r))
-    return groups
-
-
-class _LaneWorker:
-    """A daemon thread that posts READ parts for one lane.
-
-    It blocks on its queue while idle (no CPU), and is created on the first split READ.
-    Jobs run in the order submitted; a job's outcome goes to its :class:`Future`.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
-            queue.SimpleQueue())
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
-        fut: Future[Any] = Future()
-        self._jobs.put((fut, fn))
-        return fut
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            fut, fn = job
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # the poster re-raises it on its own thread
-                fut.set_exception(e)
-
-    def stop(self, timeout: float) -> None:
-        """Let queued jobs finish, then end the thread (waits at most ``timeout``)."""
-        self._jobs.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-
-class _Lane:
-    """One NIXL agent, its re-entrant lock, and (lanes >= 1) its posting thread.
-
-    Every call into ``agent`` holds ``lock``: NIXL's default sync mode (progress thread
-    off) does no locking of its own, and the agent is used from several of Ray's threads.
-    """
-
-    __slots__ = ("_worker", "agent", "index", "lock", "name")
-
-    def __init__(self, index: int, name: str, agent: Any) -> None:
-        self.index = index
-        self.name = name
-        self.agent = agent
-        self.lock = threading.RLock()
-        self._worker: _LaneWorker | None = None
-
-    def worker(self, guard: threading.Lock) -> _LaneWorker:
-        """This lane's posting thread, started on first use (under ``guard``)."""
-        w = self._worker
-        if w is None:
-            with guard:
-                w = self._worker
-                if w is None:
-                    w = self._worker = _LaneWorker(f"ray_rdt_pool-lane{self.index}")
-        return w
-
-    def stop_worker(self, timeout: float) -> None:
-        w, self._worker = self._worker, None
-        if w is not None:
-            w.stop(timeout)
-
-
-class _Part:
-    """One lane's share of a split READ. ``handle`` is None once released."""
-
-    __slots__ = ("handle", "lane", "state")
-
-    def __init__(self, lane: _Lane, handle: Any, state: str) -> None:
-        self.lane = lane
-        self.handle = handle
-        self.state = state  # "PROC", "DONE", "ERR", or "CANCELLED" (released in flight)
-
-    @property
-    def running(self) -> bool:
-        """True while NIXL may still write for this part."""
-        return self.handle is not None and self.state == "PROC"
-
-
-class SplitRead:
-    """The composite handle of a READ posted as one part per lane.
-
-    Its state is ``DONE`` once every part is, ``ERR`` once a part failed and none is
-    still running (the others are cancelled where NIXL can), else ``PROC``: the
-    receiver takes any state but ``PROC`` to mean that nothing writes any more. A part
-    whose release failed stays here and pollable. Used from whichever thread holds the
-    receiver's transfer lock; ``lock`` makes it safe from any thread regardless.
-    """
-
-    __slots__ = ("lock", "parts")
-
-    def __init__(self, parts: list[_Part]) -> None:
-        self.parts = parts
-        self.lock = threading.Lock()
-
-    def __repr__(self) -> str:
-        return "SplitRead(" + ", ".join(
-            f"lane{p.lane.index}:{p.state}{'' if p.handle is not None else '/released'}"
-            for p in self.parts) + ")"
-
-
-def _parts_of(e: ReadStillRunningError) -> list[_Part]:
-    running = e.running
-    return list(running.parts) if isinstance(running, SplitRead) else []
 
 
 class NixlBackend:
@@ -290,7 +92,7 @@ class NixlBackend:
         agent = self._make(name)  # lane 0: a failure here is the process's failure
         self.name = name
         # Replaced (never mutated) when lanes 1.. are made, so readers need no lock.
-        self._lanes: list[_Lane] = [_Lane(0, name, agent)]
+        self._lanes: list[Lane] = [Lane(0, name, agent)]
         self._want_lanes = max(1, int(lanes))
         self._lanes_made = self._want_lanes == 1
         self._lanes_guard = threading.Lock()
@@ -353,7 +155,7 @@ class NixlBackend:
             for k in range(1, self._want_lanes):
                 lane_name = f"{self.name}-lane{k}"
                 try:
-                    lanes.append(_Lane(k, lane_name, self._make(lane_name)))
+                    lanes.append(Lane(k, lane_name, self._make(lane_name)))
                 except Exception as e:  # lanes are an optimisation: run with fewer
                     logger.warning("could not create read lane %s (%s); using %d lane(s)",
                                    lane_name, e, len(lanes))
@@ -413,7 +215,7 @@ class NixlBackend:
         if lanes:
             self._ensure_lanes()
         targets = self._lanes if lanes else self._lanes[:1]
-        done: list[tuple[_Lane, Any]] = []
+        done: list[tuple[Lane, Any]] = []
         try:
             for lane in targets:
                 with lane.lock:
@@ -439,13 +241,13 @@ class NixlBackend:
             ) from e
         if len(done) == 1:
             return done[0][1]
-        return _LaneRegs(done)
+        return LaneRegs(done)
 
     def deregister(self, handle: Any) -> None:
         """Undo :meth:`register` on every lane it registered with; raises the first
         failure after trying every lane. A lane whose agent :meth:`close` destroyed is
         skipped: destroying it dropped every registration it held."""
-        pairs = handle.pairs if isinstance(handle, _LaneRegs) else [(self._lanes[0], handle)]
+        pairs = handle.pairs if isinstance(handle, LaneRegs) else [(self._lanes[0], handle)]
         first: BaseException | None = None
         for lane, h in pairs:
             try:
@@ -493,35 +295,6 @@ class NixlBackend:
 
     # -- READs ----------------------------------------------------------------------------
 
-    def _post(self, lane: _Lane, local: Sequence[Desc], remote: Sequence[Desc],
-              remote_name: str, local_mem: str, remote_mem: str) -> tuple[Any, str]:
-        """Post one READ on ``lane``; returns (handle, "DONE" or "PROC").
-
-        Runs on the caller's thread (lane 0) or on the lane's worker. With cma the copy
-        itself happens inside ``transfer()``, under the lane's lock.
-        """
-        with lane.lock:
-            agent = lane.agent
-            ldl = _dlist(agent, local, local_mem)
-            rdl = _dlist(agent, remote, remote_mem)
-            handle = agent.initialize_xfer("READ", ldl, rdl, remote_name, b"")
-            try:
-                state = str(agent.transfer(handle))
-            except BaseException as e:
-                # A Ctrl-C raised as transfer() returns leaves the READ posted, and maybe
-                # running: it is unwound like a failed post, then re-raised.
-                failed: BaseException = e
-            else:
-                if state != "ERR":
-                    return handle, state
-                failed = TransferError(
-                    f"NIXL refused to post a READ from {remote_name}"
-                    + (f" on read lane {lane.index}" if lane.index else ""))
-        # The post failed. Release the handle; should NIXL refuse (the READ may be
-        # running after all), wait for it to end outside the lane's lock first, so that
-        # nothing writes into the local memory once this raises.
-        self._raise_unwound([_Part(lane, handle, "PROC")], [], remote_name, failed)
-
     def start_read(self, local: Sequence[Desc], remote: Sequence[Desc], remote_name: str,
                    local_mem: str, remote_mem: str, split: bool = False) -> Any:
         """Post a READ; returns a handle for :meth:`state` and :meth:`release`.
@@ -542,164 +315,20 @@ class NixlBackend:
             if total >= self._split_bytes:
                 groups = split_pairs(local, remote, len(lanes))
                 if len(groups) > 1:
-                    return self._start_split(lanes, groups, remote_name, local_mem,
-                                             remote_mem)
-        handle, _state = self._post(lanes[0], local, remote, remote_name, local_mem,
-                                    remote_mem)
+                    return start_split(lanes, groups, remote_name, local_mem, remote_mem,
+                                       self._post_timeout, self._worker_guard,
+                                       self._on_split)
+        handle, _state = post(lanes[0], local, remote, remote_name, local_mem, remote_mem,
+                              self._post_timeout)
         return handle
-
-    def _start_split(self, lanes: list[_Lane], groups: list[tuple[list[Desc], list[Desc]]],
-                     remote_name: str, local_mem: str, remote_mem: str) -> SplitRead:
-        futures: list[tuple[_Lane, Future[Any]]] = []
-        for k in range(1, len(groups)):
-            lane = lanes[k]
-            gl, gr = groups[k]
-            job = functools.partial(self._post, lane, gl, gr, remote_name, local_mem,
-                                    remote_mem)
-            futures.append((lane, lane.worker(self._worker_guard).submit(job)))
-        parts: list[_Part] = []
-        errors: list[BaseException] = []
-        try:
-            h, s = self._post(lanes[0], groups[0][0], groups[0][1], remote_name, local_mem,
-                              remote_mem)
-            parts.append(_Part(lanes[0], h, s))
-        except BaseException as e:
-            errors.append(e)
-        # Every worker must be heard from, even after an error: until its transfer()
-        # returns it may be copying into the local memory.
-        for lane, fut in futures:
-            while True:
-                try:
-                    h, s = fut.result()
-                    parts.append(_Part(lane, h, s))
-                    break
-                except BaseException as e:
-                    if fut.done():
-                        errors.append(e)
-                        break
-                    # Interrupted while waiting (KeyboardInterrupt): keep waiting, and
-                    # raise the interrupt rather than a lane's error.
-                    errors.insert(0, e)
-        error = errors[0] if errors else None
-        if error is not None:
-            running = [p for e in errors if isinstance(e, ReadStillRunningError)
-                       for p in _parts_of(e)]
-            self._raise_unwound(parts, running, remote_name, error)
-        if self._on_split is not None:
-            try:
-                self._on_split()
-            except Exception:
-                logger.debug("on_split callback failed", exc_info=True)
-        return SplitRead(parts)
-
-    def _raise_unwound(self, parts: list[_Part], running: list[_Part], remote_name: str,
-                       error: BaseException) -> NoReturn:
-        """Unwind ``parts`` (see :meth:`_unwind`) and raise ``error``; or, if a part may
-        still write (``running``: parts a lane's own unwind could not stop), raise
-        :class:`ReadStillRunningError` holding them, so that the caller keeps the local
-        memory reserved until they end."""
-        running = running + self._unwind(parts, remote_name)
-        if running:
-            raise ReadStillRunningError(
-                f"a READ from {remote_name} failed to post ({error}), and {len(running)} "
-                "part(s) of it NIXL could neither cancel nor cut off may still write; the "
-                "memory it reads into stays reserved until they end",
-                SplitRead(running)) from error
-        raise error
-
-    def _unwind(self, parts: list[_Part], remote_name: str) -> list[_Part]:
-        """Release the posted parts of a READ that failed to post as a whole; returns the
-        parts that may still write.
-
-        A part NIXL cannot cancel is polled until it ends; one still running after
-        ``post_timeout_s`` is cut off by removing the remote agent from its lane (the
-        receiver's peer then fails on that lane and is removed and reloaded later). A
-        part whose cut-off and release both fail keeps its handle and is returned: only
-        NIXL reporting its end makes its memory safe to reuse.
-        Runs on the thread that posted: the caller of ``start_read``, or a lane's thread
-        for its own failed post.
-        """
-        left: list[_Part] = []
-        for p in parts:
-            if self._try_release(p):
-                continue
-            deadline = time.monotonic() + self._post_timeout
-            delay = 20e-6
-            while p.state == "PROC" and time.monotonic() < deadline:
-                self._poll_part(p)
-                if p.state == "PROC":
-                    time.sleep(delay)
-                    delay = min(delay * 2, 1e-3)
-            if p.state == "PROC":
-                logger.warning("a part of a failed split READ from %s still ran after %ss; "
-                               "cutting it off by removing the agent from %s", remote_name,
-                               self._post_timeout, p.lane.name)
-                try:
-                    with p.lane.lock:
-                        p.lane.agent.remove_remote_agent(remote_name)
-                except Exception:
-                    logger.warning("cutting off the READ part on %s failed", p.lane.name,
-                                   exc_info=True)
-                else:
-                    p.state = "ERR"  # removing the agent ended it
-            if self._try_release(p):
-                continue
-            if p.state == "PROC":
-                left.append(p)  # neither cut off nor cancelled: it may still write
-            else:
-                # Ended (DONE/ERR/cut), so nothing writes; only the handle leaks.
-                logger.warning("releasing an ended READ part on %s failed", p.lane.name)
-        return left
-
-    @staticmethod
-    def _poll_part(p: _Part) -> None:
-        """Refresh a running part's state; NIXL raising counts as ``ERR`` (ended)."""
-        try:
-            with p.lane.lock:
-                p.state = str(p.lane.agent.check_xfer_state(p.handle))
-        except Exception as e:
-            logger.debug("READ part on %s ended in error: %s", p.lane.name, e)
-            p.state = "ERR"
-
-    @staticmethod
-    def _try_release(p: _Part) -> bool:
-        """Release one part (a cancel if it is running); False if NIXL refused."""
-        if p.handle is None:
-            return True
-        try:
-            with p.lane.lock:
-                p.lane.agent.release_xfer_handle(p.handle)
-        except Exception:
-            logger.debug("releasing a READ part on %s failed", p.lane.name, exc_info=True)
-            return False
-        p.handle = None
-        if p.state == "PROC":
-            p.state = "CANCELLED"
-        return True
 
     def state(self, xfer: Any) -> str:
         """``DONE``, ``PROC`` or ``ERR`` (NIXL's words); for a :class:`SplitRead` see there."""
         if isinstance(xfer, SplitRead):
-            return self._split_state(xfer)
+            return split_state(xfer)
         lane0 = self._lanes[0]
         with lane0.lock:
             return str(lane0.agent.check_xfer_state(xfer))
-
-    def _split_state(self, x: SplitRead) -> str:
-        with x.lock:
-            for p in x.parts:
-                if p.running:
-                    self._poll_part(p)
-            if any(p.state == "ERR" for p in x.parts):
-                # The READ failed: stop the rest now if NIXL can, rather than wait for it.
-                for p in x.parts:
-                    if p.running:
-                        self._try_release(p)
-            if any(p.running for p in x.parts):
-                return "PROC"
-            if all(p.state == "DONE" for p in x.parts):
-                return "DONE"
-            return "ERR"
 
     def release(self, xfer: Any) -> None:
         """Release a handle; a running READ is cancelled if NIXL can, else this raises and
@@ -710,22 +339,7 @@ class NixlBackend:
             with lane0.lock:
                 lane0.agent.release_xfer_handle(xfer)
             return
-        with xfer.lock:
-            first: BaseException | None = None
-            for p in xfer.parts:
-                if p.handle is None:
-                    continue
-                try:
-                    with p.lane.lock:
-                        p.lane.agent.release_xfer_handle(p.handle)
-                except Exception as e:
-                    first = first or e
-                    continue
-                p.handle = None
-                if p.state == "PROC":
-                    p.state = "CANCELLED"
-            if first is not None:
-                raise first
+        release_split(xfer)
 
     def close(self) -> None:
         """Stop the threads and destroy every lane's agent; safe to call twice.
@@ -745,12 +359,3 @@ class NixlBackend:
             with lane.lock:
                 agent, lane.agent = lane.agent, None
             del agent  # the agent's destructor closes its UCX workers here, not at exit
-
-
-class _LaneRegs:
-    """The registrations of one memory range on several lanes (see ``register``)."""
-
-    __slots__ = ("pairs",)
-
-    def __init__(self, pairs: list[tuple[_Lane, Any]]) -> None:
-        self.pairs = pairs
