@@ -13,6 +13,8 @@ PURE_MODULES = [
     "ray_rdt_pool.core.layout",
     "ray_rdt_pool.core.allocator",
     "ray_rdt_pool.core.descriptors",
+    "ray_rdt_pool.core.runs",
+    "ray_rdt_pool.core.codec",
     "ray_rdt_pool.core.wire",
     "ray_rdt_pool.core.selection",
     "ray_rdt_pool.config",
