@@ -50,7 +50,8 @@ def test_pure_modules_do_not_import_heavy_dependencies() -> None:
 
 
 OWNER_MODULES = [
-    "ray_rdt_pool.registry", "ray_rdt_pool.send.sender", "ray_rdt_pool.receive.receiver",
+    "ray_rdt_pool.registry", "ray_rdt_pool.send.sender", "ray_rdt_pool.send.overflow",
+    "ray_rdt_pool.send.leased", "ray_rdt_pool.receive.receiver",
 ]
 
 
