@@ -36,7 +36,7 @@ def ray_up(monkeypatch: pytest.MonkeyPatch) -> dict[str, bool]:
 def _runtime(world: World, node: str | None = None) -> Runtime:
     rt = Runtime(PoolConfig(pool_bytes=4 << 20, arena_bytes=4 << 20, metrics=False),
                  backend_factory=world.factory, directory=world, node_id=lambda: node)
-    rt.observer = metrics.Observer(rt, refresh_interval_s=0.01, poll_interval_s=0.05)
+    rt.observer = metrics.MetricsExporter(rt, refresh_interval_s=0.01, poll_interval_s=0.05)
     return rt
 
 
