@@ -141,7 +141,7 @@ def test_pool_gauges_track_put_fetch_and_free(cluster: dict[str, Any]) -> None:
     url = cluster["url"]
     sender, receiver = Sender.remote(), Receiver.remote()
     sid, rid = sender._actor_id.hex(), receiver._actor_id.hex()
-    assert ray.get(sender.observer_kind.remote()) == "Observer"
+    assert ray.get(sender.observer_kind.remote()) == "MetricsExporter"
 
     refs = ray.get(sender.put.remote(4, 1 << 16))
     nbytes = 4 * (1 << 16) * 4
@@ -191,7 +191,7 @@ def test_metrics_switch_off(cluster: dict[str, Any]) -> None:
     assert from_env({"RAY_RDT_POOL_METRICS": "0"}).metrics is False
     assert from_env({}).metrics is True
     assert rdt_metrics.observer_for(Runtime(PoolConfig(metrics=False))) is None
-    assert isinstance(rdt_metrics.observer_for(Runtime(PoolConfig())), rdt_metrics.Observer)
+    assert isinstance(rdt_metrics.observer_for(Runtime(PoolConfig())), rdt_metrics.MetricsExporter)
 
     # In actors: the environment variable, and configure(metrics=False).
     by_env = Sender.options(runtime_env={"env_vars": {"RAY_RDT_POOL_METRICS": "0"}}).remote()
@@ -241,7 +241,8 @@ def test_observer_cost_is_bounded_and_trailing(cluster: dict[str, Any],
         errors=_FakeMetric(log, "transfer_errors"))
     monkeypatch.setattr(rdt_metrics, "_instruments", fake)
     rt = _FakeRuntime()
-    obs = rdt_metrics.Observer(rt, refresh_interval_s=0.2, poll_interval_s=60)  # type: ignore[arg-type]
+    obs = rdt_metrics.MetricsExporter(
+        rt, refresh_interval_s=0.2, poll_interval_s=60)  # type: ignore[arg-type]
 
     t0 = time.monotonic()
     for i in range(300):

@@ -15,6 +15,8 @@ PURE_MODULES = [
     "ray_rdt_pool.core.layout",
     "ray_rdt_pool.core.allocator",
     "ray_rdt_pool.core.descriptors",
+    "ray_rdt_pool.core.runs",
+    "ray_rdt_pool.core.codec",
     "ray_rdt_pool.core.wire",
     "ray_rdt_pool.core.selection",
     "ray_rdt_pool.config",
@@ -58,7 +60,8 @@ def test_pure_modules_do_not_import_heavy_dependencies() -> None:
 
 
 OWNER_MODULES = [
-    "ray_rdt_pool.registry", "ray_rdt_pool.send.sender", "ray_rdt_pool.receive.receiver",
+    "ray_rdt_pool.registry", "ray_rdt_pool.send.sender", "ray_rdt_pool.send.overflow",
+    "ray_rdt_pool.send.leased", "ray_rdt_pool.receive.receiver",
     "ray_rdt_pool.receive.arena", "ray_rdt_pool.receive.fork", "ray_rdt_pool.receive.mapped",
     "ray_rdt_pool.receive.peers", "ray_rdt_pool.receive.source",
     "ray_rdt_pool.receive.transfers",

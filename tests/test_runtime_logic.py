@@ -537,7 +537,7 @@ def test_a_retried_put_whose_first_try_is_leased_returns_its_pinned_uses(world,
         def released(self):
             return None
 
-    monkeypatch.setattr(s.sender, "leases", Leases())
+    monkeypatch.setattr(s.sender.leased, "table", Leases())
     s.put("id", obj)  # the retry: the first try waits for its lease
     assert entry.users == 1  # only the retry's use
     held[0] = False

@@ -13,19 +13,15 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from ray_rdt_pool.core.codec import MAX_TENSORS, WIRE_VERSION, WireMeta, decode, encode
 from ray_rdt_pool.core.layout import packed_offsets, run_layout
-from ray_rdt_pool.core.wire import (
+from ray_rdt_pool.core.runs import (
     DTYPE_BY_CODE,
     DTYPES,
     MAX_DIMS,
-    MAX_TENSORS,
-    WIRE_VERSION,
     RunGroup,
     Runs,
     TensorRun,
-    WireMeta,
-    decode,
-    encode,
     group_runs,
     runs_from,
 )
@@ -217,7 +213,7 @@ def test_ten_thousand_row_views_encode_small() -> None:
 
 
 def test_ten_thousand_different_shapes_stay_within_the_documented_bound() -> None:
-    # Documented in ray_rdt_pool.core.wire: at most 9 bytes per 2-D run with dims
+    # Documented in ray_rdt_pool.core.codec: at most 9 bytes per 2-D run with dims
     # below 65,536, plus a small fixed part.
     meta = _meta_for([(i + 1, 4096) for i in range(10_000)], "float16")
     assert len(meta.runs) == 10_000
@@ -537,15 +533,15 @@ def test_random_orders_of_a_few_kinds_keep_every_tensor() -> None:
 
 
 def test_a_grouping_that_loses_a_tensor_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ray_rdt_pool.core.wire as wire
+    import ray_rdt_pool.core.runs as runs_mod
 
-    real = wire._find_repeats
-    monkeypatch.setattr(wire, "_find_repeats", lambda items: real(items)[:-1])
+    real = runs_mod._find_repeats
+    monkeypatch.setattr(runs_mod, "_find_repeats", lambda items: real(items)[:-1])
     pairs = _pairs_of("ABCABCD")
     with pytest.raises(WireFormatError, match="grouping of 7 tensors does not give them back"):
         runs_from([s for s, _ in pairs], [d for _, d in pairs])
     # Same count, wrong order: refused too.
-    monkeypatch.setattr(wire, "_find_repeats", lambda items: real(items)[::-1])
+    monkeypatch.setattr(runs_mod, "_find_repeats", lambda items: real(items)[::-1])
     with pytest.raises(WireFormatError, match=r"\(7 grouped\)"):
         runs_from([s for s, _ in pairs], [d for _, d in pairs])
     a, b = TensorRun((3,), "float32", 1), TensorRun((2,), "int64", 2)

@@ -1,10 +1,10 @@
 """Ray metrics of the nixl_pool transport: gauges, counters and histograms per process.
 
-Role: :func:`observer_for` gives the transport's runtime an :class:`Observer`, which
-implements :class:`ray_rdt_pool.obs.events.Observer`; the runtime is seen only through
-:class:`ray_rdt_pool.obs.stats.StatsSource` (``config`` and ``stats()``), so this module
-never imports the transport. The runtime calls the observer once per put,
-free, completed fetch and failed fetch, never per tensor. The observer exports through
+Role: :func:`observer_for` gives the transport's runtime a :class:`MetricsExporter`, the
+implementation of the :class:`ray_rdt_pool.obs.events.Observer` protocol; the runtime is
+seen only through :class:`ray_rdt_pool.obs.stats.StatsSource` (``config`` and
+``stats()``), so this module never imports the transport. The runtime calls the exporter
+once per put, free, completed fetch and failed fetch, never per tensor. It exports through
 ``ray.util.metrics``, which Ray serves on its Prometheus endpoint under a ``ray_`` prefix
 (``ray_rdt_pool_sender_used_bytes``, ...). docs/observability.md lists every metric.
 
@@ -14,13 +14,13 @@ Cost model (bounded, independent of the number of tensors):
   pack time, or fetch latency) or one counter increment (a failed transfer), plus setting
   a flag. No ``stats()`` call, no lock of the runtime.
 * Gauges and counters are refreshed by one daemon thread per process, from one
-  ``Runtime.stats()`` snapshot, at most every :data:`REFRESH_INTERVAL_S` (100 ms) after an
-  event. The refresh is trailing: the state after the *last* event of a burst (for
+  ``stats()`` snapshot of the runtime, at most every :data:`REFRESH_INTERVAL_S` (100 ms)
+  after an event. The refresh is trailing: the state after the *last* event of a burst (for
   example the return of the pool to empty after a free) is always exported. Counters are
   increased by the difference to the previous snapshot, and a gauge is only re-set when
   its value changed. While objects, arena blocks or transfers are alive the thread also
   re-polls every :data:`POLL_INTERVAL_S` (1 s), because receive-arena blocks return to
-  the arena when the receiver's tensors die, which is not an event the observer sees.
+  the arena when the receiver's tensors die, which is not an event the exporter sees.
 
 Switch: ``RAY_RDT_POOL_METRICS=0`` or ``ray_rdt_pool.configure(metrics=False)`` makes
 :func:`observer_for` return None, so the transport pays nothing.
@@ -37,8 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ray_rdt_pool.obs.stats import StatsSource as Runtime
-    from ray_rdt_pool.obs.stats import TransportStats
+    from ray_rdt_pool.obs.stats import StatsSource, TransportStats
 
 __all__ = [
     "COUNTERS",
@@ -49,7 +48,7 @@ __all__ = [
     "POLL_INTERVAL_S",
     "PREFIX",
     "REFRESH_INTERVAL_S",
-    "Observer",
+    "MetricsExporter",
     "observer_for",
 ]
 
@@ -73,7 +72,7 @@ LATENCY_BUCKETS_S: list[float] = [
 #: Tag keys of every metric (``transfer_errors`` adds ``kind``).
 TAG_KEYS: tuple[str, ...] = ("actor", "device")
 
-#: Kinds of failed transfers, as passed to :meth:`Observer.on_error`.
+#: Kinds of failed transfers, as passed to :meth:`MetricsExporter.on_error`.
 ERROR_KINDS: tuple[str, ...] = ("err", "timeout", "aborted")
 
 
@@ -181,7 +180,7 @@ ERRORS_NAME = "transfer_errors"
 
 
 # ---------------------------------------------------------------------------------------
-# Metric objects: created once per process, shared by every observer
+# Metric objects: created once per process, shared by every exporter
 # ---------------------------------------------------------------------------------------
 
 
@@ -231,11 +230,11 @@ def _actor_tag() -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# The observer
+# The exporter
 # ---------------------------------------------------------------------------------------
 
 
-class Observer:
+class MetricsExporter:
     """Turns the transport's events and ``stats()`` snapshots into Ray metrics.
 
     Thread-safe: the runtime calls it from the task thread, ``_ray_system`` and the
@@ -243,7 +242,7 @@ class Observer:
     (``ray.is_initialized()``), because the driver's runtime can exist before ``ray.init``.
     """
 
-    def __init__(self, runtime: Runtime, refresh_interval_s: float = REFRESH_INTERVAL_S,
+    def __init__(self, runtime: StatsSource, refresh_interval_s: float = REFRESH_INTERVAL_S,
                  poll_interval_s: float = POLL_INTERVAL_S) -> None:
         self._rt = weakref.ref(runtime)
         self.refresh_interval_s = refresh_interval_s
@@ -286,7 +285,7 @@ class Observer:
 
     # -- events (called by the transport) ---------------------------------------------------
 
-    def on_put(self, rt: Runtime, nbytes: int, seconds: float, pack_seconds: float | None,
+    def on_put(self, rt: StatsSource, nbytes: int, seconds: float, pack_seconds: float | None,
                fallback: bool) -> None:
         """One object was packed (or registered, for a fallback) in ``seconds``."""
         if not self._ready():
@@ -298,12 +297,12 @@ class Observer:
             m.pack_seconds.observe(pack_seconds, self._tags)
         self._schedule()
 
-    def on_free(self, rt: Runtime) -> None:
+    def on_free(self, rt: StatsSource) -> None:
         """One object's blocks went back to the pool."""
         if self._ready():
             self._schedule()
 
-    def on_fetch(self, rt: Runtime, nbytes: int, seconds: float) -> None:
+    def on_fetch(self, rt: StatsSource, nbytes: int, seconds: float) -> None:
         """One READ of ``nbytes`` completed in ``seconds``."""
         if not self._ready():
             return
@@ -312,12 +311,12 @@ class Observer:
         m.fetch_seconds.observe(seconds, self._tags)
         self._schedule()
 
-    def on_change(self, rt: Runtime) -> None:
+    def on_change(self, rt: StatsSource) -> None:
         """State changed with no put, free or fetch (a peer removed by housekeeping)."""
         if self._ready():
             self._schedule()
 
-    def on_error(self, rt: Runtime, kind: str) -> None:
+    def on_error(self, rt: StatsSource, kind: str) -> None:
         """One READ failed: ``kind`` is ``"err"``, ``"timeout"`` or ``"aborted"``."""
         if not self._ready():
             return
@@ -409,8 +408,8 @@ class Observer:
         return True
 
 
-def observer_for(runtime: Runtime) -> Observer | None:
-    """The metrics observer for ``runtime``, or None when metrics are off or unavailable.
+def observer_for(runtime: StatsSource) -> MetricsExporter | None:
+    """The metrics exporter for ``runtime``, or None when metrics are off or unavailable.
 
     Called by ``transport.runtime()`` when the process's runtime is created.
     """
@@ -423,4 +422,4 @@ def observer_for(runtime: Runtime) -> Observer | None:
         logger.debug("ray.util.metrics cannot be imported; nixl_pool metrics are off",
                      exc_info=True)
         return None
-    return Observer(runtime)
+    return MetricsExporter(runtime)

@@ -30,10 +30,11 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+from ray_rdt_pool.errors import InvalidInputError
 
 __all__ = [
     "COLUMNS", "collect", "main", "parse_prometheus", "pool_table", "render",
@@ -170,8 +171,6 @@ def pool_table(actors: Sequence[Any], include_driver: bool = True,
     return render(collect(actors, include_driver=include_driver, timeout=timeout))
 
 
-_LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
 #: Prometheus series (without the ``ray_`` prefix) -> row field, for :func:`rows_from_prometheus`.
 _PROM_FIELDS: dict[str, str] = {
     "rdt_pool_sender_used_bytes": "pool_used",
@@ -188,26 +187,21 @@ _PROM_FIELDS: dict[str, str] = {
 
 
 def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """The samples of a Prometheus text exposition: ``(name, labels, value)`` per line."""
-    out: list[tuple[str, dict[str, str], float]] = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        brace = line.find("{")
-        if brace >= 0:
-            close = line.rfind("}")
-            name, labels = line[:brace], dict(_LABEL_RE.findall(line[brace + 1:close]))
-            rest = line[close + 1:].split()
-        else:
-            name, *rest = line.split()
-            labels = {}
-        if not rest:
-            continue
-        try:
-            out.append((name, labels, float(rest[0])))
-        except ValueError:
-            continue
-    return out
+    """The samples of a Prometheus text exposition: ``(name, labels, value)`` each.
+
+    Raises:
+        InvalidInputError: if ``text`` is not in the Prometheus text format.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        return [(s.name, s.labels, float(s.value))
+                for family in text_string_to_metric_families(text) for s in family.samples]
+    except ValueError as e:
+        raise InvalidInputError(
+            f"the text is not in the Prometheus text format ({e}); read Ray's metrics "
+            "export, http://HOST:PORT/metrics with the PORT given to "
+            "ray.init(_metrics_export_port=PORT)") from e
 
 
 def scrape(url: str, timeout: float = 5.0) -> list[tuple[str, dict[str, str], float]]:
@@ -297,7 +291,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.prometheus:
-        rows = rows_from_prometheus(scrape(args.prometheus, timeout=args.timeout))
+        try:
+            rows = rows_from_prometheus(scrape(args.prometheus, timeout=args.timeout))
+        except InvalidInputError as e:
+            print(f"{args.prometheus}: {e}", file=sys.stderr)
+            return 2
     else:
         import ray
 

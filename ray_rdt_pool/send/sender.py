@@ -1,4 +1,4 @@
-"""The sender: the pool, the overflow regions and every object this process has sent.
+"""The sender: the pool and every object this process has sent.
 
 Role: ``put`` turns one object's tensors into a :class:`Placement` (where its packed bytes
 live) plus wire metadata; ``free`` returns the placement when Ray garbage-collects the
@@ -11,25 +11,25 @@ Where an object goes (one placement each, decided under the sender lock):
 * **pool**: blocks of the pool region (one contiguous block when a CUDA copy is
   involved, otherwise as few blocks as the allocator can find);
 * **overflow**: when the pool cannot hold it and ``strict`` is off, blocks of an
-  overflow region: host (or device) memory registered for the purpose, reused by later
-  oversized objects, and deregistered and freed once it has held no object for
-  ``overflow_linger_s`` (checked by :meth:`Sender.reap` and at every free). Still a
-  snapshot. ``strict=True`` raises ``PoolExhaustedError`` instead;
+  overflow region (:mod:`ray_rdt_pool.send.overflow`). Still a snapshot. ``strict=True``
+  raises ``PoolExhaustedError`` instead;
 * either of those **mixed** with by-reference tensors of ``register_memory()`` storages;
 * **by reference** (``put_by_reference``, the weights API's stream across nodes): no
   placement at all; the tensors' storages are registered through the storage cache and
   the caller keeps them unchanged until it frees the object.
 
-Ownership: this module creates the pool and the overflow regions (through the registry,
-which registers them) and is the only place that frees their blocks. A block may be
-reused as soon as ``free(obj_id)`` returns: Ray calls ``garbage_collect`` only once no
-process holds the object's ref, so no receiver will start a READ of it again. (A READ
-already posted by a receiver that has since died can still be running; its bytes go to
-that receiver's memory, never to ours, so reuse on our side is safe.)
+Lifetime: the pool is made (registered and, where same-node receivers may map it, shared)
+on the first put and lives until the process exits. A placement's blocks may be reused
+as soon as ``free(obj_id)`` returns: Ray calls ``garbage_collect`` only once no process
+holds the object's ref, so no receiver will start a READ of it again (a READ posted by a
+receiver that has since died writes to that receiver's memory, never to ours). The one
+exception, a block a same-node receiver still maps, waits in
+:mod:`ray_rdt_pool.send.leased`. This module is the only place that frees blocks.
 
 Threads: ``put`` runs on Ray's task thread (or the driver's thread), ``free`` on
-``_ray_system``. The lock guards ``pool``/``overflow`` allocators and ``sent``; copies run
-outside it. Imports no Ray and no NIXL.
+``_ray_system``, ``reap`` on the progress thread. The lock guards the pool's and the
+overflow regions' allocators, ``sent`` and ``leased``; copies run outside it. Imports no
+Ray and no NIXL.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import math
 import os
 import threading
 import time
@@ -45,11 +44,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ray_rdt_pool.core.codec import WireMeta, encode
 from ray_rdt_pool.core.descriptors import merge_segments
-from ray_rdt_pool.core.layout import BlockMap, align_up, packed_offsets, run_layout
-from ray_rdt_pool.core.wire import TensorRun, WireMeta, encode, runs_from
+from ray_rdt_pool.core.layout import BlockMap, packed_offsets, run_layout
+from ray_rdt_pool.core.runs import Runs, TensorRun, runs_from
 from ray_rdt_pool.errors import InvalidInputError, PoolExhaustedError, RegistrationError
 from ray_rdt_pool.registry import Directory, RegEntry, Region, Registry
+from ray_rdt_pool.send.leased import RECHECK_S, SWEEP_S, Leased
+from ray_rdt_pool.send.overflow import Overflow
 
 if TYPE_CHECKING:
     import torch
@@ -57,24 +59,11 @@ if TYPE_CHECKING:
     from ray_rdt_pool.config import PoolConfig
     from ray_rdt_pool.memory.tensors import Described
     from ray_rdt_pool.obs.events import Events
-    from ray_rdt_pool.same_node.shared import HostInfo, LeaseTable
+    from ray_rdt_pool.same_node.shared import LeaseTable
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Placement", "Sender", "run_offsets"]
-
-#: Smallest overflow region: oversized objects of a few MiB share one registration.
-MIN_OVERFLOW_BYTES = 64 << 20
-_OVERFLOW_ALIGN = 1 << 20
-#: How often the lease table is swept for rows of dead receivers while a freed placement
-#: waits for leases (a killed receiver's leases go within about this long)...
-SWEEP_S = 1.0
-#: ...and while none waits (the rows themselves must come back).
-IDLE_SWEEP_S = 5.0
-#: How often every leased placement is checked, not only those whose slot a release log
-#: names: on hardware that orders stores more weakly than x86, a log entry may be read
-#: before the count it follows, and that release would wait for this check.
-RECHECK_S = 10.0
 
 
 @dataclass
@@ -98,14 +87,12 @@ class Placement:
 def run_offsets(runs: Sequence[TensorRun]) -> tuple[list[int], int]:
     """Packed offset of every tensor and the packed total, from the runs alone.
 
-    The same layout functions the receiver uses. For the :class:`~ray_rdt_pool.core.wire.Runs`
+    The same layout functions the receiver uses. For the :class:`~ray_rdt_pool.core.runs.Runs`
     that ``runs_from`` returns, the offsets come group by group from its cached
     :func:`~ray_rdt_pool.core.layout.group_layout`, with C-level range fills instead of a
     Python step per tensor or per run; any other sequence of runs goes through
     :func:`~ray_rdt_pool.core.layout.run_layout` (the offsets are the same either way).
     """
-    from ray_rdt_pool.core.wire import Runs
-
     if isinstance(runs, Runs):
         return runs.tensor_offsets(), runs.layout()[1]
     starts, total = run_layout([(r.nbytes_each, r.itemsize, r.count) for r in runs])
@@ -128,36 +115,27 @@ class Sender:
         self._agent_name = agent_name
         self._directory = directory
         self._node_id = node_id or (lambda: None)
-        # Guards pool/overflow allocators and `sent`; RLock because wait_for() holds it
-        # while reading stats.
+        # Guards the pool's and the overflow regions' allocators, `sent` and `leased`; an
+        # RLock because wait_for() holds it while reading stats.
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)  # notified by every free
         self._create_lock = threading.Lock()  # serialises creating the pool
         self.pool: Region | None = None  # created on first put, lives until shutdown
-        # Each dropped once it has stayed empty for overflow_linger_s (see _idle_overflow).
-        self.overflow: list[Region] = []
-        # Overflow regions with no object, and since when (monotonic seconds); the first
-        # moment one of them may be due (reap() takes the lock only from then on).
-        self._idle_overflow: dict[Region, float] = {}
-        self._linger_due = math.inf
-        self._linger_off = False  # set by end_lingering() at shutdown
+        self.overflow = Overflow(config, registry, self.lock)
         self.sent: dict[str, Placement] = {}  # obj_id -> placement, until free()
         self.cuda_stream: Any = None  # set_cuda_stream(): the producer of sent tensors
         self._warned_overflow = False
         self._keys = itertools.count()
-        # Same-node receivers: the lease table of the shared pool (None: not shared), and
-        # placements Ray freed whose blocks wait for receivers' leases to drop.
-        self.leases: LeaseTable | None = None
-        self.leased: dict[Any, Placement] = {}
-        self._leased_at: dict[int, list[Any]] = {}  # lease slot -> keys in `leased`
-        self._last_full = -math.inf  # when every leased placement was last checked
+        # Placements Ray freed whose blocks wait for same-node receivers' leases to drop.
+        self.leased = Leased()
         # The pid of the process that shared the pool (0: not shared). In a process forked
         # from it the pool is still that process's shared memory: no put may write it.
         self.shared_by = 0
-        self._last_sweep = -math.inf  # when reap() last swept the lease table
-        # The same-node entry last published for the pool (see reshare): its node ID is
-        # the Ray session's, published again in each new one.
-        self.host_info: HostInfo | None = None
+
+    @property
+    def leases(self) -> LeaseTable | None:
+        """The lease table of the shared pool (None: not shared)."""
+        return self.leased.table
 
     # -- placement ------------------------------------------------------------------------
 
@@ -192,9 +170,8 @@ class Sender:
             return self.pool
 
     def _share(self, pool: Region) -> None:
-        """Make a shared pool reachable for same-node receivers: its lease table, and
-        the directory entry they look up (published before any object names the pool).
-        A host pool is shared as its memfd; a CUDA pool through CUDA IPC.
+        """Make a shared pool reachable for same-node receivers (see
+        :meth:`Leased.publish`), before any object names it.
 
         Never fails the put: where any step fails (a GCS error publishing the entry, a
         CUDA export torch refuses), the pool stays private and same-node receivers read
@@ -209,7 +186,7 @@ class Sender:
         if not isinstance(pool.mem, (CudaRegion, SharedHostRegion)):
             return
         try:
-            self.leases = self._publish_shared(pool, node, directory)
+            self.leased.publish(pool, node, directory, self._agent_name())
             self.shared_by = os.getpid()
         except Exception as e:
             logger.warning(
@@ -220,63 +197,24 @@ class Sender:
             # was missing, at which receivers that found no entry ask again.
             self.registry.advance()
 
-    def _publish_shared(self, pool: Region, node: str, directory: Directory) -> LeaseTable:
-        """The lease table of ``pool``, once its entry is published; raises (closing the
-        table) if any step fails."""
-        from ray_rdt_pool.memory.tensors import CudaRegion
-        from ray_rdt_pool.same_node.shared import (
-            HostInfo,
-            LeaseTable,
-            export_cuda_pool,
-            lease_slots,
-            process_start,
-        )
-
-        mem = pool.mem
-        cuda = export_cuda_pool(mem.tensor) if isinstance(mem, CudaRegion) else None
-        start = process_start(os.getpid())
-        if start is None:
-            raise OSError("this process's start time cannot be read")
-        table = LeaseTable(lease_slots(mem.nbytes))
-        try:
-            if cuda is None:
-                fd, ino = mem.fd, mem.ino
-            else:
-                fd, ino = 0, 0  # no descriptor: receivers open the pool with its IPC handle
-            info = HostInfo(node, os.getpid(), start, fd, ino, pool.addr, mem.nbytes,
-                            table.fd, table.ino, table.rows, table.slots, cuda)
-            directory.publish_host(self._agent_name(), info.encode())
-        except BaseException:
-            table.close()
-            raise
-        self.host_info = info
-        return table
-
     def reshare(self) -> None:
         """A new Ray session in this process (``ray.shutdown()``, then ``ray.init()``):
         publish the shared pool's same-node entry again, with this node's new ID, in the
         new session's GCS, which starts empty. Call before any object of the new session
         is put. Never fails the put: where publishing fails, same-node receivers of that
         session read the pool with NIXL."""
-        from dataclasses import replace
-
         with self._create_lock:  # not while ensure_pool() is sharing a new pool
-            info = self.host_info
             node = self._node_id()
             directory = self._directory
-            if info is None or node is None or directory is None:
+            # Not shared, or shared by the parent of this forked child: nothing to publish.
+            if node is None or directory is None or self.shared_by != os.getpid():
                 return
-            if self.shared_by != os.getpid():  # a forked child: the pool is its parent's
-                return
-            info = replace(info, node_id=node)
             try:
-                directory.publish_host(self._agent_name(), info.encode())
+                self.leased.republish(node, directory, self._agent_name())
             except Exception as e:
                 logger.warning(
                     "could not publish the sender pool for same-node receivers of the new "
                     "Ray session (%s: %s); they will read it with NIXL", type(e).__name__, e)
-                return
-            self.host_info = info
 
     def _place(self, obj_id: str, nbytes: int, one_block: bool) -> Placement:
         """Blocks for ``nbytes`` in the pool, else in an overflow region (made if needed)."""
@@ -290,13 +228,12 @@ class Sender:
                     blocks = pool.alloc.allocate(key, nbytes, max_blocks=max_blocks)
                 except PoolExhaustedError:
                     # Checks every leased placement too, at most once a SWEEP_S.
-                    if not self._reap_leased_locked(
-                            full=time.monotonic() >= self._last_full + SWEEP_S):
+                    if not self._reap_leased_locked(full_every=SWEEP_S):
                         raise
                     blocks = pool.alloc.allocate(key, nbytes, max_blocks=max_blocks)
                 return Placement(obj_id, pool, tuple(blocks), nbytes, False, key=key)
             except PoolExhaustedError as e:
-                leased = self._leased_note_locked()
+                leased = self.leased.note_locked()
                 if self.config.strict:
                     raise PoolExhaustedError(
                         e.needed, e.free, e.largest_free, e.capacity, what="sender pool",
@@ -304,89 +241,25 @@ class Sender:
                                "(RAY_RDT_POOL_POOL_BYTES), or turn strict mode off to copy "
                                "oversized objects into overflow memory") from None
                 self._warn_overflow(nbytes, e, leased)
-        made: Region | None = None  # the region this put registered, if any
-        while True:
-            spare: list[Region] = []
-            with self.lock:
-                for region in self.overflow:
-                    try:
-                        blocks = region.alloc.allocate(key, nbytes, max_blocks=max_blocks)
-                    except PoolExhaustedError:
-                        continue
-                    if made is not None and made is not region:
-                        # Another put made a region at the same time, and this object
-                        # went there: ours may hold nothing. It lingers like an emptied
-                        # one (and goes at once with overflow_linger_s=0), instead of
-                        # staying registered until some free happened to look at it.
-                        spare = self._empty_overflow_locked()
-                    # In use again: its linger restarts when it next empties, or a region
-                    # reused steadily would go overflow_linger_s after it first emptied.
-                    self._idle_overflow.pop(region, None)
-                    placed = Placement(obj_id, region, tuple(blocks), nbytes, True, key=key)
-                    break
-                else:
-                    placed = None
-            if placed is not None:
-                self._drop_regions(spare)
-                return placed
-            # Registering a region takes milliseconds: not under the lock.
-            # Whole MiBs: a quarter of a pool size (a multiple of 64 only) is often not
-            # one, and the allocator refused it for every overflow put.
-            size = align_up(max(nbytes, 1, MIN_OVERFLOW_BYTES, self.config.pool_capacity // 4),
-                            _OVERFLOW_ALIGN)
-            try:
-                region = self.registry.new_region(size, self.config.device,
-                                                  "overflow region", False)
-            except (OSError, OverflowError, MemoryError) as e:
-                # The memory itself could not be had (ENOMEM, or a size no mapping takes).
-                raise PoolExhaustedError(
-                    nbytes, 0, 0, size, what="overflow memory",
-                    remedy=f"no {size:,} bytes of {self.config.device} memory could be "
-                           f"mapped ({type(e).__name__}: {e}); send a smaller object"
-                ) from e
-            with self.lock:
-                self.overflow.append(region)
-            made = region
+        region, blocks = self.overflow.place(key, nbytes, max_blocks)
+        return Placement(obj_id, region, blocks, nbytes, True, key=key)
 
     def _replace(self, obj_id: str) -> None:
         """A retried put replaces its first try: release that placement (or leave it to
         the leases of the same-node receivers that map it)."""
         with self.lock:
             old = self.sent.pop(obj_id, None)
-            pinned = self._lease_if_held_locked(old) if old is not None else None
+            pinned = self.leased.hold_locked(old, self.pool) if old is not None else None
         if old is not None:
             self._retired(old, pinned)
 
-    def _lease_if_held_locked(self, p: Placement) -> list[RegEntry] | None:
-        """A placement Ray no longer names (freed, or replaced by a retry): if a same-node
-        receiver maps it, keep its blocks until the last lease drops and return its
-        ``register_memory()`` uses (nothing maps those: they go back now); else None."""
-        slot = self._lease_slot(p)
-        if slot is None or self.leases is None or not self.leases.held(slot):
-            return None
-        self.leased[p.key] = p
-        self._leased_at.setdefault(slot, []).append(p.key)
-        pinned, p.pinned = p.pinned, []
-        return pinned
-
     def _retired(self, p: Placement, pinned: list[RegEntry] | None) -> None:
-        """After :meth:`_lease_if_held_locked`, outside the lock: release ``p`` whole, or
+        """After :meth:`Leased.hold_locked`, outside the lock: release ``p`` whole, or
         only the uses it returned."""
         if pinned is None:
             self._release(p)
         else:
             self._release_entries(pinned)
-
-    def _leased_note_locked(self) -> str:
-        """What of a full pool same-node receivers hold (their views of objects Ray
-        freed), and the fix, for the message of a put that does not fit; "" if none."""
-        if not self.leased:
-            return ""
-        n = sum(p.nbytes for p in self.leased.values())
-        return (f"{n:,} bytes of it are objects already freed whose blocks same-node "
-                f"receivers still hold views of ({len(self.leased)} objects): drop those "
-                "views sooner, or set same_node='copy' on those receivers (their tensors "
-                "then hold no lease)")
 
     def _warn_overflow(self, nbytes: int, e: PoolExhaustedError, leased: str = "") -> None:
         if self._warned_overflow:
@@ -407,50 +280,14 @@ class Sender:
         pinned, p.pinned = p.pinned, []
         return pinned
 
-    def _empty_overflow_locked(self) -> list[Region]:
-        """Overflow regions to deregister now: those empty for ``overflow_linger_s``.
-
-        An emptied region lingers, registered, for the next oversized objects: every
-        deregistration makes each receiver replace its view of this agent (a remove and
-        a re-add), which with NIXL 1.5.1 leaves a TCP connection per read lane open in
-        both processes, so a pool that overflows now and then would leak one per object.
-        """
-        now = time.monotonic()
-        linger = 0.0 if self._linger_off else self.config.overflow_linger_s
-        idle = self._idle_overflow
-        drop: list[Region] = []
-        for r in self.overflow:
-            if len(r.alloc):
-                idle.pop(r, None)
-            elif now - idle.setdefault(r, now) >= linger:
-                drop.append(r)
-        if drop:
-            self.overflow = [r for r in self.overflow if r not in drop]
-            for r in drop:
-                del idle[r]
-        self._linger_due = min(idle.values(), default=math.inf) + linger
-        return drop
-
-    def end_lingering(self) -> None:
-        """At shutdown: no put can reuse an overflow region any more, so every empty one
-        goes now, and later ones with their last object."""
-        with self.lock:
-            self._linger_off = True
-            empty = self._empty_overflow_locked()
-        self._drop_regions(empty)
-
-    def _drop_regions(self, regions: Sequence[Region]) -> None:
-        for region in regions:
-            self.registry.drop_region(region)
-
     def _release(self, p: Placement) -> None:
         with self.lock:
             pinned = self._release_locked(p)
-            empty = self._empty_overflow_locked()
+            empty = self.overflow.empty_locked()
             self.changed.notify_all()
         for entry in pinned:
             self.registry.release(entry)
-        self._drop_regions(empty)
+        self.overflow.drop(empty)
 
     # -- put / free -----------------------------------------------------------------------
 
@@ -495,7 +332,8 @@ class Sender:
             if p.blocks and region is not None:
                 region.populate(max(o + n for o, n in p.blocks))
                 if torch_path:
-                    self._pack_cuda(tensors, d, local_offsets, p.blocks, region, copy_idx)
+                    _pack_cuda(tensors, d, local_offsets, p.blocks, region, copy_idx,
+                               self.cuda_stream)
                 elif converted:  # one contiguous block: torch converts, memmove the rest
                     (off, length), = p.blocks
                     pack_torch(tensors, d, local_offsets, region.mem.tensor[off:off + length],
@@ -608,85 +446,27 @@ class Sender:
             if e is not None:
                 self.registry.release(e)
 
-    def _pack_cuda(self, tensors: Sequence[torch.Tensor], d: Described,
-                   offsets: Sequence[int], blocks: Sequence[tuple[int, int]], region: Region,
-                   which: Sequence[int] | None) -> None:
-        """Pack where CUDA is involved, ordered after the producer and finished before
-        the metadata exists, so a one-sided READ never sees bytes still being written."""
-        import torch
-
-        from ray_rdt_pool.memory.tensors import pack_torch
-
-        (off, length), = blocks
-        block = region.mem.tensor[off:off + length]
-        cuda_dev = next((t.device for t in tensors if t.is_cuda), None) or block.device
-        producer = self.cuda_stream or torch.cuda.current_stream(cuda_dev)
-        side = torch.cuda.Stream(device=cuda_dev)  # type: ignore[no-untyped-call]
-        side.wait_stream(producer)  # the tensors' producer has finished writing them
-        with torch.cuda.stream(side):
-            pack_torch(tensors, d, offsets, block, which)
-        side.synchronize()  # the pool bytes are in place before anyone can read them
-
     # -- leases of same-node receivers ----------------------------------------------------
 
-    def _lease_slot(self, p: Placement) -> int | None:
-        """The lease slot of a placement in the shared pool (None: nothing can map it)."""
-        region = p.region
-        if self.leases is None or region is None or region is not self.pool or not p.blocks:
-            return None
-        return self.leases.slot(p.blocks[0][0])
-
-    def _reap_leased_locked(self, full: bool = False) -> bool:
-        """Return the blocks of freed placements no receiver holds any more; True if any.
-
-        Only the slots the receivers' release logs name are checked, unless the table
-        asks for a full check or ``full``: then every leased placement."""
-        table = self.leases
-        if table is None or not self.leased:
-            return False
-        released = table.released()
-        if released is None or full:
-            slots = list(self._leased_at)
-            self._last_full = time.monotonic()
-        else:
-            slots = [s for s in released if s in self._leased_at]
-        done: list[Any] = []
-        for slot, held in zip(slots, table.held_many(slots)):
-            if not held:
-                done.extend(self._leased_at.pop(slot))
-        for k in done:
-            p = self.leased.pop(k)
+    def _reap_leased_locked(self, full_every: float | None = None) -> bool:
+        """Return the blocks of freed placements no receiver holds any more; True if any
+        (see :meth:`Leased.reap_locked`)."""
+        done = self.leased.reap_locked(full_every)
+        for p in done:
             self._release_locked(p)  # no uses left to return: they went when it was leased
         if done:
             self.changed.notify_all()
         return bool(done)
 
     def reap(self) -> None:
-        """Progress-thread tick: blocks whose last lease dropped go back to the pool, and
-        rows of receivers that died are cleared: every second while some placement waits,
-        every :data:`IDLE_SWEEP_S` otherwise (receivers come and go with nothing leased,
-        copy-mode ones always; their rows must come back or the table fills up)."""
-        if time.monotonic() >= self._linger_due:
-            with self.lock:
-                empty = self._empty_overflow_locked()
-            self._drop_regions(empty)
-        leases = self.leases
-        if leases is None:
-            return
-        now = time.monotonic()
-        if now >= self._last_sweep + (SWEEP_S if self.leased else IDLE_SWEEP_S):
-            self._last_sweep = now
-            try:
-                cleared = leases.sweep()
-            except OSError:
-                logger.debug("sweeping the lease table failed", exc_info=True)
-            else:
-                if cleared:
-                    logger.info("cleared the lease rows of %d same-node receiver(s) that "
-                                "exited", cleared)
+        """Progress-thread tick: overflow regions past their linger go, the lease rows of
+        receivers that died are cleared, and blocks whose last lease dropped go back to
+        the pool."""
+        self.overflow.reap()
+        self.leased.sweep()
         if self.leased:
             with self.lock:
-                self._reap_leased_locked(full=now >= self._last_full + RECHECK_S)
+                self._reap_leased_locked(full_every=RECHECK_S)
 
     def live_ids(self) -> list[str]:
         """The objects held now (put and not freed)."""
@@ -705,7 +485,7 @@ class Sender:
         last same-node receiver's lease on it drops). False if unknown. Never blocks."""
         with self.lock:
             p = self.sent.pop(obj_id, None)
-            pinned = self._lease_if_held_locked(p) if p is not None else None
+            pinned = self.leased.hold_locked(p, self.pool) if p is not None else None
         if p is None:
             return False
         self._retired(p, pinned)
@@ -715,11 +495,12 @@ class Sender:
 
     def overflow_stats(self) -> tuple[int, int, int]:
         """(objects, bytes, registered capacity) in overflow regions now."""
-        with self.lock:
-            objs = sum(len(r.alloc) for r in self.overflow)
-            used = sum(r.alloc.stats().used for r in self.overflow)
-            cap = sum(r.capacity for r in self.overflow)
-        return objs, used, cap
+        return self.overflow.stats()
+
+    def end_lingering(self) -> None:
+        """At shutdown: every empty overflow region goes now, later ones with their last
+        object."""
+        self.overflow.end_lingering()
 
 
 def _apply_conversions(d: Described, tensors: Sequence[torch.Tensor],
@@ -758,6 +539,27 @@ def _converts(src: torch.dtype, dst: torch.dtype) -> bool:
     except (NotImplementedError, RuntimeError, TypeError):
         return False
     return True
+
+
+def _pack_cuda(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[int],
+               blocks: Sequence[tuple[int, int]], region: Region,
+               which: Sequence[int] | None, producer: Any) -> None:
+    """Pack where CUDA is involved, ordered after ``producer`` (the stream that wrote the
+    tensors, None: the current one) and finished before the metadata exists, so a
+    one-sided READ never sees bytes still being written."""
+    import torch
+
+    from ray_rdt_pool.memory.tensors import pack_torch
+
+    (off, length), = blocks
+    block = region.mem.tensor[off:off + length]
+    cuda_dev = next((t.device for t in tensors if t.is_cuda), None) or block.device
+    producer = producer or torch.cuda.current_stream(cuda_dev)
+    side = torch.cuda.Stream(device=cuda_dev)  # type: ignore[no-untyped-call]
+    side.wait_stream(producer)  # the tensors' producer has finished writing them
+    with torch.cuda.stream(side):
+        pack_torch(tensors, d, offsets, block, which)
+    side.synchronize()  # the pool bytes are in place before anyone can read them
 
 
 def _device_index(tensors: Sequence[torch.Tensor]) -> int:
