@@ -216,8 +216,8 @@ def run_variant(name: str, layout: Layout, args: argparse.Namespace) -> dict[str
 # --suite engine: a Hugging Face Llama into inference-engine-like receivers
 # ---------------------------------------------------------------------------------------
 
-#: Hugging Face Llama shapes (random init from a config, no download). ``full`` is the
-#: example's (examples/weight_sync_hf.py) ~100M parameters, ~400 MB fp32.
+#: Hugging Face Llama shapes (random init from a config, no download). ``full`` has
+#: ~100M parameters, ~400 MB fp32.
 HF_SIZES = {
     "full": dict(vocab_size=16384, hidden_size=768, intermediate_size=2048,
                  num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4),

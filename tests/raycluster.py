@@ -180,10 +180,16 @@ def wait_drained(actor: Any, timeout: float = 30.0) -> Any:
     return st
 
 
-def run_example(*args: str, timeout: float = 240.0) -> str:
-    """Run a program of ``examples/`` as a user would: a subprocess with its own local
-    cluster, in an environment without this package's settings or a Ray address. It must
-    exit 0; returns its standard output."""
+#: Ray's log line (on stderr) when ``ray.init`` starts a cluster rather than joining one.
+STARTED_LOCAL = "Started a local Ray instance"
+
+
+def run_example(*args: str, address: str | None = None, timeout: float = 240.0) -> str:
+    """Run a program of ``examples/`` as a user would: a subprocess joined to the cluster
+    at ``address`` (as ``RAY_ADDRESS``), or with ``None`` on a local cluster of its own,
+    in an environment without this package's settings but 64 MiB pools and arenas (the
+    defaults reserve 1 GiB each). It must exit 0, and must have joined ``address`` (not
+    started a cluster) when one is given; returns its standard output."""
     import subprocess
     import sys
     from pathlib import Path
@@ -191,8 +197,12 @@ def run_example(*args: str, timeout: float = 240.0) -> str:
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("RAY_RDT_POOL_") and k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = str(root)
+    env.update(PYTHONPATH=str(root), RAY_RDT_POOL_POOL_BYTES="64M",
+               RAY_RDT_POOL_ARENA_BYTES="64M")
+    if address is not None:
+        env["RAY_ADDRESS"] = address
     proc = subprocess.run([sys.executable, str(root / "examples" / args[0]), *args[1:]],
                           cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (STARTED_LOCAL in proc.stderr) == (address is None), proc.stderr[-3000:]
     return proc.stdout

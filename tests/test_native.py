@@ -325,10 +325,10 @@ def test_threads_racing_to_the_first_describe_load_and_check_once(
 @needs_helper
 def test_the_first_put_under_deterministic_algorithms_checks_and_loads_the_helper(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """``torch.use_deterministic_algorithms(True)`` (as examples/weight_sync.py and many
-    training scripts set) makes ``torch.empty`` fill what it allocates, which torch cannot
-    do for every wire dtype (float4_e2m1fn_x2): the probe objects of the helper's check
-    must not depend on that, or the first put of such a process fails untyped."""
+    """``torch.use_deterministic_algorithms(True)`` (as many training scripts set) makes
+    ``torch.empty`` fill what it allocates, which torch cannot do for every wire dtype
+    (float4_e2m1fn_x2): the probe objects of the helper's check must not depend on that,
+    or the first put of such a process fails untyped."""
     monkeypatch.setattr(D, "_NATIVE", [])
     ts = [torch.arange(6.0).view(2, 3), torch.ones(4, dtype=torch.int64)]
     was = torch.are_deterministic_algorithms_enabled()

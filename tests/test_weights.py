@@ -2,19 +2,15 @@
 
 The first group needs no Ray. The Ray group shares one small cluster and three actors
 (a trainer and two receivers) for the whole module; each test sets the actors' state
-through ``__ray_call__`` and leaves the trainer's pool drained. The example runs last, as
-a second driver attached to the same cluster (one cluster start per module).
+through ``__ray_call__`` and leaves the trainer's pool drained.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,7 +39,6 @@ from tests.raycluster import actor_cluster, call, wait_drained, wait_for
 # The helpers below run inside the actors; ship them by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-ROOT = Path(__file__).resolve().parent.parent
 POOL = 8 << 20
 ENV = {"RAY_RDT_POOL_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "64M"}
 
@@ -547,25 +542,6 @@ def test_tied_weights_module(actors: dict[str, Any]) -> None:
     assert_state_equal(call(r2, _state), want)
     assert call(r1, _is_tied) and not call(r2, _is_tied)
     wait_drained(tr)
-
-
-# ---------------------------------------------------------------------------------------
-# The example, as a subprocess driver attached to this module's cluster
-# ---------------------------------------------------------------------------------------
-
-
-@pytest.mark.ray
-def test_example_weight_sync_runs(actors: dict[str, Any]) -> None:
-    import ray
-
-    env = {**os.environ, "RAY_RDT_POOL_POOL_BYTES": "256K", "RAY_RDT_POOL_ARENA_BYTES": "4M",
-           "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "weight_sync.py"),
-                          "--steps", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=400, check=False)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "OK: all checks passed" in out.stdout
-    assert out.stdout.count("fp32 bit-exact [True, True]  bf16 bit-exact True") == 2
 
 
 def _publish_then_train(node: Any) -> Any:
