@@ -281,7 +281,9 @@ class StreamSession:
             tensors.clear()  # the pool holds the snapshot; drop the source's tensors
         del tensors
         if keep is not None and self.layout is not None and self.owned is None:
-            self.samples.append(int(_stats().pool_used))
+            # A bucket read in place adds nothing to the pool: the last sample stands
+            # (a stats() call per bucket costs as much as describing it).
+            self.samples.append(self.samples[-1] if self.samples else int(_stats().pool_used))
             self.gathered.add(k, box, keep)
             del keep, box
             self.k += 1
