@@ -348,6 +348,47 @@ def test_stream_reads_the_trainers_tensors(actors: dict[str, Any], lazy: bool) -
     wait_drained(tr)
 
 
+def _count_stats(node: Any, on: bool) -> int:
+    """Count the stream's stats() calls in this actor from now on (``on``), or stop and
+    return the count."""
+    from ray_rdt_pool.weights import stream
+
+    if on:
+        orig = stream._stats
+        node.stats_calls = 0
+
+        def counted() -> Any:
+            node.stats_calls += 1
+            return orig()
+
+        counted.orig = orig  # type: ignore[attr-defined]
+        stream._stats = counted  # type: ignore[assignment]
+        return 0
+    stream._stats = stream._stats.orig  # type: ignore[attr-defined]
+    return int(node.stats_calls)
+
+
+@pytest.mark.ray
+def test_buckets_read_in_place_cost_no_pool_stats_each(actors: dict[str, Any]) -> None:
+    """A bucket read in place adds nothing to the pool: its pool_used sample repeats the
+    last one instead of asking the transport for its stats (which costs as much as
+    describing the bucket), so a stream's stats calls do not grow with its buckets."""
+    tr, r1 = actors["trainer"], actors["r1"]
+    call(tr, _set_sender, 3)
+    call(r1, _set_receiver, 4)
+    call(tr, _count_stats, True)
+    try:
+        rep = sync(tr, [r1], mode="stream")
+    finally:
+        calls = call(tr, _count_stats, False)
+    s = rep.stream
+    assert s is not None and s.source_read_buckets == s.buckets > 3
+    assert len(s.pool_used_samples) == s.buckets and s.peak_pool_used == 0
+    assert_equal(call(r1, _state), call(tr, _state))
+    assert calls <= 4  # the pool's capacity, the start, the first sample, the report
+    wait_drained(tr)
+
+
 @pytest.mark.ray
 def test_stream_falls_back_to_the_pool(actors: dict[str, Any]) -> None:
     tr, r1, off = actors["trainer"], actors["r1"], actors["off"]

@@ -283,6 +283,97 @@ def test_sync_exact_and_direct_without_new_registrations(actors: dict[str, Any],
     wait_drained(tr)
 
 
+def _count_calls(node: Any, module: str, name: str, on: bool) -> int:
+    """Count the calls of ``module.name`` in this actor from now on (``on``), or stop
+    counting and return the count."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    if on:
+        orig = getattr(mod, name)
+        counts = node.__dict__.setdefault("counts", {})
+        counts[name] = 0
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return orig(*args, **kwargs)
+
+        counted.orig = orig  # type: ignore[attr-defined]
+        setattr(mod, name, counted)
+        return 0
+    setattr(mod, name, getattr(mod, name).orig)
+    return int(node.counts.pop(name))
+
+
+def _replace_dest(node: Any, name: str, shape: tuple[int, ...]) -> None:
+    node.state[name] = torch.zeros(shape, dtype=node.state[name].dtype)
+
+
+def _reshape_in_place(node: Any, name: str, shape: tuple[int, ...]) -> None:
+    t = node.state[name]
+    t.data = torch.randn(shape).to(t.dtype)  # same tensor object, another shape
+
+
+@pytest.mark.ray
+def test_stream_plans_and_checks_a_layout_once_until_something_changes(
+        actors: dict[str, Any]) -> None:
+    """Each stream of one model sends the same layout: the trainer buckets it and the
+    receiver checks it once, until a tensor is replaced, reshaped in place or an
+    option changes; then both plan afresh and a mismatch is still refused."""
+    tr, r1 = actors["trainer"], actors["r1"]
+    call(tr, _setup_sender, SMALL, 21, 4096)
+    call(r1, _setup_receiver, make_state(SMALL, 22))
+    call(tr, _count_calls, "ray_rdt_pool.weights.planning", "_plan_layout", True)
+    call(r1, _count_calls, "ray_rdt_pool.weights.receiver", "plan_load", True)
+    try:
+        for _ in range(3):
+            call(tr, _perturb)
+            sync(tr, [r1], mode="stream")
+            assert_state_equal(call(r1, _state), call(tr, _state))
+        assert call(tr, _count_calls, "ray_rdt_pool.weights.planning", "_plan_layout",
+                    False) == 1
+        assert call(r1, _count_calls, "ray_rdt_pool.weights.receiver", "plan_load",
+                    False) == 1
+        call(tr, _count_calls, "ray_rdt_pool.weights.planning", "_plan_layout", True)
+        call(r1, _count_calls, "ray_rdt_pool.weights.receiver", "plan_load", True)
+        # A destination replaced by one of another shape is refused, not written past.
+        call(r1, _replace_dest, "layers.0.w", (16, 32))
+        with pytest.raises(ShapeMismatchError):
+            sync(tr, [r1], mode="stream")
+        # A fresh destination of the right shape gets the bytes (not the old tensor).
+        call(r1, _replace_dest, "layers.0.w", (32, 32))
+        call(tr, _perturb)
+        sync(tr, [r1], mode="stream")
+        assert_state_equal(call(r1, _state), call(tr, _state))
+        # The trainer's tensor reshaped in place: a new layout, which r1 refuses.
+        call(tr, _reshape_in_place, "layers.0.w", (32, 16))
+        with pytest.raises(ShapeMismatchError):
+            sync(tr, [r1], mode="stream")
+        call(tr, _reshape_in_place, "layers.0.w", (32, 32))
+        call(tr, _perturb)
+        sync(tr, [r1], mode="stream")
+        assert_state_equal(call(r1, _state), call(tr, _state))
+        # An option changed on the receiver is checked again.
+        call(r1, _set_option, "strict", False)
+        call(tr, _perturb)
+        sync(tr, [r1], mode="stream")
+        assert_state_equal(call(r1, _state), call(tr, _state))
+    finally:
+        planned = call(tr, _count_calls, "ray_rdt_pool.weights.planning", "_plan_layout",
+                       False)
+        checked = call(r1, _count_calls, "ray_rdt_pool.weights.receiver", "plan_load",
+                       False)
+    # The trainer planned for its reshape and back; r1 checked each change of its own
+    # and the refused layout, and kept the plan of the layout it had seen.
+    assert planned == 2
+    assert checked == 4
+    wait_drained(tr)
+
+
+def _set_option(node: Any, name: str, value: Any) -> None:
+    setattr(node.weight_receiver, name, value)
+
+
 @pytest.mark.ray
 def test_name_map_and_bf16_conversion(actors: dict[str, Any]) -> None:
     tr, r1 = actors["trainer"], actors["r1"]

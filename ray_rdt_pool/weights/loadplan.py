@@ -4,8 +4,9 @@ Owns :class:`LoadPlan` and :class:`BucketPlan` and how they are made from a vali
 layout (:func:`plan_load`): which buckets land directly in the destination tensors,
 which are read into the arena and copied, which go to ``load_weights``, which parts
 ``select`` reads, and which destinations are compared instead of written. A plan is made
-per load (or per bucket of a lazy stream) and used once; plans run on whichever thread
-loads.
+per load (or per bucket of a lazy stream) and never changed after (a receiver reuses
+its last one for an equal layout, see ``WeightReceiver.check``); plans run on whichever
+thread loads.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@ lazy source as its pairs arrive, and the wire dtype of each tensor.
 
 Owns the bucketing rule (in order, at most ``bucket_bytes`` packed bytes per bucket, a
 larger tensor alone; ties within a bucket become aliases) and ``wire_dtype`` checks.
-Stateless: :func:`plan_layout` returns a new layout, :func:`_iter_buckets` is a
-generator that holds at most the bucket being filled. Runs on the sender's thread.
+Stateless but for :class:`LayoutMemo` (a sender's last layout): :func:`plan_layout`
+returns a new layout, :func:`_iter_buckets` is a generator that holds at most the
+bucket being filled. Runs on the sender's thread.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ray_rdt_pool.weights.state import (
     WireDtype,
     _check_weight,
     _identity_key,
+    _memory_key,
     named_tensors,
 )
 
@@ -95,6 +97,13 @@ def plan_layout(state: StateLike, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     the layout's entries, sizes and buckets are those of the wire dtypes, and the put
     converts (:func:`_put_bucket`). An alias is sent as its canonical tensor is.
     """
+    layout, tensors, _picks = _plan_layout(state, bucket_bytes, wire_dtype)
+    return layout, tensors
+
+
+def _plan_layout(state: StateLike, bucket_bytes: int, wire_dtype: WireDtype
+                 ) -> tuple[WeightLayout, list[list[torch.Tensor]], list[list[int]]]:
+    """:func:`plan_layout`, plus each bucket's positions in ``named_tensors(state)``."""
     _check_bucket_bytes(bucket_bytes)
     _check_wire_dtype(wire_dtype)
     items = named_tensors(state)
@@ -102,8 +111,9 @@ def plan_layout(state: StateLike, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     aliases: list[tuple[str, str]] = []
     groups: list[list[tuple[str, torch.Tensor, torch.dtype]]] = []
     cur: list[tuple[str, torch.Tensor, torch.dtype]] = []
+    picks: list[list[int]] = []
     end = 0
-    for name, t in items:
+    for i, (name, t) in enumerate(items):
         key = _identity_key(t)
         if t.numel() > 0 and key in seen:
             aliases.append((name, seen[key]))
@@ -116,7 +126,10 @@ def plan_layout(state: StateLike, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         if cur and grown > bucket_bytes:
             groups.append(cur)
             cur, end = [], 0
+        if not cur:
+            picks.append([])
         cur.append((name, t, wire))
+        picks[-1].append(i)
         end = align_up(end, size) + n
     if cur:
         groups.append(cur)
@@ -128,7 +141,36 @@ def plan_layout(state: StateLike, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         entries.extend(spec.entries)
         buckets.append(spec.bucket)
         tensors.append([t.detach() for _n, t, _w in group])
-    return WeightLayout(tuple(entries), tuple(buckets), tuple(aliases), bucket_bytes), tensors
+    return (WeightLayout(tuple(entries), tuple(buckets), tuple(aliases), bucket_bytes), tensors,
+            picks)
+
+
+class LayoutMemo:
+    """One sender's last :func:`plan_layout`, made again only when a fact of the state
+    it read changed (:func:`_memory_key`) or the bucket size or wire dtype did: each
+    sync of one model has the same layout. Holds no tensor, only the layout and each
+    bucket's positions in the state. Used by the sender's task thread only."""
+
+    def __init__(self) -> None:
+        self._last: tuple[tuple[Any, ...], WeightLayout, list[list[int]]] | None = None
+
+    def plan(self, state: StateLike, bucket_bytes: int, wire_dtype: WireDtype
+             ) -> tuple[WeightLayout, list[list[torch.Tensor]]]:
+        """:func:`plan_layout` of ``state``, the kept layout where nothing changed."""
+        key = None
+        # A callable wire_dtype may answer otherwise next time: never kept.
+        if wire_dtype is None or isinstance(wire_dtype, torch.dtype):
+            items = named_tensors(state, None)
+            facts = _memory_key(items)
+            if facts is not None:
+                key = (bucket_bytes, wire_dtype, facts)
+            last = self._last
+            if key is not None and last is not None and last[0] == key:
+                return last[1], [[items[i][1].detach() for i in p] for p in last[2]]
+            del items
+        layout, tensors, picks = _plan_layout(state, bucket_bytes, wire_dtype)
+        self._last = (key, layout, picks) if key is not None else None
+        return layout, tensors
 
 
 def _bucket_spec(k: int, group: Sequence[tuple[str, torch.Tensor, torch.dtype]],

@@ -42,6 +42,7 @@ from ray_rdt_pool.weights.state import (
     Select,
     StateLike,
     _check_flag,
+    _memory_key,
     named_tensors,
 )
 from ray_rdt_pool.weights.validate import (
@@ -169,6 +170,8 @@ class WeightReceiver:
         self._writing = threading.Lock()
         # The stream that holds this receiver between its calls (begin, buckets, commit).
         self._stream: _Stream | None = None
+        # (options and destination key, layout, plan) of the last check (see check()).
+        self._checked: tuple[tuple[object, ...], WeightLayout, LoadPlan] | None = None
 
     @property
     def version(self) -> int:
@@ -233,8 +236,31 @@ class WeightReceiver:
 
         Raises a :class:`ManifestMismatchError` subclass listing every problem, or
         :class:`WeightSyncError` for a layout that contradicts itself.
+
+        The last plan is kept and returned again for an equal layout while the options
+        and every fact of the destination tensors a check reads are unchanged (each sync
+        of one model sends the same layout); otherwise the layout is checked afresh.
         """
-        return plan_load(self, layout)
+        key = self._check_key()
+        memo = self._checked
+        if key is not None and memo is not None and memo[0] == key and memo[1] == layout:
+            return memo[2]
+        plan = plan_load(self, layout)
+        # Kept only when nothing a check reads can change behind the key (a callable
+        # name_map or select may answer otherwise next time).
+        self._checked = (key, layout, plan) if key is not None else None
+        return plan
+
+    def _check_key(self) -> tuple[object, ...] | None:
+        """What :meth:`check` reads besides the layout, or None when it cannot be told."""
+        if self.select is not None or callable(self.name_map):
+            return None
+        dest = _memory_key(named_tensors(self.dest, None)) if self.dest is not None else ()
+        if dest is None:
+            return None
+        names = tuple(self.name_map.items()) if self.name_map is not None else None
+        return (self.dest is None, self.load_weights is None, names, self.casting,
+                self.strict, self.direct, dest)
 
     # -- loading --
 

@@ -27,6 +27,7 @@ from ray_rdt_pool.weights.manifest import (
     _layout_of,
 )
 from ray_rdt_pool.weights.planning import (
+    LayoutMemo,
     _check_bucket_bytes,
     _check_wire_dtype,
     _conversions,
@@ -124,6 +125,7 @@ class WeightSender:
         # registrations stay in the transport's storage cache for the next stream, and
         # go once a stream no longer sends them (a replaced tensor) or at close().
         self._ref_keys: set[Any] = set()
+        self._layouts = LayoutMemo()  # the last stream's layout, for the next one
 
     def close(self) -> None:
         """Let go of the NIXL registrations kept for by-reference streams (the storages
@@ -315,7 +317,7 @@ class WeightSender:
             timeout_s=deadline_s, bucket_bytes=self.bucket_bytes, wire_dtype=self.wire_dtype,
             source_reads=self.source_reads,
             by_reference=state is None and isinstance(self.source, (torch.nn.Module, Mapping)))
-        session.plan(eager, pairs)
+        session.plan(eager, pairs, self._layouts)
         # From here on ``v`` may be committed by some receiver, even if the stream fails:
         # the next default version is past it.
         self._used = max(self._used, v)

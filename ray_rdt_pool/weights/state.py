@@ -2,7 +2,8 @@
 
 Owns the type aliases of the API (a state, a lazy source, a loader, a name map, a wire
 dtype, a selection), :func:`named_tensors` and the checks every sent or written tensor
-passes (:func:`_check_weight`), and tensor identity (:func:`_identity_key`: ties).
+passes (:func:`_check_weight`), and tensor identity (:func:`_identity_key`: ties;
+:func:`_memory_key`: every fact a check reads, to tell that nothing changed).
 Stateless: plain functions, called from the sender's and the receiver's threads alike.
 """
 
@@ -89,6 +90,24 @@ def _identity_key(t: torch.Tensor) -> tuple[Any, ...]:
     # shares c's memory but is another tensor.
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
             tuple(t.stride()), t.dtype, t.device, t.is_conj(), t.is_neg())
+
+
+def _memory_key(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[Any, ...] | None:
+    """Every fact of named tensors that a layout, a check or a plan reads (name, kind,
+    where the bytes lie and how far the storage reaches, shape, strides, dtype, device,
+    lazy bits), without the tensors themselves; None where a fact cannot be read (the
+    full check then runs and raises its own error). Equal keys give the same layout and
+    the same check result."""
+    try:
+        out = []
+        for name, t in items:
+            s = t.untyped_storage()
+            out.append((name, type(t), t.layout, t.is_nested, t._is_zerotensor(),
+                        s.data_ptr(), s.nbytes(), t.storage_offset(), t.shape, t.stride(),
+                        t.dtype, t.device, t.is_conj(), t.is_neg()))
+        return tuple(out)
+    except Exception:
+        return None
 
 
 def _check_flag(name: str, value: Any) -> None:

@@ -31,7 +31,12 @@ from ray_rdt_pool.weights.manifest import (
     WeightLayout,
     _dtype_str,
 )
-from ray_rdt_pool.weights.planning import _conversions, _iter_buckets, plan_layout
+from ray_rdt_pool.weights.planning import (
+    LayoutMemo,
+    _conversions,
+    _iter_buckets,
+    plan_layout,
+)
 from ray_rdt_pool.weights.pool import (
     _fits,
     _free_owned,
@@ -150,14 +155,16 @@ class StreamSession:
 
     # -- before any receiver is called --
 
-    def plan(self, state: StateLike | None, pairs: Iterator[tuple[str, torch.Tensor]] | None
-             ) -> None:
-        """Bucket ``state`` now (a bucket larger than the pool raises here), or get ready
-        to bucket the lazy ``pairs`` as they come."""
+    def plan(self, state: StateLike | None, pairs: Iterator[tuple[str, torch.Tensor]] | None,
+             memo: LayoutMemo | None = None) -> None:
+        """Bucket ``state`` now (a bucket larger than the pool raises here; ``memo``: the
+        sender's last layout, reused if nothing changed), or get ready to bucket the lazy
+        ``pairs`` as they come."""
         self.capacity = capacity = _pool_capacity()
         bb = self.bucket_bytes
         if state is not None:
-            layout, groups = plan_layout(state, bb, self.wire_dtype)
+            layout, groups = (memo.plan(state, bb, self.wire_dtype) if memo is not None
+                              else plan_layout(state, bb, self.wire_dtype))
             for b in layout.buckets:
                 if b.nbytes > capacity:
                     raise _too_big(b, capacity)
@@ -274,7 +281,9 @@ class StreamSession:
             tensors.clear()  # the pool holds the snapshot; drop the source's tensors
         del tensors
         if keep is not None and self.layout is not None and self.owned is None:
-            self.samples.append(int(_stats().pool_used))
+            # A bucket read in place adds nothing to the pool: the last sample stands
+            # (a stats() call per bucket costs as much as describing it).
+            self.samples.append(self.samples[-1] if self.samples else int(_stats().pool_used))
             self.gathered.add(k, box, keep)
             del keep, box
             self.k += 1
