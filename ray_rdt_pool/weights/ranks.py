@@ -40,7 +40,7 @@ from ray_rdt_pool.errors import (
     WeightSyncError,
     WeightSyncTimeoutError,
 )
-from ray_rdt_pool.weights.loadplan import plan_load
+from ray_rdt_pool.weights.loadplan import BucketPlan, plan_load
 from ray_rdt_pool.weights.manifest import (
     Bucket,
     PoolBucket,
@@ -486,41 +486,93 @@ def load_ranks(rec: WeightReceiver, job: _RankedLoad) -> LoadReport:
         except ManifestMismatchError as e:
             raise type(e)(f"{e} (the model is the union of {job.ranks} trainer ranks)",
                           e.problems) from None
-        readable: dict[int, bool] = {}
-        reports: list[BucketReport] = []
+        readable = {r: src is not None and rec.can_read_source(src)
+                    for r, src in enumerate(job.sources)}
+        # Per rank, its buckets this receiver needs, in order (a bucket it needs nothing
+        # of is not read: its rank is not asked).
+        todo: dict[int, list[BucketPlan]] = {}
+        for bp in plan.buckets:
+            if not (bp.select is not None and bp.nbytes == 0 and not bp.loads):
+                todo.setdefault(job.rank_of[bp.index], []).append(bp)
         with rec._writing:
             with rec._lock:
                 rec._take_over_locked(v, what)
-            for bp in plan.buckets:
-                if bp.select is not None and bp.nbytes == 0 and not bp.loads:
-                    continue  # nothing of it is needed here: its rank is not read
-                g = bp.index
-                r = job.rank_of[g]
-                src = job.sources[r]
-                addrs = job.addrs[g]
-                ref: Any = job.boxes[g]
-                source = None
-                if src is not None and addrs is not None:
-                    if r not in readable:
-                        readable[r] = rec.can_read_source(src)
-                    if readable[r]:
-                        ref, source = SourceBucket(src, addrs), src
-                if isinstance(ref, list):
-                    ref = ref[0]
-                try:
-                    reports.append(rec._load_bucket(bp, ref, source))
-                except WeightSyncError:
-                    raise
-                except Exception as e:
-                    raise TrainerRankError(
-                        f"reading bucket {job.local[g]} of trainer rank {r} failed "
-                        f"({type(e).__name__}: {e}); this receiver keeps version "
-                        f"{rec.version}", r) from e
+            reports = _read_ranks(rec, job, todo, readable)
             with rec._lock:
                 rec._commit_locked(v, what)
     finally:
         rec._unreserve(v)
     return _summarise(v, sorted(reports, key=lambda x: x.bucket), plan.skipped)
+
+
+def _read_ranks(rec: WeightReceiver, job: _RankedLoad, todo: Mapping[int, list[BucketPlan]],
+                readable: Mapping[int, bool]) -> list[BucketReport]:
+    """Load every bucket of ``todo``: one thread per rank (at most
+    :data:`MAX_RANK_READS`), each reading its rank's buckets in order, so a receiver
+    reads from several ranks at once and no rank's link waits for another's. Buckets
+    that go to ``load_weights`` take turns (a loader need not be thread-safe). The
+    first failure stops every thread at its next bucket; all have ended on return."""
+    import concurrent.futures
+    import threading
+
+    reports: list[BucketReport] = []
+    loader = threading.Lock()
+    stop = threading.Event()
+
+    def one(bp: BucketPlan) -> BucketReport:
+        g = bp.index
+        r = job.rank_of[g]
+        addrs = job.addrs[g]
+        ref: Any = job.boxes[g]
+        source = None
+        if readable[r] and addrs is not None:
+            source = job.sources[r]
+            ref = SourceBucket(source, addrs)  # type: ignore[arg-type]
+        if isinstance(ref, list):
+            ref = ref[0]
+        try:
+            if bp.loads:
+                with loader:
+                    return rec._load_bucket(bp, ref, source)
+            return rec._load_bucket(bp, ref, source)
+        except WeightSyncError:
+            raise
+        except Exception as e:
+            raise TrainerRankError(
+                f"reading bucket {job.local[g]} of trainer rank {r} failed "
+                f"({type(e).__name__}: {e}); this receiver keeps version {rec.version}",
+                r) from e
+
+    def rank(bps: list[BucketPlan]) -> list[BucketReport]:
+        out = []
+        for bp in bps:
+            if stop.is_set():
+                break
+            try:
+                out.append(one(bp))
+            except BaseException:
+                stop.set()
+                raise
+        return out
+
+    if len(todo) <= 1:
+        for bps in todo.values():
+            reports.extend(rank(bps))
+        return reports
+    with concurrent.futures.ThreadPoolExecutor(
+            min(len(todo), MAX_RANK_READS), thread_name_prefix="rdt-rank-read") as pool:
+        futures = [pool.submit(rank, bps) for bps in todo.values()]
+        concurrent.futures.wait(futures)
+    for f in futures:
+        if f.exception() is not None:
+            raise f.exception()  # type: ignore[misc]
+    for f in futures:
+        reports.extend(f.result())
+    return reports
+
+
+#: Most ranks one receiver reads from at once (each READ may take an arena bucket).
+MAX_RANK_READS = 8
 
 
 # -- the driver -------------------------------------------------------------------
