@@ -26,7 +26,11 @@ of this tree::
         ├── StaleVersionError (ValueError)
         ├── SourceExhaustedError (ValueError)
         ├── DuplicateNameError (ValueError)
-        └── LoaderError
+        ├── LoaderError
+        ├── RankLayoutError (ValueError)
+        │   ├── RankOverlapError
+        │   └── RankMissingError
+        └── TrainerRankError
 
 Each also derives from the built-in exception in brackets, the one a caller would
 naturally catch, so existing ``except`` clauses keep working. Messages carry the numbers
@@ -52,6 +56,9 @@ __all__ = [
     "MissingWeightsError",
     "NativeBuildError",
     "PoolExhaustedError",
+    "RankLayoutError",
+    "RankMissingError",
+    "RankOverlapError",
     "RdtPoolError",
     "ReadStillRunningError",
     "RegistrationError",
@@ -59,6 +66,7 @@ __all__ = [
     "ShapeMismatchError",
     "SourceExhaustedError",
     "StaleVersionError",
+    "TrainerRankError",
     "TransferError",
     "UnexpectedWeightsError",
     "WeightSyncError",
@@ -394,3 +402,57 @@ class LoaderError(WeightSyncError):
 
     def __reduce__(self) -> Any:
         return (type(self), (str(self.args[0]) if self.args else "", self.bucket, self.names))
+
+
+class RankLayoutError(WeightSyncError, ValueError):
+    """The trainer ranks of a many-rank :func:`~ray_rdt_pool.weights.sync` do not add up
+    to one model; raised on the driver before any receiver is called, so nothing was
+    read or written.
+
+    ``name`` is the tensor, ``ranks`` the trainer ranks (positions in the list passed to
+    ``sync``) involved.
+    """
+
+    def __init__(self, message: str, name: str = "", ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.name = name
+        self.ranks = tuple(ranks)
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self.args[0]) if self.args else "", self.name, self.ranks))
+
+
+class RankOverlapError(RankLayoutError):
+    """Several trainer ranks hold the same tensor name, and not as dim-0 shards (every one
+    of them a ``WeightSender(..., shard=(rank, world))``), or their shards do not fit
+    together (another dtype or other trailing dimensions). Fix: give each name to one
+    rank, or declare the shards."""
+
+
+class RankMissingError(RankLayoutError):
+    """A tensor that some sharded trainer ranks hold is missing on others (every rank of
+    the world must hold its dim-0 shard, empty or not), or the ranks passed to ``sync``
+    are not the world their ``shard=(rank, world)`` declares. Fix: pass every rank, in
+    rank order, and have each hold its shard of each sharded name."""
+
+
+class TrainerRankError(WeightSyncError):
+    """A trainer rank failed or died during a many-rank sync.
+
+    ``rank`` is its position in the list passed to ``sync``; ``died`` whether its actor
+    is gone. No receiver committed a version it had not read whole: the receivers that
+    did not finish keep their previous version and stay usable (``committed`` lists the
+    receivers that had every byte before the failure and committed). Fix: restart the
+    rank, then sync again.
+    """
+
+    def __init__(self, message: str, rank: int = -1, died: bool = False,
+                 committed: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.died = died
+        self.committed = tuple(committed)
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self.args[0]) if self.args else "", self.rank, self.died,
+                             self.committed))

@@ -25,7 +25,8 @@ picklable layouts and bucket messages), ``planning`` (bucketing), ``pool`` (the 
 pool), ``sender`` (:class:`WeightSender`), ``stream`` (one streamed sync), ``late``
 (buckets of failed streams), ``validate`` and ``loadplan`` (checking and planning a
 load), ``loading`` (one bucket), ``receiver`` (:class:`WeightReceiver`), ``remote`` (the
-calls between actors), ``driver`` (:func:`sync`), ``reports``. The errors live in
+calls between actors), ``driver`` (:func:`sync`), ``ranks`` (a sync from many trainer
+ranks), ``reports``. The errors live in
 :mod:`ray_rdt_pool.errors`.
 """
 
@@ -39,10 +40,14 @@ from ray_rdt_pool.errors import (
     ManifestMismatchError,
     ManifestReleasedError,
     MissingWeightsError,
+    RankLayoutError,
+    RankMissingError,
+    RankOverlapError,
     SelectError,
     ShapeMismatchError,
     SourceExhaustedError,
     StaleVersionError,
+    TrainerRankError,
     UnexpectedWeightsError,
     WeightSyncError,
     WeightSyncTimeoutError,
@@ -86,6 +91,9 @@ __all__ = [
     "ManifestMismatchError",
     "ManifestReleasedError",
     "MissingWeightsError",
+    "RankLayoutError",
+    "RankMissingError",
+    "RankOverlapError",
     "SelectError",
     "ShapeMismatchError",
     "SourceBucket",
@@ -94,6 +102,7 @@ __all__ = [
     "StreamReport",
     "SyncReport",
     "TensorEntry",
+    "TrainerRankError",
     "UnexpectedWeightsError",
     "WeightLayout",
     "WeightReceiver",

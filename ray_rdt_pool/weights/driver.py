@@ -45,7 +45,7 @@ def _remote_stream(actor: Any, attr: str, receivers: list[ActorHandle], receiver
         timeout_s=timeout_s)
 
 
-def sync(trainer: ActorHandle, receivers: Sequence[ActorHandle], *,
+def sync(trainer: ActorHandle | Sequence[ActorHandle], receivers: Sequence[ActorHandle], *,
          mode: Literal["stream", "publish"] = "stream", max_inflight: int = 2,
          sender_attr: str = SENDER_ATTR, receiver_attr: str = RECEIVER_ATTR,
          timeout_s: float = 300.0, version: int | None = None) -> SyncReport:
@@ -60,9 +60,27 @@ def sync(trainer: ActorHandle, receivers: Sequence[ActorHandle], *,
     ``publish``/``stream`` (default: one more than the highest version the sender
     used, successful or not). Every wait that outlasts its bound raises
     :class:`WeightSyncTimeoutError` naming what it waited for.
+
+    ``trainer`` may be a list of trainer ranks, each holding part of the model (disjoint
+    names, or dim-0 shards with ``WeightSender(shard=(rank, world))``): every receiver
+    then reads each part from the rank that holds it and commits once it has them all
+    (:mod:`ray_rdt_pool.weights.ranks`; ``max_inflight`` does not apply).
     """
     timeout_s = _timeout(timeout_s)
-    if not _is_actor(trainer):
+    if not _is_actor(trainer) and isinstance(trainer, Sequence):
+        from ray_rdt_pool.weights.ranks import sync_ranks
+
+        ranks = _actor_handles(trainer, "sync() (trainer ranks)")
+        receivers = _actor_handles(receivers, "sync()")
+        if mode not in ("stream", "publish"):
+            raise InvalidInputError(f"mode must be 'stream' or 'publish', got {mode!r}")
+        if len(ranks) == 1:
+            trainer = ranks[0]
+        else:
+            return sync_ranks(ranks, receivers, mode=mode, sender_attr=sender_attr,
+                              receiver_attr=receiver_attr, timeout_s=timeout_s,
+                              version=version)
+    if not _is_actor(trainer) or isinstance(trainer, Sequence):
         raise InvalidInputError(f"sync() takes the trainer's actor handle first, got "
                                 f"{type(trainer).__name__}")
     receivers = _actor_handles(receivers, "sync()")

@@ -98,6 +98,13 @@ class WeightSender:
             longer sends them, or :meth:`close`). Either way the source tensors must not
             change while ``stream()`` runs (see docs/weight-sync.md, "Source reads" and
             "By reference across nodes"). ``False``: always the pool.
+        shard: ``(rank, world)`` when this sender is one of ``world`` trainer ranks whose
+            tensors are dim-0 shards (FSDP): a name that several ranks hold is the
+            concatenation, along dim 0 and in rank order, of their tensors (each rank's
+            rows may differ in number, or be none), and ``sync([rank_0, ...,
+            rank_world-1], receivers)`` must list the ranks in that order. ``None``
+            (default): the names this sender holds are its own (see
+            docs/weight-sync.md, "Many trainer ranks").
 
     Each publish snapshots the state (the pool copy is made at ``ray.put``), and a stream
     returns only after every receiver loaded every bucket and committed, so either way
@@ -110,8 +117,12 @@ class WeightSender:
 
     def __init__(self, source: Source | None = None, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 wire_dtype: WireDtype = None, source_reads: bool = True) -> None:
+                 wire_dtype: WireDtype = None, source_reads: bool = True,
+                 shard: tuple[int, int] | None = None) -> None:
         _check_bucket_bytes(bucket_bytes)
+        from ray_rdt_pool.weights.ranks import _check_shard
+
+        self.shard = _check_shard(shard)
         _check_flag("source_reads", source_reads)
         _check_wire_dtype(wire_dtype)
         self.source = source
