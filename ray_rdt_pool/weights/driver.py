@@ -67,7 +67,8 @@ def sync(trainer: ActorHandle | Sequence[ActorHandle], receivers: Sequence[Actor
     (:mod:`ray_rdt_pool.weights.ranks`; ``max_inflight`` does not apply).
     """
     timeout_s = _timeout(timeout_s)
-    if not _is_actor(trainer) and isinstance(trainer, Sequence):
+    if (not _is_actor(trainer) and isinstance(trainer, Sequence)
+            and not isinstance(trainer, (str, bytes))):
         from ray_rdt_pool.weights.ranks import sync_ranks
 
         ranks = _actor_handles(trainer, "sync() (trainer ranks)")
