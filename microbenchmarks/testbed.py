@@ -36,7 +36,7 @@ Rules it keeps (the host is shared):
 * Traffic stays between the namespaces. The subnet is a /24 of 198.18.0.0/15 (reserved
   for benchmarks) that no host address or route overlaps.
 * Processes end by PID: those in its namespaces (``ip netns pids``), SIGTERM then
-  SIGKILL. Never ``ray stop`` (it ends every Ray on the host).
+  SIGKILL. Never Ray's host-wide stop command: it ends every Ray process on the host.
 * Each node has its own Ray temp dir under ``/tmp/rtb/<tag>/``, so ``ray start --head``
   does not overwrite ``ray_current_cluster`` in Ray's default temp dir (a later plain
   ``ray.init()`` on the host would join the test bed); should that file name the test
