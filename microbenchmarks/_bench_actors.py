@@ -167,7 +167,7 @@ def _process_info(variant: Variant) -> dict[str, Any]:
     import ray
     import torch
 
-    from ray_rdt_pool.memory.tensors import native_active
+    from ray_rdt_pool.memory.describe import native_active
 
     ctx = ray._private.worker.global_worker.get_serialization_context()
     return {
@@ -233,7 +233,7 @@ def install_transport_timer() -> dict[str, float] | None:
     Returns None, and times nothing, where the runtime has no such methods.
     """
     try:
-        from ray_rdt_pool._ray.transport import runtime
+        from ray_rdt_pool._ray.runtime import runtime
 
         rt = runtime()
     except Exception:

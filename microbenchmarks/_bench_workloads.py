@@ -361,7 +361,7 @@ def per_tensor_floor(tensors: Sequence[Any], reps: int = 7) -> dict[str, Any]:
         key = (tuple(t.shape), t.dtype)
         groups[key] = groups.get(key, 0) + 1
     blocks = [torch.empty((n, *sh), dtype=dt) for (sh, dt), n in groups.items()]
-    from ray_rdt_pool.memory.tensors import describe, native_active
+    from ray_rdt_pool.memory.describe import describe, native_active
 
     native = native_active()
     reads: list[float] = []

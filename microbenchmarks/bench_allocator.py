@@ -35,7 +35,7 @@ import torch
 
 from ray_rdt_pool.core.allocator import BlockAllocator
 from ray_rdt_pool.core.layout import BLOCK_ALIGN, BlockMap, packed_offsets, run_layout
-from ray_rdt_pool.core.wire import runs_from
+from ray_rdt_pool.core.runs import runs_from
 
 _DTYPE_NAME = {
     torch.float32: "float32",

@@ -56,13 +56,13 @@ class Sender:
         self.kept.pop(key, None)
 
     def metrics_on(self) -> bool:
-        from ray_rdt_pool._ray.transport import runtime
+        from ray_rdt_pool._ray.runtime import runtime
 
         return runtime().observer is not None
 
     def observer_cost(self, n: int = 2000) -> dict[str, float]:
         """Seconds per observer call, measured on this process's own observer."""
-        from ray_rdt_pool._ray.transport import runtime
+        from ray_rdt_pool._ray.runtime import runtime
 
         rt = runtime()
         obs = rt.observer

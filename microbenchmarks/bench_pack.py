@@ -38,8 +38,10 @@ import torch
 from microbenchmarks._bench_env import cpu_model, loadavg
 from ray_rdt_pool.config import Tuning
 from ray_rdt_pool.core.layout import packed_offsets
+from ray_rdt_pool.memory.describe import Described, describe
 from ray_rdt_pool.memory.fastcopy import stream_kind
-from ray_rdt_pool.memory.tensors import Described, HostRegion, describe, pack_into
+from ray_rdt_pool.memory.pack import pack_into
+from ray_rdt_pool.memory.regions import HostRegion
 
 _MIB = 1 << 20
 

@@ -8,15 +8,15 @@ on its own, for the ``experience`` (5 tensors) and ``experience_samples`` (5,120
 workloads of ``microbenchmarks.bench`` at full size (``--workloads`` picks others, such
 as ``views``: 10,000 row views of one weight):
 
-* ``describe``: :func:`ray_rdt_pool.memory.tensors.describe`, every fact read off every tensor,
+* ``describe``: :func:`ray_rdt_pool.memory.describe.describe`, every fact read off every tensor,
   once by its Python loop and, where ``python -m ray_rdt_pool.memory.native build`` made the
   compiled helper for this torch, once more by the helper (rows ``python`` and
   ``native``);
-* ``group``: :func:`ray_rdt_pool.core.wire.runs_from`, equal (shape, dtype) tensors grouped;
+* ``group``: :func:`ray_rdt_pool.core.runs.runs_from`, equal (shape, dtype) tensors grouped;
 * ``offsets``: the packed offset of every tensor, from the groups;
-* ``pack``: :func:`ray_rdt_pool.memory.tensors.pack_into` into one pre-faulted region, with the
+* ``pack``: :func:`ray_rdt_pool.memory.pack.pack_into` into one pre-faulted region, with the
   default ``Tuning``'s threads, threshold and streaming stores;
-* ``wire``: the segments, the :class:`~ray_rdt_pool.core.wire.WireMeta` and its bytes.
+* ``wire``: the segments, the :class:`~ray_rdt_pool.core.codec.WireMeta` and its bytes.
 
 Before every put the process sleeps ``--idle-ms`` (a sender between steps: its tensors'
 torch objects are no longer in cache). Then, for the per-sample tensors, the cost of
@@ -53,8 +53,10 @@ def put_phases(tensors: list[Any], region: Any, reps: int, idle_s: float,
     """Median seconds of each phase of a host put of ``tensors`` into ``region``;
     ``native``: ``describe`` may use the compiled helper (``Tuning.native``)."""
     from ray_rdt_pool.config import Tuning
-    from ray_rdt_pool.core.wire import WireMeta, encode, runs_from
-    from ray_rdt_pool.memory.tensors import describe, pack_into
+    from ray_rdt_pool.core.codec import WireMeta, encode
+    from ray_rdt_pool.core.runs import runs_from
+    from ray_rdt_pool.memory.describe import describe
+    from ray_rdt_pool.memory.pack import pack_into
     from ray_rdt_pool.send.sender import _block_segments, run_offsets
 
     cfg = Tuning()
@@ -113,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad or not names:
         p.error(f"--workloads: {', '.join(bad) or 'none given'} is not a one-object workload; "
                 f"choose from {', '.join(w for w in W.WORKLOADS if w not in W.SYNC_WORKLOADS)}")
-    from ray_rdt_pool.memory.tensors import HostRegion, native_active
+    from ray_rdt_pool.memory.describe import native_active
+    from ray_rdt_pool.memory.regions import HostRegion
 
     idle = a.idle_ms / 1e3
     print(f"put phases: {cpu_model()}, load average {loadavg()}, {a.reps} reps, "

@@ -77,7 +77,7 @@ from ray_rdt_pool.errors import (
 if TYPE_CHECKING:
     import torch
 
-    from ray_rdt_pool.memory.tensors import CudaRegion, HostRegion
+    from ray_rdt_pool.memory.regions import CudaRegion, HostRegion
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class Directory(Protocol):
 
 
 def _default_region(capacity: int, device: str, prefault: bool) -> HostRegion | CudaRegion:
-    from ray_rdt_pool.memory.tensors import CudaRegion, HostRegion
+    from ray_rdt_pool.memory.regions import CudaRegion, HostRegion
 
     return CudaRegion(capacity) if device == "cuda" else HostRegion(capacity, prefault=prefault)
 
@@ -344,7 +344,7 @@ class Registry:
         try:
             if shared and device == "cpu" and self._region_factory is _default_region:
                 try:
-                    from ray_rdt_pool.same_node.shared import SharedHostRegion
+                    from ray_rdt_pool.same_node.regions import SharedHostRegion
 
                     mem = SharedHostRegion(capacity, prefault=prefault)
                 except OSError as e:

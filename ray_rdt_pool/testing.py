@@ -306,7 +306,7 @@ class FakeBackend:
                 assert n == m
                 ctypes.memmove(la, ra, n)
         else:  # device memory on either side (the gpu tests): a torch copy
-            from ray_rdt_pool.memory.tensors import device_block
+            from ray_rdt_pool.memory.blocks import device_block
 
             (ld, rd) = x.devices
             for (la, n, li), (ra, m, ri) in zip(x.local, x.remote):

@@ -97,7 +97,7 @@ def all_dtype_tensors(seed: int = 0, rows: int = 3, first_cols: int = 5) -> list
     """One tensor of every dtype the wire carries (rows x first_cols+i), random bits."""
     import torch
 
-    from ray_rdt_pool.core.wire import DTYPES
+    from ray_rdt_pool.core.runs import DTYPES
 
     g = torch.Generator().manual_seed(seed)
     out = []

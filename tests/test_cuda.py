@@ -11,7 +11,9 @@ import torch
 
 import ray_rdt_pool
 from ray_rdt_pool.errors import InvalidInputError, RegistrationError
-from ray_rdt_pool.memory.tensors import CudaRegion, describe, device_block
+from ray_rdt_pool.memory.blocks import device_block
+from ray_rdt_pool.memory.describe import describe
+from ray_rdt_pool.memory.regions import CudaRegion
 
 HAS_CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (none on this machine)")

@@ -160,20 +160,20 @@ def test_same_node_receivers_map_the_drivers_objects_after_a_ray_restart() -> No
 
 _BLOCKS_AT_EXIT = (
     "import sys, torch\n"
-    "from ray_rdt_pool.memory import tensors\n"
+    "from ray_rdt_pool.memory import blocks\n"
     "buf = torch.zeros(1 << 20, dtype=torch.uint8)\n"
     "class Holder:\n"
     "    pass\n"
     "h = Holder()\n"
     "h.self = h  # a cycle: collected late in finalization, after module globals\n"
-    "h.views = [tensors.device_block(buf.data_ptr() + 64 * i, 64, 'cpu', 0,\n"
-    "                                lambda: sys.stderr.write('called\\n'))[:8]\n"
+    "h.views = [blocks.device_block(buf.data_ptr() + 64 * i, 64, 'cpu', 0,\n"
+    "                               lambda: sys.stderr.write('called\\n'))[:8]\n"
     "           for i in range(1000)]\n"
     "m = torch.nn.Module()\n"
-    "m.register_buffer('b', tensors.device_block(buf.data_ptr(), 128, 'cpu', 0,\n"
-    "                                            lambda: sys.stderr.write('called\\n')))\n"
+    "m.register_buffer('b', blocks.device_block(buf.data_ptr(), 128, 'cpu', 0,\n"
+    "                                           lambda: sys.stderr.write('called\\n')))\n"
     "if sys.argv[1] == 'hook':\n"
-    "    tensors.install_exit_hook()\n"
+    "    blocks.install_exit_hook()\n"
 )
 
 

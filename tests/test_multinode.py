@@ -21,7 +21,7 @@ import ray
 import torch
 
 import ray_rdt_pool
-from ray_rdt_pool.core.wire import DTYPES
+from ray_rdt_pool.core.runs import DTYPES
 from ray_rdt_pool.weights import WeightReceiver, WeightSender
 from tests.raycluster import DEFAULT_ENV, all_dtype_tensors, digest, wait_for
 

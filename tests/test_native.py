@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ray_rdt_pool.config import PoolConfig, from_env
-from ray_rdt_pool.core.wire import DTYPES
+from ray_rdt_pool.core.runs import DTYPES
 from ray_rdt_pool.errors import InvalidInputError, NativeBuildError
 from ray_rdt_pool.memory import describe as D
 from ray_rdt_pool.memory import native

@@ -628,7 +628,8 @@ def test_helpers_are_daemons_reused_and_renewed_after_fork() -> None:
 
 
 def test_import_starts_no_thread() -> None:
-    code = ("import threading, ray_rdt_pool.memory.tensors, ray_rdt_pool.memory.pack_pool as p; "
+    code = ("import threading, ray_rdt_pool.memory.pack, ray_rdt_pool.memory.rebuild, "
+            "ray_rdt_pool.memory.describe, ray_rdt_pool.memory.pack_pool as p; "
             "assert p._pack_pool is None, 'pool at import'; "
             "print(threading.active_count())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -17,7 +17,6 @@ PURE_MODULES = [
     "ray_rdt_pool.core.descriptors",
     "ray_rdt_pool.core.runs",
     "ray_rdt_pool.core.codec",
-    "ray_rdt_pool.core.wire",
     "ray_rdt_pool.core.selection",
     "ray_rdt_pool.config",
     "ray_rdt_pool.obs.stats",
@@ -68,7 +67,7 @@ OWNER_MODULES = [
     "ray_rdt_pool.same_node.regions", "ray_rdt_pool.same_node.leases",
     "ray_rdt_pool.same_node.info", "ray_rdt_pool.same_node.mapped",
     "ray_rdt_pool.same_node.fork", "ray_rdt_pool.same_node.cuda",
-    "ray_rdt_pool.same_node.source", "ray_rdt_pool.same_node.shared",
+    "ray_rdt_pool.same_node.source",
 ]
 #: The weights API imports Ray and the transport only when it is called.
 WEIGHTS_MODULES = [
@@ -87,7 +86,7 @@ MEMORY_MODULES = [
     "ray_rdt_pool.memory.dtypes", "ray_rdt_pool.memory.extent", "ray_rdt_pool.memory.describe",
     "ray_rdt_pool.memory.regions", "ray_rdt_pool.memory.blocks", "ray_rdt_pool.memory.pack",
     "ray_rdt_pool.memory.pack_pool", "ray_rdt_pool.memory.rebuild",
-    "ray_rdt_pool.memory.fastcopy", "ray_rdt_pool.memory.native", "ray_rdt_pool.memory.tensors",
+    "ray_rdt_pool.memory.fastcopy", "ray_rdt_pool.memory.native",
 ]
 
 

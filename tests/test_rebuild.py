@@ -13,8 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ray_rdt_pool.core.codec import WireMeta, decode, encode
 from ray_rdt_pool.core.layout import packed_offsets
-from ray_rdt_pool.core.wire import DTYPES, WireMeta, decode, encode, runs_from
+from ray_rdt_pool.core.runs import DTYPES, runs_from
 from ray_rdt_pool.errors import InvalidInputError
 from ray_rdt_pool.memory.describe import describe
 from ray_rdt_pool.memory.dtypes import torch_dtype

@@ -82,7 +82,7 @@ def test_a_failure_after_the_lease_is_a_transfer_error_and_returns_the_lease(
         monkeypatch.setattr(r.receiver.landings, "local", boom)
         targets = None
     else:
-        monkeypatch.setattr("ray_rdt_pool.memory.tensors.unpack_into", boom)
+        monkeypatch.setattr("ray_rdt_pool.memory.rebuild.unpack_into", boom)
         targets = [torch.empty_like(src[0])]
     with pytest.raises(TransferError, match="shared pool of same-node sender") as info:
         get(s, r, "a", src, targets=targets)

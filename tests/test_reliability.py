@@ -36,7 +36,8 @@ import torch
 
 import ray_rdt_pool
 from microbenchmarks.chaos import process_gone
-from ray_rdt_pool.core import wire
+from ray_rdt_pool.core import codec
+from ray_rdt_pool.core.runs import DTYPES, TensorRun
 from ray_rdt_pool.errors import TransferError, WireFormatError
 from tests.raycluster import digest, start_ray, wait_for
 
@@ -219,7 +220,7 @@ class Sender:
         return payload(seed, nbytes)
 
     def segments(self, key: str) -> int:
-        return len(wire.decode(wire_of(self.held[key])).segments)
+        return len(codec.decode(wire_of(self.held[key])).segments)
 
     def wire(self, key: str) -> bytes:
         return wire_of(self.held[key])
@@ -773,7 +774,7 @@ def _shorten_first_segment(raw: list[Any]) -> None:
 
 def _too_many_tensors(raw: list[Any]) -> None:
     # One group (repeat 1) of one run: float32 [0] x (MAX_TENSORS + 1).
-    raw[5], raw[6], raw[7] = 0, [1, 1, 1, 0, wire.DTYPES["float32"][0], wire.MAX_TENSORS + 1], []
+    raw[5], raw[6], raw[7] = 0, [1, 1, 1, 0, DTYPES["float32"][0], codec.MAX_TENSORS + 1], []
 
 
 def _forge_address(raw: list[Any]) -> None:
@@ -791,13 +792,13 @@ WIRE_CASES: dict[str, tuple[Any, str, list[str]]] = {
     "truncated": (lambda b: b[:-3], "WireFormatError",
                   ["not valid msgpack", "truncated or corrupted"]),
     "garbage": (lambda b: bytes(range(7, 250, 3)), "WireFormatError", ["object metadata"]),
-    "other_version": (_set(0, wire.WIRE_VERSION + 1), "WireFormatError",
-                      [f"version {wire.WIRE_VERSION + 1}",
+    "other_version": (_set(0, codec.WIRE_VERSION + 1), "WireFormatError",
+                      [f"version {codec.WIRE_VERSION + 1}",
                        "install the same ray_rdt_pool version"]),
     "uncovered_tensor": (_shorten_first_segment, "WireFormatError",
                          ["which the segments do not fully cover"]),
     "too_many_tensors": (_too_many_tensors, "WireFormatError",
-                         [f"more than {wire.MAX_TENSORS:,} tensors"]),
+                         [f"more than {codec.MAX_TENSORS:,} tensors"]),
     "unknown_device": (_set(3, "tpu"), "WireFormatError", ["device must be one of"]),
     "forged_address": (_forge_address, "TransferError", ["failed", "the sender may"]),
     "unknown_agent": (_set(1, "rdtpool-0-000000000000"), "TransferError",
@@ -848,12 +849,12 @@ def test_corrupted_wire_metadata_at_a_real_receiver(send, recv, wire_object, cas
 
 
 def test_too_many_tensors_is_refused_by_the_encoder_too():
-    """The sender-side limit (wire.encode validates what decode would): building an object
+    """The sender-side limit (codec.encode validates what decode would): building an object
     of MAX_TENSORS + 1 real tensors just to hit it would cost seconds per million views."""
-    meta = wire.WireMeta("rdtpool-x", 1, "cpu", 0, 0,
-                         (wire.TensorRun((0,), "float32", wire.MAX_TENSORS + 1),), ())
+    meta = codec.WireMeta("rdtpool-x", 1, "cpu", 0, 0,
+                          (TensorRun((0,), "float32", codec.MAX_TENSORS + 1),), ())
     with pytest.raises(WireFormatError, match="more than 1,048,576 tensors"):
-        wire.encode(meta)
+        codec.encode(meta)
 
 
 def test_metadata_of_another_transport(recv):

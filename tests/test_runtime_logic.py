@@ -32,7 +32,10 @@ from ray_rdt_pool.errors import (
     TransferError,
     WireFormatError,
 )
-from ray_rdt_pool.memory import tensors as rdt_tensors
+from ray_rdt_pool.memory import blocks as rdt_blocks
+from ray_rdt_pool.memory import pack as rdt_pack
+from ray_rdt_pool.memory import rebuild as rdt_rebuild
+from ray_rdt_pool.memory import regions as rdt_regions
 from tests.fakenixl import World
 
 
@@ -98,7 +101,7 @@ def test_failed_copy_rolls_the_allocation_back(world, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("copy failed")
 
-    monkeypatch.setattr(rdt_tensors, "pack_into", boom)
+    monkeypatch.setattr(rdt_pack, "pack_into", boom)
     with pytest.raises(RuntimeError, match="copy failed"):
         s.put("x", [torch.ones(1000)])
     after = s.stats()
@@ -960,7 +963,7 @@ def test_strict_mode_raises_instead_of_overflowing(world):
 def test_cuda_put_with_nothing_to_copy_works(world):
     """A CUDA pool and an object with nothing to copy (all empty) must not crash."""
     def fake_cuda(capacity, device, prefault):
-        region = rdt_tensors.HostRegion(capacity)
+        region = rdt_regions.HostRegion(capacity)
         region.device = device  # host memory labelled as the device asked for
         return region
 
@@ -1447,7 +1450,7 @@ def test_overflow_regions_made_at_once_by_two_puts_leave_none_empty(world, linge
         if capacity >= 64 << 20:  # an overflow region (the pool is 1 MiB)
             made.append(capacity)
             gate.wait()  # both puts are making one now
-        return rdt_tensors.HostRegion(capacity)
+        return rdt_regions.HostRegion(capacity)
 
     s = make(world, region_factory=regions, overflow_linger_s=linger)
     r = make(world, arena_bytes=8 << 20)
@@ -1491,16 +1494,16 @@ def test_landing_uses_the_arena_of_the_senders_device(world, monkeypatch):
 
     def fake_regions(capacity, device, prefault):
         made.append(device)
-        region = rdt_tensors.HostRegion(capacity)
+        region = rdt_regions.HostRegion(capacity)
         region.device = device
         return region
 
     from ray_rdt_pool.receive import receiver as rdt_receiver
 
-    real_block = rdt_tensors.device_block
+    real_block = rdt_blocks.device_block
     monkeypatch.setattr(rdt_receiver, "cuda_available", lambda: True)
     # Without a GPU the "cuda" block is host memory: view it as such.
-    monkeypatch.setattr(rdt_tensors, "device_block",
+    monkeypatch.setattr(rdt_blocks, "device_block",
                         lambda addr, n, dev, i, on_free: real_block(addr, n, "cpu", 0, on_free))
     s, r = make(world), make(world, region_factory=fake_regions)
     meta = ship(s.put("a", [torch.arange(6)]))
@@ -1540,7 +1543,7 @@ def test_failed_copy_into_targets_returns_the_block_and_is_typed(world, monkeypa
 
     from ray_rdt_pool.receive import receiver as rdt_receiver  # noqa: F401
 
-    monkeypatch.setattr(rdt_tensors, "unpack_into", boom)
+    monkeypatch.setattr(rdt_rebuild, "unpack_into", boom)
     with pytest.raises(TransferError, match="target buffers failed"):
         r.wait(r.fetch("a", meta, [torch.zeros(6, dtype=torch.int64)]), -1)
     st = r.stats()

@@ -35,7 +35,7 @@ import ray_rdt_pool
 from ray_rdt_pool._ray.runtime import Runtime
 from ray_rdt_pool.config import PoolConfig, Tuning
 from ray_rdt_pool.errors import InvalidInputError, TransferError
-from ray_rdt_pool.memory.tensors import copy_moves
+from ray_rdt_pool.memory.pack_pool import copy_moves
 from ray_rdt_pool.same_node.source import (
     SourceProcess,
     peer_batch_reader,

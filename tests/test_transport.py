@@ -75,7 +75,7 @@ class Sender:
         return [ref], digest(tensors)
 
     def native_active(self) -> bool:
-        from ray_rdt_pool.memory.tensors import native_active
+        from ray_rdt_pool.memory.describe import native_active
 
         return native_active()
 

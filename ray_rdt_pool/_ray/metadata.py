@@ -22,7 +22,7 @@ from ray.experimental.rdt.tensor_transport_manager import (
     TensorTransportMetadata,
 )
 
-from ray_rdt_pool.core.wire import WireMeta, decode
+from ray_rdt_pool.core.codec import WireMeta, decode
 from ray_rdt_pool.errors import InvalidInputError, TransferError
 from ray_rdt_pool.receive.receiver import Fetch, Receiver
 
@@ -48,7 +48,7 @@ class LazyTensorMeta(Sequence[Any]):
         if self._items is None:
             import torch
 
-            from ray_rdt_pool.memory.tensors import torch_dtype
+            from ray_rdt_pool.memory.dtypes import torch_dtype
 
             meta = self._owner.decoded()
             # One (Size, dtype) pair per run of a pattern, replicated per tensor: an

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import ray
     import torch
 
-    from ray_rdt_pool.same_node.shared import SourceProcess
+    from ray_rdt_pool.same_node.source import SourceProcess
 
 
 def put_owned(obj_id: str, tensors: Sequence[torch.Tensor],
@@ -121,7 +121,7 @@ def source_process() -> SourceProcess | None:
     """This process as a source of direct reads by same-node receivers (the weights
     API's stream), or None outside a Ray worker or driver, or where ``same_node`` is
     ``"off"``."""
-    from ray_rdt_pool.same_node.shared import this_process
+    from ray_rdt_pool.same_node.source import this_process
 
     node = ray_node_id()
     if node is None or runtime().config.same_node == "off":

@@ -393,7 +393,7 @@ class _StoredTensor:
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         import torch
 
-        from ray_rdt_pool.memory.tensors import dtype_name
+        from ray_rdt_pool.memory.dtypes import dtype_name
 
         t = self.tensor
         return _tensor_from_store, (dtype_name(t.dtype), tuple(t.shape),
@@ -406,7 +406,7 @@ def _tensor_from_store(dtype: str, shape: tuple[int, ...], raw: Any) -> Any:
     import numpy
     import torch
 
-    from ray_rdt_pool.memory.tensors import empty_tensor, torch_dtype
+    from ray_rdt_pool.memory.dtypes import empty_tensor, torch_dtype
 
     out = empty_tensor(shape, torch_dtype(dtype))
     want = out.numel() * out.element_size()

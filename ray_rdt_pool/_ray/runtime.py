@@ -248,8 +248,9 @@ class Runtime:
         """The tensors of an object this process put, as the put copied them: new tensors,
         each with its own storage (pickled one by one, none carries the others' bytes),
         never views of the pool. None for an object this transport does not hold."""
-        from ray_rdt_pool.memory.tensors import copy_bytes, empty_tensor, torch_dtype
-        from ray_rdt_pool.receive.receiver import target_descs
+        from ray_rdt_pool.memory.dtypes import empty_tensor, torch_dtype
+        from ray_rdt_pool.memory.rebuild import copy_bytes
+        from ray_rdt_pool.receive.targets import target_descs
 
         with self.sender.lock:  # the blocks cannot be freed (and reused) meanwhile
             p = self.sender.sent.get(obj_id)
@@ -484,7 +485,7 @@ def runtime() -> Runtime:
             except Exception:
                 logger.debug("metrics unavailable", exc_info=True)
             if not _atexit_registered:
-                from ray_rdt_pool.memory.tensors import install_exit_hook
+                from ray_rdt_pool.memory.blocks import install_exit_hook
 
                 install_exit_hook()  # atexit runs it last: after shutdown below
                 atexit.register(shutdown)
@@ -510,7 +511,7 @@ def shutdown() -> None:
     # is the parent's: shutting it down here would remove the parent's agent key from
     # Ray's GCS (its receivers could no longer find it) and tear down NIXL state the
     # parent still uses. The child leaves it alone; its memory goes with the process.
-    from ray_rdt_pool.memory.tensors import stop_pack_helpers
+    from ray_rdt_pool.memory.pack_pool import stop_pack_helpers
 
     stop_pack_helpers()
 
@@ -546,7 +547,7 @@ def _check_tensor(tensor: Any, what: str) -> None:
 def _check_memory(tensor: Any, what: str) -> None:
     """InvalidInputError unless ``tensor`` is a CPU or CUDA tensor with memory of its own
     behind its storage (not a ZeroTensor, a storage resized to 0, or a DTensor)."""
-    from ray_rdt_pool.memory.tensors import storage_base
+    from ray_rdt_pool.memory.extent import storage_base
 
     _check_tensor(tensor, what)
     if tensor._is_zerotensor():

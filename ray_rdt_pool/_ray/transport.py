@@ -26,29 +26,6 @@ from ray_rdt_pool._ray.metadata import PoolFetch, PoolTransportMetadata, as_pool
 from ray_rdt_pool._ray.runtime import runtime
 from ray_rdt_pool.errors import ConfigurationError
 
-# isort: split
-# re-exported for other packages until the lead rewires them
-from ray_rdt_pool._ray.conversions import pack_as
-from ray_rdt_pool._ray.owned import (
-    can_read_source,
-    fetch_owned,
-    fetch_selected,
-    forget_registrations,
-    free_owned,
-    put_owned,
-    read_source,
-    source_process,
-)
-from ray_rdt_pool._ray.runtime import (
-    Runtime,
-    configure,
-    deregister_memory,
-    register_memory,
-    set_cuda_stream,
-    shutdown,
-    stats,
-)
-
 
 def _probe_actor(self: Any) -> bool:
     try:
@@ -179,26 +156,4 @@ def register() -> str:
     return TRANSPORT
 
 
-__all__ = [
-    "TRANSPORT",
-    "NixlPoolTransport",
-    "PoolTransportMetadata",
-    "Runtime",
-    "can_read_source",
-    "configure",
-    "deregister_memory",
-    "fetch_owned",
-    "fetch_selected",
-    "forget_registrations",
-    "free_owned",
-    "pack_as",
-    "put_owned",
-    "read_source",
-    "register",
-    "register_memory",
-    "runtime",
-    "set_cuda_stream",
-    "shutdown",
-    "source_process",
-    "stats",
-]
+__all__ = ["NixlPoolTransport", "register"]

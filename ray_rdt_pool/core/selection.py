@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ray_rdt_pool.core.layout import packed_offsets
-from ray_rdt_pool.core.wire import DTYPES
+from ray_rdt_pool.core.runs import DTYPES
 from ray_rdt_pool.errors import InvalidInputError
 
 if TYPE_CHECKING:
-    from ray_rdt_pool.core.wire import WireMeta
+    from ray_rdt_pool.core.codec import WireMeta
 
 __all__ = ["SelectionPlan", "Slices", "plan_for_object", "plan_selection", "selected_runs",
            "selection_bounds"]

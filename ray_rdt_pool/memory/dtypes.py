@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ray_rdt_pool.core.wire import DTYPES
+from ray_rdt_pool.core.runs import DTYPES
 from ray_rdt_pool.errors import InvalidInputError
 
 if TYPE_CHECKING:

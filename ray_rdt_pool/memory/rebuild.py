@@ -13,7 +13,7 @@ import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ray_rdt_pool.core.wire import RunGroup, Runs, TensorRun
+from ray_rdt_pool.core.runs import RunGroup, Runs, TensorRun
 from ray_rdt_pool.memory.blocks import device_block
 from ray_rdt_pool.memory.dtypes import empty_tensor, torch_dtype
 from ray_rdt_pool.memory.fastcopy import host_moves
@@ -35,7 +35,7 @@ def rebuild(block: torch.Tensor, runs: Sequence[TensorRun],
     ``starts`` are the packed offsets of the runs' first tensors (``meta.run_starts()``).
     Each run of equal (shape, dtype) tensors becomes one reshape and one ``unbind``, so
     thousands of row views cost a few torch calls, not one per tensor. When ``runs`` is a
-    :class:`~ray_rdt_pool.core.wire.Runs` (what the decoder returns), a repeated group costs a
+    :class:`~ray_rdt_pool.core.runs.Runs` (what the decoder returns), a repeated group costs a
     few torch calls too, however many repetitions it has: see :func:`_rebuild_group`.
     """
     out: list[torch.Tensor] = []

@@ -82,7 +82,7 @@ class CudaRegion:
     setting is refused up front with the fix, instead of failing inside NIXL.
 
     Blocks are whole 4 KiB pages, as in a shared host pool: same-node receivers lease a
-    sender's CUDA pool by page (see :mod:`ray_rdt_pool.same_node.shared`).
+    sender's CUDA pool by page (see :mod:`ray_rdt_pool.same_node.leases`).
     """
 
     align = 4096

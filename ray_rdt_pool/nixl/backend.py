@@ -25,7 +25,6 @@ from typing import Any
 
 from ray_rdt_pool.errors import RegistrationError
 from ray_rdt_pool.nixl.lanes import (
-    SPLIT_ALIGN,  # re-exported for other packages until the lead rewires them
     Lane,
     LaneRegs,
     SplitRead,
@@ -35,15 +34,11 @@ from ray_rdt_pool.nixl.lanes import (
     split_state,
     start_split,
 )
-from ray_rdt_pool.nixl.protocol import (
-    Backend,  # re-exported for other packages until the lead rewires them
-    Desc,
-)
+from ray_rdt_pool.nixl.protocol import Desc
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PROGRESS_HOLD_S", "SPLIT_ALIGN", "Backend", "NixlBackend", "SplitRead",
-           "new_agent_name", "split_pairs"]
+__all__ = ["PROGRESS_HOLD_S", "NixlBackend", "new_agent_name"]
 
 #: Seconds the progress thread keeps its fast interval after :meth:`NixlBackend.active`:
 #: the receivers of an object connect (if they are new) within moments of its put.

@@ -52,7 +52,7 @@ def _actor_stats(actor_self: Any, only_if_loaded: bool = False) -> dict[str, Any
     """Runs inside the actor: its transport stats as a dict (None if not loaded)."""
     if only_if_loaded and "ray_rdt_pool._ray.transport" not in sys.modules:
         return None
-    from ray_rdt_pool._ray.transport import stats
+    from ray_rdt_pool._ray.runtime import stats
 
     row = stats().as_dict()
     row["pid"] = os.getpid()

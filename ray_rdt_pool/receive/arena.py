@@ -200,7 +200,7 @@ class Landings:
     def hand_over(self, landing: Landing, size: int) -> torch.Tensor:
         """The ``size`` bytes of an arena or one-off landing as a uint8 tensor that owns
         them from now on: an arena block goes back when its last view dies."""
-        from ray_rdt_pool.memory.tensors import device_block
+        from ray_rdt_pool.memory.blocks import device_block
 
         if landing.kind == "arena":
             landing.released = True  # ownership passes to the views
@@ -213,7 +213,7 @@ class Landings:
 
     def selected_views(self, landing: Landing, sel: SelectionPlan) -> list[torch.Tensor]:
         """The tensors of a selection landed packed in ``landing`` (which they own)."""
-        from ray_rdt_pool.memory.tensors import torch_dtype
+        from ray_rdt_pool.memory.dtypes import torch_dtype
 
         block = self.hand_over(landing, sel.total)
         out = []

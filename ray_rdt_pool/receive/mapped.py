@@ -1,6 +1,6 @@
 """Same-node gets: our handles on same-node senders' shared pools, and mapped objects.
 
-Owns: one handle (:class:`~ray_rdt_pool.same_node.shared.MappedPool`) per same-node
+Owns: one handle (:class:`~ray_rdt_pool.same_node.mapped.MappedPool`) per same-node
 sender agent, and a lease on the sender's block for every object served out of its pool:
 its tensors are views of this process's one private mapping of the pool (or copied out
 of it) instead of a READ. Lifetime: a copy's lease drops as soon as the copy is done; a
@@ -24,13 +24,10 @@ from ray_rdt_pool.errors import TransferError, WireFormatError, shut_down_error
 from ray_rdt_pool.receive import fork
 from ray_rdt_pool.receive.arena import Landing, Landings
 from ray_rdt_pool.registry import Directory
-from ray_rdt_pool.same_node.shared import (
-    HostInfo,
-    MappedPool,
-    NotVisibleError,
-    lease_slot,
-    mappable_spans,
-)
+from ray_rdt_pool.same_node.cuda import NotVisibleError
+from ray_rdt_pool.same_node.info import HostInfo
+from ray_rdt_pool.same_node.leases import lease_slot
+from ray_rdt_pool.same_node.mapped import MappedPool, mappable_spans
 
 if TYPE_CHECKING:
     import threading
@@ -300,7 +297,8 @@ class Mapped:
         """The tensors of ``f``: views of the pool mapping at ``addr`` when ``release``
         names a mapped length, else one copy out of the object at ``addr`` (or of its
         ``pieces``, (packed offset, address, length) each, when it is fragmented)."""
-        from ray_rdt_pool.memory.tensors import copy_bytes, device_block, rebuild, unpack_into
+        from ray_rdt_pool.memory.blocks import device_block
+        from ray_rdt_pool.memory.rebuild import copy_bytes, rebuild, unpack_into
 
         meta = f.meta
         unmaps = self.unmaps
@@ -413,7 +411,7 @@ def piece_moves(pieces: Sequence[tuple[int, int, int]],
 def contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` if it is a contiguous view with elements, else a contiguous tensor of its
     own (no reference to the mapping it came from)."""
-    from ray_rdt_pool.memory.tensors import empty_tensor
+    from ray_rdt_pool.memory.dtypes import empty_tensor
 
     if t.numel() == 0:
         return empty_tensor(t.shape, t.dtype)

@@ -33,9 +33,9 @@ from ray_rdt_pool.errors import ReadStillRunningError, TransferError
 from ray_rdt_pool.receive.arena import Landing, Landings
 from ray_rdt_pool.receive.drain import Drain
 from ray_rdt_pool.receive.mapped import Mapped, cuda_available
-from ray_rdt_pool.receive.peers import PEER_IDLE_S, Peer, Peers
+from ray_rdt_pool.receive.peers import Peer, Peers
 from ray_rdt_pool.receive.source import SourceReader
-from ray_rdt_pool.receive.targets import check_targets, target_descs
+from ray_rdt_pool.receive.targets import check_targets
 from ray_rdt_pool.receive.transfers import Transfer, Transfers
 from ray_rdt_pool.registry import MEM_TYPE, Directory, Region, Registry
 
@@ -43,15 +43,13 @@ if TYPE_CHECKING:
     import torch
 
     from ray_rdt_pool.config import PoolConfig
-    from ray_rdt_pool.core.wire import WireMeta
+    from ray_rdt_pool.core.codec import WireMeta
     from ray_rdt_pool.obs.events import Events
-    from ray_rdt_pool.same_node.shared import SourceProcess
+    from ray_rdt_pool.same_node.source import SourceProcess
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Fetch", "Receiver"]
-# re-exported for other packages until the lead rewires them
-__all__ += ["PEER_IDLE_S", "Landing", "Peer", "Transfer", "target_descs"]
 
 
 class Fetch:
@@ -109,7 +107,8 @@ class Receiver:
         """Start reading ``obj_id`` (or, with ``selection``, only part of each tensor:
         see :func:`~ray_rdt_pool.core.selection.plan_for_object`); never waits for other
         fetches."""
-        from ray_rdt_pool.memory.tensors import empty_like_run_list, empty_tensor, torch_dtype
+        from ray_rdt_pool.memory.dtypes import empty_tensor, torch_dtype
+        from ray_rdt_pool.memory.rebuild import empty_like_run_list
 
         f = Fetch(obj_id, meta)
         if targets:
@@ -253,7 +252,7 @@ class Receiver:
             "the sender actor may have died. Fetch again while the ref is in scope")
 
     def _finish(self, f: Fetch, t: Transfer) -> list[torch.Tensor]:
-        from ray_rdt_pool.memory.tensors import rebuild
+        from ray_rdt_pool.memory.rebuild import rebuild
 
         meta = f.meta
         landing = t.landing
@@ -281,7 +280,7 @@ class Receiver:
         """Copy a received object from its landing into the caller's buffers."""
         import torch
 
-        from ray_rdt_pool.memory.tensors import unpack_into
+        from ray_rdt_pool.memory.rebuild import unpack_into
 
         targets = f.copy_into
         assert targets is not None

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ray_rdt_pool.core.selection import SelectionPlan, plan_selection
 from ray_rdt_pool.errors import InvalidInputError, TransferError
 from ray_rdt_pool.receive.arena import Landing, Landings
-from ray_rdt_pool.same_node.shared import SourceProcess, peer_batch_reader, probe_source
+from ray_rdt_pool.same_node.source import SourceProcess, peer_batch_reader, probe_source
 
 if TYPE_CHECKING:
     import torch
@@ -64,8 +64,8 @@ class SourceReader:
         read (nothing is returned; a target may hold part of the bytes), and
         InvalidInputError for targets that do not match.
         """
-        from ray_rdt_pool.core.wire import DTYPES
-        from ray_rdt_pool.memory.tensors import copy_moves
+        from ray_rdt_pool.core.runs import DTYPES
+        from ray_rdt_pool.memory.pack_pool import copy_moves
 
         t_start = time.perf_counter()
         sizes = []
@@ -93,7 +93,7 @@ class SourceReader:
                                  [addr for addr, _s, _d in tensors],
                                  selection if selection is not None else [None] * len(tensors))
             if sel.total == 0:  # this receiver takes nothing of these tensors
-                from ray_rdt_pool.memory.tensors import empty_tensor, torch_dtype
+                from ray_rdt_pool.memory.dtypes import empty_tensor, torch_dtype
 
                 return [empty_tensor(shape, torch_dtype(dt))
                         for shape, dt in zip(sel.shapes, sel.dtypes)]

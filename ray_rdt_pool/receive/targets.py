@@ -17,7 +17,7 @@ from ray_rdt_pool.errors import InvalidInputError
 if TYPE_CHECKING:
     import torch
 
-    from ray_rdt_pool.core.wire import WireMeta
+    from ray_rdt_pool.core.codec import WireMeta
 
 __all__ = ["check_targets", "read_pieces", "refuse_overlapping", "target_descs"]
 
@@ -62,7 +62,8 @@ def check_targets(targets: Sequence[torch.Tensor], meta: WireMeta,
     device type. ``native``: ``PoolConfig.tuning.native``, passed on to ``describe``."""
     import torch
 
-    from ray_rdt_pool.memory.tensors import describe, dtype_name
+    from ray_rdt_pool.memory.describe import describe
+    from ray_rdt_pool.memory.dtypes import dtype_name
 
     if len(targets) != meta.num_tensors:
         raise InvalidInputError(

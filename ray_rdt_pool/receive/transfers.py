@@ -29,7 +29,7 @@ from ray_rdt_pool.registry import MEM_TYPE
 
 if TYPE_CHECKING:
     from ray_rdt_pool.config import PoolConfig
-    from ray_rdt_pool.core.wire import WireMeta
+    from ray_rdt_pool.core.codec import WireMeta
     from ray_rdt_pool.obs.events import Events
     from ray_rdt_pool.receive.arena import Descs, Landings
     from ray_rdt_pool.receive.peers import Peers

@@ -11,7 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 
-from ray_rdt_pool.memory.tensors import HostRegion
+from ray_rdt_pool.memory.regions import HostRegion
 from ray_rdt_pool.same_node._libc import PAGE, PROT_RW, page_up
 
 __all__ = ["SharedHostRegion"]

@@ -1,7 +1,7 @@
 """The shared sender pool's lease table, and the freed placements that wait on it.
 
 Role: a same-node receiver maps the shared sender pool and holds a lease on the page slot
-of each object it keeps a view of (see :class:`~ray_rdt_pool.same_node.shared.LeaseTable`).
+of each object it keeps a view of (see :class:`~ray_rdt_pool.same_node.leases.LeaseTable`).
 :meth:`Leased.publish` makes the table and publishes the pool's same-node entry, which
 names it. When Ray frees an object a lease still holds, or a retried put replaces it,
 :meth:`Leased.hold_locked` keeps its placement here instead of letting its blocks be
@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ray_rdt_pool.registry import Directory, RegEntry, Region
-    from ray_rdt_pool.same_node.shared import HostInfo, LeaseTable
+    from ray_rdt_pool.same_node.info import HostInfo
+    from ray_rdt_pool.same_node.leases import LeaseTable
     from ray_rdt_pool.send.sender import Placement
 
 __all__ = ["IDLE_SWEEP_S", "RECHECK_S", "SWEEP_S", "Leased"]
@@ -76,14 +77,10 @@ class Leased(Mapping[Hashable, "Placement"]):
         """Make the lease table of ``pool`` and publish the pool's same-node entry under
         ``agent``. A host pool is shared as its memfd, a CUDA pool through CUDA IPC.
         Raises (closing the new table) if any step fails."""
-        from ray_rdt_pool.memory.tensors import CudaRegion
-        from ray_rdt_pool.same_node.shared import (
-            HostInfo,
-            LeaseTable,
-            export_cuda_pool,
-            lease_slots,
-            process_start,
-        )
+        from ray_rdt_pool.memory.regions import CudaRegion
+        from ray_rdt_pool.same_node.cuda import export_cuda_pool
+        from ray_rdt_pool.same_node.info import HostInfo, process_start
+        from ray_rdt_pool.same_node.leases import LeaseTable, lease_slots
 
         mem = pool.mem
         cuda = export_cuda_pool(mem.tensor) if isinstance(mem, CudaRegion) else None

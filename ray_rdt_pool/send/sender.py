@@ -57,9 +57,9 @@ if TYPE_CHECKING:
     import torch
 
     from ray_rdt_pool.config import PoolConfig
-    from ray_rdt_pool.memory.tensors import Described
+    from ray_rdt_pool.memory.describe import Described
     from ray_rdt_pool.obs.events import Events
-    from ray_rdt_pool.same_node.shared import LeaseTable
+    from ray_rdt_pool.same_node.leases import LeaseTable
 
 logger = logging.getLogger(__name__)
 
@@ -176,8 +176,8 @@ class Sender:
         Never fails the put: where any step fails (a GCS error publishing the entry, a
         CUDA export torch refuses), the pool stays private and same-node receivers read
         it with NIXL, as receivers on other nodes do."""
-        from ray_rdt_pool.memory.tensors import CudaRegion
-        from ray_rdt_pool.same_node.shared import SharedHostRegion
+        from ray_rdt_pool.memory.regions import CudaRegion
+        from ray_rdt_pool.same_node.regions import SharedHostRegion
 
         node = self._node_id()
         directory = self._directory
@@ -298,7 +298,8 @@ class Sender:
         ``convert`` maps ``id(tensor)`` to the dtype it is packed as: the conversion is
         the pack copy itself (one pass), and the metadata names the new dtype.
         """
-        from ray_rdt_pool.memory.tensors import describe, pack_into, pack_torch
+        from ray_rdt_pool.memory.describe import describe
+        from ray_rdt_pool.memory.pack import pack_into, pack_torch
 
         t_start = time.perf_counter()
         d = describe(tensors, allow_cuda=True, native=self.config.tuning.native)
@@ -391,7 +392,7 @@ class Sender:
         stream does, until its acknowledgements). Every tensor must be copyable as it
         lies (contiguous, no lazy conjugate or negation bit), else InvalidInputError."""
         from ray_rdt_pool.errors import InvalidInputError
-        from ray_rdt_pool.memory.tensors import describe
+        from ray_rdt_pool.memory.describe import describe
 
         d = describe(tensors, allow_cuda=True, native=self.config.tuning.native)
         if not all(d.plain):
@@ -506,7 +507,7 @@ class Sender:
 def _apply_conversions(d: Described, tensors: Sequence[torch.Tensor],
                        convert: Mapping[int, torch.dtype]) -> list[int]:
     """Describe the tensors named in ``convert`` as their packed dtype; their indices."""
-    from ray_rdt_pool.memory.tensors import dtype_name
+    from ray_rdt_pool.memory.dtypes import dtype_name
 
     out: list[int] = []
     for i, t in enumerate(tensors):
@@ -549,7 +550,7 @@ def _pack_cuda(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[
     one-sided READ never sees bytes still being written."""
     import torch
 
-    from ray_rdt_pool.memory.tensors import pack_torch
+    from ray_rdt_pool.memory.pack import pack_torch
 
     (off, length), = blocks
     block = region.mem.tensor[off:off + length]

@@ -27,7 +27,7 @@ from ray_rdt_pool.weights.validate import _selected_shape
 if TYPE_CHECKING:
     from ray import ObjectRef
 
-    from ray_rdt_pool.same_node.shared import SourceProcess
+    from ray_rdt_pool.same_node.source import SourceProcess
 
 
 def _copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -64,7 +64,7 @@ def _check_arrived(plan: BucketPlan, got: Sequence[torch.Tensor] | None = None,
     tensors), for a bucket not fetched yet. Checked before anything is written: ``copy_`` would
     broadcast or cast a tensor of another shape or dtype into the destination without a
     word, and a landing would blame the destination."""
-    from ray_rdt_pool.core.wire import decode
+    from ray_rdt_pool.core.codec import decode
 
     facts = list(decode(wire).shapes_dtypes()) if wire is not None else [
         (tuple(g.shape), _dtype_str(g.dtype)) for g in got or ()]
@@ -103,7 +103,7 @@ def load_bucket(plan: BucketPlan, ref: ObjectRef | SourceBucket | PoolBucket,
         got = _read_source(plan, ref)
         src = got
     elif isinstance(ref, PoolBucket):
-        from ray_rdt_pool._ray.transport import fetch_owned
+        from ray_rdt_pool._ray.owned import fetch_owned
 
         _check_arrived(plan, wire=ref.wire)
 
@@ -113,9 +113,9 @@ def load_bucket(plan: BucketPlan, ref: ObjectRef | SourceBucket | PoolBucket,
                           plan.targets if plan.select is None else None, plan.select)
         src = got if plan.select is not None or plan.targets is None else plan.targets
     elif plan.select is not None:
-        from ray_rdt_pool._ray import transport
+        from ray_rdt_pool._ray.owned import fetch_selected
 
-        got = transport.fetch_selected(ref, plan.select)
+        got = fetch_selected(ref, plan.select)
         src = got
     elif plan.targets is not None:
         from ray.experimental import set_target_for_ref
@@ -174,7 +174,7 @@ def _read_source(plan: BucketPlan, sb: SourceBucket) -> list[torch.Tensor]:
     """Copy bucket ``plan.index`` straight out of the sender's tensors: into the
     destination tensors when it lands directly, else into the receive arena (only
     the selected part of each tensor with ``select``)."""
-    from ray_rdt_pool._ray.transport import read_source
+    from ray_rdt_pool._ray.owned import read_source
 
     entries = plan.entries
     if len(sb.addrs) != len(entries):

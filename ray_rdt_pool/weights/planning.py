@@ -54,7 +54,7 @@ def _check_wire_dtype(wire_dtype: WireDtype) -> None:
 
 
 def _wire_carries(dt: torch.dtype, name: str | None) -> None:
-    from ray_rdt_pool.core.wire import DTYPES
+    from ray_rdt_pool.core.runs import DTYPES
 
     if _dtype_str(dt) not in DTYPES:
         who = f" for {name!r}" if name is not None else ""

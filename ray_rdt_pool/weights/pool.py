@@ -32,26 +32,26 @@ def _pool_capacity() -> int:
     s = _stats()
     if s.pool_capacity:
         return int(s.pool_capacity)
-    from ray_rdt_pool._ray.transport import runtime
+    from ray_rdt_pool._ray.runtime import runtime
 
     return int(runtime().config.pool_capacity)
 
 
 def _registration_cache_bytes() -> int:
-    from ray_rdt_pool._ray.transport import runtime
+    from ray_rdt_pool._ray.runtime import runtime
 
     return int(runtime().config.registration_cache_bytes)
 
 
 def _forget_registrations(keys: set[Any]) -> None:
     if keys:
-        from ray_rdt_pool._ray.transport import forget_registrations
+        from ray_rdt_pool._ray.owned import forget_registrations
 
         forget_registrations(keys)
 
 
 def _free_owned(obj_ids: Sequence[str | None]) -> None:
-    from ray_rdt_pool._ray.transport import free_owned
+    from ray_rdt_pool._ray.owned import free_owned
 
     for oid in obj_ids:
         if oid is not None:
@@ -64,7 +64,7 @@ def _owned_bucket(obj_id: str, tensors: list[torch.Tensor], entries: Sequence[Te
     snapshot; tensors whose entry names another dtype are converted by the pack copy
     itself), or ``by_reference`` with no pack, receivers READ the tensors where they lie
     and the sender keeps them, unchanged, until every receiver acknowledged it."""
-    from ray_rdt_pool._ray.transport import put_owned
+    from ray_rdt_pool._ray.owned import put_owned
 
     convert = None if by_reference else _conversions(tensors, entries) or None
     wire, device = put_owned(obj_id, tensors, convert, by_reference=by_reference)
@@ -99,7 +99,7 @@ def _wait_for_pool(nbytes: int, limit: int, capacity: int, timeout_s: float,
 
     Returns the seconds waited.
     """
-    from ray_rdt_pool._ray.transport import runtime
+    from ray_rdt_pool._ray.runtime import runtime
 
     def fits(s: Any) -> bool:
         return _fits(s, nbytes, limit, capacity, one_block)

@@ -55,7 +55,7 @@ from ray_rdt_pool.weights.validate import _dests, _mapper, _normalize_select
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
-    from ray_rdt_pool.same_node.shared import SourceProcess
+    from ray_rdt_pool.same_node.source import SourceProcess
     from ray_rdt_pool.weights.receiver import WeightReceiver
 
 
@@ -177,7 +177,7 @@ def _remote_offer(actor: Any, attr: str, group: str, version: int | None,
                    "as they are sent (CPU, contiguous, no wire_dtype: read in place)")
     src = None
     if sender.source_reads:
-        from ray_rdt_pool._ray.transport import source_process
+        from ray_rdt_pool._ray.owned import source_process
 
         src = source_process()
     held = _Held(group)

@@ -59,7 +59,7 @@ from ray_rdt_pool.weights.validate import (
 if TYPE_CHECKING:
     from ray import ObjectRef
 
-    from ray_rdt_pool.same_node.shared import SourceProcess
+    from ray_rdt_pool.same_node.source import SourceProcess
 
 
 @dataclass
@@ -285,7 +285,7 @@ class WeightReceiver:
         """Whether this receiver can copy stream buckets straight out of ``source`` (the
         sender's process): same Ray node, ``same_node`` not ``"off"`` here, and the
         kernel lets it read that process (see docs/weight-sync.md)."""
-        from ray_rdt_pool._ray.transport import can_read_source
+        from ray_rdt_pool._ray.owned import can_read_source
 
         return can_read_source(source)
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ray import ObjectRef
     from ray.actor import ActorHandle
 
-    from ray_rdt_pool.same_node.shared import SourceProcess
+    from ray_rdt_pool.same_node.source import SourceProcess
 
 logger = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ def _put_bucket(tensors: list[torch.Tensor], entries: Sequence[TensorEntry]) -> 
     convert = _conversions(tensors, entries)
     if not convert:
         return ray.put(tensors, _tensor_transport=_transport())
-    from ray_rdt_pool._ray.transport import pack_as
+    from ray_rdt_pool._ray.conversions import pack_as
 
     with pack_as(convert):
         return ray.put(tensors, _tensor_transport=_transport())

@@ -64,7 +64,7 @@ def _check_weight(name: str, t: torch.Tensor, what: str) -> None:
     memory behind them (not on the meta device, a ZeroTensor, a DTensor, or a storage
     resized or shrunk under it), and, as a destination, one whose elements each have
     bytes of their own. Anything else is read or written out of bounds, or not at all."""
-    from ray_rdt_pool.memory.tensors import memory_problem
+    from ray_rdt_pool.memory.extent import memory_problem
 
     desc = f"{what} {name!r} ({tuple(t.shape)} {t.dtype})"
     if t.is_nested or t.layout is not torch.strided:

@@ -63,7 +63,7 @@ from ray_rdt_pool.weights.state import StateLike, WireDtype
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
-    from ray_rdt_pool.same_node.shared import SourceProcess
+    from ray_rdt_pool.same_node.source import SourceProcess
 
 #: One bucket to send: its packed bytes, its tensors, its layout (a lazy source's; None
 #: for a module or mapping, whose receivers have the whole layout) and its entries.
@@ -181,7 +181,7 @@ class StreamSession:
                           for p in _iter_buckets(pairs, bb, self.wire_dtype))
         self.session = f"{os.getpid()}-{self.version}-{uuid.uuid4().hex[:8]}"
         if self.source_reads:
-            from ray_rdt_pool._ray.transport import source_process
+            from ray_rdt_pool._ray.owned import source_process
 
             self.src_proc = source_process()
 

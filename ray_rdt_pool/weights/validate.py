@@ -198,8 +198,8 @@ class _Claims(dict[tuple[Any, ...], tuple[str, int, str, str]]):
     """Destination memory claimed so far: identity key -> (canonical manifest name, its
     bucket, the manifest name written there, the destination name). ``spans`` holds the
     byte ranges of the contiguous claimed tensors, (device, start, end, destination
-    name), sorted and disjoint; ``strided`` the others with their byte runs
-    (:func:`~ray_rdt_pool.memory.tensors.byte_runs`), so that a destination that shares bytes
+    name), sorted and disjoint; ``strided`` the others with their spanned runs
+    (:func:`~ray_rdt_pool.memory.extent.spanned_runs`), so that a destination that shares bytes
     with another without being the same tensor (a slice of it, a dtype view, a
     conjugate, a transpose, a column slice crossing another) is found, while strided
     views that interleave without sharing a byte are not."""
@@ -220,11 +220,11 @@ class _Claims(dict[tuple[Any, ...], tuple[str, int, str, str]]):
         """The claimed destination that ``d`` (named ``dn``, not claimed yet) shares
         bytes with, as (its name, False), or None, when ``d`` is then recorded. (name,
         True) when ``d`` and a strided claimed tensor span each other's bytes but have
-        too many runs to compare (over ``MAX_BYTE_RUNS``): they are refused, since they
+        too many runs to compare (over ``MAX_SPANNED_RUNS``): they are refused, since they
         could not be shown apart."""
         import bisect
 
-        from ray_rdt_pool.memory.tensors import byte_runs, reach, runs_meet
+        from ray_rdt_pool.memory.extent import reach, runs_meet, spanned_runs
 
         if not d.nbytes:
             return None
@@ -235,7 +235,7 @@ class _Claims(dict[tuple[Any, ...], tuple[str, int, str, str]]):
 
         def meets(theirs: tuple[Any, int] | None, name: str) -> tuple[str, bool] | None:
             if not mine:
-                mine.append((_one(start), end - start) if dense else byte_runs(d))
+                mine.append((_one(start), end - start) if dense else spanned_runs(d))
             if mine[0] is None or theirs is None:
                 return name, True
             return (name, False) if runs_meet(mine[0], theirs) else None
@@ -257,12 +257,12 @@ class _Claims(dict[tuple[Any, ...], tuple[str, int, str, str]]):
         if dense:
             self.spans.insert(i, (dev, start, end, dn))
         else:
-            self.strided.append((dev, start, end, dn, mine[0] if mine else byte_runs(d)))
+            self.strided.append((dev, start, end, dn, mine[0] if mine else spanned_runs(d)))
         return None
 
 
 def _one(addr: int) -> torch.Tensor:
-    """The start of a single run, as :func:`~ray_rdt_pool.memory.tensors.byte_runs` lists it."""
+    """The start of a single run, as :func:`~ray_rdt_pool.memory.extent.spanned_runs` lists it."""
     return torch.tensor([addr], dtype=torch.int64)
 
 
@@ -358,10 +358,10 @@ def _claim(mem: _Claims, lazy: bool, name: str, dn: str, d: torch.Tensor, e: Ten
         met = mem.overlap(d, dn)
         if met is not None:
             other, unsure = met
-            from ray_rdt_pool.memory.tensors import MAX_BYTE_RUNS
+            from ray_rdt_pool.memory.extent import MAX_SPANNED_RUNS
 
             how = (f"spans the bytes of destination {other!r} in over "
-                   f"{MAX_BYTE_RUNS:,} strided runs, too many to show that they do "
+                   f"{MAX_SPANNED_RUNS:,} strided runs, too many to show that they do "
                    "not overlap" if unsure else
                    f"shares memory with destination {other!r} without being the same "
                    "tensor (a slice, a view of another dtype or layout of it): one "
