@@ -228,7 +228,7 @@ def install_transport_timer() -> dict[str, float] | None:
     ``put`` and ``put_by_reference`` (what Ray's ``ray.put`` and a weights stream call
     to lay out, copy into the pool and describe an object) into ``put_s``, and ``fetch``
     + ``wait`` (what ``ray.get`` calls to start the READ and rebuild the tensors) and the
-    receiver's ``read_source`` (a weights stream's source reads) into ``get_s``. What is
+    receiver's ``sources.read`` (a weights stream's source reads) into ``get_s``. What is
     left of a ``ray.put`` or ``ray.get`` call is Ray's own serializer and bookkeeping.
     Returns None, and times nothing, where the runtime has no such methods.
     """
@@ -262,9 +262,10 @@ def install_transport_timer() -> dict[str, float] | None:
         if callable(getattr(sender, name, None)):
             setattr(sender, name, timed(getattr(sender, name), "put_s"))
     # A weights stream on one node reads buckets straight out of the trainer instead.
-    read = getattr(rt.receiver, "read_source", None)
+    sources = getattr(rt.receiver, "sources", None)
+    read = getattr(sources, "read", None)
     if callable(read):
-        rt.receiver.read_source = timed(read, "get_s")
+        sources.read = timed(read, "get_s")
     return acc
 
 

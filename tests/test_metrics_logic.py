@@ -115,12 +115,12 @@ def test_source_reads_are_exported(ray_up: dict[str, bool]) -> None:
         spec = [(a.data_ptr(), tuple(a.shape), "float32")]
         dst = torch.empty_like(a)
         for _ in range(3):
-            rt.receiver.read_source(this_process("n1"), spec, targets=[dst])
+            rt.receiver.sources.read(this_process("n1"), spec, targets=[dst])
         assert torch.equal(dst, a)
         counters = rt.observer._last_counters  # type: ignore[union-attr]
         assert _eventually(lambda: counters.get("source_reads") == 3)
         assert counters.get("bytes_received") == 3 * a.nbytes
-        out = rt.receiver.read_source(this_process("n1"), spec)  # into the arena
+        out = rt.receiver.sources.read(this_process("n1"), spec)  # into the arena
         assert _eventually(lambda: _gauge(rt, "arena_used_bytes") == rt.stats().arena_used > 0)
         del out
     finally:

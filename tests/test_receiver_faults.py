@@ -113,13 +113,13 @@ def test_a_source_read_of_which_this_receiver_takes_nothing_is_empty_tensors(
     a, b = torch.randn(30, 4), torch.randn(50)
     spec = [(t.data_ptr(), tuple(t.shape), "float32") for t in (a, b)]
     for _ in range(3):
-        out = r.receiver.read_source(me, spec, selection)
+        out = r.receiver.sources.read(me, spec, selection)
         assert [tuple(o.shape) for o in out] == [(0, 4), (0,)]
         assert all(o.dtype == torch.float32 and o.numel() == 0 for o in out)
     st = r.stats()
     assert (st.arena_used, st.arena_live_blocks, st.transfer_errors) == (0, 0, 0)
     # The same receiver still reads a real selection.
-    out = r.receiver.read_source(me, spec, [(slice(1, 3),), None])
+    out = r.receiver.sources.read(me, spec, [(slice(1, 3),), None])
     assert torch.equal(out[0], a[1:3]) and torch.equal(out[1], b)
     del out
     settle(r)

@@ -1092,7 +1092,7 @@ def test_a_self_drain_never_runs_inside_a_locked_change_of_the_arena(world):
     x = torch.full((100_000,), 3.0)
 
     def land(n=1024):
-        return rc.read_source(src, [(x.data_ptr(), (n,), "float32")])[0]
+        return rc.sources.read(src, [(x.data_ptr(), (n,), "float32")])[0]
 
     a1, a2, b = land(), land(), land()  # the arena: a1 [0,4K), a2 [4K,8K), b [8K,12K)
     rc.drain.self_drain = True  # as in a forked child: no progress thread drains
@@ -1168,7 +1168,7 @@ def test_debug_logging_names_every_same_node_get_and_source_read(world, caplog, 
         x = torch.arange(1024.0)
         with caplog.at_level(logging.DEBUG, logger="ray_rdt_pool"):
             got = r.wait(r.fetch("a", ship(s.put("a", [x])), None), -1)
-            r.receiver.read_source(source.this_process("node-a"),
+            r.receiver.sources.read(source.this_process("node-a"),
                                    [(x.data_ptr(), (1024,), "float32")],
                                    targets=[torch.empty(1024)])
     finally:

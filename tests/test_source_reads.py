@@ -159,10 +159,10 @@ def receiver() -> Iterator[Runtime]:
 def test_receiver_reads_whole_selected_and_into_targets(receiver: Runtime) -> None:
     rt = receiver
     me = this_process("n1")
-    assert me is not None and rt.receiver.can_read_source(me)
+    assert me is not None and rt.receiver.sources.can_read(me)
     a, b, c = torch.randn(300, 40), torch.arange(1000), torch.tensor(3.5)
     big = torch.randn(1 << 19)  # 2 MiB: split over two threads (read_split_bytes 1 MiB)
-    out = rt.receiver.read_source(me, _spec(a, b, c, big))
+    out = rt.receiver.sources.read(me, _spec(a, b, c, big))
     assert all(torch.equal(x, y) for x, y in zip(out, (a, b, c, big)))
     assert rt.stats().arena_used > 0 and rt.stats().source_reads == 1
     assert rt.stats().bytes_received == a.nbytes + b.nbytes + c.nbytes + big.nbytes
@@ -172,7 +172,7 @@ def test_receiver_reads_whole_selected_and_into_targets(receiver: Runtime) -> No
     assert rt.stats().arena_used == 0  # the block returned with its views
 
     sel = [(slice(10, 20), slice(5, 9)), (slice(100, 200),), None, (slice(0, 0),)]
-    out = rt.receiver.read_source(me, _spec(a, b, c, big), sel)
+    out = rt.receiver.sources.read(me, _spec(a, b, c, big), sel)
     assert torch.equal(out[0], a[10:20, 5:9]) and torch.equal(out[1], b[100:200])
     assert torch.equal(out[2], c) and out[3].numel() == 0
     assert rt.stats().bytes_received - (a.nbytes + b.nbytes + c.nbytes + big.nbytes) == (
@@ -180,7 +180,7 @@ def test_receiver_reads_whole_selected_and_into_targets(receiver: Runtime) -> No
     del out
 
     targets = [torch.empty_like(a), torch.empty_like(b), torch.empty_like(c)]
-    got = rt.receiver.read_source(me, _spec(a, b, c), targets=targets)
+    got = rt.receiver.sources.read(me, _spec(a, b, c), targets=targets)
     assert all(g is t for g, t in zip(got, targets))
     assert all(torch.equal(x, y) for x, y in zip(targets, (a, b, c)))
 
@@ -191,19 +191,19 @@ def test_receiver_refuses_bad_targets_and_dead_sources(receiver: Runtime) -> Non
     assert me is not None
     a = torch.randn(64, 64)
     with pytest.raises(InvalidInputError, match="cannot hold"):
-        rt.receiver.read_source(me, _spec(a), targets=[torch.empty(64, 63)])
+        rt.receiver.sources.read(me, _spec(a), targets=[torch.empty(64, 63)])
     with pytest.raises(InvalidInputError, match="cannot hold"):
-        rt.receiver.read_source(me, _spec(a), targets=[torch.empty(64, 64).t()])
+        rt.receiver.sources.read(me, _spec(a), targets=[torch.empty(64, 64).t()])
     gone = SourceProcess("n1", me.pid, me.start + 1, me.probe_addr, me.probe)
     errors = rt.stats().transfer_errors
     with pytest.raises(TransferError, match="has probably exited"):
-        rt.receiver.read_source(gone, _spec(a))
+        rt.receiver.sources.read(gone, _spec(a))
     assert rt.stats().transfer_errors == errors + 1
     rt.receiver.drain.run_locked()
     assert rt.stats().arena_used == 0 and rt.stats().source_reads == 0  # nothing leaked
     # a bad address inside a live source: the kernel refuses, still a typed error
     with pytest.raises(TransferError):
-        rt.receiver.read_source(me, [(8, (1024,), "float32")])
+        rt.receiver.sources.read(me, [(8, (1024,), "float32")])
     rt.receiver.drain.run_locked()
     assert rt.stats().arena_used == 0
 
@@ -217,7 +217,7 @@ def test_who_may_read_a_source() -> None:
                                 same_node=same_node),
                      backend_factory=World().factory, directory=World(),
                      node_id=lambda n=node: n)  # type: ignore[misc]
-        assert rt.receiver.can_read_source(me) is ok, (node, same_node)
+        assert rt.receiver.sources.can_read(me) is ok, (node, same_node)
         rt.shutdown()
 
 

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 from ray_rdt_pool._ray.directory import ray_node_id
 from ray_rdt_pool._ray.metadata import PoolTransportMetadata, as_pool_meta
 from ray_rdt_pool._ray.patches import lookup_rdt_object
-from ray_rdt_pool._ray.runtime import check_selection_count, current, runtime
+from ray_rdt_pool._ray.runtime import current, runtime
+from ray_rdt_pool.core.selection import check_selection_count, selection_bounds
 from ray_rdt_pool.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -105,8 +106,6 @@ def fetch_selected(ref: ray.ObjectRef[Any], selection: Sequence[tuple[slice, ...
                                 "made with _tensor_transport='nixl_pool'")
     held, tmeta = found
     if held is not None:  # this process holds the object itself: no READ
-        from ray_rdt_pool.core.selection import selection_bounds
-
         check_selection_count(selection, len(held))
         # The same checks as a READ's (a step, too many slices: refused, not indexed).
         return [t[tuple(slice(a, b) for a, b in
@@ -130,15 +129,17 @@ def source_process() -> SourceProcess | None:
 
 
 def can_read_source(src: SourceProcess) -> bool:
-    """Receiver side of :func:`source_process`: see ``Receiver.can_read_source``."""
-    return runtime().receiver.can_read_source(src)
+    """Receiver side of :func:`source_process`: see
+    :meth:`~ray_rdt_pool.receive.source.SourceReader.can_read`."""
+    return runtime().receiver.sources.can_read(src)
 
 
 def read_source(src: SourceProcess, tensors: Sequence[tuple[int, tuple[int, ...], str]],
                 selection: Sequence[Any] | None = None,
                 targets: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """Copy tensors out of a same-node source process: see ``Receiver.read_source``."""
+    """Copy tensors out of a same-node source process, in this process's runtime: see
+    :meth:`~ray_rdt_pool.receive.source.SourceReader.read`."""
     rt = runtime()
     rt.admit()
-    return rt.receiver.read_source(src, tensors, selection, targets)
+    return rt.receiver.sources.read(src, tensors, selection, targets)
 

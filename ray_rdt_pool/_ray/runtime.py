@@ -30,6 +30,7 @@ from ray_rdt_pool._ray.directory import KVDirectory, ray_node_id
 from ray_rdt_pool._ray.metadata import PoolFetch, PoolTransportMetadata
 from ray_rdt_pool._ray.stats import collect
 from ray_rdt_pool.config import PoolConfig, Tuning, from_env
+from ray_rdt_pool.core.selection import check_selection_count
 from ray_rdt_pool.errors import (
     ConfigurationError,
     InvalidInputError,
@@ -51,13 +52,6 @@ logger = logging.getLogger(__name__)
 
 def _nothing() -> None:
     """Stands in for a backend method a fake backend lacks."""
-
-
-def check_selection_count(selection: Sequence[Any], n: int) -> None:
-    """InvalidInputError unless ``selection`` has one entry per tensor of the object."""
-    if len(selection) != n:
-        raise InvalidInputError(f"{len(selection)} selections for an object of {n} tensors; "
-                                "pass one (a tuple of slices, or None) per tensor")
 
 
 class Runtime:

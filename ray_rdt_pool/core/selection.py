@@ -2,7 +2,7 @@
 
 Pure (ints and bytes). A *selection* of one tensor is a tuple of step-1 slices, at most
 one per dim (:data:`Slices`; a lone slice or None also do). :func:`plan_selection` turns
-one selection per tensor into a :class:`SelectionPlan`: the byte runs to read and where
+one selection per tensor into a :class:`SelectionPlan`: the byte ranges to read and where
 each lands, packed as the transport packs whole tensors. The receiver uses it for a
 partial READ (the weights API's ``select``), a source read, and a copy out of a mapping;
 the sender's object-store path checks selections with :func:`selection_bounds`.
@@ -22,8 +22,8 @@ from ray_rdt_pool.errors import InvalidInputError
 if TYPE_CHECKING:
     from ray_rdt_pool.core.codec import WireMeta
 
-__all__ = ["SelectionPlan", "Slices", "plan_for_object", "plan_selection", "selected_runs",
-           "selection_bounds"]
+__all__ = ["SelectionPlan", "Slices", "check_selection_count", "plan_for_object",
+           "plan_selection", "selected_ranges", "selection_bounds"]
 
 #: One tensor's selection: step-1 slices, at most one per dim.
 Slices = tuple[slice, ...]
@@ -32,53 +32,57 @@ Slices = tuple[slice, ...]
 @dataclass
 class SelectionPlan:
     """What a partial READ lands: per tensor its selected shape, dtype and offset in the
-    landing, and the byte runs ``(landing offset, packed offset, length)`` to read."""
+    landing, and the byte ranges ``(landing offset, packed offset, length)`` to read."""
 
     shapes: list[tuple[int, ...]]
     dtypes: list[str]
     offsets: list[int]
     total: int
-    runs: list[tuple[int, int, int]]
+    ranges: list[tuple[int, int, int]]
 
     @property
     def nbytes(self) -> int:
         """The bytes read (``total`` adds the alignment padding of the landing)."""
-        return sum(n for _lo, _p, n in self.runs)
+        return sum(n for _lo, _p, n in self.ranges)
 
 
 def plan_for_object(meta: WireMeta, selection: Sequence[Any]) -> SelectionPlan:
     """Plan a READ of only the selected part of each tensor (see transport.fetch_selected)."""
-    if len(selection) != meta.num_tensors:
-        raise InvalidInputError(
-            f"{len(selection)} selections for an object of {meta.num_tensors} tensors; pass "
-            "one (a tuple of slices, or None) per tensor")
+    check_selection_count(selection, meta.num_tensors)
     return plan_selection(meta.shapes_dtypes(), meta.tensor_offsets(), selection)
+
+
+def check_selection_count(selection: Sequence[Any], n: int) -> None:
+    """InvalidInputError unless ``selection`` has one entry per tensor of the object."""
+    if len(selection) != n:
+        raise InvalidInputError(f"{len(selection)} selections for an object of {n} tensors; "
+                                "pass one (a tuple of slices, or None) per tensor")
 
 
 def plan_selection(shapes_dtypes: Iterable[tuple[tuple[int, ...], str]],
                    bases: Sequence[int], selection: Sequence[Any]) -> SelectionPlan:
     """:func:`plan_for_object` for tensors whose bytes start at ``bases`` (packed offsets
-    of a pool object, or addresses in a source process): the runs read from there."""
+    of a pool object, or addresses in a source process): the ranges read from there."""
     shapes: list[tuple[int, ...]] = []
     dtypes: list[str] = []
     rel: list[list[tuple[int, int]]] = []
     items: list[int] = []
     for i, ((shape, dt), sel) in enumerate(zip(shapes_dtypes, selection)):
         item = DTYPES[dt][1]
-        out, runs = selected_runs(i, shape, item, sel)
+        out, ranges = selected_ranges(i, shape, item, sel)
         shapes.append(out)
         dtypes.append(dt)
-        rel.append(runs)
+        rel.append(ranges)
         items.append(item)
     sizes = [sum(n for _o, n in r) for r in rel]
     offsets, total = packed_offsets(sizes, items)
-    runs_out: list[tuple[int, int, int]] = []
-    for off, base, runs in zip(offsets, bases, rel):
+    ranges_out: list[tuple[int, int, int]] = []
+    for off, base, ranges in zip(offsets, bases, rel):
         pos = off
-        for o, n in runs:
-            runs_out.append((pos, base + o, n))
+        for o, n in ranges:
+            ranges_out.append((pos, base + o, n))
             pos += n
-    return SelectionPlan(shapes, dtypes, offsets, total, runs_out)
+    return SelectionPlan(shapes, dtypes, offsets, total, ranges_out)
 
 
 def selection_bounds(i: int, shape: tuple[int, ...], sel: Any) -> list[tuple[int, int]]:
@@ -106,9 +110,9 @@ def selection_bounds(i: int, shape: tuple[int, ...], sel: Any) -> list[tuple[int
     return bounds
 
 
-def selected_runs(i: int, shape: tuple[int, ...], item: int, sel: Any
-               ) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
-    """The selected shape and the ``(offset, length)`` runs of bytes that selection ``sel``
+def selected_ranges(i: int, shape: tuple[int, ...], item: int, sel: Any
+                    ) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+    """The selected shape and the ``(offset, length)`` byte ranges that selection ``sel``
     covers in a C-contiguous tensor of ``shape`` with ``item``-byte elements."""
     bounds = selection_bounds(i, shape, sel)
     out = tuple(b - a for a, b in bounds)
@@ -124,8 +128,8 @@ def selected_runs(i: int, shape: tuple[int, ...], item: int, sel: Any
             n *= x
         return out, [(0, n * item)]
     k = narrow[-1]
-    run = out[k] * strides[k]
-    runs = [((sum(j * s for j, s in zip(idx, strides)) + bounds[k][0] * strides[k]) * item,
-             run * item)
-            for idx in itertools.product(*(range(a, b) for a, b in bounds[:k]))]
-    return out, runs
+    width = out[k] * strides[k]
+    ranges = [((sum(j * s for j, s in zip(idx, strides)) + bounds[k][0] * strides[k]) * item,
+               width * item)
+              for idx in itertools.product(*(range(a, b) for a, b in bounds[:k]))]
+    return out, ranges

@@ -139,7 +139,7 @@ class Landings:
         landing = found if found is not None else self._one_off(arena, device, total, True)
         if f.selected is not None:
             return (landing, *read_pieces(
-                meta, [(p, landing.addr + lo, n) for lo, p, n in f.selected.runs], dev_id))
+                meta, [(p, landing.addr + lo, n) for lo, p, n in f.selected.ranges], dev_id))
         local = [(landing.addr + v, n, dev_id) for v, _a, n in meta.segments]
         remote = [(a, n, meta.device_id) for _v, a, n in meta.segments]
         return landing, local, remote

@@ -336,7 +336,7 @@ class Mapped:
             size = meta.total if sel is None else sel.total
             landing = self.landings.local(size, device)
             moves = ([(landing.addr, 0, meta.total)] if sel is None else
-                     [(landing.addr + lo, p, n) for lo, p, n in sel.runs])
+                     [(landing.addr + lo, p, n) for lo, p, n in sel.ranges])
             if pieces is None:
                 copy_bytes([(d, addr + p, n) for d, p, n in moves], device, dev_id, stream)
             else:

@@ -45,7 +45,6 @@ if TYPE_CHECKING:
     from ray_rdt_pool.config import PoolConfig
     from ray_rdt_pool.core.codec import WireMeta
     from ray_rdt_pool.obs.events import Events
-    from ray_rdt_pool.same_node.source import SourceProcess
 
 logger = logging.getLogger(__name__)
 
@@ -325,19 +324,6 @@ class Receiver:
     def dropped(self, t: Transfer) -> None:
         """A Fetch died unconsumed (any thread, maybe inside GC): abandon it later."""
         self.transfers.dropped(t)
-
-    # -- source reads (the weights API's stream) -------------------------------------------
-
-    def can_read_source(self, src: SourceProcess) -> bool:
-        """See :meth:`.source.SourceReader.can_read`."""
-        return self.sources.can_read(src)
-
-    def read_source(self, src: SourceProcess, tensors: Sequence[tuple[int, tuple[int, ...],
-                                                                      str]],
-                    selection: Sequence[Any] | None = None,
-                    targets: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """See :meth:`.source.SourceReader.read`."""
-        return self.sources.read(src, tensors, selection, targets)
 
     # -- introspection and exit -----------------------------------------------------------
 

@@ -98,7 +98,7 @@ class SourceReader:
                 return [empty_tensor(shape, torch_dtype(dt))
                         for shape, dt in zip(sel.shapes, sel.dtypes)]
             landing = self.landings.local(sel.total)
-            moves = [(landing.addr + lo, addr, n) for lo, addr, n in sel.runs]
+            moves = [(landing.addr + lo, addr, n) for lo, addr, n in sel.ranges]
         nbytes = sum(n for _d, _s, n in moves)
         tuning = self.config.tuning
         threads = tuning.read_lane_count if nbytes >= tuning.read_split_bytes else 1
