@@ -120,17 +120,14 @@ def _plan_layout(state: StateLike, bucket_bytes: int, wire_dtype: WireDtype
             continue
         seen.setdefault(key, name)
         wire = _wire_of(wire_dtype, name, t)
-        size = _itemsize(wire)
-        n = t.numel() * size
-        grown = align_up(align_up(end, size) + n, BLOCK_ALIGN)
-        if cur and grown > bucket_bytes:
+        new, end = _place(end, wire, t.numel(), bucket_bytes, bool(cur))
+        if new:
             groups.append(cur)
-            cur, end = [], 0
+            cur = []
         if not cur:
             picks.append([])
         cur.append((name, t, wire))
         picks[-1].append(i)
-        end = align_up(end, size) + n
     if cur:
         groups.append(cur)
     entries: list[TensorEntry] = []
@@ -171,6 +168,18 @@ class LayoutMemo:
         layout, tensors, picks = _plan_layout(state, bucket_bytes, wire_dtype)
         self._last = (key, layout, picks) if key is not None else None
         return layout, tensors
+
+
+def _place(end: int, wire: torch.dtype, numel: int, bucket_bytes: int, open_bucket: bool
+           ) -> tuple[bool, int]:
+    """The one bucketing rule, eager and lazy: whether a tensor of ``numel`` elements of
+    ``wire`` starts a new bucket, as adding it to the open bucket (filled to ``end``)
+    would pass ``bucket_bytes``; and where the bucket it joins ends after it."""
+    size = _itemsize(wire)
+    n = numel * size
+    if open_bucket and align_up(align_up(end, size) + n, BLOCK_ALIGN) > bucket_bytes:
+        return True, n
+    return False, align_up(end, size) + n
 
 
 def _bucket_spec(k: int, group: Sequence[tuple[str, torch.Tensor, torch.dtype]],
@@ -250,17 +259,13 @@ def _iter_buckets(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
             aliases.append((name, keys[key]))
             continue
         wire = _wire_of(wire_dtype, name, t)
-        size = _itemsize(wire)
-        n = t.numel() * size
-        grown = align_up(align_up(end, size) + n, BLOCK_ALIGN)
-        if cur and grown > bucket_bytes:
+        new, end = _place(end, wire, t.numel(), bucket_bytes, bool(cur))
+        if new:
             yield _pack(k, cur, aliases)
             k += 1
             keys = {}
-            end = 0
         keys.setdefault(key, name)
         cur.append((name, t, wire))
-        end = align_up(end, size) + n
         del t
     if cur:
         yield _pack(k, cur, aliases)
