@@ -73,7 +73,8 @@ OWNER_MODULES = [
 WEIGHTS_MODULES = [
     f"ray_rdt_pool.weights.{name}" for name in (
         "state", "manifest", "planning", "reports", "pool", "validate", "loadplan", "loading",
-        "receiver", "remote", "late", "stream", "sender", "driver")
+        "receiver", "remote", "late", "stream", "sender", "driver", "ranks",
+        "rank_offer", "rank_load")
 ]
 
 

@@ -120,7 +120,7 @@ class WeightSender:
                  wire_dtype: WireDtype = None, source_reads: bool = True,
                  shard: tuple[int, int] | None = None) -> None:
         _check_bucket_bytes(bucket_bytes)
-        from ray_rdt_pool.weights.ranks import _check_shard
+        from ray_rdt_pool.weights.rank_offer import _check_shard
 
         self.shard = _check_shard(shard)
         _check_flag("source_reads", source_reads)

@@ -1,0 +1,243 @@
+"""A receiver's side of a many-rank sync (see :mod:`.ranks`): its job and its load.
+
+Owns nothing past one call: :class:`_RankedLoad` (what the driver hands each receiver)
+is validated whole by :func:`load_ranks`, which reads each bucket from the rank that
+holds it, on up to :data:`MAX_RANK_READS` threads (one per rank), and commits only once
+every byte landed. Runs on the receiver actor's task thread, holding its write lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ray_rdt_pool.core.selection import Slices
+from ray_rdt_pool.errors import ManifestMismatchError, TrainerRankError, WeightSyncError
+from ray_rdt_pool.weights.loadplan import BucketPlan, plan_load
+from ray_rdt_pool.weights.manifest import SourceBucket, WeightLayout
+from ray_rdt_pool.weights.rank_offer import _piece_name
+from ray_rdt_pool.weights.reports import BucketReport, LoadReport, _summarise
+from ray_rdt_pool.weights.state import Casting, LoadWeights, NameMap, Select, StateLike
+from ray_rdt_pool.weights.validate import _dests, _mapper, _normalize_select
+
+if TYPE_CHECKING:
+    from ray_rdt_pool.same_node.source import SourceProcess
+    from ray_rdt_pool.weights.receiver import WeightReceiver
+
+
+@dataclass(frozen=True)
+class _Sharded:
+    """A name held by every rank as dim-0 shards: its full shape and, per rank, the rows
+    ``[start, stop)`` of the full tensor it holds."""
+
+    shape: tuple[int, ...]
+    rows: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class _RankedLoad:
+    """One receiver's part of a many-rank sync (what :func:`load_ranks` runs)."""
+
+    version: int
+    layout: WeightLayout  #: the merged layout, buckets in this receiver's read order
+    boxes: tuple[Any, ...]  #: per merged bucket, its rank's message
+    addrs: tuple[tuple[int, ...] | None, ...]
+    rank_of: tuple[int, ...]  #: per merged bucket, the rank that holds it
+    local: tuple[int, ...]  #: per merged bucket, its index on that rank
+    sources: tuple[SourceProcess | None, ...]  #: per rank
+    sharded: Mapping[str, _Sharded]
+    ranks: int
+
+
+class _RankOptions:
+    """A receiver's options as a many-rank load sees them: each piece of a sharded
+    name maps to the rows of its destination tensor that the piece holds (and the
+    receiver's ``select`` keeps), with the part of the piece to read; a piece it needs
+    nothing of maps to None (never read). Other names are the receiver's own."""
+
+    dest: StateLike | None
+    load_weights: LoadWeights | None
+    name_map: NameMap
+    casting: Casting
+    strict: bool
+    direct: bool
+    select: Select | None
+
+    def __init__(self, rec: WeightReceiver, job: _RankedLoad,
+                 problems: list[tuple[str, str, str]]) -> None:
+        self.load_weights = rec.load_weights
+        self.casting = rec.casting
+        self.strict = rec.strict
+        self.direct = rec.direct
+        base = _mapper(rec.name_map)
+        dests = _dests(rec)
+        dest: dict[str, torch.Tensor] = dict(dests)
+        pieces: dict[str, str | None] = {}
+        parts: dict[str, Slices | None] = {}
+        for name, sh in job.sharded.items():
+            names = [_piece_name(name, r) for r in range(job.ranks)]
+            pieces.update(dict.fromkeys(names))
+            dn = base(name)
+            if dn is None:
+                continue
+            d = dests.get(dn)
+            if d is None:
+                problems.append(("unexpected", name, (
+                    f"{name!r} (as {dn!r}) comes from {job.ranks} trainer ranks as dim-0 "
+                    "shards, which only a destination tensor takes (not load_weights); "
+                    "give the receiver a dest tensor for it, or map it to None")))
+                continue
+            sel = None
+            if rec.select is not None:
+                try:
+                    sel = _normalize_select(rec.select(name, sh.shape), sh.shape)
+                except Exception as err:
+                    problems.append(("select", name, f"select({name!r}, {sh.shape}) "
+                                     f"failed: {err}"))
+                    continue
+            lo, hi = (sel[0].start, sel[0].stop) if sel is not None else (0, sh.shape[0])
+            want = (hi - lo, *(s.stop - s.start for s in sel[1:])) if sel else sh.shape
+            if tuple(d.shape) != want:
+                problems.append(("shape", name, f"{name!r} is {want} as selected (of "
+                                 f"{sh.shape} across the ranks) but {dn!r} is "
+                                 f"{tuple(d.shape)} in the destination"))
+                continue
+            del dest[dn]
+            for r, (a, b) in enumerate(sh.rows):
+                x, y = max(a, lo), min(b, hi)
+                if x >= y:
+                    continue  # this receiver needs none of rank r's rows
+                key = _piece_name(dn, r)
+                dest[key] = d[x - lo:y - lo]
+                pieces[names[r]] = key
+                part = (slice(x - a, y - a), *(sel[1:] if sel else ()))
+                parts[names[r]] = _normalize_select(part, (b - a, *sh.shape[1:]))
+        self.dest = dest
+        self.name_map = lambda n: pieces[n] if n in pieces else base(n)
+        user = rec.select
+        if user is None and not any(p is not None for p in parts.values()):
+            self.select = None
+        else:
+            def select(n: str, shape: tuple[int, ...]) -> Any:
+                if n in pieces:
+                    return parts.get(n)
+                return user(n, shape) if user is not None else None
+
+            self.select = select
+
+
+def _remote_load_ranks(actor: Any, attr: str, job: _RankedLoad) -> LoadReport:
+    from ray_rdt_pool.weights.receiver import WeightReceiver
+    from ray_rdt_pool.weights.remote import _find
+
+    return load_ranks(_find(actor, attr, WeightReceiver), job)
+
+
+def load_ranks(rec: WeightReceiver, job: _RankedLoad) -> LoadReport:
+    """Validate the merged layout whole, then read each bucket from its rank, in the
+    job's order, and commit the version once every one landed; a failure leaves the
+    version as it was (buckets before it stay written, as for any load)."""
+    from ray_rdt_pool.weights.validate import _raise
+
+    v = job.version
+    what = "many-rank sync"
+    rec._reserve(v, what)
+    try:
+        problems: list[tuple[str, str, str]] = []
+        opts = _RankOptions(rec, job, problems)
+        _raise(problems)
+        try:
+            plan = plan_load(opts, job.layout)
+        except ManifestMismatchError as e:
+            raise type(e)(f"{e} (the model is the union of {job.ranks} trainer ranks)",
+                          e.problems) from None
+        readable = {r: src is not None and rec.can_read_source(src)
+                    for r, src in enumerate(job.sources)}
+        # Per rank, its buckets this receiver needs, in order (a bucket it needs nothing
+        # of is not read: its rank is not asked).
+        todo: dict[int, list[BucketPlan]] = {}
+        for bp in plan.buckets:
+            if not (bp.select is not None and bp.nbytes == 0 and not bp.loads):
+                todo.setdefault(job.rank_of[bp.index], []).append(bp)
+        with rec._writing:
+            with rec._lock:
+                rec._take_over_locked(v, what)
+            reports = _read_ranks(rec, job, todo, readable)
+            with rec._lock:
+                rec._commit_locked(v, what)
+    finally:
+        rec._unreserve(v)
+    return _summarise(v, sorted(reports, key=lambda x: x.bucket), plan.skipped)
+
+
+def _read_ranks(rec: WeightReceiver, job: _RankedLoad, todo: Mapping[int, list[BucketPlan]],
+                readable: Mapping[int, bool]) -> list[BucketReport]:
+    """Load every bucket of ``todo``: one thread per rank (at most
+    :data:`MAX_RANK_READS`), each reading its rank's buckets in order, so a receiver
+    reads from several ranks at once and no rank's link waits for another's. Buckets
+    that go to ``load_weights`` take turns (a loader need not be thread-safe). The
+    first failure stops every thread at its next bucket; all have ended on return."""
+    import concurrent.futures
+    import threading
+
+    reports: list[BucketReport] = []
+    loader = threading.Lock()
+    stop = threading.Event()
+
+    def one(bp: BucketPlan) -> BucketReport:
+        g = bp.index
+        r = job.rank_of[g]
+        addrs = job.addrs[g]
+        ref: Any = job.boxes[g]
+        source = None
+        if readable[r] and addrs is not None:
+            source = job.sources[r]
+            ref = SourceBucket(source, addrs)  # type: ignore[arg-type]
+        if isinstance(ref, list):
+            ref = ref[0]
+        try:
+            if bp.loads:
+                with loader:
+                    return rec._load_bucket(bp, ref, source)
+            return rec._load_bucket(bp, ref, source)
+        except WeightSyncError:
+            raise
+        except Exception as e:
+            raise TrainerRankError(
+                f"reading bucket {job.local[g]} of trainer rank {r} failed "
+                f"({type(e).__name__}: {e}); this receiver keeps version {rec.version}",
+                r) from e
+
+    def rank(bps: list[BucketPlan]) -> list[BucketReport]:
+        out = []
+        for bp in bps:
+            if stop.is_set():
+                break
+            try:
+                out.append(one(bp))
+            except BaseException:
+                stop.set()
+                raise
+        return out
+
+    if len(todo) <= 1:
+        for bps in todo.values():
+            reports.extend(rank(bps))
+        return reports
+    with concurrent.futures.ThreadPoolExecutor(
+            min(len(todo), MAX_RANK_READS), thread_name_prefix="rdt-rank-read") as pool:
+        futures = [pool.submit(rank, bps) for bps in todo.values()]
+        concurrent.futures.wait(futures)
+    for f in futures:
+        if f.exception() is not None:
+            raise f.exception()  # type: ignore[misc]
+    for f in futures:
+        reports.extend(f.result())
+    return reports
+
+
+#: Most ranks one receiver reads from at once (each READ may take an arena bucket).
+MAX_RANK_READS = 8
