@@ -14,7 +14,7 @@ py=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
 $py -c "import torch, ray, nixl; print(torch.__version__, torch.version.cuda, ray.__version__)" \
   >> "$out/gpu.txt" 2>&1
-timeout 200 $py -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_cuda.py --junitxml="$out/gpu-tests.xml" \
+timeout 200 $py -m pytest -q -rs -p no:cacheprovider -m gpu tests/gpu/test_cuda.py --junitxml="$out/gpu-tests.xml" \
   2>&1 | tee "$out/gpu-tests.log"
 tests_rc=${PIPESTATUS[0]}
 timeout 240 $py -m microbenchmarks.bench_gpu --device cuda --reps 4 --json "$out/bench-gpu.json" \

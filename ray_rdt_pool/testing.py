@@ -76,7 +76,7 @@ publishes metadata to), so the owners take it as their ``directory``. With the o
     >>> world.violations
     []
 
-``tests/test_runtime_logic.py`` does the same through the runtime:
+``tests/unit/_ray/test_runtime_logic.py`` does the same through the runtime:
 ``Runtime(config, backend_factory=world.factory, directory=world)``.
 
 Imports no torch, Ray or NIXL at import; a READ's bytes move with ``memmove`` (torch

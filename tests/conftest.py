@@ -6,7 +6,7 @@ of the whole suite it segfaulted *after* every test had passed and the summary w
 printed, during interpreter finalization, with no Python frame to show (the cause is not
 found; Ray's and NIXL's native teardown after many init/shutdown cycles is the suspect).
 The product's own exit path is tested where it matters, in drivers that exit normally:
-``tests/test_lifecycle.py`` (twice in a row, and with received views alive at exit).
+``tests/integration/test_lifecycle.py`` (twice in a row, and with received views alive at exit).
 
 So the session ends with an explicit teardown (Ray, then this package's runtime) and
 ``os._exit`` with pytest's exit status, instead of the interpreter's finalization. Any
@@ -47,7 +47,7 @@ def _module_environment() -> Iterator[None]:
         del os.environ[k]
     os.environ.update(saved)
     if "ray" in sys.modules:  # the module shut its cluster down: see drop_stale_rdt_manager
-        from tests.raycluster import drop_stale_rdt_manager
+        from tests.support.raycluster import drop_stale_rdt_manager
 
         drop_stale_rdt_manager()
 

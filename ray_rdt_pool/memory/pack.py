@@ -103,7 +103,7 @@ def _spans(idx: Iterable[int], nbytes: Sequence[int], ptrs: Sequence[int],
     """The copies of a pack as ``(packed offset, source address, length)`` spans: runs of
     tensors adjacent both in memory and in the packed space make one span. Tensors whose
     bytes cannot be copied as they lie go to ``leftovers``; empty ones are skipped.
-    One rule for the one-thread and the threaded pack (tests/test_pack.py compares)."""
+    One rule for the one-thread and the threaded pack (tests/unit/memory/test_pack.py compares)."""
     span_src = span_dst = span_len = 0
     for i in idx:
         n = nbytes[i]
@@ -129,7 +129,7 @@ def _span_arrays(idx: Sequence[int] | None, nbytes: Sequence[int], ptrs: Sequenc
                  ) -> tuple[Any, Any, Any]:
     """:func:`_spans` as three int64 numpy arrays (packed offsets, source addresses,
     lengths), found in one pass over arrays: the same spans in the same order
-    (tests/test_pack.py holds it)."""
+    (tests/unit/memory/test_pack.py holds it)."""
     import numpy as np
 
     if isinstance(idx, range) and idx == range(len(nbytes)):

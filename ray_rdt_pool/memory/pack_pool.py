@@ -234,7 +234,7 @@ def array_units(moves: Any, chunk: int) -> list[Any]:
     on 64-byte destination boundaries into pieces of at most ``chunk``, then moves are
     grouped by the ``chunk``-sized stretch of the stream their last byte falls in, so a
     unit holds at most twice ``chunk`` bytes. Returns row slices in order
-    (tests/test_pack.py holds both rules)."""
+    (tests/unit/memory/test_pack.py holds both rules)."""
     import numpy as np
 
     chunk = max(chunk, 128)  # a cut always moves forward: (at + chunk) & ~63 > at

@@ -2,7 +2,7 @@
 
 Owns nothing: the protocol and its contract only. :class:`~.backend.NixlBackend` implements
 it over real NIXL agents; :class:`ray_rdt_pool.testing.FakeBackend` implements it in one
-process and can stage each fault the contract allows (tests/test_backend_contract.py runs
+process and can stage each fault the contract allows (tests/unit/nixl/test_backend_contract.py runs
 the same checks against both).
 """
 

@@ -61,7 +61,7 @@ def test_device_block_frees_when_the_last_view_dies():
 # ---------------------------------------------------------------------------------------
 
 def _world():
-    from tests.fakenixl import World
+    from ray_rdt_pool.testing import World
 
     return World()
 
@@ -153,7 +153,7 @@ def test_real_ray_round_trip_between_actors_on_one_gpu():
 
     import ray
 
-    from tests.raycluster import digest, start_ray
+    from tests.support.raycluster import digest, start_ray
 
     start_ray({"RAY_RDT_POOL_DEVICE": "cuda"}, num_gpus=1)
     try:
@@ -231,7 +231,7 @@ def test_cuda_ipc_entry_round_trips_and_rejects_malformed_fields():
 def _ipc_actors():
     import ray
 
-    from tests.raycluster import digest
+    from tests.support.raycluster import digest
 
     @ray.remote(num_gpus=0.25, enable_tensor_transport=True)
     class S:
@@ -287,7 +287,7 @@ def test_same_node_cuda_pool_is_read_through_cuda_ipc():
 
     import ray
 
-    from tests.raycluster import start_ray
+    from tests.support.raycluster import start_ray
 
     start_ray({"RAY_RDT_POOL_DEVICE": "cuda", "RAY_RDT_POOL_SAME_NODE": "map"}, num_gpus=1)
     try:
@@ -353,7 +353,7 @@ def test_weight_sync_between_gpu_actors_streams_and_publishes_exactly():
     import ray
 
     from ray_rdt_pool.weights import WeightReceiver, WeightSender, sync
-    from tests.raycluster import start_ray
+    from tests.support.raycluster import start_ray
 
     start_ray({"RAY_RDT_POOL_DEVICE": "cuda", "RAY_RDT_POOL_SAME_NODE": "map"}, num_gpus=1)
     try:
@@ -421,7 +421,7 @@ def test_weight_stream_over_nixl_into_cuda_destinations():
     import ray
 
     from ray_rdt_pool.weights import WeightReceiver, WeightSender, sync
-    from tests.raycluster import start_ray
+    from tests.support.raycluster import start_ray
 
     start_ray({"RAY_RDT_POOL_SAME_NODE": "off"}, num_gpus=1)
     try:

@@ -23,8 +23,8 @@ import ray
 import torch
 
 import ray_rdt_pool
-from microbenchmarks.chaos import process_gone
-from tests.raycluster import start_ray, wait_for
+from tests.stress.chaos import process_gone
+from tests.support.raycluster import start_ray, wait_for
 
 pytestmark = pytest.mark.ray
 

@@ -31,7 +31,7 @@ from microbenchmarks._bench_actors import (
 )
 from microbenchmarks.bench import Progress, Runner, parse_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = ["--quick", "--reps", "1", "--warmup", "0", "--big-mib", "1", "--many-count", "10",
         "--many-kib", "4", "--views-rows", "50", "--views-cols", "16", "--tf-hidden", "32",

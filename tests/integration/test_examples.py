@@ -21,7 +21,7 @@ import pytest
 import ray
 import torch
 
-from tests.raycluster import drop_stale_rdt_manager, run_example
+from tests.support.raycluster import drop_stale_rdt_manager, run_example
 
 pytestmark = pytest.mark.ray
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
@@ -100,7 +100,7 @@ def test_driver_that_received_objects_exits_cleanly() -> None:
     reference, so it exits holding their storages' NIXL registrations (and the storages):
     the exit path must deregister nothing out of order and crash nowhere."""
     for i, mode in enumerate(("plain", "stream")):
-        p = run(["-m", "tests.exit_driver", mode])
+        p = run(["-m", "tests.support.exit_driver", mode])
         bad = [w for w in ("terminate", "Aborted", "SIGABRT", "Fatal Python error",
                            "Segmentation") if w in p.stderr]
         assert p.returncode == 0 and not bad, (i, p.returncode, bad, p.stderr[-3000:])
@@ -111,7 +111,7 @@ def test_driver_that_received_objects_exits_cleanly() -> None:
 
 @pytest.mark.ray
 def test_shutdown_stops_the_thread_and_removes_the_agent_key() -> None:
-    p = run(["-m", "tests.exit_driver", "shutdown"])
+    p = run(["-m", "tests.support.exit_driver", "shutdown"])
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["helpers_before"] >= 1  # pack helpers ran, and shutdown stopped them too
@@ -124,7 +124,7 @@ def test_driver_exits_quietly_while_an_overflow_region_lingers() -> None:
     """The exit shutdown destroyed the NIXL agent before it dropped the empty overflow
     region kept for reuse: the deregistration failed with a WARNING and a traceback on
     stderr, and the region stayed mapped (stranded) to the end. Now it goes first."""
-    p = run(["-m", "tests.exit_driver", "overflow"])
+    p = run(["-m", "tests.support.exit_driver", "overflow"])
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [json.loads(x) for x in p.stdout.strip().splitlines() if x.startswith("{")]
     assert lines[-2]["regions"] == 1 and lines[-2]["overflow_objects"] == 0, lines
@@ -138,7 +138,7 @@ def test_driver_sends_again_after_a_ray_restart() -> None:
     """``ray.shutdown()`` then ``ray.init()`` in one driver: its transport outlives the
     first cluster, and its agent's metadata must reach the second cluster's (empty) GCS,
     or an actor there waits for it and fails."""
-    p = run(["-m", "tests.exit_driver", "restart"])
+    p = run(["-m", "tests.support.exit_driver", "restart"])
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["totals"] == [499500.0, 500500.0], out
@@ -150,7 +150,7 @@ def test_same_node_receivers_map_the_drivers_objects_after_a_ray_restart() -> No
     same-node entry of the driver's pool (published once per process, with the first
     session's node ID), so the new session's actors READ the driver's objects instead
     of mapping them. The driver, receiving from the new session's actors, maps too."""
-    p = run(["-m", "tests.exit_driver", "restart_map"])
+    p = run(["-m", "tests.support.exit_driver", "restart_map"])
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     want = [{"total": 499500.0 + 1000 * k, "actor_mapped": 1, "actor_reads": 0,
@@ -196,7 +196,7 @@ def test_the_harness_drops_rays_rdt_manager_of_an_ended_session(
     drops it between clusters; it must never drop the manager of a live session."""
     import ray
 
-    from tests.raycluster import drop_stale_rdt_manager
+    from tests.support.raycluster import drop_stale_rdt_manager
 
     if ray.is_initialized():
         pytest.skip("a cluster of this process is running")

@@ -23,7 +23,7 @@ import torch
 import ray_rdt_pool
 from ray_rdt_pool.core.runs import DTYPES
 from ray_rdt_pool.weights import WeightReceiver, WeightSender
-from tests.raycluster import DEFAULT_ENV, all_dtype_tensors, digest, wait_for
+from tests.support.raycluster import DEFAULT_ENV, all_dtype_tensors, digest, wait_for
 
 pytestmark = [pytest.mark.ray,
               pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")]

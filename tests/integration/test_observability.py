@@ -30,7 +30,7 @@ from ray_rdt_pool.obs import metrics as rdt_metrics
 from ray_rdt_pool.obs import view
 from ray_rdt_pool.obs.logs import debug_handler, disable_debug_logging, quiet_nixl_stdout
 from ray_rdt_pool.obs.stats import TransportStats
-from tests.raycluster import start_ray, wait_for
+from tests.support.raycluster import start_ray, wait_for
 
 pytestmark = pytest.mark.ray
 

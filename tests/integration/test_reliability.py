@@ -35,11 +35,11 @@ import ray
 import torch
 
 import ray_rdt_pool
-from microbenchmarks.chaos import process_gone
 from ray_rdt_pool.core import codec
 from ray_rdt_pool.core.runs import DTYPES, TensorRun
 from ray_rdt_pool.errors import TransferError, WireFormatError
-from tests.raycluster import digest, start_ray, wait_for
+from tests.stress.chaos import process_gone
+from tests.support.raycluster import digest, start_ray, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -142,7 +142,7 @@ def burst_object(g: torch.Generator) -> list[torch.Tensor]:
 
 
 def fingerprint(tensors: list[Any]) -> list[str]:
-    """tests.raycluster.digest of each tensor copied to standard strides first.
+    """tests.support.raycluster.digest of each tensor copied to standard strides first.
 
     digest() itself raises for a tensor that is contiguous by torch's rule but whose last
     stride is not 1 (a size-1 dim with any stride, e.g. ``x[:1, ::4]``); such tensors are

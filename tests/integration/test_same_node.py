@@ -6,7 +6,7 @@ stays 0, ``mapped_gets`` counts them), bytes are compared by sha256 on both side
 the leases are attacked: views kept after the ref died, a block of the same size put
 meanwhile, a receiver writing into its views, a receiver killed while holding views,
 and a thousand cycles that must leave pool, leases and registrations at baseline.
-The two-node case (NIXL between Ray nodes) is in tests/test_multinode.py.
+The two-node case (NIXL between Ray nodes) is in tests/integration/test_multinode.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import ray
 import torch
 
 import ray_rdt_pool
-from tests.raycluster import call, digest, start_ray, wait_drained, wait_for
+from tests.support.raycluster import call, digest, start_ray, wait_drained, wait_for
 
 pytestmark = pytest.mark.ray
 

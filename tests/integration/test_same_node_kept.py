@@ -21,7 +21,7 @@ import ray
 import torch
 
 import ray_rdt_pool
-from tests.raycluster import call, start_ray, wait_drained, wait_for
+from tests.support.raycluster import call, start_ray, wait_drained, wait_for
 
 pytestmark = pytest.mark.ray
 

@@ -8,11 +8,11 @@ return before; a bucket that cannot be read as it lies (a strided view, a wire-d
 conversion) and every bucket of a stream with any receiver that cannot read the trainer
 (another node, ``same_node="off"``, a kernel that forbids it) go through NIXL: read by
 reference from the trainer's tensors for a module or mapping, through the pool otherwise
-(tests/test_multinode.py streams across two nodes); a read of a process that is gone is a
-typed ``TransferError``, never a crash, and leaks no arena block.
+(tests/integration/test_multinode.py streams across two nodes); a read of a process that
+is gone is a typed ``TransferError``, never a crash, and leaks no arena block.
 
 The first group needs no Ray: the reader against a forked child process, and the
-receiver runtime (with the fake NIXL of tests.fakenixl, which this path never calls)
+receiver runtime (with the fake NIXL of ray_rdt_pool.testing, which this path never calls)
 reading this process. The Ray group shares one cluster.
 """
 
@@ -43,6 +43,7 @@ from ray_rdt_pool.same_node.source import (
     probe_source,
     this_process,
 )
+from ray_rdt_pool.testing import World
 from ray_rdt_pool.weights import (
     SourceBucket,
     WeightReceiver,
@@ -51,8 +52,7 @@ from ray_rdt_pool.weights import (
     plan_layout,
     sync,
 )
-from tests.fakenixl import World
-from tests.raycluster import actor_cluster, call, node_class, wait_drained
+from tests.support.raycluster import actor_cluster, call, node_class, wait_drained
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

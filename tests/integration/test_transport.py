@@ -20,14 +20,14 @@ import ray
 import torch
 
 import ray_rdt_pool
-from tests.raycluster import all_dtype_tensors, digest, start_ray, wait_for
+from tests.support.raycluster import all_dtype_tensors, digest, start_ray, wait_for
 
 pytestmark = pytest.mark.ray
 
 # @ray.method(tensor_transport=...) validates the name when the class is defined.
 ray_rdt_pool.register()
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -318,7 +318,7 @@ def test_all_dtypes_round_trip_between_actors(pair):
 def test_actors_read_tensor_facts_in_cpp_where_the_helper_is_built(pair):
     """Where ``python -m ray_rdt_pool.memory.native build`` ran (make venv does), a sender actor
     loads the helper and passes its check, so the round trips of this module run
-    through it; the Python loop is covered by tests/test_native.py."""
+    through it; the Python loop is covered by tests/unit/memory/test_native.py."""
     from ray_rdt_pool.memory.native import artifact_path
 
     if not artifact_path().exists():
@@ -499,7 +499,7 @@ def test_get_snapshot_follows_the_sender_through_retried_puts():
     from ray_rdt_pool._ray.runtime import Runtime
     from ray_rdt_pool.config import PoolConfig
     from ray_rdt_pool.errors import InvalidInputError, PoolExhaustedError
-    from tests.fakenixl import World
+    from ray_rdt_pool.testing import World
 
     world = World()
     rt = Runtime(PoolConfig(pool_bytes=1 << 20, arena_bytes=1 << 20, metrics=False,

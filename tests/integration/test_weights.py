@@ -34,7 +34,7 @@ from ray_rdt_pool.weights import (
     plan_layout,
     sync,
 )
-from tests.raycluster import actor_cluster, call, wait_drained, wait_for
+from tests.support.raycluster import actor_cluster, call, wait_drained, wait_for
 
 # The helpers below run inside the actors; ship them by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

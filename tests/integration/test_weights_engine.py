@@ -39,7 +39,7 @@ from ray_rdt_pool.weights import (
     plan_layout,
     sync,
 )
-from tests.raycluster import actor_cluster, call, wait_drained, wait_for
+from tests.support.raycluster import actor_cluster, call, wait_drained, wait_for
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.ray

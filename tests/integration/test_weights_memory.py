@@ -45,7 +45,7 @@ from ray import cloudpickle
 
 import ray_rdt_pool
 from ray_rdt_pool.weights import WeightReceiver, WeightSender
-from tests.raycluster import actor_cluster, call, node_class
+from tests.support.raycluster import actor_cluster, call, node_class
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.ray

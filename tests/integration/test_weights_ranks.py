@@ -25,7 +25,7 @@ from ray_rdt_pool.weights import (
     WeightSender,
     sync,
 )
-from tests.raycluster import actor_cluster, call, node_class, wait_for
+from tests.support.raycluster import actor_cluster, call, node_class, wait_for
 
 pytestmark = pytest.mark.ray
 

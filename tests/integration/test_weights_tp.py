@@ -40,7 +40,7 @@ from ray_rdt_pool.weights import (
     plan_layout,
     sync,
 )
-from tests.raycluster import actor_cluster, call, node_class
+from tests.support.raycluster import actor_cluster, call, node_class
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -463,7 +463,7 @@ def _received(ranks: list[Any]) -> list[int]:
 
 
 def _drained(trainer: Any) -> None:
-    from tests.raycluster import wait_for
+    from tests.support.raycluster import wait_for
 
     wait_for(lambda: (lambda s: s.pool_used == 0 and s.live_objects == 0)(
         call(trainer, _stats)), timeout=30)

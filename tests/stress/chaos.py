@@ -1,6 +1,6 @@
 """Chaos test of the ``nixl_pool`` transport: many transfers with random faults mixed in.
 
-``python -m microbenchmarks.chaos --transfers 500 --seed 0 [--json out.json]`` starts a
+``python -m tests.stress.chaos --transfers 500 --seed 0 [--json out.json]`` starts a
 local Ray cluster of its own (``address="local"``), two sender actors and three receiver
 actors, and makes ``--transfers`` transfers between them. A ``random.Random(seed)`` decides
 every choice: sender, receiver, payload, receive path and fault. Fault kinds:
@@ -29,7 +29,7 @@ All actors run on one Ray node, and the three receivers get objects by each same
 path (:data:`RECEIVER_SAME_NODE`): receiver 0 maps the senders' pools (the default),
 receiver 1 reads with NIXL (``same_node="off"``), receiver 2 copies out of the mapping.
 
-The engine is :func:`run_chaos`; ``tests/test_chaos.py`` runs a small version.
+The engine is :func:`run_chaos`; ``tests/stress/test_chaos.py`` runs a small version.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The chaos test, small: 60 transfers from 2 senders to 3 receivers with random faults.
 
-The engine is :mod:`microbenchmarks.chaos` (its docstring lists the fault kinds); the
-500-transfer run is ``python -m microbenchmarks.chaos --transfers 500 --seed 0``. It starts
+The engine is :mod:`tests.stress.chaos` (its docstring lists the fault kinds); the
+500-transfer run is ``python -m tests.stress.chaos --transfers 500 --seed 0``. It starts
 a local cluster of its own (``address="local"``) and shuts it down. One run serves every
 test below, so each property fails on its own; ``pytest -s`` prints the run's table.
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from microbenchmarks import chaos
+from tests.stress import chaos
 
 pytestmark = pytest.mark.ray
 

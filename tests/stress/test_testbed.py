@@ -33,7 +33,7 @@ REASON = TestBed.available()
 pytestmark = [pytest.mark.ray, pytest.mark.skipif(REASON is not None, reason=str(REASON)),
               pytest.mark.timeout(300)]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 CLUSTER_FILE = tb._default_cluster_file()
 

@@ -1,27 +1,28 @@
-"""A driver that receives nixl_pool objects and then exits; run by tests/test_lifecycle.py.
+"""A driver that receives nixl_pool objects and then exits; run by
+tests/integration/test_lifecycle.py.
 
-``python -m tests.exit_driver plain``: receive objects (several refs in one ``ray.get``,
+``python -m tests.support.exit_driver plain``: receive objects (several refs in one ``ray.get``,
 some views still alive), then leave the interpreter without any clean-up call: the
 ``atexit`` hook must stop the progress thread and destroy the agent before finalization.
 
-``python -m tests.exit_driver shutdown``: the same, then call ``ray_rdt_pool.shutdown()``
+``python -m tests.support.exit_driver shutdown``: the same, then call ``ray_rdt_pool.shutdown()``
 and print what it left behind as one JSON line.
 
-``python -m tests.exit_driver stream``: as ``plain``, and the driver is also a trainer:
+``python -m tests.support.exit_driver stream``: as ``plain``, and the driver is also a trainer:
 it streams a dict of weights with ``WeightSender`` to an actor that cannot read it in
 place (``same_node="off"``), so the buckets go by reference and the driver's storages
 stay registered; it prints whether the actor's weights match as one JSON line, then
 leaves the interpreter with those registrations held (no ``close()``).
 
-``python -m tests.exit_driver restart``: the driver sends an object to an actor, then
+``python -m tests.support.exit_driver restart``: the driver sends an object to an actor, then
 ``ray.shutdown()`` and ``ray.init()`` again in the same process, and sends again to a new
 actor; prints the two sums the actors computed as one JSON line.
 
-``python -m tests.exit_driver restart_map``: as ``restart`` with ``same_node="map"``
+``python -m tests.support.exit_driver restart_map``: as ``restart`` with ``same_node="map"``
 everywhere, and the driver also gets an actor's object in each session; prints, per
 session, how many gets the actor and the driver mapped and how many READs they posted.
 
-``python -m tests.exit_driver overflow``: as ``plain``, and the driver also puts an
+``python -m tests.support.exit_driver overflow``: as ``plain``, and the driver also puts an
 object larger than its pool and drops it, so an empty overflow region lingers for reuse
 (``overflow_linger_s``) when the interpreter exits. After the ``atexit`` shutdown it
 prints whether that region was unmapped and how many memories were stranded (kept

@@ -194,7 +194,7 @@ def run_example(*args: str, address: str | None = None, timeout: float = 240.0) 
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("RAY_RDT_POOL_") and k != "RAY_ADDRESS"}
     env.update(PYTHONPATH=str(root), RAY_RDT_POOL_POOL_BYTES="64M",

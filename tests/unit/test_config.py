@@ -333,7 +333,7 @@ def _readme_config_rows() -> dict[str, tuple[str, str]]:
     docs/configuration.md."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     rows: dict[str, tuple[str, str]] = {}
     for line in text.split("## Options", 1)[1].splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

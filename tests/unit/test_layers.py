@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "ray_rdt_pool"
+PACKAGE = Path(__file__).resolve().parents[2] / "ray_rdt_pool"
 PRIVATE = ("ray._private", "ray._raylet", "ray.experimental.rdt")
 
 #: Files outside _ray that still touch a private Ray module, and why; the lead removes

@@ -1,8 +1,8 @@
-"""Unit tests of the transport's logic above NIXL, with the in-process fake of tests.fakenixl.
+"""Unit tests of the transport's logic above NIXL, with the in-process fake of ray_rdt_pool.testing.
 
 These cover the failure paths that real NIXL makes hard to trigger on demand; the same
 behaviours run end to end on real Ray and NIXL in test_transport.py and test_reliability.py.
-The fake models what NIXL may do (see tests/fakenixl.py): a READ given up on may still
+The fake models what NIXL may do (see ray_rdt_pool/testing.py): a READ given up on may still
 write its bytes later, a cancel may fail, a release may raise, and a reload merges.
 Each test that gives up on a READ then lets the late write happen and checks that no
 other object's bytes changed.
@@ -36,7 +36,7 @@ from ray_rdt_pool.memory import blocks as rdt_blocks
 from ray_rdt_pool.memory import pack as rdt_pack
 from ray_rdt_pool.memory import rebuild as rdt_rebuild
 from ray_rdt_pool.memory import regions as rdt_regions
-from tests.fakenixl import World
+from ray_rdt_pool.testing import World
 
 
 @pytest.fixture()
@@ -1427,7 +1427,7 @@ def test_cuda_object_on_a_receiver_without_cuda_names_the_fix(world):
     meta = ship(s.put("a", [torch.arange(6)]))
     meta.tensor_device = "cuda"  # what a sender of CUDA tensors reports
     if torch.cuda.is_available():
-        pytest.skip("this process has a GPU; see tests/test_cuda.py")
+        pytest.skip("this process has a GPU; see tests/gpu/test_cuda.py")
     with pytest.raises(TransferError, match="set_target_device_for_ref"):
         r.fetch("a", meta, None)
     st = r.stats()

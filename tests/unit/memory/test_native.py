@@ -25,7 +25,7 @@ from ray_rdt_pool.errors import InvalidInputError, NativeBuildError
 from ray_rdt_pool.memory import describe as D
 from ray_rdt_pool.memory import native
 from ray_rdt_pool.memory.dtypes import torch_dtype
-from tests.fakenixl import World
+from ray_rdt_pool.testing import World
 
 BUILT = native.artifact_path().exists()
 needs_helper = pytest.mark.skipif(
@@ -278,7 +278,7 @@ def test_native_off_never_calls_the_helper(monkeypatch: pytest.MonkeyPatch) -> N
         raise AssertionError("the helper ran although native is off")
 
     monkeypatch.setattr(D, "_NATIVE", [boom])
-    from tests.test_runtime_logic import make, roundtrip, same
+    from tests.unit._ray.test_runtime_logic import make, roundtrip, same
 
     world = World()
     s, r = make(world, native=False), make(world, native=False)

@@ -838,7 +838,7 @@ needs_helper = pytest.mark.skipif(
 
 def test_a_built_copy_helper_loads_and_streams() -> None:
     """A built helper that fails to load would only show as slower packs, so on x86-64 a
-    helper built for this source must load and stream (tests/test_native.py builds one
+    helper built for this source must load and stream (tests/unit/memory/test_native.py builds one
     in a fresh folder)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("not x86-64: the helper copies with memmove")

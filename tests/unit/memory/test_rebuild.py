@@ -204,7 +204,7 @@ def test_a_batch_sent_per_sample_round_trips_through_the_transport() -> None:
 
     from ray_rdt_pool._ray.runtime import Runtime
     from ray_rdt_pool.config import PoolConfig
-    from tests.fakenixl import World
+    from ray_rdt_pool.testing import World
 
     world = World()
 

@@ -32,7 +32,7 @@ from ray_rdt_pool.errors import (
 )
 from ray_rdt_pool.nixl.backend import PROGRESS_HOLD_S, NixlBackend
 from ray_rdt_pool.nixl.lanes import SPLIT_ALIGN, SplitRead, split_pairs
-from tests.fakenixl import World
+from ray_rdt_pool.testing import World
 
 MIB = 1 << 20
 

@@ -18,7 +18,7 @@ from ray_rdt_pool._ray.runtime import Runtime
 from ray_rdt_pool.config import PoolConfig
 from ray_rdt_pool.obs import metrics
 from ray_rdt_pool.same_node._libc import PAGE
-from tests.fakenixl import World
+from ray_rdt_pool.testing import World
 
 _NAMES = [name for name, _doc, _fn in metrics.GAUGES]
 
@@ -222,7 +222,7 @@ def test_the_observability_tables_list_every_metric_and_no_other() -> None:
     import re
     from pathlib import Path
 
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "observability.md").read_text()
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "observability.md").read_text()
     listed = set(re.findall(r"^\| `(ray_rdt_pool_[a-z_]+)", doc, re.M))
     ray = "ray_" + metrics.PREFIX
     exported = {ray + name for name, _d, _f in metrics.GAUGES}

@@ -1,6 +1,6 @@
 """Faults on the receiver's same-node and source-read paths, with the fake NIXL.
 
-Sender and receiver run in this process (see tests/test_same_node_logic.py for how);
+Sender and receiver run in this process (see tests/unit/same_node/test_same_node_logic.py for how);
 the faults are injected where a real one would arise: the GCS lookup of a sender's
 shared pool, the landing of a copy out of a mapping, a source-read bucket of which this
 receiver takes nothing. Each checks the error's type and that nothing is left behind
@@ -17,8 +17,8 @@ import torch
 from ray_rdt_pool.errors import TransferError
 from ray_rdt_pool.receive import mapped as mapped_mod
 from ray_rdt_pool.same_node.source import this_process
-from tests.fakenixl import World
-from tests.test_same_node_logic import get, make, settle
+from ray_rdt_pool.testing import World
+from tests.unit.same_node.test_same_node_logic import get, make, settle
 
 
 @pytest.fixture()

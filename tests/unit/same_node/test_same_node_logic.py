@@ -3,7 +3,7 @@
 The shared pool, the lease table and the private mappings are real (memfd, /proc, mmap);
 only NIXL and the GCS are the in-process fakes, so every READ posted is counted and the
 tests can assert that a mapped get posts none. Real Ray actors (separate processes, a
-killed receiver, two Ray nodes) are in tests/test_same_node.py.
+killed receiver, two Ray nodes) are in tests/integration/test_same_node.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ray_rdt_pool.same_node import _libc, info, leases, mapped, regions, source
 from ray_rdt_pool.same_node._libc import PAGE
 from ray_rdt_pool.same_node.info import HostInfo, process_start, still_running
 from ray_rdt_pool.same_node.leases import LeaseTable
-from tests.fakenixl import World
+from ray_rdt_pool.testing import World
 
 
 def make(world: World, node: str | None = "node-a", **cfg) -> Runtime:

@@ -3,7 +3,7 @@
 A :class:`WeightSender`'s ``stream()`` and real :class:`WeightReceiver` s run in this
 process: a stand-in for Ray runs each ``__ray_call__`` at once, in the order the calls
 are made (as a plain actor runs one caller's calls), and the transport is a ``Runtime``
-over the fake NIXL of tests/fakenixl.py (``same_node="off"``: every bucket is READ). Each
+over the fake NIXL of ray_rdt_pool.testing (``same_node="off"``: every bucket is READ). Each
 test stages one interleaving or failure that real Ray makes hard to hit on demand; the
 real-Ray counterparts are in test_weights.py and test_weights_engine.py.
 """
@@ -24,6 +24,7 @@ from ray_rdt_pool._ray.owned import free_owned, put_owned
 from ray_rdt_pool._ray.runtime import Runtime
 from ray_rdt_pool.config import PoolConfig
 from ray_rdt_pool.errors import InvalidInputError, PoolExhaustedError
+from ray_rdt_pool.testing import World
 from ray_rdt_pool.weights import (
     BucketLayout,
     DuplicateTargetError,
@@ -38,7 +39,6 @@ from ray_rdt_pool.weights import (
     plan_layout,
     sync,
 )
-from tests.fakenixl import World
 
 # ---------------------------------------------------------------------------------------
 # The stand-in for Ray
