@@ -1,13 +1,7 @@
-"""The README's code, run as a user would run it, and the docs held to the code.
+"""The README's code blocks found, and the docs held to the code.
 
-README blocks. Every fenced block whose info string is exactly ``python`` is a complete
-program and runs; blocks of any other language (``bash``: ``pip install``, ``make``)
-do not. Each program runs in a subprocess of its own, as ``python block.py`` would, with
-a fresh local Ray cluster: ``RAY_ADDRESS=local`` (a plain ``ray.init()`` on a host that
-runs other clusters would join one of them), this checkout on ``PYTHONPATH`` (Ray's
-workers inherit it), none of the test session's ``RAY_RDT_POOL_*`` settings, and 64 MiB
-pools and arenas (the defaults reserve 1 GiB each). It must exit 0, and a line
-``print(...)  # TEXT`` promises that ``TEXT`` is printed as a line of its output.
+README blocks: every fenced block whose info string is exactly ``python`` is extracted
+(and run by tests/integration/test_readme_blocks.py).
 
 The docs. ``python tools/gen_docs.py --check`` must pass (docs/api.md and the options
 table of docs/configuration.md are what the code generates); every error class of
@@ -24,8 +18,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -56,25 +48,6 @@ def test_block_extraction_keeps_only_python_blocks() -> None:
     text = "```bash\npip install .\n```\n\n```python\nprint(1)  # 1\n```\n\n```py\nx\n```\n"
     assert python_blocks(text) == ["print(1)  # 1\n"]
     assert promised_lines(python_blocks(text)[0]) == ["1"]
-
-
-@pytest.mark.ray
-@pytest.mark.parametrize("index", range(len(python_blocks(README.read_text()))))
-def test_readme_python_block_runs(index: int, tmp_path: Path) -> None:
-    block = python_blocks(README.read_text())[index]
-    program = tmp_path / f"readme_block_{index}.py"
-    program.write_text(block)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("RAY_RDT_POOL_") and k != "RAY_ADDRESS"}
-    env.update(RAY_ADDRESS="local", PYTHONPATH=str(ROOT),
-               RAY_RDT_POOL_POOL_BYTES="64M", RAY_RDT_POOL_ARENA_BYTES="64M")
-    proc = subprocess.run([sys.executable, str(program)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    printed = [line.strip() for line in proc.stdout.splitlines()]
-    for want in promised_lines(block):
-        assert want in printed, (want, proc.stdout[-3000:])
-    assert printed, "the block printed nothing"
 
 
 def test_generated_docs_are_up_to_date() -> None:
