@@ -77,7 +77,9 @@ publishes metadata to), so the owners take it as their ``directory``. With the o
     []
 
 ``tests/unit/_ray/test_runtime_logic.py`` does the same through the runtime:
-``Runtime(config, backend_factory=world.factory, directory=world)``.
+``Runtime(config, backend_factory=world.factory, directory=world)``. Pass
+``clock=FakeClock()`` as well to drive the transport's deadlines (overflow linger,
+``fetch_timeout_s``, idle peers) with :meth:`FakeClock.advance` instead of sleeping.
 
 Imports no torch, Ray or NIXL at import; a READ's bytes move with ``memmove`` (torch
 only for device memory). Thread-safe only as far as the tests need: each test drives
@@ -89,13 +91,39 @@ from __future__ import annotations
 import ctypes
 import itertools
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ray_rdt_pool.nixl.protocol import Backend
 
-__all__ = ["FakeBackend", "World"]
+__all__ = ["FakeBackend", "FakeClock", "World"]
+
+
+class FakeClock:
+    """A :class:`ray_rdt_pool.core.clock.Clock` that moves only when told: by
+    :meth:`advance`, or by :meth:`sleep`, which moves it by the time slept at once (so
+    a wait for a deadline on it takes no wall time). Thread-safe."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self._now = start
+        self._lock = threading.Lock()
+
+    def monotonic(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock ``seconds`` (>= 0) forward."""
+        if not seconds >= 0:
+            raise ValueError(f"a clock moves forward only, not by {seconds!r} seconds")
+        with self._lock:
+            self._now += seconds
+
+    def sleep(self, seconds: float) -> None:
+        self.advance(max(seconds, 0.0))
+        time.sleep(0)  # let the other threads run, as a real sleep would
 
 
 @dataclass

@@ -30,6 +30,7 @@ from ray_rdt_pool._ray.directory import KVDirectory, ray_node_id
 from ray_rdt_pool._ray.metadata import PoolFetch, PoolTransportMetadata
 from ray_rdt_pool._ray.stats import collect
 from ray_rdt_pool.config import PoolConfig, Tuning, from_env
+from ray_rdt_pool.core.clock import SYSTEM_CLOCK, Clock
 from ray_rdt_pool.core.selection import check_selection_count
 from ray_rdt_pool.errors import (
     ConfigurationError,
@@ -69,8 +70,10 @@ class Runtime:
     def __init__(self, config: PoolConfig, backend_factory: Callable[..., Any]
                  | None = None, directory: Any = None,
                  region_factory: Callable[[int, str, bool], Any] | None = None,
-                 node_id: Callable[[], str | None] | None = None) -> None:
+                 node_id: Callable[[], str | None] | None = None,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
+        self.clock = clock
         self.events = Events()
         self.events.source = self
         self._backend_factory = backend_factory or _nixl.NixlBackend
@@ -83,9 +86,9 @@ class Runtime:
                                  config.registration_cache_bytes, self.events, region_factory)
         node = node_id or ray_node_id
         self.sender = Sender(config, self.registry, self.events, lambda: self.agent_name,
-                             self.directory, node)
+                             self.directory, node, clock=clock)
         self.receiver = Receiver(config, self.registry, self.events, self.backend,
-                                 self.directory, node)
+                                 self.directory, node, clock=clock)
         # shutdown() began (or configure() retired this runtime before its first use):
         # no new put, fetch or agent is admitted. ``closed`` is set only once the agent
         # is destroyed: until then READs may still write, so they are not "ended" early.

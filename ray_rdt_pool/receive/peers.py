@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ray_rdt_pool.core.clock import SYSTEM_CLOCK, Clock
 from ray_rdt_pool.errors import TransferError
 from ray_rdt_pool.registry import Directory
 
@@ -75,8 +76,10 @@ class Peers:
     """The loaded peers, by agent name (a part of the receiver)."""
 
     def __init__(self, config: PoolConfig, events: Events, lock: threading.RLock,
-                 backend: Callable[[], Any], directory: Directory) -> None:
+                 backend: Callable[[], Any], directory: Directory,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
+        self.clock = clock  # idle times, retries and the wait for a first metadata
         self.events = events
         self.lock = lock  # the receiver lock
         self._backend = backend
@@ -91,11 +94,11 @@ class Peers:
             with self.lock:
                 peer = self.by_name.get(name)
                 if peer is None:
-                    peer = self.by_name[name] = Peer(name)
+                    peer = self.by_name[name] = Peer(name, last_used=self.clock.monotonic())
                 if not peer.busy and peer.loaded >= need and not (
                         peer.stale and peer.in_flight == 0):
                     peer.in_flight += 1
-                    peer.last_used = time.monotonic()
+                    peer.last_used = self.clock.monotonic()
                     self.by_name.move_to_end(name)
                     self.events.add("in_flight")
                     return peer
@@ -115,18 +118,18 @@ class Peers:
         self.next_housekeeping = 0.0
 
     def _lookup(self, name: str, need: int) -> tuple[int, int, bytes]:
-        deadline = time.monotonic() + self.config.fetch_timeout_s
+        deadline = self.clock.monotonic() + self.config.fetch_timeout_s
         delay = 0.002
         while True:
             found = self.directory.lookup(name)
             if found is not None and found[0] >= need:
                 return found
-            if time.monotonic() > deadline:
+            if self.clock.monotonic() > deadline:
                 raise TransferError(
                     f"no NIXL metadata of version >= {need} for sender agent {name!r} in "
                     f"Ray's GCS after {self.config.fetch_timeout_s}s; the sender process may "
                     "have exited. Fetch objects from a live sender")
-            time.sleep(delay)
+            self.clock.sleep(delay)
             delay = min(delay * 2, 0.05)
 
     def _load(self, peer: Peer, need: int) -> None:
@@ -213,7 +216,7 @@ class Peers:
             with self.lock:
                 if self.by_name.get(peer.name) is not peer or (peer.in_flight and not cut):
                     return
-                if time.monotonic() < peer.retry_at:
+                if self.clock.monotonic() < peer.retry_at:
                     return
                 peer.busy = True
                 victims = reads.from_peer_locked(peer)
@@ -249,7 +252,7 @@ class Peers:
             # Some lanes may have dropped it: the next fetch reloads it on every lane.
             peer.loaded = peer.view_since = -1
             peer.busy = False
-            peer.retry_at = time.monotonic() + HOUSEKEEPING_S
+            peer.retry_at = self.clock.monotonic() + HOUSEKEEPING_S
             self.suspect_locked(peer)
             forget = (not cut and peer.in_flight == 0
                       and peer.remove_failures >= MAX_REMOVE_TRIES

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ray_rdt_pool.core.clock import SYSTEM_CLOCK, Clock
 from ray_rdt_pool.core.descriptors import merge_descriptors
 from ray_rdt_pool.core.selection import SelectionPlan, plan_for_object
 from ray_rdt_pool.errors import ReadStillRunningError, TransferError
@@ -74,8 +75,10 @@ class Receiver:
 
     def __init__(self, config: PoolConfig, registry: Registry, events: Events,
                  backend: Callable[[], Any], directory: Directory,
-                 node_id: Callable[[], str | None] | None = None) -> None:
+                 node_id: Callable[[], str | None] | None = None,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
+        self.clock = clock  # fetch_timeout_s, the caller's timeouts and housekeeping
         self.registry = registry
         self.events = events
         self.directory = directory
@@ -84,9 +87,9 @@ class Receiver:
         self.lock = threading.RLock()
         self.drain = Drain(self.lock)
         self.landings = Landings(config, registry, events, self.lock, self.drain)
-        self.peers = Peers(config, events, self.lock, backend, directory)
+        self.peers = Peers(config, events, self.lock, backend, directory, clock)
         self.transfers = Transfers(config, events, self.lock, backend, self.peers,
-                                   self.landings)
+                                   self.landings, clock)
         self.mapped = Mapped(config, events, self.lock, backend, directory, node,
                              self.landings, self.drain)
         self.sources = SourceReader(config, events, self.landings, node)
@@ -202,7 +205,8 @@ class Receiver:
         assert t is not None
         user_limit = timeout is not None and 0 <= timeout < self.config.fetch_timeout_s
         own = timeout if timeout is not None and user_limit else float("inf")
-        deadline = min(t.started + self.config.fetch_timeout_s, time.monotonic() + own)
+        clock = self.clock
+        deadline = min(t.started + self.config.fetch_timeout_s, clock.monotonic() + own)
         delay = 20e-6
         try:
             while True:
@@ -212,10 +216,10 @@ class Receiver:
                 if t.aborted:
                     state = "ABORTED"
                     break
-                if time.monotonic() >= deadline:
+                if clock.monotonic() >= deadline:
                     state = "TIMEOUT"
                     break
-                time.sleep(delay)
+                clock.sleep(delay)
                 delay = min(delay * 2, 1e-3)
         except BaseException:
             # Interrupted (Ctrl-C in the sleep, a failing poll): nobody will consume this
@@ -235,7 +239,7 @@ class Receiver:
         else:
             self.landings.release(t.landing)
         self.events.error({"TIMEOUT": "timeout", "ABORTED": "aborted"}.get(state, "err"))
-        if state == "TIMEOUT" and user_limit and time.monotonic() < (
+        if state == "TIMEOUT" and user_limit and clock.monotonic() < (
                 t.started + self.config.fetch_timeout_s):
             raise TimeoutError(f"READ of object {f.obj_id} from {t.peer.name} not done "
                                f"within the caller's timeout of {timeout:.3f}s")
@@ -304,7 +308,7 @@ class Receiver:
         """Progress-thread housekeeping: end abandoned READs, cut overdue ones, drop
         dead peers and same-node senders. Cheap when there is nothing to do."""
         self.transfers.abandon_dropped()
-        now = time.monotonic()
+        now = self.clock.monotonic()
         with self.lock:
             waiting = self.transfers.abandoned_locked()
             housekeeping = self.peers.housekeeping_due_locked(now, bool(self.mapped.hosts))

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ray_rdt_pool.core.clock import SYSTEM_CLOCK, Clock
 from ray_rdt_pool.receive.arena import Landing
 from ray_rdt_pool.receive.peers import Peer
 from ray_rdt_pool.registry import MEM_TYPE
@@ -63,8 +63,10 @@ class Transfers:
     """The READs that have not ended, and the aborts (a part of the receiver)."""
 
     def __init__(self, config: PoolConfig, events: Events, lock: threading.RLock,
-                 backend: Callable[[], Any], peers: Peers, landings: Landings) -> None:
+                 backend: Callable[[], Any], peers: Peers, landings: Landings,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
+        self.clock = clock  # when READs started, for fetch_timeout_s
         self.events = events
         self.lock = lock  # the receiver lock
         self._backend = backend
@@ -86,7 +88,7 @@ class Transfers:
                                             split=landing.kind == "arena")
         # Tracked before anything else can raise (a Ctrl-C): reap() must be able to end
         # it, or its landing and the peer's lease stay held for good.
-        t = Transfer(obj_id, handle, peer, landing, time.monotonic())
+        t = Transfer(obj_id, handle, peer, landing, self.clock.monotonic())
         with self.lock:
             self.outstanding[id(t)] = t
             if self._pending_abort_locked(obj_id):  # arrived while the READ was posted
@@ -96,7 +98,7 @@ class Transfers:
     def adopt_running(self, obj_id: str, handle: Any, peer: Peer, landing: Landing) -> None:
         """A READ that failed to post left ``handle`` writing into ``landing``: make it
         an abandoned transfer holding ``peer``'s lease, which reap() ends or cuts off."""
-        t = Transfer(obj_id, handle, peer, landing, time.monotonic(), abandoned=True)
+        t = Transfer(obj_id, handle, peer, landing, self.clock.monotonic(), abandoned=True)
         with self.lock:
             self.outstanding[id(t)] = t
             self.peers.suspect_locked(peer)
@@ -198,12 +200,12 @@ class Transfers:
                 t.aborted = True
             if hit or obj_id in self.finished:
                 return
-            self.pending_aborts[obj_id] = time.monotonic()
+            self.pending_aborts[obj_id] = self.clock.monotonic()
             self.pending_aborts.move_to_end(obj_id)
             self._expire_aborts_locked()
 
     def _expire_aborts_locked(self) -> None:
-        cutoff = time.monotonic() - self.config.fetch_timeout_s
+        cutoff = self.clock.monotonic() - self.config.fetch_timeout_s
         pa = self.pending_aborts
         while pa and (len(pa) > MAX_PENDING_ABORTS or next(iter(pa.values())) < cutoff):
             pa.popitem(last=False)

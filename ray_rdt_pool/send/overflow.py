@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from collections.abc import Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from ray_rdt_pool.core.allocator import Block
+from ray_rdt_pool.core.clock import SYSTEM_CLOCK, Clock
 from ray_rdt_pool.core.layout import align_up
 from ray_rdt_pool.errors import PoolExhaustedError
 from ray_rdt_pool.registry import Region, Registry
@@ -42,9 +42,10 @@ _OVERFLOW_ALIGN = 1 << 20
 class Overflow:
     """The overflow regions of one sender, in the order they were made (iterable)."""
 
-    def __init__(self, config: PoolConfig, registry: Registry, lock: threading.RLock
-                 ) -> None:
+    def __init__(self, config: PoolConfig, registry: Registry, lock: threading.RLock,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
+        self._clock = clock  # linger is measured on it
         self.registry = registry
         self._lock = lock  # the sender's: one placement decision covers pool and overflow
         self._regions: list[Region] = []  # replaced, never shrunk in place, when one goes
@@ -118,7 +119,7 @@ class Overflow:
         a re-add), which with NIXL 1.5.1 leaves a TCP connection per read lane open in
         both processes, so a pool that overflows now and then would leak one per object.
         """
-        now = time.monotonic()
+        now = self._clock.monotonic()
         linger = 0.0 if self._linger_off else self.config.overflow_linger_s
         idle = self._idle
         drop: list[Region] = []
@@ -141,7 +142,7 @@ class Overflow:
 
     def reap(self) -> None:
         """Progress-thread tick: the regions whose linger ended go."""
-        if time.monotonic() >= self._due:
+        if self._clock.monotonic() >= self._due:
             with self._lock:
                 empty = self.empty_locked()
             self.drop(empty)

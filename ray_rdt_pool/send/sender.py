@@ -44,6 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ray_rdt_pool.core.clock import SYSTEM_CLOCK, Clock
 from ray_rdt_pool.core.codec import WireMeta, encode
 from ray_rdt_pool.core.descriptors import merge_segments
 from ray_rdt_pool.core.layout import BlockMap, packed_offsets, run_layout
@@ -108,7 +109,8 @@ class Sender:
 
     def __init__(self, config: PoolConfig, registry: Registry, events: Events,
                  agent_name: Callable[[], str], directory: Directory | None = None,
-                 node_id: Callable[[], str | None] | None = None) -> None:
+                 node_id: Callable[[], str | None] | None = None,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
         self.registry = registry
         self.events = events
@@ -121,7 +123,7 @@ class Sender:
         self.changed = threading.Condition(self.lock)  # notified by every free
         self._create_lock = threading.Lock()  # serialises creating the pool
         self.pool: Region | None = None  # created on first put, lives until shutdown
-        self.overflow = Overflow(config, registry, self.lock)
+        self.overflow = Overflow(config, registry, self.lock, clock)
         self.sent: dict[str, Placement] = {}  # obj_id -> placement, until free()
         self.cuda_stream: Any = None  # set_cuda_stream(): the producer of sent tensors
         self._warned_overflow = False

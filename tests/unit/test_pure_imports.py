@@ -18,6 +18,7 @@ PURE_MODULES = [
     "ray_rdt_pool.core.runs",
     "ray_rdt_pool.core.codec",
     "ray_rdt_pool.core.selection",
+    "ray_rdt_pool.core.clock",
     "ray_rdt_pool.config",
     "ray_rdt_pool.obs.stats",
     "ray_rdt_pool.obs.events",

@@ -25,6 +25,7 @@ import torch
 from ray_rdt_pool._ray.metadata import PoolTransportMetadata
 from ray_rdt_pool._ray.runtime import Runtime
 from ray_rdt_pool.config import PoolConfig
+from ray_rdt_pool.core.clock import SYSTEM_CLOCK
 from ray_rdt_pool.errors import (
     ConfigurationError,
     InvalidInputError,
@@ -36,7 +37,8 @@ from ray_rdt_pool.memory import blocks as rdt_blocks
 from ray_rdt_pool.memory import pack as rdt_pack
 from ray_rdt_pool.memory import rebuild as rdt_rebuild
 from ray_rdt_pool.memory import regions as rdt_regions
-from ray_rdt_pool.testing import World
+from ray_rdt_pool.receive.peers import HOUSEKEEPING_S
+from ray_rdt_pool.testing import FakeClock, World
 
 
 @pytest.fixture()
@@ -44,12 +46,12 @@ def world() -> World:
     return World()
 
 
-def make(world: World, region_factory=None, **cfg) -> Runtime:
+def make(world: World, region_factory=None, clock=SYSTEM_CLOCK, **cfg) -> Runtime:
     cfg.setdefault("pool_bytes", 1 << 20)
     cfg.setdefault("arena_bytes", 1 << 20)
     cfg.setdefault("metrics", False)
     return Runtime(PoolConfig().with_overrides(**cfg), backend_factory=world.factory,
-                   directory=world, region_factory=region_factory)
+                   directory=world, region_factory=region_factory, clock=clock)
 
 
 def ship(meta: PoolTransportMetadata) -> PoolTransportMetadata:
@@ -622,7 +624,8 @@ def test_an_emptied_overflow_region_lingers_for_reuse_then_goes(world):
     one per object. An emptied overflow region now stays registered for
     overflow_linger_s and takes the next oversized objects: no registration, no
     deregistration and no metadata reload per object; then it goes."""
-    s = make(world, pool_bytes=1 << 20, overflow_linger_s=0.5)
+    clock = FakeClock()
+    s = make(world, pool_bytes=1 << 20, overflow_linger_s=0.5, clock=clock)
     r = make(world, arena_bytes=8 << 20)
 
     def send(i: int) -> None:
@@ -642,7 +645,7 @@ def test_an_emptied_overflow_region_lingers_for_reuse_then_goes(world):
     assert r.stats().remote_metadata_loads == loads0
     s.sender.reap()  # not due yet
     assert s.stats().overflow_capacity == st0.overflow_capacity
-    time.sleep(0.6)
+    clock.advance(0.6)
     s.sender.reap()  # the progress thread's tick
     st = s.stats()
     assert (st.overflow_capacity, st.registered_regions) == (0, 1)
@@ -654,15 +657,16 @@ def test_an_overflow_region_reused_before_its_linger_ends_stays(world):
     """The idle time of a region was stamped at its first free and kept through the puts
     that reused it, so a region in steady use went overflow_linger_s after it first
     emptied: an epoch reset (every receiver replaces its view) every linger period."""
-    s = make(world, pool_bytes=1 << 20, overflow_linger_s=1.0)
+    clock = FakeClock()
+    s = make(world, pool_bytes=1 << 20, overflow_linger_s=1.0, clock=clock)
     for i in range(5):
         s.put(f"b{i}", [torch.zeros(1 << 19)])  # 2 MiB: overflow
         s.free(f"b{i}")
-        time.sleep(0.3)
+        clock.advance(0.3)
         s.sender.reap()  # the progress thread's tick
     st = s.stats()  # 1.5 s after its first free, 0.3 s after its last
     assert st.overflow_capacity > 0 and st.nixl_deregistrations == 0, st
-    time.sleep(0.8)
+    clock.advance(0.8)
     s.sender.reap()
     st = s.stats()
     assert st.overflow_capacity == 0 and st.nixl_deregistrations == 1, st
@@ -1026,7 +1030,8 @@ def test_cancelled_read_returns_its_block_at_once(world):
 
 
 def test_user_timeout_then_cut_off_after_fetch_timeout(world):
-    s, r = make(world), make(world, fetch_timeout_s=0.3)
+    clock = FakeClock()
+    s, r = make(world), make(world, fetch_timeout_s=0.3, clock=clock)
     world.mode = "PROC"
     meta = ship(s.put("a", [torch.randn(10)]))
     req = r.fetch("a", meta, None)
@@ -1035,7 +1040,7 @@ def test_user_timeout_then_cut_off_after_fetch_timeout(world):
     assert r.stats().arena_live_blocks == 1  # NIXL may still write: block held
     r.backend().tick()
     assert r.stats().transfers_cut == 0  # not overdue yet
-    time.sleep(0.35)
+    clock.advance(0.35)
     r.backend().tick()  # now past fetch_timeout_s: the peer's agent is removed
     st = r.stats()
     assert st.transfers_cut == 1 and st.arena_used == 0 and st.abandoned_transfers == 0
@@ -1045,7 +1050,7 @@ def test_user_timeout_then_cut_off_after_fetch_timeout(world):
 
 
 def test_read_past_fetch_timeout_is_a_transfer_error_and_is_cut(world):
-    s, r = make(world), make(world, fetch_timeout_s=0.2)
+    s, r = make(world), make(world, fetch_timeout_s=0.2, clock=FakeClock())
     world.mode = "PROC"
     meta = ship(s.put("a", [torch.randn(10)]))
     t0 = time.monotonic()
@@ -1060,13 +1065,14 @@ def test_read_past_fetch_timeout_is_a_transfer_error_and_is_cut(world):
 def test_a_failed_cut_off_keeps_the_block_until_the_read_ends(world):
     """Removing the peer's agent can fail. The READ then runs on, so its block must stay
     reserved, the cut-off is tried again, and no other object lands there meanwhile."""
-    s, r = make(world), make(world, fetch_timeout_s=0.2)
+    clock = FakeClock()
+    s, r = make(world), make(world, fetch_timeout_s=0.2, clock=clock)
     world.mode = "PROC"
     meta = ship(s.put("a", [torch.full((1000,), 1.0)]))
     req = r.fetch("a", meta, None)
     with pytest.raises(TimeoutError):
         r.wait(req, 0.01)
-    time.sleep(0.25)
+    clock.advance(0.25)
     world.remove_errors = True
     r.backend().tick()  # overdue: the cut-off is tried and refused
     st = r.stats()
@@ -1083,21 +1089,22 @@ def test_a_failed_cut_off_keeps_the_block_until_the_read_ends(world):
 
 
 def test_a_refused_cut_off_is_tried_again(world):
-    s, r = make(world), make(world, fetch_timeout_s=0.1)
+    clock = FakeClock()
+    s, r = make(world), make(world, fetch_timeout_s=0.1, clock=clock)
     world.mode = "PROC"
     meta = ship(s.put("a", [torch.randn(100)]))
     req = r.fetch("a", meta, None)
     with pytest.raises(TimeoutError):
         r.wait(req, 0.01)
-    time.sleep(0.15)
+    clock.advance(0.15)
     world.remove_errors = True
     r.backend().tick()
     assert r.stats().transfers_cut == 0 and r.stats().arena_used > 0
     world.remove_errors = False
-    deadline = time.monotonic() + 5
-    while r.stats().transfers_cut == 0 and time.monotonic() < deadline:
-        r.backend().tick()  # retried after the housekeeping interval
-        time.sleep(0.05)
+    r.backend().tick()  # not again before the housekeeping interval
+    assert r.stats().transfers_cut == 0
+    clock.advance(HOUSEKEEPING_S + 0.1)
+    r.backend().tick()  # retried after the housekeeping interval
     st = r.stats()
     assert st.transfers_cut == 1 and st.arena_used == 0 and st.transfers_in_flight == 0
     world.mode = "DONE"
@@ -1452,7 +1459,8 @@ def test_overflow_regions_made_at_once_by_two_puts_leave_none_empty(world, linge
             gate.wait()  # both puts are making one now
         return rdt_regions.HostRegion(capacity)
 
-    s = make(world, region_factory=regions, overflow_linger_s=linger)
+    clock = FakeClock()
+    s = make(world, region_factory=regions, overflow_linger_s=linger, clock=clock)
     r = make(world, arena_bytes=8 << 20)
     assert same(roundtrip(s, r, "warm", [torch.ones(4)]), [torch.ones(4)])  # the pool
     objs = [[torch.full((1 << 19,), float(i))] for i in range(2)]  # 2 MiB each
@@ -1474,7 +1482,7 @@ def test_overflow_regions_made_at_once_by_two_puts_leave_none_empty(world, linge
     if linger:
         st = s.stats()
         assert st.overflow_capacity == 128 << 20 and st.registered_regions == 3, st
-        time.sleep(linger + 0.1)
+        clock.advance(linger + 0.1)
         s.sender.reap()
     st = s.stats()
     assert st.overflow_objects == 2 and st.overflow_capacity == 64 << 20, st
@@ -1483,7 +1491,7 @@ def test_overflow_regions_made_at_once_by_two_puts_leave_none_empty(world, linge
         assert same(r.wait(r.fetch(f"o{i}", metas[i], None), -1), objs[i])
         s.free(f"o{i}")
     if linger:
-        time.sleep(linger + 0.1)
+        clock.advance(linger + 0.1)
         s.sender.reap()
     assert s.stats().overflow_capacity == 0
     assert not world.violations
@@ -1892,22 +1900,22 @@ def test_an_interrupted_wait_hands_its_read_to_the_reaper(world, monkeypatch):
     outstanding but not abandoned: never polled, never cut, its arena block and peer lease
     held for the life of the process. Now the interrupt abandons it: the READ is cut at
     fetch_timeout_s and its landing comes back."""
-    from ray_rdt_pool.receive import receiver as receiver_mod
 
-    s, r = make(world), make(world, fetch_timeout_s=0.2)
+    clock = FakeClock()
+    s, r = make(world), make(world, fetch_timeout_s=0.2, clock=clock)
     world.mode = "PROC"  # the READ never finishes
     meta = ship(s.put("a", [torch.arange(1000.)]))
 
     def interrupted(_delay: float) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(receiver_mod.time, "sleep", interrupted)
+    monkeypatch.setattr(clock, "sleep", interrupted)
     with pytest.raises(KeyboardInterrupt):
         r.fetch_selected("a", meta, [(slice(0, 10),)], None)
     monkeypatch.undo()
     st = r.stats()
     assert st.transfers_in_flight == 1 and st.arena_used > 0  # NIXL may still write
-    time.sleep(0.3)  # past fetch_timeout_s
+    clock.advance(0.3)  # past fetch_timeout_s
     r.backend().tick()
     st = r.stats()
     assert (st.transfers_in_flight, st.arena_used) == (0, 0), st
