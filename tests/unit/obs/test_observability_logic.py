@@ -51,6 +51,12 @@ class _FakeRuntime:
 
 
 def test_observer_cost_is_bounded_and_trailing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    # The exporter exports only in a process where Ray is up; no cluster is needed for
+    # its fake instruments.
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(rdt_metrics, "_actor_tag", lambda: "test")
     log: list[tuple[str, float]] = []
     fake = rdt_metrics._Instruments(
         gauges=[(_FakeMetric(log, n), f) for n, _d, f in rdt_metrics.GAUGES],
