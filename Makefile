@@ -5,7 +5,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: test bench bench-full lint venv clean
+.PHONY: test test-unit test-stress bench bench-full lint venv clean
 
 $(STAMP): pyproject.toml ray_rdt_pool/memory/native/_copy.c ray_rdt_pool/memory/native/_native.cpp
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -23,14 +23,29 @@ $(STAMP): pyproject.toml ray_rdt_pool/memory/native/_copy.c ray_rdt_pool/memory/
 
 venv: $(STAMP)
 
-# Test modules run on TEST_WORKERS pytest processes, a whole module on one (each starts
-# one Ray cluster and shares it among its tests); TEST_WORKERS=0 runs them all in this one.
-TEST_WORKERS ?= 2
+# The tests run on TEST_WORKERS pytest processes (more than the two cores: the cluster
+# tests mostly wait). A cluster module runs whole on one of them (it starts one Ray
+# cluster and shares it among its tests), longest first: see tests/conftest.py.
+# TEST_WORKERS=0 runs them all in this one process. The multi-node test bed's own test
+# (network namespaces, root only: a tool of the benchmarks, not a promise of the
+# transport) runs in make test-stress.
+TEST_WORKERS ?= 4
+UNIT_WORKERS ?= 2
+PYTEST := $(VPY) -m pytest -q -rs
 
 test: $(STAMP)
 	$(VPY) -m ruff check ray_rdt_pool tests microbenchmarks examples
 	$(VPY) -m mypy
-	$(VPY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile tests
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests \
+	    --ignore=tests/stress/test_testbed.py
+
+# The tests that need no Ray cluster (tests/unit/), test by test on UNIT_WORKERS processes.
+test-unit: $(STAMP)
+	$(PYTEST) -n $(UNIT_WORKERS) tests/unit
+
+# The chaos run and the multi-node test bed's test.
+test-stress: $(STAMP)
+	$(PYTEST) -n $(UNIT_WORKERS) --dist loadgroup --no-loadscope-reorder tests/stress
 
 # The optional TransferQueue variant of the benchmark; a failed install only skips it.
 BENCH_STAMP := $(VENV)/.bench-installed
