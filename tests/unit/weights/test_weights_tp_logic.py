@@ -216,7 +216,7 @@ def in_process(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     slices it; returns the list of selections fetch_selected was called with."""
     import ray
 
-    from ray_rdt_pool._ray import transport
+    from ray_rdt_pool._ray import owned
 
     calls: list[Any] = []
 
@@ -226,7 +226,7 @@ def in_process(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
                 for t, s in zip(ref, selection)]
 
     monkeypatch.setattr(ray, "get", lambda ref, **kw: ref)
-    monkeypatch.setattr(transport, "fetch_selected", fetch_selected)
+    monkeypatch.setattr(owned, "fetch_selected", fetch_selected)
     return calls
 
 
@@ -269,7 +269,7 @@ def test_put_converts_in_the_pack(monkeypatch: pytest.MonkeyPatch) -> None:
 
     import ray
 
-    from ray_rdt_pool._ray import transport
+    from ray_rdt_pool._ray import conversions
 
     seen: list[tuple[list[torch.Tensor], dict[int, torch.dtype] | None]] = []
     active: list[dict[int, torch.dtype]] = []
@@ -286,7 +286,7 @@ def test_put_converts_in_the_pack(monkeypatch: pytest.MonkeyPatch) -> None:
         seen.append((list(tensors), active[-1] if active else None))
         return "ref"
 
-    monkeypatch.setattr(transport, "pack_as", pack_as)
+    monkeypatch.setattr(conversions, "pack_as", pack_as)
     monkeypatch.setattr(ray, "put", put)
     monkeypatch.setattr("ray_rdt_pool.weights.sender._stats",
                         lambda: type("S", (), {"fallbacks": 0, "pool_used": 0})())
