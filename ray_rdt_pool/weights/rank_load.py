@@ -20,8 +20,7 @@ from ray_rdt_pool.weights.loadplan import BucketPlan, plan_load
 from ray_rdt_pool.weights.manifest import SourceBucket, WeightLayout
 from ray_rdt_pool.weights.rank_offer import _piece_name
 from ray_rdt_pool.weights.reports import BucketReport, LoadReport, _summarise
-from ray_rdt_pool.weights.state import Casting, LoadWeights, NameMap, Select, StateLike
-from ray_rdt_pool.weights.validate import _dests, _mapper, _normalize_select
+from ray_rdt_pool.weights.validate import ReceiverOptions, _dests, _mapper, _normalize_select
 
 if TYPE_CHECKING:
     from ray_rdt_pool.same_node.source import SourceProcess
@@ -52,19 +51,11 @@ class _RankedLoad:
     ranks: int
 
 
-class _RankOptions:
+class _RankOptions(ReceiverOptions):
     """A receiver's options as a many-rank load sees them: each piece of a sharded
     name maps to the rows of its destination tensor that the piece holds (and the
     receiver's ``select`` keeps), with the part of the piece to read; a piece it needs
     nothing of maps to None (never read). Other names are the receiver's own."""
-
-    dest: StateLike | None
-    load_weights: LoadWeights | None
-    name_map: NameMap
-    casting: Casting
-    strict: bool
-    direct: bool
-    select: Select | None
 
     def __init__(self, rec: WeightReceiver, job: _RankedLoad,
                  problems: list[tuple[str, str, str]]) -> None:
