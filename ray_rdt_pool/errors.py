@@ -30,7 +30,8 @@ of this tree::
         ├── RankLayoutError (ValueError)
         │   ├── RankOverlapError
         │   └── RankMissingError
-        └── TrainerRankError
+        ├── TrainerRankError
+        └── RelayReceiverError
 
 Each also derives from the built-in exception in brackets, the one a caller would
 naturally catch, so existing ``except`` clauses keep working. Messages carry the numbers
@@ -62,6 +63,7 @@ __all__ = [
     "RdtPoolError",
     "ReadStillRunningError",
     "RegistrationError",
+    "RelayReceiverError",
     "SelectError",
     "ShapeMismatchError",
     "SourceExhaustedError",
@@ -456,3 +458,28 @@ class TrainerRankError(WeightSyncError):
     def __reduce__(self) -> Any:
         return (type(self), (str(self.args[0]) if self.args else "", self.rank, self.died,
                              self.committed))
+
+
+class RelayReceiverError(WeightSyncError):
+    """A receiver of a relayed stream (``relay="chain"``) died, or stopped answering for
+    ``timeout_s``, while the chain still needed it.
+
+    ``receiver`` is its index in the ``receivers`` passed to the sync, ``actor_id`` its
+    actor's id (hex), ``bucket`` the bucket it failed at and ``stalled`` True when it
+    stopped answering (False: it died). The Ray error, if any, is the ``__cause__``. No
+    receiver committed the stream: every one that is alive keeps its previous version
+    and stays usable; sync the survivors again, without this receiver or after
+    replacing it.
+    """
+
+    def __init__(self, message: str, receiver: int = -1, actor_id: str = "",
+                 bucket: int = -1, stalled: bool = False) -> None:
+        super().__init__(message)
+        self.receiver = receiver
+        self.actor_id = actor_id
+        self.bucket = bucket
+        self.stalled = stalled
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self.args[0]) if self.args else "", self.receiver,
+                             self.actor_id, self.bucket, self.stalled))

@@ -22,12 +22,12 @@ Usage::
 
 The modules, sender side first: ``state`` (what the API takes in), ``manifest`` (the
 picklable layouts and bucket messages), ``planning`` (bucketing), ``pool`` (the sender
-pool), ``sender`` (:class:`WeightSender`), ``stream`` (one streamed sync), ``late``
-(buckets of failed streams), ``validate`` and ``loadplan`` (checking and planning a
-load), ``loading`` (one bucket), ``receiver`` (:class:`WeightReceiver`), ``remote`` (the
-calls between actors), ``driver`` (:func:`sync`), ``ranks`` (a sync from many trainer
-ranks), ``reports``. The errors live in
-:mod:`ray_rdt_pool.errors`.
+pool), ``sender`` (:class:`WeightSender`), ``stream`` (one streamed sync), ``relay`` (a
+stream relayed down a chain of receivers), ``late`` (buckets of failed streams),
+``validate`` and ``loadplan`` (checking and planning a load), ``loading`` (one bucket),
+``receiver`` (:class:`WeightReceiver`), ``remote`` (the calls between actors),
+``driver`` (:func:`sync`), ``ranks`` (a sync from many trainer ranks), ``reports``. The
+errors live in :mod:`ray_rdt_pool.errors`.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from ray_rdt_pool.errors import (
     RankLayoutError,
     RankMissingError,
     RankOverlapError,
+    RelayReceiverError,
     SelectError,
     ShapeMismatchError,
     SourceExhaustedError,
@@ -94,6 +95,7 @@ __all__ = [
     "RankLayoutError",
     "RankMissingError",
     "RankOverlapError",
+    "RelayReceiverError",
     "SelectError",
     "ShapeMismatchError",
     "SourceBucket",

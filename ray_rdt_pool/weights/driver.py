@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ray_rdt_pool.errors import InvalidInputError
 from ray_rdt_pool.weights.manifest import Manifest
+from ray_rdt_pool.weights.relay import check_relay
 from ray_rdt_pool.weights.remote import (
     RECEIVER_ATTR,
     SENDER_ATTR,
@@ -38,17 +39,18 @@ def _remote_publish(actor: Any, attr: str, version: int | None = None) -> Manife
 
 
 def _remote_stream(actor: Any, attr: str, receivers: list[ActorHandle], receiver_attr: str,
-                   max_inflight: int, timeout_s: float, version: int | None = None
-                   ) -> StreamReport:
+                   max_inflight: int, timeout_s: float, version: int | None = None,
+                   relay: str | None = None, relay_order: str = "caller") -> StreamReport:
     return _find(actor, attr, WeightSender).stream(
         receivers, version=version, receiver_attr=receiver_attr, max_inflight=max_inflight,
-        timeout_s=timeout_s)
+        timeout_s=timeout_s, relay=relay, relay_order=relay_order)
 
 
 def sync(trainer: ActorHandle | Sequence[ActorHandle], receivers: Sequence[ActorHandle], *,
          mode: Literal["stream", "publish"] = "stream", max_inflight: int = 2,
          sender_attr: str = SENDER_ATTR, receiver_attr: str = RECEIVER_ATTR,
-         timeout_s: float = 300.0, version: int | None = None) -> SyncReport:
+         timeout_s: float = 300.0, version: int | None = None, relay: str | None = None,
+         relay_order: str = "caller") -> SyncReport:
     """Driver-side: sync the trainer's weights to every receiver and wait for it.
 
     The trainer actor holds a :class:`WeightSender` at ``sender_attr``; each receiver a
@@ -65,8 +67,13 @@ def sync(trainer: ActorHandle | Sequence[ActorHandle], receivers: Sequence[Actor
     names, or dim-0 shards with ``WeightSender(shard=(rank, world))``): every receiver
     then reads each part from the rank that holds it and commits once it has them all
     (:mod:`ray_rdt_pool.weights.ranks`; ``max_inflight`` does not apply).
+
+    ``relay="chain"`` (stream only, one trainer): the trainer sends each bucket once and
+    each receiver reads it from the one before it; ``relay_order`` is ``"caller"`` or
+    ``"placement"`` (see :meth:`WeightSender.stream`).
     """
     timeout_s = _timeout(timeout_s)
+    check_relay(relay, relay_order)
     if (not _is_actor(trainer) and isinstance(trainer, Sequence)
             and not isinstance(trainer, (str, bytes))):
         from ray_rdt_pool.weights.ranks import sync_ranks
@@ -77,6 +84,11 @@ def sync(trainer: ActorHandle | Sequence[ActorHandle], receivers: Sequence[Actor
             raise InvalidInputError(f"mode must be 'stream' or 'publish', got {mode!r}")
         if len(ranks) == 1:
             trainer = ranks[0]
+        elif relay is not None:
+            raise InvalidInputError(
+                f"relay={relay!r} takes one trainer, got {len(ranks)} trainer ranks: drop "
+                "relay= (every receiver then reads each rank's part from that rank), or "
+                "sync from one trainer")
         else:
             return sync_ranks(ranks, receivers, mode=mode, sender_attr=sender_attr,
                               receiver_attr=receiver_attr, timeout_s=timeout_s,
@@ -87,11 +99,14 @@ def sync(trainer: ActorHandle | Sequence[ActorHandle], receivers: Sequence[Actor
     receivers = _actor_handles(receivers, "sync()")
     if mode not in ("stream", "publish"):
         raise InvalidInputError(f"mode must be 'stream' or 'publish', got {mode!r}")
+    if relay is not None and mode != "stream":
+        raise InvalidInputError(f"relay={relay!r} needs mode='stream', got mode={mode!r}")
     t0 = time.perf_counter()
     if mode == "stream":
         rep: StreamReport = _get_all(
             [trainer.__ray_call__.remote(_remote_stream, sender_attr, receivers,
-                                         receiver_attr, max_inflight, timeout_s, version)],
+                                         receiver_attr, max_inflight, timeout_s, version,
+                                         relay, relay_order)],
             timeout_s * 2, f"the streaming sync (WeightSender.stream at {sender_attr!r} "
                            "on the trainer)")[0]
         return SyncReport("stream", rep.version, time.perf_counter() - t0, rep.nbytes,

@@ -25,9 +25,14 @@ from ray_rdt_pool.weights.state import LoadWeights
 from ray_rdt_pool.weights.validate import _selected_shape
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ray import ObjectRef
 
     from ray_rdt_pool.same_node.source import SourceProcess
+
+    #: Called with a bucket's plan and its tensors as they arrived, once it is written.
+    Relay = Callable[[BucketPlan, Sequence[torch.Tensor]], None]
 
 
 def _copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -85,10 +90,13 @@ def _check_arrived(plan: BucketPlan, got: Sequence[torch.Tensor] | None = None,
 
 
 def load_bucket(plan: BucketPlan, ref: ObjectRef | SourceBucket | PoolBucket,
-                source: SourceProcess | None = None, load_weights: LoadWeights | None = None
-                ) -> BucketReport:
+                source: SourceProcess | None = None, load_weights: LoadWeights | None = None,
+                relay: Relay | None = None) -> BucketReport:
     """Load bucket ``plan.index`` from ``ref``; ``source`` is the sender process the
     stream's receiver accepted source reads from, ``load_weights`` the receiver's loader.
+    ``relay`` (a relayed stream) is called once the bucket is written, with the plan and
+    the bucket's tensors as they arrived (the destination tensors themselves when it
+    landed there), while they are still valid.
     """
     import ray
 
@@ -166,6 +174,8 @@ def load_bucket(plan: BucketPlan, ref: ObjectRef | SourceBucket | PoolBucket,
                 "the loader, or map names it does not take to None with name_map",
                 plan.index, names) from e
         batch.clear()
+    if relay is not None:
+        relay(plan, src)
     del got, src
     return BucketReport(plan.index, plan.nbytes, direct, time.perf_counter() - t0)
 

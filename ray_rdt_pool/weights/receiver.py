@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from ray import ObjectRef
 
     from ray_rdt_pool.same_node.source import SourceProcess
+    from ray_rdt_pool.weights.loading import Relay
 
 
 @dataclass
@@ -83,6 +84,8 @@ class _Stream:
     mem: _Claims = field(default_factory=_Claims)
     #: the sender process this receiver accepted source-read buckets from, if any
     source: SourceProcess | None = None
+    #: a relayed stream's hook, handed each bucket once it is written (see weights.relay)
+    relay: Relay | None = None
 
 
 class WeightReceiver:
@@ -265,9 +268,10 @@ class WeightReceiver:
     # -- loading --
 
     def _load_bucket(self, plan: BucketPlan, ref: ObjectRef | SourceBucket | PoolBucket,
-                     source: SourceProcess | None = None) -> BucketReport:
+                     source: SourceProcess | None = None, relay: Relay | None = None
+                     ) -> BucketReport:
         # One method for every bucket a load or stream writes: a subclass may wrap it.
-        return load_bucket(plan, ref, source, self.load_weights)
+        return load_bucket(plan, ref, source, self.load_weights, relay)
 
     def accept_source(self, session: str, source: SourceProcess) -> bool:
         """For stream ``session`` (just begun): accept buckets read straight out of
@@ -374,6 +378,18 @@ class WeightReceiver:
             raise
         return plan.skipped if plan is not None else 0
 
+    def _relay_stream(self, session: str, hook: Relay) -> LoadPlan | None:
+        """Hand stream ``session`` (just begun) the relay hook its buckets go to once
+        written; returns its plan (None for a lazy stream). WeightSyncError if this
+        receiver is no longer in that stream."""
+        with self._lock:
+            st = self._stream
+            if st is None or st.session != session or st.failed is not None:
+                raise WeightSyncError(f"stream {session} is not in progress on this "
+                                      "receiver (a newer load or stream superseded it)")
+            st.relay = hook
+            return st.plan
+
     def abort_stream(self, session: str | None = None) -> None:
         """Drop the stream in progress (``session``, or any) and the buckets it holds.
         It never commits; a bucket being written now finishes, and is the last."""
@@ -459,8 +475,10 @@ class WeightReceiver:
     def _stream_one(self, st: _Stream, k: int, ref: ObjectRef | SourceBucket | PoolBucket,
                     spec: BucketLayout | None
                     ) -> BucketReport:
+        # Only a relayed stream passes its hook: a subclass's wrapper may take no more.
+        extra = (st.relay,) if st.relay is not None else ()
         if st.plan is not None:
-            return self._load_bucket(st.plan.buckets[k], ref, st.source)
+            return self._load_bucket(st.plan.buckets[k], ref, st.source, *extra)
         assert spec is not None
         if spec.bucket.index != k:
             raise WeightSyncError(f"bucket {k} arrived with the layout of bucket "
@@ -477,7 +495,7 @@ class WeightReceiver:
                          f"were, and the version stays {self._version}")
         layout = WeightLayout(spec.entries, (spec.bucket,), spec.aliases)
         rep = self._load_bucket(_plan_buckets(self, layout, resolved, selections)[0], ref,
-                                st.source)
+                                st.source, *extra)
         st.claimed, st.mem, st.skipped = claimed, mem, st.skipped + skipped
         return rep
 

@@ -36,6 +36,7 @@ from ray_rdt_pool.weights.planning import (
     plan_layout,
 )
 from ray_rdt_pool.weights.pool import _forget_registrations, _stats
+from ray_rdt_pool.weights.relay import RelaySession, check_relay
 from ray_rdt_pool.weights.remote import RECEIVER_ATTR, _actor_handles, _timeout
 from ray_rdt_pool.weights.reports import StreamReport
 from ray_rdt_pool.weights.state import Source, SourceLike, StateLike, WireDtype, _check_flag
@@ -259,7 +260,8 @@ class WeightSender:
 
     def stream(self, receivers: Sequence[ActorHandle], state: SourceLike | None = None, *,
                version: int | None = None, receiver_attr: str = RECEIVER_ATTR,
-               max_inflight: int = 2, timeout_s: float = 300.0) -> StreamReport:
+               max_inflight: int = 2, timeout_s: float = 300.0, relay: str | None = None,
+               relay_order: str = "caller") -> StreamReport:
         """Sync ``receivers`` bucket by bucket with bounded sender pool memory.
 
         Each receiver actor must hold a :class:`WeightReceiver` at ``receiver_attr``.
@@ -314,20 +316,31 @@ class WeightSender:
         once that call ends, never under it. A failure
         at the commit itself may leave some receivers committed; the version is used
         up either way (the next default version is past it).
+
+        ``relay="chain"`` sends each bucket once, to the first receiver of a chain; each
+        receiver reads it from the one before it (from its destination tensors, or a
+        snapshot in its own pool of at most ``max_inflight`` buckets), while that one
+        reads the next bucket. ``relay_order="caller"`` chains the receivers as given,
+        ``"placement"`` groups them by Ray node, this node's first. A receiver that dies
+        or stops answering for ``timeout_s`` raises :class:`RelayReceiverError` naming
+        it; no receiver commits then. A receiver with ``select=`` can only be last.
         """
         receivers = _actor_handles(receivers, "stream()")
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) \
                 or max_inflight < 1:
             raise InvalidInputError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
         deadline_s = _timeout(timeout_s)
+        check_relay(relay, relay_order)
         t0 = time.perf_counter()
         v = self._next_version(version)
         eager, pairs = self._acquire(state)
-        session = StreamSession(
+        extra: dict[str, Any] = {"order": relay_order} if relay is not None else {}
+        session = (RelaySession if relay is not None else StreamSession)(
             receivers, v, receiver_attr=receiver_attr, max_inflight=max_inflight,
             timeout_s=deadline_s, bucket_bytes=self.bucket_bytes, wire_dtype=self.wire_dtype,
             source_reads=self.source_reads,
-            by_reference=state is None and isinstance(self.source, (torch.nn.Module, Mapping)))
+            by_reference=state is None and isinstance(self.source, (torch.nn.Module, Mapping)),
+            **extra)
         session.plan(eager, pairs, self._layouts)
         # From here on ``v`` may be committed by some receiver, even if the stream fails:
         # the next default version is past it.

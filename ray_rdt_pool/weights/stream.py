@@ -148,6 +148,7 @@ class StreamSession:
         # registration lookup and the wire bytes each: sent as they are made, the
         # receivers READ one while the next is described.)
         self.gathered = _Run()
+        self.gather = True  # a relay sends every bucket on its own, to pipeline the chain
         self.acked: list[list[BucketReport]] = [[] for _ in receivers]  # per receiver
         self.skipped: list[int] = []  # per receiver, from its commit
         self.k = 0  # buckets made so far
@@ -280,7 +281,7 @@ class StreamSession:
             box = [_owned_bucket(self.owned, tensors, entries)]
             tensors.clear()  # the pool holds the snapshot; drop the source's tensors
         del tensors
-        if keep is not None and self.layout is not None and self.owned is None:
+        if keep is not None and self.layout is not None and self.owned is None and self.gather:
             # A bucket read in place adds nothing to the pool: the last sample stands
             # (a stats() call per bucket costs as much as describing it).
             self.samples.append(self.samples[-1] if self.samples else int(_stats().pool_used))
