@@ -230,6 +230,8 @@ class RelaySession(StreamSession):
     it arrives and names the receiver that broke the chain.
     """
 
+    BEGIN = staticmethod(_remote_relay_begin)
+
     def __init__(self, receivers: list[Any], version: int, *, order: str = "caller",
                  **kw: Any) -> None:
         super().__init__(receivers, version, **kw)
@@ -239,12 +241,6 @@ class RelaySession(StreamSession):
         self.in_place: list[tuple[bool, ...] | None] = []  # per chain position
         self.rows: list[list[Any]] = []  # per bucket, each chain position's ack
         self.unchecked: dict[Any, tuple[int, int]] = {}  # ack -> (bucket, position)
-
-    def run(self) -> None:
-        self.begins = [r.__ray_call__.remote(_remote_relay_begin, self.attr, self.session,
-                                             self.layout, self.version, self.src_proc)
-                       for r in self.receivers]
-        super().run()
 
     def _negotiate(self) -> None:
         import ray

@@ -101,6 +101,9 @@ class StreamSession:
     talks to them per bucket.
     """
 
+    #: What begins the stream on each receiver (a relay begins it its own way).
+    BEGIN: Any = staticmethod(_remote_begin)
+
     def __init__(self, receivers: list[ActorHandle], version: int, *, receiver_attr: str,
                  max_inflight: int, timeout_s: float, bucket_bytes: int,
                  wire_dtype: WireDtype, source_reads: bool, by_reference: bool) -> None:
@@ -192,7 +195,7 @@ class StreamSession:
         """Begin the stream on every receiver, send every bucket, then commit. On any
         error: drain, abort on every receiver, free every bucket (see :meth:`_clean_up`),
         then raise it."""
-        self.begins = [r.__ray_call__.remote(_remote_begin, self.attr, self.session,
+        self.begins = [r.__ray_call__.remote(self.BEGIN, self.attr, self.session,
                                              self.layout, self.version, self.src_proc)
                        for r in self.receivers]
         st0 = _stats()
