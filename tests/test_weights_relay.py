@@ -179,8 +179,8 @@ def test_a_middle_receiver_that_dies_or_hangs_is_named_and_the_others_stay_usabl
         call(rs[1], _arm, (fault, 5, 120.0))
         t0 = time.monotonic()
         with pytest.raises(RelayReceiverError) as info:
-            sync(trainer, rs, relay="chain", timeout_s=5)
-        assert time.monotonic() - t0 < 60
+            sync(trainer, rs, relay="chain", timeout_s=10)
+        assert time.monotonic() - t0 < 20  # sync() itself gives the stream 2 * timeout_s
         err = info.value
         assert err.receiver == 1 and err.bucket == 5 and err.stalled == (fault == "hang")
         assert err.actor_id == rs[1]._actor_id.hex() and "receiver 1" in str(err)

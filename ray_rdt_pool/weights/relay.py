@@ -166,22 +166,58 @@ def _remote_relay_begin(actor: Any, attr: str, session: str, layout: WeightLayou
     return _Began(skipped, ok, ray.get_runtime_context().get_node_id(), in_place, partial)
 
 
-def _remote_relay_bucket(actor: Any, attr: str, session: str, k: int, src: Any,
-                         spec: BucketLayout | None, relays: bool, free_upto: int,
-                         timeout_s: float, *_after: Any
+def _after(refs: list[Any], k: int, what: str, limit_s: float) -> list[Any]:
+    """The values of ``refs`` (acks of other receivers), waited for here rather than by
+    Ray: a call whose argument failed, or that was cancelled before it was sent, leaves
+    a gap in the actor's call order that blocks its later calls for half a minute. A
+    ``ray.cancel`` of this call (the stream failed) ends the wait."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    deadline = time.monotonic() + limit_s
+    while True:
+        ready, _rest = ray.wait(refs, num_returns=len(refs),
+                                timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+        if len(ready) == len(refs):
+            try:
+                return list(ray.get(refs))
+            except Exception as e:
+                raise WeightSyncError(f"bucket {k}: {what} failed: {type(e).__name__}; "
+                                      "this receiver wrote nothing of it") from e
+        try:
+            canceled = ctx.is_canceled()
+        except RuntimeError:  # an async actor: it cannot tell
+            canceled = False
+        if canceled:
+            raise WeightSyncError(f"bucket {k}: the relayed stream was given up while this "
+                                  f"receiver waited for {what}")
+        if time.monotonic() >= deadline:
+            raise WeightSyncTimeoutError(f"bucket {k}: {what} took longer than {limit_s}s")
+
+
+def _remote_relay_bucket(actor: Any, attr: str, session: str, k: int, src: list[Any],
+                         prev: list[Any], spec: BucketLayout | None, relays: bool,
+                         free_upto: int, after: list[Any], timeout_s: float
                          ) -> tuple[list[BucketReport], PoolBucket | None]:
-    """Load bucket ``k`` from ``src`` (the trainer's box, or the previous receiver's ack);
-    with ``relays``, publish it and return its descriptor with the reports. First free
-    the buckets up to ``free_upto``: the ack in ``_after`` says the successor read them."""
+    """Load bucket ``k`` from ``src`` (the trainer's box), or from the bucket the previous
+    receiver published (``prev``: its ack); with ``relays``, publish it and return its
+    descriptor with the reports. First free the buckets up to ``free_upto``, once the
+    successor's ack ``after`` says it read them."""
     rec = _find(actor, attr, WeightReceiver)
     with _LOCK:
         state = _SESSIONS.get(session)
+    # The trainer waits timeout_s for any progress, then names the stalled receiver:
+    # a receiver waiting for it must not give up first and be named instead.
+    limit = 2 * timeout_s + 30.0
+    if after:
+        _after(after, k, "the next receiver reading an earlier bucket", limit)
+        if state is not None:
+            state.free(free_upto)
+    if prev:
+        src = [_after(prev, k, "the previous receiver in the chain", limit)[0][1]]
     if state is not None:
         state.relays = relays
-        if free_upto >= 0:
-            state.free(free_upto)
-    box = list(src) if isinstance(src, list) else [src[1]]
-    reports = rec.load_stream_bucket(session, k, box, spec)
+    reports = rec.load_stream_bucket(session, k, src, spec)
     if not relays:
         return reports, None
     if state is None:
@@ -241,6 +277,7 @@ class RelaySession(StreamSession):
         self.in_place: list[tuple[bool, ...] | None] = []  # per chain position
         self.rows: list[list[Any]] = []  # per bucket, each chain position's ack
         self.unchecked: dict[Any, tuple[int, int]] = {}  # ack -> (bucket, position)
+        self.stuck = -1  # the position that stopped answering, if one did
 
     def _negotiate(self) -> None:
         import ray
@@ -298,10 +335,11 @@ class RelaySession(StreamSession):
             if pos < last and b >= m and not (places is not None and places[b - m]):
                 # A snapshot: freed once the successor read it, before the next is made.
                 after, free_upto = [self.rows[b - m][pos + 1]], b - m
-            src = box if pos == 0 else row[pos - 1]
+            # Refs inside lists: the receiver waits for them itself (see _after).
+            src, prev = (box, []) if pos == 0 else ([], [row[pos - 1]])
             ref = self.receivers[i].__ray_call__.remote(
-                _remote_relay_bucket, self.attr, self.session, b, src, spec, pos < last,
-                free_upto, self.timeout_s, *after)
+                _remote_relay_bucket, self.attr, self.session, b, src, prev, spec,
+                pos < last, free_upto, after, self.timeout_s)
             row.append(ref)
             self.unchecked[ref] = (b, pos)
             if pos == 0:
@@ -346,6 +384,31 @@ class RelaySession(StreamSession):
             return False
         ready, _rest = ray.wait(list(self.unchecked), num_returns=len(self.unchecked),
                                 timeout=0)
+        failed = self._take(ready)
+        if failed:
+            raise self._broken(failed + self._settle())
+        return bool(ready)
+
+    def _settle(self) -> list[tuple[int, int, BaseException]]:
+        """After a failure: cancel every call not done (a queued one would only wait for
+        what failed; one waiting for another receiver's ack ends), give the rest a
+        moment to end, and return the failed ones among them."""
+        import ray
+
+        pending = list(self.unchecked)
+        for ref in pending:
+            try:
+                ray.cancel(ref)
+            except Exception:  # already done, or its actor is gone
+                pass
+        done, _rest = ray.wait(pending, num_returns=len(pending),
+                               timeout=min(self.timeout_s, 10.0)) if pending else ([], [])
+        return self._take(done)
+
+    def _take(self, ready: list[Any]) -> list[tuple[int, int, BaseException]]:
+        """Take in these done acks; returns the failed ones as (bucket, position, error)."""
+        import ray
+
         failed: list[tuple[int, int, BaseException]] = []
         for ref in ready:
             b, pos = self.unchecked.pop(ref)
@@ -355,31 +418,39 @@ class RelaySession(StreamSession):
                 failed.append((b, pos, e))
                 continue
             self.acked[self.chain[pos]].extend(reports)
-        if failed:
-            first = min(failed, key=lambda f: (f[0], f[1]))
-            raise self._broken(*first)
-        return bool(ready)
+        return failed
 
-    def _broken(self, b: int, pos: int, e: BaseException) -> BaseException:
-        from ray.exceptions import RayActorError
+    def _broken(self, failed: list[tuple[int, int, BaseException]]) -> BaseException:
+        """The error to raise for these failed calls (bucket, position, error): a
+        receiver that died, at the first bucket it failed; else the first failure in
+        chain order of the earliest bucket (one downstream only echoes it)."""
+        from ray.exceptions import RayActorError, TaskCancelledError
 
-        if not isinstance(e, RayActorError):
-            return e  # the receiver's own error (a mismatch, a loader's), as a stream raises
-        i = self._index_of(getattr(e, "actor_id", None))
-        i = self.chain[pos] if i < 0 else i
+        dead = [(b, self._dead_index(e, pos), e) for b, pos, e in failed
+                if isinstance(e, RayActorError)]
+        if not dead:
+            own = [f for f in failed if not isinstance(f[2], TaskCancelledError)] or failed
+            return min(own, key=lambda f: (f[0], f[1]))[2]
+        b, i, e = min(dead, key=lambda d: (d[0], self.chain.index(d[1])))
+        aid = self.receivers[i]._actor_id.hex()
         err = RelayReceiverError(
-            f"receiver {i} (actor {self.receivers[i]._actor_id.hex()}, position "
-            f"{self.chain.index(i)} of {len(self.chain)} in the relay chain) died at bucket "
-            f"{b}: {type(e).__name__}; no receiver committed version {self.version}, the "
-            "others keep their previous version", i, self.receivers[i]._actor_id.hex(), b)
+            f"receiver {i} (actor {aid}, position {self.chain.index(i)} of "
+            f"{len(self.chain)} in the relay chain) died at bucket {b}: {type(e).__name__}; "
+            f"no receiver committed version {self.version}, the others keep their previous "
+            "version", i, aid, b)
         err.__cause__ = e
         return err
+
+    def _dead_index(self, e: BaseException, pos: int) -> int:
+        i = self._index_of(getattr(e, "actor_id", None))
+        return self.chain[pos] if i < 0 else i
 
     def _stalled(self, what: str) -> RelayReceiverError:
         """The receiver the chain waits for: of the oldest bucket not done everywhere,
         the first receiver not done (every one after it waits for it)."""
         b, pos = min(self.unchecked.values())
         i = self.chain[pos]
+        self.stuck = pos
         return RelayReceiverError(
             f"{what}: receiver {i} (actor {self.receivers[i]._actor_id.hex()}, position "
             f"{pos} of {len(self.chain)} in the relay chain) did not finish bucket {b} "
@@ -402,7 +473,9 @@ class RelaySession(StreamSession):
                 ray.cancel(ref)
             except Exception:  # already done, or its actor is gone
                 pass
-        _wait_quietly([*pending, *self.begins, *self.finishes], min(self.timeout_s, 10.0))
+        # Not the calls of a receiver that stopped answering: they may never end.
+        ending = [r for r, (_b, pos) in pending.items() if pos != self.stuck]
+        _wait_quietly([*ending, *self.begins, *self.finishes], min(self.timeout_s, 10.0))
         aborts = [r.__ray_call__.remote(_remote_relay_abort, self.attr, self.session)
                   for r in self.receivers]
         # A receiver whose calls have not ended gets its abort when they do; no one
