@@ -8,12 +8,15 @@ engine ``k`` lives on node ``k`` and holds a ``WeightReceiver`` over zeros of th
 shapes. For each engine count N: one cold sync, then ``--syncs`` timed ones of
 ``sync(trainer, engines, mode="stream")``; before each, the trainer changes every byte of
 every tensor, and after each, every engine's bytes must equal the trainer's (SHA-256 of
-all tensors), or the run fails. The engines of one N are killed before the next N starts
-(idle actors cost CPU on a small host).
+all tensors), or the run fails. ``--relay none,chain`` runs each round once per relay
+(``sync(relay=)``), so both are measured in one run under the same conditions. The
+engines of one N are killed before the next N starts (idle actors cost CPU on a small
+host).
 
 Reported per N: the median and every time of the timed syncs (driver wall clock around
-``sync``), and the link floor without relay, N * size / rate (the trainer's egress carries
-every engine's copy). Prints a table and writes ``testbed_sync.json`` to ``--out``.
+``sync``), and the link floor: without relay N * size / rate (the trainer's egress
+carries every engine's copy), with a chain (size + (N - 1) * bucket) / rate. Prints a
+table and writes ``testbed_sync.json`` to ``--out``.
 
     python -m microbenchmarks.testbed_sync --engines 1,2,4,8 --rate 500mbit --out DIR
 
@@ -22,9 +25,10 @@ rank r holding the names i with i % M == r, each rank on its own node (nodes 0 t
 engines on the nodes after them), and syncs with ``sync([rank_0, ..., rank_M-1],
 engines)``; one rank is the single trainer above. Each (M, N) pair is measured; the
 floor is then max(N / M, 1) * size / rate (a rank's egress carries its share to every
-engine, an engine's ingress the whole model).
+engine, an engine's ingress the whole model). ``--ranks`` and ``--relay`` combine in one
+loop, one table row per (M, N, relay); a chain takes one trainer, so it runs at M = 1 only.
 
-    python -m microbenchmarks.testbed_sync --ranks 1,4 --engines 1,4 --rate 500mbit
+    python -m microbenchmarks.testbed_sync --ranks 1,4 --engines 1,4,8 --relay none,chain
 
 Adding a parameter: add the option in :func:`parse_args` (it reaches the driver as is,
 since the driver gets the same argument list) and read it in :func:`measure`.
@@ -65,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-inflight", type=int, default=2, help="sync(max_inflight=)")
     ap.add_argument("--mode", default="stream", choices=("stream", "publish"),
                     help="sync(mode=)")
+    ap.add_argument("--relay", default="none",
+                    help="comma-separated sync(relay=) values to compare in one run: "
+                         "none, chain (e.g. none,chain); each sync round runs every one")
     ap.add_argument("--pool-mib", type=int, default=32, help="each actor's nixl_pool, MiB")
     ap.add_argument("--out", default=None, help="folder for testbed_sync.json")
     ap.add_argument("--timeout", type=float, default=1800.0, help="driver timeout, seconds")
@@ -77,6 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rank_counts = sorted({int(x) for x in str(args.ranks).split(",") if x.strip()})
     if not args.rank_counts or args.rank_counts[0] < 1 or args.rank_counts[-1] > args.tensors:
         ap.error(f"--ranks must list counts from 1 to --tensors, got {args.ranks!r}")
+    args.relays = [x.strip() for x in str(args.relay).split(",") if x.strip()]
+    if not args.relays or set(args.relays) - {"none", "chain"}:
+        ap.error(f"--relay must list none and/or chain, got {args.relay!r}")
+    if args.relays != ["none"] and args.mode != "stream":
+        ap.error("--relay chain needs --mode stream")
     if args.size_mib * MIB % args.tensors or (args.size_mib * MIB // args.tensors) % 4:
         ap.error("--size-mib must split into --tensors equal fp32 tensors")
     return args
@@ -160,42 +172,57 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         trainer_ip = trainer_ip or rank_ips[0]
         # One rank is the single trainer of today's sync(trainer, engines).
         source: Any = ranks[0] if m == 1 else ranks
+        # A relay takes one trainer: sync() refuses it with many ranks.
+        relays = [r for r in args.relays if m == 1 or r == "none"]
         for n in args.engine_counts:
+            if not relays:
+                continue
             engines = [on(first + k).remote("engine", numel, args.tensors, bucket, pool)
                        for k in range(n)]
             ips = ray.get([e.where.remote() for e in engines])
             if len(set(ips) | set(rank_ips)) != n + m:
                 raise SystemExit(f"trainer ranks {rank_ips} and engines {ips} do not sit "
                                  f"on {n + m} distinct nodes")
-            times: list[float] = []
-            reported: list[float] = []
+            times: dict[str, list[float]] = {r: [] for r in relays}
+            reported: dict[str, list[float]] = {r: [] for r in relays}
+            loads: dict[str, list[float]] = {r: [] for r in relays}
+            cold: dict[str, float] = {}
+            # Each round runs every relay variant, so drift on a shared host hits them
+            # alike.
             for k in range(args.syncs + 1):
-                ray.get([t.step.remote() for t in ranks])
-                t0 = time.perf_counter()
-                rep = sync(source, engines, mode=args.mode, max_inflight=args.max_inflight)
-                wall = time.perf_counter() - t0
-                want: dict[str, str] = {}
-                for d in ray.get([t.digest.remote() for t in ranks]):
-                    want.update(d)
-                got = ray.get([e.digest.remote() for e in engines])
-                bad = [i + 1 for i, d in enumerate(got) if d != want]
-                if bad or len(want) != args.tensors:
-                    raise SystemExit(f"{m} ranks, {n} engines, sync {k}: engines {bad} "
-                                     "hold other bytes than the trainer ranks")
-                if k == 0:
-                    cold = wall
-                else:
-                    times.append(wall)
-                    reported.append(rep.seconds)
-                print(f"ranks={m} engines={n} sync={k} {wall:.3f} s (byte-exact)",
-                      file=sys.stderr, flush=True)
+                for relay in relays:
+                    ray.get([t.step.remote() for t in ranks])
+                    t0 = time.perf_counter()
+                    rep = sync(source, engines, mode=args.mode,
+                               max_inflight=args.max_inflight,
+                               relay=None if relay == "none" else relay)
+                    wall = time.perf_counter() - t0
+                    want: dict[str, str] = {}
+                    for d in ray.get([t.digest.remote() for t in ranks]):
+                        want.update(d)
+                    got = ray.get([e.digest.remote() for e in engines])
+                    bad = [i + 1 for i, d in enumerate(got) if d != want]
+                    if bad or len(want) != args.tensors:
+                        raise SystemExit(f"{m} ranks, {n} engines, relay={relay}, sync {k}: "
+                                         f"engines {bad} hold other bytes than the trainer")
+                    if k == 0:
+                        cold[relay] = wall
+                    else:
+                        times[relay].append(wall)
+                        reported[relay].append(rep.seconds)
+                        loads[relay].append(os.getloadavg()[0])
+                    print(f"ranks={m} engines={n} relay={relay} sync={k} {wall:.3f} s "
+                          "(byte-exact)", file=sys.stderr, flush=True)
             for e in engines:
                 ray.kill(e)
             del engines
             time.sleep(1.0)
-            results.append({"ranks": m, "engines": n, "median_s": statistics.median(times),
-                            "times_s": times, "cold_s": cold, "sync_report_s": reported,
-                            "byte_exact": True})
+            for relay in relays:
+                results.append({"ranks": m, "engines": n, "relay": relay,
+                                "median_s": statistics.median(times[relay]),
+                                "times_s": times[relay], "cold_s": cold[relay],
+                                "sync_report_s": reported[relay], "load1": loads[relay],
+                                "byte_exact": True})
         for t in ranks:
             ray.kill(t)
         del ranks, source
@@ -230,19 +257,24 @@ def table(report: dict[str, Any]) -> str:
              f"{report['tensors']} tensors, {report['bucket_mib']:g} MiB buckets, {where}, "
              f"one engine per node, {rate} per node (test bed, "
              f"{report['host']['cpu']}, {report['host']['cores']} cores)",
-             f"| {'ranks | ' if many else ''}engines | median of {report['syncs']} | "
-             f"all times | vs 1 {'trainer to 1 ' if many else ''}engine | link floor "
-             f"{'max(N/M, 1)*S/B' if many else 'N*S/B'} |",
-             "|---|---|---|---|---|" + ("---|" if many else "")]
-    first = report["results"][0]
-    base = first["median_s"] if first["engines"] == 1 and first.get("ranks", 1) == 1 \
+             f"| {'ranks | ' if many else ''}engines | relay | median of {report['syncs']} "
+             f"| all times | vs 1 {'trainer to 1 ' if many else ''}engine | link floor | "
+             "floor vs 1 engine |",
+             "|---|---|---|---|---|---|---|" + ("---|" if many else "")]
+    # The ratio's base: one trainer to one engine without relay (a chain of one is the
+    # same sync).
+    ones = [r for r in report["results"] if r["engines"] == 1 and r.get("ranks", 1) == 1]
+    base = min(ones, key=lambda r: r.get("relay", "none") != "none")["median_s"] if ones \
         else None
+    one_floor = next((r["floor_s"] for r in ones if r["floor_s"]), None)
     for r in report["results"]:
         times = ", ".join(f"{t:.2f}" for t in r["times_s"])
         ratio = f"{r['median_s'] / base:.2f}x" if base else "-"
         floor = f"{r['floor_s']:.2f} s" if r["floor_s"] is not None else "-"
+        fratio = f"{r['floor_s'] / one_floor:.2f}x" if r["floor_s"] and one_floor else "-"
         lines.append(f"| {str(r.get('ranks', 1)) + ' | ' if many else ''}{r['engines']} | "
-                     f"{r['median_s']:.2f} s | {times} | {ratio} | {floor} |")
+                     f"{r.get('relay', 'none')} | {r['median_s']:.2f} s | {times} | {ratio} "
+                     f"| {floor} | {fratio} |")
     return "\n".join(lines)
 
 
@@ -277,11 +309,19 @@ def main(argv: list[str] | None = None) -> int:
     got = json.loads(lines[-1][len(RESULT_TAG):])
     rate_bps = bed.rate_bps
     size = args.size_mib * MIB
+    bucket = int(args.bucket_mib * MIB)
     for r in got["results"]:
-        share = max(r["engines"] / r.get("ranks", 1), 1.0)
-        r["floor_s"] = share * size * 8 / rate_bps if rate_bps else None
+        # Without relay a rank's egress carries its share to every engine and an
+        # engine's ingress the whole model; a chain carries each bucket once per link,
+        # plus one bucket per hop to fill the pipeline.
+        if r.get("relay") == "chain":
+            sent = size + (r["engines"] - 1) * bucket
+        else:
+            sent = max(r["engines"] / r.get("ranks", 1), 1.0) * size
+        r["floor_s"] = sent * 8 / rate_bps if rate_bps else None
     report = {
-        "what": "testbed_sync", "mode": args.mode, "size_mib": args.size_mib,
+        "what": "testbed_sync", "mode": args.mode, "relays": args.relays,
+        "size_mib": args.size_mib,
         "tensors": args.tensors, "bucket_mib": args.bucket_mib, "syncs": args.syncs,
         "ranks": args.rank_counts,
         "max_inflight": args.max_inflight, "rate": bed.rate, "burst": bed.burst,
