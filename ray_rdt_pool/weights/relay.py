@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -195,20 +196,43 @@ def _after(refs: list[Any], k: int, what: str, limit_s: float) -> list[Any]:
             raise WeightSyncTimeoutError(f"bucket {k}: {what} took longer than {limit_s}s")
 
 
+#: Acks of the next bucket being fetched ahead, kept (so their values stay here) until
+#: the call that needs them has run.
+_AHEAD: deque[list[Any]] = deque(maxlen=8)
+
+
+def _fetch_ahead(refs: list[Any], limit_s: float) -> None:
+    """Fetch ``refs`` into this process in the background, so the call that waits for
+    them next finds them here."""
+    import ray
+
+    def run() -> None:
+        try:
+            ray.get(refs, timeout=limit_s)
+        except Exception:  # that call sees the error, or the wait is given up
+            pass
+
+    _AHEAD.append(refs)
+    threading.Thread(target=run, daemon=True, name="ray_rdt_pool-relay-ahead").start()
+
+
 def _remote_relay_bucket(actor: Any, attr: str, session: str, k: int, src: list[Any],
                          prev: list[Any], spec: BucketLayout | None, relays: bool,
-                         free_upto: int, after: list[Any], timeout_s: float
-                         ) -> tuple[list[BucketReport], PoolBucket | None]:
+                         free_upto: int, after: list[Any], ahead: list[Any],
+                         timeout_s: float) -> tuple[list[BucketReport], PoolBucket | None]:
     """Load bucket ``k`` from ``src`` (the trainer's box), or from the bucket the previous
     receiver published (``prev``: its ack); with ``relays``, publish it and return its
     descriptor with the reports. First free the buckets up to ``free_upto``, once the
-    successor's ack ``after`` says it read them."""
+    successor's ack ``after`` says it read them. ``ahead``: the previous receiver's ack
+    of the next bucket, fetched meanwhile."""
     rec = _find(actor, attr, WeightReceiver)
     with _LOCK:
         state = _SESSIONS.get(session)
     # The trainer waits timeout_s for any progress, then names the stalled receiver:
     # a receiver waiting for it must not give up first and be named instead.
     limit = 2 * timeout_s + 30.0
+    if ahead:
+        _fetch_ahead(ahead, limit)
     if after:
         _after(after, k, "the next receiver reading an earlier bucket", limit)
         if state is not None:
@@ -223,6 +247,10 @@ def _remote_relay_bucket(actor: Any, attr: str, session: str, k: int, src: list[
     if state is None:
         raise WeightSyncError(f"relayed stream {session} is not in progress on this receiver")
     return reports, state.wait(k, timeout_s)
+
+
+def _noop(actor: Any) -> None:
+    return None
 
 
 def _remote_relay_finish(actor: Any, attr: str, session: str, buckets: int) -> int:
@@ -275,7 +303,9 @@ class RelaySession(StreamSession):
         self.order = order
         self.chain: list[int] = list(range(len(receivers)))  # receiver indices, in order
         self.in_place: list[tuple[bool, ...] | None] = []  # per chain position
-        self.rows: list[list[Any]] = []  # per bucket, each chain position's ack
+        self.rows: list[list[Any]] = []  # per bucket, each chain position's ack (or None)
+        self.specs: list[BucketLayout | None] = []  # per bucket, a lazy source's layout
+        self.next: list[int] = [0] * len(receivers)  # per position, its next bucket to call
         self.unchecked: dict[Any, tuple[int, int]] = {}  # ack -> (bucket, position)
         self.stuck = -1  # the position that stopped answering, if one did
 
@@ -321,34 +351,68 @@ class RelaySession(StreamSession):
 
     def _send(self, acks: list[Any], ks: list[int], boxes: list[list[Any]],
               spec: BucketLayout | None = None, together: bool = False) -> None:
-        """Submit every receiver's call for bucket ``ks[0]``, down the chain. ``acks``
-        gets the first receiver's only: it alone reads the trainer's bucket."""
+        """Submit the first receiver's call for bucket ``ks[0]`` (it alone reads the
+        trainer's bucket; ``acks`` gets it), then every later call that can go now."""
         assert not together and len(ks) == 1
-        b, box, m = ks[0], boxes[0], self.max_inflight
-        row: list[Any] = []
-        self.rows.append(row)
-        last = len(self.chain) - 1
-        for pos, i in enumerate(self.chain):
-            after: list[Any] = []
-            free_upto = -1
-            places = self.in_place[pos]
-            if pos < last and b >= m and not (places is not None and places[b - m]):
-                # A snapshot: freed once the successor read it, before the next is made.
-                after, free_upto = [self.rows[b - m][pos + 1]], b - m
-            # Refs inside lists: the receiver waits for them itself (see _after).
-            src, prev = (box, []) if pos == 0 else ([], [row[pos - 1]])
-            ref = self.receivers[i].__ray_call__.remote(
-                _remote_relay_bucket, self.attr, self.session, b, src, prev, spec,
-                pos < last, free_upto, after, self.timeout_s)
-            row.append(ref)
-            self.unchecked[ref] = (b, pos)
-            if pos == 0:
-                acks.append(ref)
+        b = ks[0]
+        self.rows.append([None] * len(self.chain))
+        self.specs.append(spec)
+        self._call(0, b, boxes[0], None)
+        acks.append(self.rows[b][0])
+        self._advance(final=False)
+
+    def _advance(self, final: bool) -> None:
+        """Submit, down the chain, the calls that can go: receiver ``pos``'s call for
+        bucket ``j`` once the previous receiver's calls for ``j`` and ``j + 1`` exist
+        (the ack of ``j + 1`` rides along, so the receiver fetches it while it loads
+        ``j``: the next call then starts without a round trip to this process), and
+        once its successor's call for ``j - max_inflight`` exists when it waits for it.
+        ``final``: every bucket is made, the last ones go without that hint."""
+        m, n = self.max_inflight, len(self.chain)
+        moved = True
+        while moved:
+            moved = False
+            for pos in range(1, n):
+                while True:
+                    j = self.next[pos]
+                    made = self.next[pos - 1]
+                    hinted = j + 1 < made
+                    if j >= made or not (hinted or final or m == 1):
+                        break
+                    if self._frees(pos, j) and self.rows[j - m][pos + 1] is None:
+                        break
+                    hint = self.rows[j + 1][pos - 1] if hinted and m > 1 else None
+                    self._call(pos, j, None, hint)
+                    moved = True
+
+    def _frees(self, pos: int, j: int) -> bool:
+        """Whether receiver ``pos`` holds a snapshot of bucket ``j - max_inflight`` that
+        it frees at its call for ``j``, once its successor read it."""
+        m, places = self.max_inflight, self.in_place[pos]
+        return (pos < len(self.chain) - 1 and j >= m
+                and not (places is not None and places[j - m]))
+
+    def _call(self, pos: int, j: int, box: list[Any] | None, hint: Any) -> None:
+        m, last = self.max_inflight, len(self.chain) - 1
+        after: list[Any] = []
+        free_upto = -1
+        if self._frees(pos, j):
+            after, free_upto = [self.rows[j - m][pos + 1]], j - m
+        # Refs inside lists: the receiver waits for them itself (see _after).
+        prev = [] if box is not None else [self.rows[j][pos - 1]]
+        ref = self.receivers[self.chain[pos]].__ray_call__.remote(
+            _remote_relay_bucket, self.attr, self.session, j, box or [], prev,
+            self.specs[j], pos < last, free_upto, after, [hint] if hint is not None else [],
+            self.timeout_s)
+        self.rows[j][pos] = ref
+        self.unchecked[ref] = (j, pos)
+        self.next[pos] = j + 1
 
     def _collect(self, acks: list[Any]) -> None:
         self._await(acks, "waiting for the first receiver to load a bucket")
 
     def _commit(self) -> None:
+        self._advance(final=True)
         while self.inflight:
             self._retire()
         self._await(list(self.unchecked), "waiting for the chain to load every bucket")
@@ -421,17 +485,20 @@ class RelaySession(StreamSession):
         return failed
 
     def _broken(self, failed: list[tuple[int, int, BaseException]]) -> BaseException:
-        """The error to raise for these failed calls (bucket, position, error): a
-        receiver that died, at the first bucket it failed; else the first failure in
-        chain order of the earliest bucket (one downstream only echoes it)."""
+        """The error to raise for these failed calls (bucket, position, error): for a
+        receiver that died (asked directly: its calls may have failed as cancelled, or
+        its successor's READ from it first), at the first bucket it did not load; else
+        the first failure in chain order of the earliest bucket (a later one only
+        echoes it)."""
         from ray.exceptions import RayActorError, TaskCancelledError
 
-        dead = [(b, self._dead_index(e, pos), e) for b, pos, e in failed
-                if isinstance(e, RayActorError)]
+        dead = self._dead()
         if not dead:
             own = [f for f in failed if not isinstance(f[2], TaskCancelledError)] or failed
             return min(own, key=lambda f: (f[0], f[1]))[2]
-        b, i, e = min(dead, key=lambda d: (d[0], self.chain.index(d[1])))
+        i, e = min(dead, key=lambda d: self.chain.index(d[0]))
+        loaded = {r.bucket for r in self.acked[i]}
+        b = min((j for j in range(self.k) if j not in loaded), default=self.k)
         aid = self.receivers[i]._actor_id.hex()
         err = RelayReceiverError(
             f"receiver {i} (actor {aid}, position {self.chain.index(i)} of "
@@ -439,11 +506,28 @@ class RelaySession(StreamSession):
             f"no receiver committed version {self.version}, the others keep their previous "
             "version", i, aid, b)
         err.__cause__ = e
+        assert isinstance(e, RayActorError)
         return err
 
-    def _dead_index(self, e: BaseException, pos: int) -> int:
-        i = self._index_of(getattr(e, "actor_id", None))
-        return self.chain[pos] if i < 0 else i
+    def _dead(self) -> list[tuple[int, BaseException]]:
+        """The receivers whose actor is gone, with Ray's error, by one empty call each
+        (a live one answers once the calls cancelled before it are gone)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        pings = [r.__ray_call__.remote(_noop) for r in self.receivers]
+        ready, _rest = ray.wait(pings, num_returns=len(pings),
+                                timeout=min(self.timeout_s, 5.0))
+        out: list[tuple[int, BaseException]] = []
+        for i, p in enumerate(pings):
+            if p in ready:
+                try:
+                    ray.get(p, timeout=0)
+                except RayActorError as e:
+                    out.append((i, e))
+                except Exception:  # only deaths count here
+                    pass
+        return out
 
     def _stalled(self, what: str) -> RelayReceiverError:
         """The receiver the chain waits for: of the oldest bucket not done everywhere,
