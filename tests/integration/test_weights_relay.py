@@ -20,7 +20,7 @@ from ray import cloudpickle
 
 from ray_rdt_pool.errors import InvalidInputError
 from ray_rdt_pool.weights import RelayReceiverError, WeightReceiver, WeightSender, sync
-from tests.raycluster import call, digest, node_class, start_ray, wait_drained
+from tests.support.raycluster import call, digest, node_class, start_ray, wait_drained
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
