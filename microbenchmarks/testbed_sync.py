@@ -27,8 +27,13 @@ engines)``; one rank is the single trainer above. Each (M, N) pair is measured; 
 floor is then max(N / M, 1) * size / rate (a rank's egress carries its share to every
 engine, an engine's ingress the whole model). ``--ranks`` and ``--relay`` combine in one
 loop, one table row per (M, N, relay); a chain takes one trainer, so it runs at M = 1 only.
+``--rank-engines`` gives the engine counts for M > 1 (default: ``--engines``).
 
-    python -m microbenchmarks.testbed_sync --ranks 1,4 --engines 1,4,8 --relay none,chain
+    python -m microbenchmarks.testbed_sync --ranks 1,4 --rank-engines 4 --relay none,chain
+
+``--trace`` times each engine's relay calls and bucket loads in the last timed sync of
+each row (host clock, shared by the namespaces) and prints the medians: where a chain's
+time above its floor goes.
 
 Adding a parameter: add the option in :func:`parse_args` (it reaches the driver as is,
 since the driver gets the same argument list) and read it in :func:`measure`.
@@ -62,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="comma-separated engine counts, each engine its own Ray node")
     ap.add_argument("--ranks", default="1",
                     help="comma-separated trainer rank counts, each rank its own Ray node")
+    ap.add_argument("--rank-engines", default=None,
+                    help="engine counts for more than one rank (default: --engines)")
     ap.add_argument("--size-mib", type=int, default=64, help="model size, MiB")
     ap.add_argument("--tensors", type=int, default=32, help="tensors in the model")
     ap.add_argument("--bucket-mib", type=float, default=2.0, help="bucket size, MiB")
@@ -72,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--relay", default="none",
                     help="comma-separated sync(relay=) values to compare in one run: "
                          "none, chain (e.g. none,chain); each sync round runs every one")
+    ap.add_argument("--trace", action="store_true",
+                    help="time each engine's bucket calls and loads (the last timed sync "
+                         "of each row) and summarise where a chain's time goes")
     ap.add_argument("--pool-mib", type=int, default=32, help="each actor's nixl_pool, MiB")
     ap.add_argument("--out", default=None, help="folder for testbed_sync.json")
     ap.add_argument("--timeout", type=float, default=1800.0, help="driver timeout, seconds")
@@ -84,6 +94,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rank_counts = sorted({int(x) for x in str(args.ranks).split(",") if x.strip()})
     if not args.rank_counts or args.rank_counts[0] < 1 or args.rank_counts[-1] > args.tensors:
         ap.error(f"--ranks must list counts from 1 to --tensors, got {args.ranks!r}")
+    many = str(args.engines if args.rank_engines is None else args.rank_engines)
+    args.rank_engine_counts = sorted({int(x) for x in many.split(",") if x.strip()})
+    if not args.rank_engine_counts or args.rank_engine_counts[0] < 1:
+        ap.error(f"--rank-engines must list counts >= 1, got {args.rank_engines!r}")
+    # Ranks sit on nodes 0 to M-1, their engines on the nodes after them.
+    args.nodes_needed = max(m + n for m in args.rank_counts
+                            for n in (args.engine_counts if m == 1
+                                      else args.rank_engine_counts))
     args.relays = [x.strip() for x in str(args.relay).split(",") if x.strip()]
     if not args.relays or set(args.relays) - {"none", "chain"}:
         ap.error(f"--relay must list none and/or chain, got {args.relay!r}")
@@ -141,7 +159,101 @@ def _peer_class() -> Any:
             return {k: hashlib.sha256(t.numpy().tobytes()).hexdigest()
                     for k, t in self.state.items()}
 
+        def trace(self) -> list[tuple[str, int, float, float]]:
+            """Start timing (host clock: every namespace shares it) this engine's relay
+            calls and bucket loads; returns what was timed since the last call."""
+            import ray_rdt_pool.weights.relay as relay
+
+            log, self.log = getattr(self, "log", []), []
+            if getattr(self, "traced", False):
+                return log
+            self.traced = True
+            call, rec = relay._remote_relay_bucket, self.weight_receiver
+            load = rec._load_bucket
+
+            def timed_call(actor: Any, attr: str, session: str, k: int, *rest: Any) -> Any:
+                t0 = time.time()
+                try:
+                    return call(actor, attr, session, k, *rest)
+                finally:
+                    self.log.append(("call", k, t0, time.time()))
+
+            def timed_load(plan: Any, *rest: Any) -> Any:
+                t0 = time.time()
+                try:
+                    return load(plan, *rest)
+                finally:
+                    self.log.append(("load", plan.index, t0, time.time()))
+
+            # The trainer names the call by module and name: this process's attribute
+            # is the one that runs here.
+            relay._remote_relay_bucket = timed_call
+            rec._load_bucket = timed_load
+            return log
+
     return Peer
+
+
+#: How a test bed process is grouped in the CPU accounting, by its command line.
+_GROUPS = (("gcs_server", "gcs"), ("raylet", "raylet"), ("ray::", "actors"),
+           ("testbed_sync", "driver"), ("dashboard", "agents"), ("runtime_env", "agents"),
+           ("log_monitor", "agents"), ("monitor.py", "agents"))
+
+
+def _cpu_seconds() -> dict[str, float]:
+    """CPU seconds used so far: by the test bed's processes (those in its network
+    namespaces: every namespace shares the host's process table), by group, and by the
+    whole host ("host", from /proc/stat: user, system and interrupt time)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    ours = {f"net:[{p.stat().st_ino}]" for p in Path("/run/netns").glob("rtb*")}
+    out: dict[str, float] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if os.readlink(d / "ns" / "net") not in ours:
+                continue
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        group = next((g for key, g in _GROUPS if key in cmd), "other")
+        out[group] = out.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    out["host"] = sum(cpu[i] for i in (0, 1, 2, 5, 6)) / tick  # user, nice, system, irqs
+    return out
+
+
+def _where_time_goes(logs: list[list[tuple[str, int, float, float]]]) -> dict[str, float]:
+    """Medians, in ms, over every bucket and engine (chain order) of one sync: the load
+    (READ, write, publish), the wait inside a call before its load (the previous
+    engine's ack), what follows the load in the call, the gap between one engine's
+    calls, and the handoff (the previous engine's load end to this one's load start)."""
+    calls = [{k: (a, b) for w, k, a, b in log if w == "call"} for log in logs]
+    loads = [{k: (a, b) for w, k, a, b in log if w == "load"} for log in logs]
+
+    def med(xs: list[float]) -> float:
+        return round(1e3 * statistics.median(xs), 2) if xs else float("nan")
+
+    out = {"load_ms": med([b - a for ls in loads for a, b in ls.values()])}
+    if any(calls):
+        out["before_load_ms"] = med([loads[i][k][0] - c[0] for i, cs in enumerate(calls)
+                                     for k, c in cs.items() if k in loads[i]])
+        out["after_load_ms"] = med([c[1] - loads[i][k][1] for i, cs in enumerate(calls)
+                                    for k, c in cs.items() if k in loads[i]])
+        out["between_calls_ms"] = med([cs[k + 1][0] - cs[k][1] for cs in calls for k in cs
+                                       if k + 1 in cs])
+        out["handoff_ms"] = med([loads[i][k][0] - loads[i - 1][k][1]
+                                 for i in range(1, len(loads)) for k in loads[i]
+                                 if k in loads[i - 1]])
+    starts = [a for ls in loads for a, _b in ls.values()]
+    ends = [b for ls in loads for _a, b in ls.values()]
+    if starts:
+        out["first_to_last_load_ms"] = round(1e3 * (max(ends) - min(starts)), 1)
+        out["last_engine_span_ms"] = round(1e3 * (max(b for _a, b in loads[-1].values())
+                                                  - min(a for a, _b in loads[-1].values())), 1)
+    return out
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -151,9 +263,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     ray.init(log_to_driver=False)
     n_nodes = len([n for n in ray.nodes() if n["Alive"]])
-    first = args.rank_counts[-1]  # engines sit on the nodes after the trainer ranks'
-    if n_nodes < args.engine_counts[-1] + first:
-        raise SystemExit(f"{n_nodes} Ray nodes, need {args.engine_counts[-1] + first}")
+    if n_nodes < args.nodes_needed:
+        raise SystemExit(f"{n_nodes} Ray nodes, need {args.nodes_needed}")
     size = args.size_mib * MIB
     numel = size // args.tensors // 4
     bucket = int(args.bucket_mib * MIB)
@@ -174,10 +285,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         source: Any = ranks[0] if m == 1 else ranks
         # A relay takes one trainer: sync() refuses it with many ranks.
         relays = [r for r in args.relays if m == 1 or r == "none"]
-        for n in args.engine_counts:
+        for n in args.engine_counts if m == 1 else args.rank_engine_counts:
             if not relays:
                 continue
-            engines = [on(first + k).remote("engine", numel, args.tensors, bucket, pool)
+            # Engines sit on the nodes after the trainer ranks'.
+            engines = [on(m + k).remote("engine", numel, args.tensors, bucket, pool)
                        for k in range(n)]
             ips = ray.get([e.where.remote() for e in engines])
             if len(set(ips) | set(rank_ips)) != n + m:
@@ -186,17 +298,31 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             times: dict[str, list[float]] = {r: [] for r in relays}
             reported: dict[str, list[float]] = {r: [] for r in relays}
             loads: dict[str, list[float]] = {r: [] for r in relays}
+            traces: dict[str, dict[str, float]] = {}
             cold: dict[str, float] = {}
+            idle: dict[str, float] = {}
+            if args.trace:  # what the test bed costs with no sync running
+                cpu0 = _cpu_seconds()
+                time.sleep(3.0)
+                cpu1 = _cpu_seconds()
+                idle = {f"idle_cpu_{g}": round((cpu1[g] - cpu0.get(g, 0.0)) / 3.0
+                                               / (os.cpu_count() or 1), 3) for g in cpu1}
+                print(f"  idle: {idle}", file=sys.stderr, flush=True)
             # Each round runs every relay variant, so drift on a shared host hits them
             # alike.
             for k in range(args.syncs + 1):
                 for relay in relays:
                     ray.get([t.step.remote() for t in ranks])
+                    if args.trace:
+                        ray.get([e.trace.remote() for e in engines])
+                        cpu0 = _cpu_seconds()
                     t0 = time.perf_counter()
                     rep = sync(source, engines, mode=args.mode,
                                max_inflight=args.max_inflight,
                                relay=None if relay == "none" else relay)
                     wall = time.perf_counter() - t0
+                    if args.trace:
+                        cpu1 = _cpu_seconds()  # before the digests, which cost CPU too
                     want: dict[str, str] = {}
                     for d in ray.get([t.digest.remote() for t in ranks]):
                         want.update(d)
@@ -211,6 +337,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         times[relay].append(wall)
                         reported[relay].append(rep.seconds)
                         loads[relay].append(os.getloadavg()[0])
+                    if args.trace and k == args.syncs:
+                        traces[relay] = _where_time_goes(
+                            ray.get([e.trace.remote() for e in engines]))
+                        # The share of the host's cores each group kept busy.
+                        traces[relay].update({
+                            f"cpu_{g}": round((cpu1[g] - cpu0.get(g, 0.0)) / wall
+                                              / (os.cpu_count() or 1), 3)
+                            for g in cpu1})
+                        print(f"  where the time goes: {traces[relay]}", file=sys.stderr,
+                              flush=True)
                     print(f"ranks={m} engines={n} relay={relay} sync={k} {wall:.3f} s "
                           "(byte-exact)", file=sys.stderr, flush=True)
             for e in engines:
@@ -222,7 +358,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                 "median_s": statistics.median(times[relay]),
                                 "times_s": times[relay], "cold_s": cold[relay],
                                 "sync_report_s": reported[relay], "load1": loads[relay],
-                                "byte_exact": True})
+                                "trace": {**traces[relay], **idle} if relay in traces
+                                else None, "byte_exact": True})
         for t in ranks:
             ray.kill(t)
         del ranks, source
@@ -293,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(f"the test bed cannot run here: {reason}", file=sys.stderr)
         return 2
-    nodes = args.engine_counts[-1] + args.rank_counts[-1]
+    nodes = args.nodes_needed
     pypath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {"PYTHONPATH": pypath, "RAY_RDT_POOL_METRICS": "0", "RAY_DEDUP_LOGS": "0"}
     bed = bed_from_args(args, nodes, env=env)
