@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -196,43 +195,20 @@ def _after(refs: list[Any], k: int, what: str, limit_s: float) -> list[Any]:
             raise WeightSyncTimeoutError(f"bucket {k}: {what} took longer than {limit_s}s")
 
 
-#: Acks of the next bucket being fetched ahead, kept (so their values stay here) until
-#: the call that needs them has run.
-_AHEAD: deque[list[Any]] = deque(maxlen=8)
-
-
-def _fetch_ahead(refs: list[Any], limit_s: float) -> None:
-    """Fetch ``refs`` into this process in the background, so the call that waits for
-    them next finds them here."""
-    import ray
-
-    def run() -> None:
-        try:
-            ray.get(refs, timeout=limit_s)
-        except Exception:  # that call sees the error, or the wait is given up
-            pass
-
-    _AHEAD.append(refs)
-    threading.Thread(target=run, daemon=True, name="ray_rdt_pool-relay-ahead").start()
-
-
 def _remote_relay_bucket(actor: Any, attr: str, session: str, k: int, src: list[Any],
                          prev: list[Any], spec: BucketLayout | None, relays: bool,
-                         free_upto: int, after: list[Any], ahead: list[Any],
-                         timeout_s: float) -> tuple[list[BucketReport], PoolBucket | None]:
+                         free_upto: int, after: list[Any], timeout_s: float
+                         ) -> tuple[list[BucketReport], PoolBucket | None]:
     """Load bucket ``k`` from ``src`` (the trainer's box), or from the bucket the previous
     receiver published (``prev``: its ack); with ``relays``, publish it and return its
     descriptor with the reports. First free the buckets up to ``free_upto``, once the
-    successor's ack ``after`` says it read them. ``ahead``: the previous receiver's ack
-    of the next bucket, fetched meanwhile."""
+    successor's ack ``after`` says it read them."""
     rec = _find(actor, attr, WeightReceiver)
     with _LOCK:
         state = _SESSIONS.get(session)
     # The trainer waits timeout_s for any progress, then names the stalled receiver:
     # a receiver waiting for it must not give up first and be named instead.
     limit = 2 * timeout_s + 30.0
-    if ahead:
-        _fetch_ahead(ahead, limit)
     if after:
         _after(after, k, "the next receiver reading an earlier bucket", limit)
         if state is not None:
@@ -357,17 +333,16 @@ class RelaySession(StreamSession):
         b = ks[0]
         self.rows.append([None] * len(self.chain))
         self.specs.append(spec)
-        self._call(0, b, boxes[0], None)
+        self._call(0, b, boxes[0])
         acks.append(self.rows[b][0])
-        self._advance(final=False)
+        self._advance()
 
-    def _advance(self, final: bool) -> None:
+    def _advance(self) -> None:
         """Submit, down the chain, the calls that can go: receiver ``pos``'s call for
-        bucket ``j`` once the previous receiver's calls for ``j`` and ``j + 1`` exist
-        (the ack of ``j + 1`` rides along, so the receiver fetches it while it loads
-        ``j``: the next call then starts without a round trip to this process), and
-        once its successor's call for ``j - max_inflight`` exists when it waits for it.
-        ``final``: every bucket is made, the last ones go without that hint."""
+        bucket ``j`` once the previous receiver's call for ``j`` exists, and, when it
+        waits for it, its successor's call for ``j - max_inflight``. Only the ack of
+        ``j`` rides along: fetching the next one ahead costs a nested ref and a thread
+        per call, more than the round trip it saves."""
         m, n = self.max_inflight, len(self.chain)
         moved = True
         while moved:
@@ -375,14 +350,11 @@ class RelaySession(StreamSession):
             for pos in range(1, n):
                 while True:
                     j = self.next[pos]
-                    made = self.next[pos - 1]
-                    hinted = j + 1 < made
-                    if j >= made or not (hinted or final or m == 1):
+                    if j >= self.next[pos - 1]:
                         break
                     if self._frees(pos, j) and self.rows[j - m][pos + 1] is None:
                         break
-                    hint = self.rows[j + 1][pos - 1] if hinted and m > 1 else None
-                    self._call(pos, j, None, hint)
+                    self._call(pos, j, None)
                     moved = True
 
     def _frees(self, pos: int, j: int) -> bool:
@@ -392,7 +364,7 @@ class RelaySession(StreamSession):
         return (pos < len(self.chain) - 1 and j >= m
                 and not (places is not None and places[j - m]))
 
-    def _call(self, pos: int, j: int, box: list[Any] | None, hint: Any) -> None:
+    def _call(self, pos: int, j: int, box: list[Any] | None) -> None:
         m, last = self.max_inflight, len(self.chain) - 1
         after: list[Any] = []
         free_upto = -1
@@ -402,8 +374,7 @@ class RelaySession(StreamSession):
         prev = [] if box is not None else [self.rows[j][pos - 1]]
         ref = self.receivers[self.chain[pos]].__ray_call__.remote(
             _remote_relay_bucket, self.attr, self.session, j, box or [], prev,
-            self.specs[j], pos < last, free_upto, after, [hint] if hint is not None else [],
-            self.timeout_s)
+            self.specs[j], pos < last, free_upto, after, self.timeout_s)
         self.rows[j][pos] = ref
         self.unchecked[ref] = (j, pos)
         self.next[pos] = j + 1
@@ -412,7 +383,7 @@ class RelaySession(StreamSession):
         self._await(acks, "waiting for the first receiver to load a bucket")
 
     def _commit(self) -> None:
-        self._advance(final=True)
+        self._advance()
         while self.inflight:
             self._retire()
         self._await(list(self.unchecked), "waiting for the chain to load every bucket")
