@@ -23,13 +23,14 @@ $(STAMP): pyproject.toml ray_rdt_pool/memory/native/_copy.c ray_rdt_pool/memory/
 
 venv: $(STAMP)
 
-# The tests run on TEST_WORKERS pytest processes (more than the two cores: the cluster
-# tests mostly wait). A cluster module runs whole on one of them (it starts one Ray
+# The tests run on TEST_WORKERS pytest processes, one per core: each cluster test starts
+# a Ray cluster of several processes, and more workers than cores made the whole run
+# slower, not faster. A cluster module runs whole on one of them (it starts one Ray
 # cluster and shares it among its tests), longest first: see tests/conftest.py.
 # TEST_WORKERS=0 runs them all in this one process. The multi-node test bed's own test
 # (network namespaces, root only: a tool of the benchmarks, not a promise of the
 # transport) runs in make test-stress.
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 2
 UNIT_WORKERS ?= 2
 PYTEST := $(VPY) -m pytest -q -rs
 
