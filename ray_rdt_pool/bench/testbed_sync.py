@@ -1,6 +1,6 @@
 """Weight sync across Ray nodes with real link limits: one trainer to N engine nodes.
 
-Builds a :class:`microbenchmarks.testbed.TestBed` of ``max(--engines) + 1`` nodes (each in
+Builds a :class:`ray_rdt_pool.bench.testbed.TestBed` of ``max(--engines) + 1`` nodes (each in
 its own network namespace, each link limited to ``--rate`` both ways) and runs this file
 as the Ray driver on the head. The trainer actor lives on node 0 and holds a
 ``WeightSender`` over a model of ``--tensors`` fp32 tensors, ``--size-mib`` in all;
@@ -15,7 +15,7 @@ Reported per N: the median and every time of the timed syncs (driver wall clock 
 ``sync``), and the link floor without relay, N * size / rate (the trainer's egress carries
 every engine's copy). Prints a table and writes ``testbed_sync.json`` to ``--out``.
 
-    python -m microbenchmarks.testbed_sync --engines 1,2,4,8 --rate 500mbit --out DIR
+    python -m ray_rdt_pool.bench.testbed_sync --engines 1,2,4,8 --rate 500mbit --out DIR
 
 ``--ranks M`` (a comma-separated list) splits the model over M trainer ranks instead,
 rank r holding the names i with i % M == r, each rank on its own node (nodes 0 to M-1,
@@ -45,14 +45,19 @@ from pathlib import Path
 from typing import Any
 
 MIB = 1 << 20
-REPO = Path(__file__).resolve().parents[1]
+#: The folder that holds this copy of the package (the repository in a clone).
+REPO = Path(__file__).resolve().parents[2]
 RESULT_TAG = "RESULT "
+#: The driver on the head runs this module by name, so it imports the package as a package.
+_DRIVER = ("import runpy\n"
+           "runpy.run_module('ray_rdt_pool.bench.testbed_sync', run_name='__main__', "
+           "alter_sys=True)\n")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from microbenchmarks.testbed import add_bed_args
+    from ray_rdt_pool.bench.testbed import add_bed_args
 
-    ap = argparse.ArgumentParser(prog="python -m microbenchmarks.testbed_sync",
+    ap = argparse.ArgumentParser(prog="python -m ray_rdt_pool.bench.testbed_sync",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", default="1,2,4,8",
                     help="comma-separated engine counts, each engine its own Ray node")
@@ -254,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import logging
 
-    from microbenchmarks.testbed import TestBed, bed_from_args
+    from ray_rdt_pool.bench.testbed import TestBed, bed_from_args
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     reason = TestBed.available()
@@ -267,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     bed = bed_from_args(args, nodes, env=env)
     load_before = list(os.getloadavg())
     with bed:
-        out = bed.run_driver(__file__, [*(argv if argv is not None else sys.argv[1:]),
+        out = bed.run_driver(_DRIVER, [*(argv if argv is not None else sys.argv[1:]),
                                         "--driver"], timeout=args.timeout,
                              echo_stderr=True)
     lines = [ln for ln in out.splitlines() if ln.startswith(RESULT_TAG)]

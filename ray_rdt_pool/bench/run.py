@@ -40,14 +40,14 @@ weights; ``put`` and ``fetch`` are the bucket puts and loads, summed. On one nod
 receivers copy the buckets straight out of the trainer's tensors (source reads: no put,
 ``source_read_buckets`` in the samples), across nodes they READ them by reference
 (``reference_buckets``; ``put`` is then the time spent describing them). After the run
-(Ray stopped) the memcpy and NIXL READ rates of :mod:`microbenchmarks.floor` are
+(Ray stopped) the memcpy and NIXL READ rates of :mod:`ray_rdt_pool.bench.floor` are
 measured and give the floors of ``sync`` (pack + READ) and ``sync_stream``
 (max(pack, READ) + one bucket; with source reads, one cma copy). So are the sender's own
 pack rate and the rate of a READ over two read lanes; the last table gives each speedup
-target of the topology (:data:`~microbenchmarks._bench_report.TARGETS`), whether ours
+target of the topology (:data:`~ray_rdt_pool.bench.report.TARGETS`), whether ours
 met it, and the least ours could reach in this run: its time outside ``ray_rdt_pool``
 plus the payload at those two rates (see
-:func:`~microbenchmarks._bench_report.target_floors`).
+:func:`~ray_rdt_pool.bench.report.target_floors`).
 
 ``experience`` and ``experience_samples`` send one RL batch (batched: a tensor per
 field; per sample: a tensor per (sample, field)); the report compares their put+get.
@@ -71,10 +71,10 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from microbenchmarks import _bench_env as E
-from microbenchmarks import _bench_report as R
-from microbenchmarks import _bench_workloads as W
-from microbenchmarks._bench_actors import (
+from ray_rdt_pool.bench import env as E
+from ray_rdt_pool.bench import report as R
+from ray_rdt_pool.bench import workloads as W
+from ray_rdt_pool.bench.actors import (
     OTHER_VARIANTS,
     OUR_VARIANTS,
     RAY_VARIANTS,
@@ -899,17 +899,17 @@ def _path_label(cfg: Config, spec: W.WorkloadSpec) -> str:
 def measure_floor(runner: Runner, reps: int = 5) -> dict[str, Any]:
     """Copy and NIXL READ GB/s on this machine, now (Ray is down, our actors gone).
 
-    The same measurements as ``python -m microbenchmarks.floor`` (one thread copying into
+    The same measurements as ``python -m ray_rdt_pool.bench.floor`` (one thread copying into
     a pre-faulted buffer; a READ between two processes with NIXL's progress thread off),
     at the weight set's size (at most 256 MiB), so the sync floors use rates from the
     same run. Also the best this design reaches at each of its two steps, for the target
-    floors (:func:`~microbenchmarks._bench_report.target_floors`): the sender's own pack
+    floors (:func:`~ray_rdt_pool.bench.report.target_floors`): the sender's own pack
     (its threads and streaming stores, ``pack_gbps``) and a READ split over two read
     lanes (``read_lanes_gbps``). Failures are recorded, never raised: the floor is
     context, not a result.
     """
-    from microbenchmarks import bench_pack
-    from microbenchmarks import floor as F
+    from ray_rdt_pool.bench import pack as bench_pack
+    from ray_rdt_pool.bench import floor as F
 
     sync = [w for w in W.SYNC_WORKLOADS if w in runner.payloads]
     size = runner.payloads[sync[0]] if sync else max(runner.payloads.values(), default=0)

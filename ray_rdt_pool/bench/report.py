@@ -1,7 +1,7 @@
 """Summaries, text tables and the chart of the side-by-side benchmark.
 
 Input is the list of per-transfer samples the runner records (one dict per repetition,
-see :mod:`microbenchmarks.bench`). Everything here is pure: no Ray, no actors.
+see :mod:`ray_rdt_pool.bench.run`). Everything here is pure: no Ray, no actors.
 
 Ratio convention: ``speedup = ray_time / our_time`` on the median end-to-end time, so a
 value above 1 means our transport is faster.
@@ -350,7 +350,7 @@ def format_floors(floor: dict[str, Any], floors: dict[str, Any], summary: dict[s
     """The weight-sync floors and how close our e2e medians come to them."""
     mib = floor.get("bytes", 0) / (1 << 20)
     head = (f"== floor of this machine, measured in this run after the transfers "
-            f"(microbenchmarks.floor, {mib:.0f} MiB, median of {floor.get('reps', '?')}) ==")
+            f"(ray_rdt_pool.bench.floor, {mib:.0f} MiB, median of {floor.get('reps', '?')}) ==")
     lines = [head]
     for key, what in (("memcpy_gbps", "memcpy, 1 thread, into a pre-faulted buffer (pack)"),
                       ("read_gbps", "NIXL READ, 2 processes, progress thread off (transfer)")):
