@@ -55,10 +55,10 @@ $(BENCH_STAMP): $(STAMP)
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
-	$(VPY) -m microbenchmarks.bench --quick --out bench-results
+	$(VENV)/bin/ray-rdt-pool bench --quick --out bench-results
 
 bench-full: $(BENCH_STAMP)
-	$(VPY) -m microbenchmarks.bench --out bench-results
+	$(VENV)/bin/ray-rdt-pool bench --out bench-results
 
 lint: $(STAMP)
 	$(VPY) -m ruff check ray_rdt_pool tests microbenchmarks examples

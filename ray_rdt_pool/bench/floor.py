@@ -550,12 +550,12 @@ def measure_serializer(count: int, floats: int, reps: int) -> dict[str, Any]:
         ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
                  log_to_driver=False, logging_level=logging.WARNING)
     try:
-        @ray.remote(num_cpus=0, enable_tensor_transport=True)
+        @ray.remote(num_cpus=0, enable_tensor_transport=True)  # type: ignore[call-overload]
         class SerializerProbe:
             def run(self, count: int, floats: int, reps: int) -> dict[str, Any]:
                 return _serializer_actor_body(count, floats, reps)
 
-        actor = SerializerProbe.remote()
+        actor = SerializerProbe.remote()  # type: ignore[attr-defined]
         raw = ray.get(actor.run.remote(count, floats, reps), timeout=600)
         ray.kill(actor)
     finally:

@@ -264,6 +264,11 @@ def format_idle(idle: dict[str, dict[str, Any]], window_s: float,
     return "\n".join(lines)
 
 
+_NATIVE_HELPER: dict[Any, str] = {
+    True: "read in C++ (compiled helper built)",
+    False: "Python loop (python -m ray_rdt_pool.memory.native build makes the C++ helper)"}
+
+
 def format_env(env: dict[str, Any]) -> str:
     v = env["versions"]
     ucx = env.get("ucx", {})
@@ -280,10 +285,7 @@ def format_env(env: dict[str, Any]) -> str:
         f"; NIXL READ uses {'; '.join(ucx.get('read_protocols') or []) or 'n/a'}"
         f"; control messages over {', '.join(ucx.get('am_transports') or []) or 'n/a'}",
         f"load average at start {env['loadavg_start']}, at end {env.get('loadavg_end')}",
-        "tensor facts of a put: " + {True: "read in C++ (compiled helper built)",
-                                     False: "Python loop (python -m ray_rdt_pool.memory.native "
-                                            "build makes the C++ helper)"}.get(
-            env.get("native_helper"), "n/a"),
+        "tensor facts of a put: " + _NATIVE_HELPER.get(env.get("native_helper"), "n/a"),
     ]
     return "\n".join(lines)
 

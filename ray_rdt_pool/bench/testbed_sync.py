@@ -24,7 +24,7 @@ engines)``; one rank is the single trainer above. Each (M, N) pair is measured; 
 floor is then max(N / M, 1) * size / rate (a rank's egress carries its share to every
 engine, an engine's ingress the whole model).
 
-    python -m microbenchmarks.testbed_sync --ranks 1,4 --engines 1,4 --rate 500mbit
+    python -m ray_rdt_pool.bench.testbed_sync --ranks 1,4 --engines 1,4 --rate 500mbit
 
 Adding a parameter: add the option in :func:`parse_args` (it reaches the driver as is,
 since the driver gets the same argument list) and read it in :func:`measure`.
@@ -36,7 +36,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -93,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _peer_class() -> Any:
     import ray
 
-    @ray.remote(num_cpus=0, enable_tensor_transport=True)
+    @ray.remote(num_cpus=0, enable_tensor_transport=True)  # type: ignore[call-overload]
     class Peer:
         """The trainer (sender) or an engine (receiver); one process on one node each."""
 
@@ -211,16 +210,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 # ------------------------------------------------------------------ host side
 
 
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def _git_commit() -> str | None:
     r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                        capture_output=True, text=True, check=False)
@@ -259,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import logging
 
+    from ray_rdt_pool.bench.env import cpu_model
     from ray_rdt_pool.bench.testbed import TestBed, bed_from_args
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -292,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_inflight": args.max_inflight, "rate": bed.rate, "burst": bed.burst,
         "nodes": nodes, "results": got["results"],
         "bring_up_s": bed.timings.get("bring_up"), "teardown_s": bed.timings.get("teardown"),
-        "host": {"cpu": _cpu(), "cores": os.cpu_count(), "loadavg_before": load_before,
+        "host": {"cpu": cpu_model(), "cores": os.cpu_count(), "loadavg_before": load_before,
                  "loadavg_after": list(os.getloadavg())},
         "commit": _git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "note": "multi-node test bed: one network namespace per Ray node on one host, "

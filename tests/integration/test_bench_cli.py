@@ -472,9 +472,9 @@ def test_target_floors_say_met_and_whether_the_floor_fits() -> None:
 def test_measure_floor_records_each_rate_or_why_not(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
+    from ray_rdt_pool.bench import floor as F
     from ray_rdt_pool.bench import pack as bench_pack
     from ray_rdt_pool.bench import run as bench
-    from ray_rdt_pool.bench import floor as F
 
     sizes: list[int] = []
 
