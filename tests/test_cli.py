@@ -17,12 +17,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
+import tomllib
 
 from ray_rdt_pool.bench import workloads as W
 from ray_rdt_pool.cli import doctor
@@ -41,7 +41,8 @@ TINY = ["--quick", "--reps", "1", "--warmup", "0", "--variants", "objstore,nixl_
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(PYTHONPATH=str(ROOT), RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
-               RAY_RDT_POOL_POOL_BYTES="32M", RAY_RDT_POOL_ARENA_BYTES="32M", **extra)
+               RAY_RDT_POOL_POOL_BYTES="32M", RAY_RDT_POOL_ARENA_BYTES="32M")
+    env.update(extra)
     return env
 
 
@@ -75,7 +76,9 @@ def cluster() -> Iterator[str]:
                  "--dashboard-agent-grpc-port", "--metrics-export-port",
                  "--runtime-env-agent-port", "--node-manager-port", "--object-manager-port"):
         argv += [flag, str(_free_port())]
-    head = subprocess.Popen(argv, env=_env(), start_new_session=True,
+    # A loaded host starts the raylet's agent slowly; Ray's default wait then kills it.
+    head = subprocess.Popen(argv, env=_env(RAY_agent_register_timeout_ms="300000"),
+                            start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
     try:

@@ -63,7 +63,7 @@ def _version(dist: str) -> str | None:
 
 
 def _major_minor(version: str) -> tuple[int, int]:
-    parts = (version.split("+")[0].split(".") + ["0"])[:2]
+    parts = [*version.split("+")[0].split("."), "0"][:2]
     digits = ["".join(c for c in p if c.isdigit()) or "0" for p in parts]
     return int(digits[0]), int(digits[1])
 

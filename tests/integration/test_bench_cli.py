@@ -1,4 +1,4 @@
-"""Tests of the side-by-side benchmark CLI (microbenchmarks.bench) and its helpers.
+"""Tests of the side-by-side benchmark CLI (ray-rdt-pool bench) and its helpers.
 
 The end-to-end test runs the CLI as a subprocess in its smallest configuration against a
 real local Ray cluster with real NIXL, then checks the JSON: every available variant and
@@ -44,7 +44,7 @@ TINY = ["--quick", "--reps", "1", "--warmup", "0", "--big-mib", "1", "--many-cou
 def test_cli_smallest_run_writes_complete_json(tmp_path: Path) -> None:
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "microbenchmarks.bench", *TINY, "--json", str(out_json),
+        [sys.executable, "-m", "ray_rdt_pool.cli", "bench", *TINY, "--json", str(out_json),
          "--plot", str(out_png)],
         cwd=ROOT, capture_output=True, text=True, timeout=540,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
