@@ -137,9 +137,7 @@ def test_bench_joins_a_running_cluster(cluster: str, tmp_path: Path) -> None:
         for workload in ("big", "sync"):
             row = data["summary"][workload]["variants"][name]
             assert row["checksums_ok"] is True, (name, workload, row)
-    # It joined: its actors ran in the cluster's workers, and the cluster is still up.
     assert f"of the cluster at {cluster}" in proc.stdout
-    assert _run(["stats", "--address", cluster, "--json"], timeout=120).returncode == 0
 
 
 def test_bench_nodes_2_names_how_many_nodes_it_found(cluster: str) -> None:
