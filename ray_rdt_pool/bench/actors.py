@@ -266,7 +266,7 @@ def install_transport_timer() -> dict[str, float] | None:
     sources = getattr(rt.receiver, "sources", None)
     read = getattr(sources, "read", None)
     if callable(read):
-        sources.read = timed(read, "get_s")
+        setattr(sources, "read", timed(read, "get_s"))  # noqa: B010
     return acc
 
 
