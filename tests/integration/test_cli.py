@@ -1,9 +1,11 @@
 """The ``ray-rdt-pool`` command against a Ray cluster that was running before it.
 
 The module starts one cluster with ``ray start --head`` (its own temp dir and ports; it is
-stopped by the PIDs of its processes, never ``ray stop``), then runs ``bench --address``,
-``stats --address`` and ``doctor --address`` against it, as subprocesses that join it.
-``doctor`` must also fail, naming the fix, when NIXL cannot import or Ray is untested.
+stopped by the PIDs of its processes, never with Ray's host-wide stop command), then runs
+``bench --address``, ``stats --address`` and ``doctor --address`` against it, as
+subprocesses that join it. The last tests add a second node to it (``ray start
+--address``), on which ``bench --nodes 2`` must place the receiver and ``doctor`` must
+READ between the two. ``doctor`` must also fail, naming the fix, when NIXL cannot import.
 """
 
 from __future__ import annotations
@@ -22,14 +24,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-import tomllib
-
-from ray_rdt_pool.bench import workloads as W
-from ray_rdt_pool.cli import doctor
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "ray_rdt_pool.cli"]
 #: The smallest bench run that still moves every byte through ours and the object store.
 TINY = ["--quick", "--reps", "1", "--warmup", "0", "--variants", "objstore,nixl_pool",
@@ -64,65 +62,109 @@ def _ours(temp_dir: str) -> list[psutil.Process]:
     return found
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
-    ray_cli = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
-    temp_dir = tempfile.mkdtemp(prefix="rcli", dir="/tmp")
-    port = _free_port()
-    argv = [ray_cli, "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
-            "--include-dashboard", "false", "--temp-dir", temp_dir, "--disable-usage-stats",
-            "--object-store-memory", str(300 << 20)]
-    for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port",
-                 "--dashboard-agent-grpc-port", "--metrics-export-port",
-                 "--runtime-env-agent-port", "--node-manager-port", "--object-manager-port"):
+def _ports(*flags: str) -> list[str]:
+    argv: list[str] = []
+    for flag in flags:
         argv += [flag, str(_free_port())]
-    # A loaded host starts the raylet's agent slowly; Ray's default wait then kills it.
-    head = subprocess.Popen(argv, env=_env(RAY_agent_register_timeout_ms="300000"),
-                            start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    address = f"127.0.0.1:{port}"
-    try:
+    return argv
+
+
+#: The ports every node of the cluster takes; each gets a free one, away from a
+#: cluster another test or helper runs on this host.
+_NODE_PORTS = ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+               "--metrics-export-port", "--runtime-env-agent-port", "--node-manager-port",
+               "--object-manager-port")
+
+
+class _Cluster:
+    """A cluster of ``ray start`` processes, each node its own process group."""
+
+    def __init__(self) -> None:
+        self.temp_dir = tempfile.mkdtemp(prefix="rcli", dir="/tmp")
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.starters: list[subprocess.Popen[bytes]] = []
+        self.ray_cli = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
+
+    def _start(self, argv: list[str]) -> None:
+        # A loaded host starts the raylet's agent slowly; Ray's default wait then kills it.
+        self.starters.append(subprocess.Popen(
+            [self.ray_cli, "start", "--block", "--num-cpus", "1", "--disable-usage-stats",
+             "--object-store-memory", str(300 << 20), *_ports(*_NODE_PORTS), *argv],
+            env=_env(RAY_agent_register_timeout_ms="300000"), start_new_session=True,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def start_head(self) -> None:
+        self._start(["--head", "--port", str(self.port), "--include-dashboard", "false",
+                     "--temp-dir", self.temp_dir, *_ports("--ray-client-server-port")])
+        self.wait_for(1)
+
+    def add_node(self) -> None:
+        self._start(["--address", self.address])
+        self.wait_for(len(self.starters))
+
+    def wait_for(self, nodes: int) -> None:
         deadline = time.monotonic() + 180
         while True:
             probe = subprocess.run(
                 [sys.executable, "-c", "import ray; ray.init(); "
                  "print(len([n for n in ray.nodes() if n['Alive']]))"],
-                env=_env(RAY_ADDRESS=address), capture_output=True, text=True, timeout=120)
-            if probe.returncode == 0 and probe.stdout.strip().endswith("1"):
-                break
-            assert head.poll() is None, "ray start --head exited"
-            assert time.monotonic() < deadline, f"the head did not come up: {probe.stderr[-2000:]}"
+                env=_env(RAY_ADDRESS=self.address), capture_output=True, text=True,
+                timeout=120)
+            if probe.returncode == 0 and probe.stdout.strip().endswith(str(nodes)):
+                return
+            assert all(p.poll() is None for p in self.starters), "a ray start exited"
+            assert time.monotonic() < deadline, \
+                f"{nodes} node(s) did not come up: {probe.stderr[-2000:]}"
             time.sleep(1)
-        yield address
-    finally:
-        procs = _ours(temp_dir)
-        with_head = [psutil.Process(head.pid)] if head.poll() is None else []
-        for p in [*with_head, *procs]:
+
+    def stop(self) -> None:
+        """End the ``ray start`` processes and every process that names this cluster's
+        temp dir (or its session dir, inside it) in its arguments."""
+        starters = [psutil.Process(p.pid) for p in self.starters if p.poll() is None]
+        procs = [*starters, *_ours(self.temp_dir)]
+        for p in procs:
             try:
                 p.send_signal(signal.SIGTERM)
             except psutil.Error:
                 pass
-        _gone, alive = psutil.wait_procs([*with_head, *procs], timeout=20)
+        _gone, alive = psutil.wait_procs(procs, timeout=20)
         for p in alive:
             try:
                 p.kill()
             except psutil.Error:
                 pass
-        head.wait(timeout=30)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        for p in self.starters:
+            p.wait(timeout=30)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[_Cluster]:
+    c = _Cluster()
+    try:
+        c.start_head()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster: _Cluster) -> str:
+    return ray_cluster.address
+
+
+@pytest.fixture(scope="module")
+def two_nodes(ray_cluster: _Cluster) -> str:
+    """The module's cluster with a second node (it stays for the rest of the module)."""
+    if len(ray_cluster.starters) < 2:
+        ray_cluster.add_node()
+    return ray_cluster.address
 
 
 def _run(args: list[str], timeout: float = 300, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], cwd=ROOT, env=_env(**env), capture_output=True,
                           text=True, timeout=timeout)
-
-
-def test_console_script_is_declared() -> None:
-    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert meta["project"]["scripts"]["ray-rdt-pool"] == "ray_rdt_pool.cli:main"
-    assert "matplotlib" in " ".join(meta["project"]["optional-dependencies"]["bench"])
-    top = _run(["--help"], timeout=60)
-    assert top.returncode == 0 and all(c in top.stdout for c in ("bench", "stats", "doctor"))
 
 
 def test_bench_joins_a_running_cluster(cluster: str, tmp_path: Path) -> None:
@@ -204,28 +246,29 @@ def test_doctor_fails_and_says_what_to_fix_when_nixl_is_hidden(tmp_path: Path) -
     assert "1 check(s) failed: nixl" in proc.stdout
 
 
-def test_doctor_fails_on_an_untested_ray(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = doctor._version
-    monkeypatch.setattr(doctor, "_version",
-                        lambda d: "2.61.0" if d == "ray" else real(d))
-    check = doctor.check_versions()
-    assert check.failed and "Ray 2.61.0 is not the tested 2.60.x" in check.detail
-    assert "pip install 'ray[default]==2.60.*'" in check.fix
-    assert doctor.main(["--no-actors"]) == 1
+def test_bench_nodes_2_puts_the_receiver_on_the_other_node(two_nodes: str,
+                                                           tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = _run(["bench", "--address", two_nodes, *TINY, "--variants", "nixl_pool",
+                 "--workloads", "big", "--nodes", "2", "--json", str(out)])
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    data = json.loads(out.read_text())
+    placement = data["config"]["placement"]
+    assert data["ok"] is True and placement["sender"] != placement["receiver"]
+    actors = data["variants"]["nixl_pool"]["actors"]
+    assert actors["sender"]["node_id"] == placement["sender"]
+    assert actors["receiver"]["node_id"] == placement["receiver"]
+    assert data["summary"]["big"]["variants"]["nixl_pool"]["checksums_ok"] is True
 
 
-def test_netns_nodes_needs_root_and_says_why(monkeypatch: pytest.MonkeyPatch,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
-    from ray_rdt_pool.bench import run
-    from ray_rdt_pool.bench.testbed import TestBed
-
-    assert run.testbed_engine_counts(9) == [1, 2, 4, 8]
-    assert run.testbed_engine_counts(6) == [1, 2, 4, 5]
-    assert run.testbed_engine_counts(2) == [1]
-    monkeypatch.setattr(TestBed, "available", classmethod(
-        lambda cls, ray=True: "needs root (it creates network namespaces, veths and tc qdiscs)"))
-    assert run.main(["--netns-nodes", "3", "--rate", "100mbit"]) == 2
-    assert "needs root" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        run.parse_config(["--netns-nodes", "1"])
-    assert W.WORKLOADS  # the bench package imports without Ray
+def test_doctor_reads_between_two_nodes(two_nodes: str) -> None:
+    proc = _run(["doctor", "--address", two_nodes], timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    actors = [ln for ln in lines if ln.split()[1:2] == ["actors"]]
+    assert len(actors) == 1 and actors[0].startswith("ok"), proc.stdout
+    assert "two nodes of one host: one NIXL READ, byte for byte" in actors[0]
+    ucx = next(ln for ln in lines if ln.split()[1:2] == ["ucx"])
+    # UCX's own report, read in the receiving actor: the READ's protocol and transport.
+    assert ucx.startswith("ok") and "a NIXL READ between the actors" in ucx, proc.stdout
+    assert " via " in ucx
