@@ -5,7 +5,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: test test-unit test-stress bench bench-full lint venv clean
+.PHONY: test test-unit test-stress bench bench-full wheel-check lint venv clean
 
 $(STAMP): pyproject.toml ray_rdt_pool/memory/native/_copy.c ray_rdt_pool/memory/native/_native.cpp
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -59,6 +59,12 @@ bench: $(BENCH_STAMP)
 
 bench-full: $(BENCH_STAMP)
 	$(VENV)/bin/ray-rdt-pool bench --out bench-results
+
+# A wheel of this checkout, installed from outside the repository into a fresh venv,
+# runs examples/put_get.py and `ray-rdt-pool doctor` (tools/check_wheel.sh). Not part of
+# `make test`: it installs torch and the wheel's dependencies into a new venv.
+wheel-check:
+	bash tools/check_wheel.sh
 
 lint: $(STAMP)
 	$(VPY) -m ruff check ray_rdt_pool tests microbenchmarks examples
