@@ -5,7 +5,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: test test-unit test-stress bench bench-full lint venv clean
+.PHONY: test test-unit test-stress bench bench-full wheel-check lint venv clean
 
 $(STAMP): pyproject.toml ray_rdt_pool/memory/native/_copy.c ray_rdt_pool/memory/native/_native.cpp
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -23,13 +23,14 @@ $(STAMP): pyproject.toml ray_rdt_pool/memory/native/_copy.c ray_rdt_pool/memory/
 
 venv: $(STAMP)
 
-# The tests run on TEST_WORKERS pytest processes (more than the two cores: the cluster
-# tests mostly wait). A cluster module runs whole on one of them (it starts one Ray
+# The tests run on TEST_WORKERS pytest processes, one per core: each cluster test starts
+# a Ray cluster of several processes, and more workers than cores made the whole run
+# slower, not faster. A cluster module runs whole on one of them (it starts one Ray
 # cluster and shares it among its tests), longest first: see tests/conftest.py.
 # TEST_WORKERS=0 runs them all in this one process. The multi-node test bed's own test
 # (network namespaces, root only: a tool of the benchmarks, not a promise of the
 # transport) runs in make test-stress.
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 2
 UNIT_WORKERS ?= 2
 PYTEST := $(VPY) -m pytest -q -rs
 
@@ -54,10 +55,16 @@ $(BENCH_STAMP): $(STAMP)
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
-	$(VPY) -m microbenchmarks.bench --quick --out bench-results
+	$(VENV)/bin/ray-rdt-pool bench --quick --out bench-results
 
 bench-full: $(BENCH_STAMP)
-	$(VPY) -m microbenchmarks.bench --out bench-results
+	$(VENV)/bin/ray-rdt-pool bench --out bench-results
+
+# A wheel of this checkout, installed from outside the repository into a fresh venv,
+# runs examples/put_get.py and `ray-rdt-pool doctor` (tools/check_wheel.sh). Not part of
+# `make test`: it installs torch and the wheel's dependencies into a new venv.
+wheel-check:
+	bash tools/check_wheel.sh
 
 lint: $(STAMP)
 	$(VPY) -m ruff check ray_rdt_pool tests microbenchmarks examples

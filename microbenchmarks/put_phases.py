@@ -5,7 +5,7 @@ Not a test. Run as ``python -m microbenchmarks.put_phases [--reps R] [--idle-ms 
 
 One process, no Ray and no NIXL: the steps of ``Sender.put`` on the host path, each timed
 on its own, for the ``experience`` (5 tensors) and ``experience_samples`` (5,120 tensors)
-workloads of ``microbenchmarks.bench`` at full size (``--workloads`` picks others, such
+workloads of ``ray-rdt-pool bench`` at full size (``--workloads`` picks others, such
 as ``views``: 10,000 row views of one weight):
 
 * ``describe``: :func:`ray_rdt_pool.memory.describe.describe`, every fact read off every tensor,
@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from microbenchmarks import _bench_workloads as W
-from microbenchmarks._bench_env import cpu_model, loadavg
+from ray_rdt_pool.bench import workloads as W
+from ray_rdt_pool.bench.env import cpu_model, loadavg
 
 #: What ``describe`` reads off each tensor, one call each.
 READS: dict[str, Callable[[Any], Any]] = {

@@ -1,6 +1,6 @@
 """The floor of a relayed sync on the test bed: a plain pipelined TCP chain, no Ray.
 
-Builds a :class:`microbenchmarks.testbed.TestBed` of ``max(--hops) + 1`` namespaces with
+Builds a :class:`ray_rdt_pool.bench.testbed.TestBed` of ``max(--hops) + 1`` namespaces with
 ``ray=False`` (the same links and ``tc`` limits as ``testbed_sync``) and, for each hop
 count N, starts one relay process on nodes 1 to N and a sender on node 0. The sender
 writes ``--size-mib`` in ``--bucket-mib`` buckets to node 1; each relay reads a whole
@@ -34,7 +34,7 @@ PORT = 47011
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from microbenchmarks.testbed import add_bed_args
+    from ray_rdt_pool.bench.testbed import add_bed_args
 
     ap = argparse.ArgumentParser(prog="python -m microbenchmarks.testbed_chain",
                                  description=__doc__.split("\n\n")[0])
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import logging
 
-    from microbenchmarks.testbed import TestBed
+    from ray_rdt_pool.bench.testbed import TestBed
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     reason = TestBed.available(ray=False)

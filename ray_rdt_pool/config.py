@@ -115,12 +115,13 @@ def _bad_int(value: object) -> bool:
 class Tuning:
     """Measured tuning values: advanced settings, reachable as ``PoolConfig.tuning``.
 
-    The defaults were measured with the benchmarks in ``microbenchmarks/`` (on 2-core
+    The defaults were measured with the benchmarks in :mod:`ray_rdt_pool.bench` (on 2-core
     VMs; ``docs/benchmarks.md`` has the figures). Each one trades speed against CPU or
     latency; none changes what a transfer delivers. Leave them alone unless a benchmark
-    on your own hardware (``python -m microbenchmarks.bench``, ``bench_pack``,
-    ``floor``) shows a gain. Set them like any option: ``configure(read_lanes=4)``,
-    ``configure(tuning=Tuning(read_lanes=4))`` or ``RAY_RDT_POOL_READ_LANES=4``.
+    on your own hardware (``ray-rdt-pool bench``, ``python -m ray_rdt_pool.bench.pack``
+    or ``python -m ray_rdt_pool.bench.floor``) shows a gain. Set them like any option:
+    ``configure(read_lanes=4)``, ``configure(tuning=Tuning(read_lanes=4))`` or
+    ``RAY_RDT_POOL_READ_LANES=4``.
 
     Attributes:
         progress_interval_s: How often the background thread progresses the NIXL

@@ -80,6 +80,7 @@ _SPLIT = {
 _COST = {
     "integration/test_bench_cli.py::test_cli_smallest_run_writes_complete_json": 235,
     "integration/test_examples.py": 200,
+    "integration/test_cli.py": 200,
     "integration/test_weights_ranks.py": 60,
     "integration/test_weights_relay.py": 120,
     "integration/test_transport.py": 400,

@@ -41,9 +41,6 @@ SECTIONS: list[tuple[str, list[str] | None, str, str]] = [
     ("ray_rdt_pool.weights", None, "`ray_rdt_pool.weights`",
      "Weight sync from a trainer actor to inference actors (guide: "
      "[weight-sync.md](weight-sync.md))."),
-    ("ray_rdt_pool.obs.stats", ["TransportStats"], "`ray_rdt_pool.obs.stats`",
-     "The record `ray_rdt_pool.stats()` returns. The options, `PoolConfig`, are in "
-     "[configuration.md](configuration.md)."),
 ]
 
 #: Records of the weights API that its own code builds and reads; users meet them only in
@@ -167,14 +164,21 @@ def _class(name: str, cls: type) -> list[str]:
             out.append(f"| `{f.name}` | `{_cell(_type(f.type))}` | "
                        f"{_cell(notes.get(f.name, ''))} |")
         out.append("")
+    aliases = []
     for mname, member in _members(cls):
         if isinstance(member, property):
             title, doc = f"`{name}.{mname}` (property)", _doc(member.fget)
+            if doc.startswith("Deprecated alias of "):
+                aliases.append(f"`{mname}`")
+                continue
         else:
             title = f"`{name}.{_signature(mname, member)}`"
             doc = _doc(member, first_paragraph=True)
         if doc:
             out += [f"#### {title}", "", doc, ""]
+    if aliases:
+        out += [f"Deprecated aliases (properties) of `{name}` for the `tuning` fields of the "
+                f"same names: {', '.join(aliases)}.", ""]
     return out
 
 

@@ -88,6 +88,16 @@ def _rdt_context_local() -> Any:
     return worker.get_serialization_context()._thread_local  # type: ignore[no-untyped-call]
 
 
+def serialization_context() -> Any:
+    """This process's Ray serialization context (the benchmark times its paths)."""
+    return ray._private.worker.global_worker.get_serialization_context()  # type: ignore[no-untyped-call]
+
+
+def rdt_store() -> Any:
+    """This process's RDT object store (the benchmark wraps its methods to time them)."""
+    return ray._private.worker.global_worker.rdt_manager.rdt_store
+
+
 def registered_transport_class(name: str) -> type | None:
     """The class registered with Ray in this process as tensor transport ``name``."""
     from ray.experimental.rdt import util as rdt_util

@@ -11,7 +11,8 @@ as a fixed-width text table::
 
 Calls go to the ``_ray_system`` concurrency group that Ray creates for actors with
 ``enable_tensor_transport=True``, so a table can be taken while the actor is busy in a
-long method. Command line (best effort, for an attached cluster)::
+long method. Command line (best effort, for an attached cluster; ``ray-rdt-pool stats``
+runs the same)::
 
     python -m ray_rdt_pool.obs.view --address auto [--namespace NS] [--json] [--timeout 10]
     python -m ray_rdt_pool.obs.view --prometheus http://127.0.0.1:PORT/metrics
@@ -273,10 +274,11 @@ def _reachable_handles(alive: Sequence[dict[str, Any]], namespace: str | None
     return handles, missed
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m ray_rdt_pool.obs.view``: print the table for every actor with the transport."""
+def main(argv: Sequence[str] | None = None, prog: str = "python -m ray_rdt_pool.obs.view"
+         ) -> int:
+    """``ray-rdt-pool stats``: print the table for every actor with the transport."""
     parser = argparse.ArgumentParser(
-        prog="python -m ray_rdt_pool.obs.view",
+        prog=prog,
         description="Show the nixl_pool sender pool and receive arena of every alive named "
                     "actor that loaded the transport, or of every process that exports "
                     "the transport's metrics (--prometheus).")

@@ -1,4 +1,4 @@
-"""Tests of the side-by-side benchmark CLI (microbenchmarks.bench) and its helpers.
+"""Tests of the side-by-side benchmark CLI (ray-rdt-pool bench) and its helpers.
 
 The end-to-end test runs the CLI as a subprocess in its smallest configuration against a
 real local Ray cluster with real NIXL, then checks the JSON: every available variant and
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from microbenchmarks import _bench_report as R
-from microbenchmarks import _bench_workloads as W
-from microbenchmarks._bench_actors import (
+from ray_rdt_pool.bench import report as R
+from ray_rdt_pool.bench import workloads as W
+from ray_rdt_pool.bench.actors import (
     OTHER_VARIANTS,
     OUR_VARIANTS,
     RAY_VARIANTS,
@@ -29,7 +29,7 @@ from microbenchmarks._bench_actors import (
     our_transport_unavailable_reason,
     transferqueue_unavailable_reason,
 )
-from microbenchmarks.bench import Progress, Runner, parse_config
+from ray_rdt_pool.bench.run import Progress, Runner, parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ TINY = ["--quick", "--reps", "1", "--warmup", "0", "--big-mib", "1", "--many-cou
 def test_cli_smallest_run_writes_complete_json(tmp_path: Path) -> None:
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "microbenchmarks.bench", *TINY, "--json", str(out_json),
+        [sys.executable, "-m", "ray_rdt_pool.cli", "bench", *TINY, "--json", str(out_json),
          "--plot", str(out_png)],
         cwd=ROOT, capture_output=True, text=True, timeout=540,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -329,7 +329,7 @@ def test_transferqueue_variant_is_optional_and_experience_only(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from microbenchmarks._bench_actors import variant_by_name
+    from ray_rdt_pool.bench.actors import variant_by_name
 
     tq = variant_by_name("transferqueue")
     assert tq.name in OTHER_VARIANTS and tq.name not in RAY_VARIANTS + OUR_VARIANTS
@@ -362,7 +362,7 @@ def test_transferqueue_batch_round_trip(workload: str) -> None:
     pytest.importorskip("tensordict")
     from tensordict import TensorDict
 
-    from microbenchmarks._bench_actors import tq_batch, tq_unbatch
+    from ray_rdt_pool.bench.actors import tq_batch, tq_unbatch
 
     spec = W.make_spec(workload, W.Sizes(exp_samples=5, exp_tokens=7))
     tensors, _ = W.build_tensors(spec, seed=2)
@@ -414,7 +414,7 @@ def test_quick_config_and_pool_sizing() -> None:
 
 
 def test_objstore_views_skip_is_explained() -> None:
-    from microbenchmarks._bench_actors import variant_by_name
+    from ray_rdt_pool.bench.actors import variant_by_name
 
     runner = Runner(parse_config(["--quick"]), Progress(1, io.StringIO()))
     reason = runner.skip_reason(variant_by_name("objstore"), "views")
@@ -472,8 +472,9 @@ def test_target_floors_say_met_and_whether_the_floor_fits() -> None:
 def test_measure_floor_records_each_rate_or_why_not(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
-    from microbenchmarks import bench, bench_pack
-    from microbenchmarks import floor as F
+    from ray_rdt_pool.bench import floor as F
+    from ray_rdt_pool.bench import pack as bench_pack
+    from ray_rdt_pool.bench import run as bench
 
     sizes: list[int] = []
 
@@ -657,7 +658,7 @@ def test_checksum_sees_shape_and_dtype() -> None:
 
 def test_checksum_is_the_same_in_every_process() -> None:
     # The sender and the receiver digest in different processes, where hash() differs.
-    code = ("import torch; from microbenchmarks import _bench_workloads as W; "
+    code = ("import torch; from ray_rdt_pool.bench import workloads as W; "
             "print(W.checksum([torch.arange(12, dtype=torch.int16).reshape(3, 4)] * 9 "
             "+ [torch.empty(0, 2)]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
@@ -698,7 +699,7 @@ def test_cli_rejects_values_that_measure_nothing(argv: list[str], message: str,
 def test_cli_pool_size_and_floor_help() -> None:
     assert parse_config(["--pool-mib", "1"]).pool_bytes == 1 << 20
     assert parse_config(["--sync-iters", "2"]).sizes.sync_iters == 2
-    from microbenchmarks.bench import build_parser
+    from ray_rdt_pool.bench.run import build_parser
 
     text = " ".join(build_parser().format_help().split())
     # main() measures the floor after any workload with a target, not only after sync.
@@ -712,7 +713,7 @@ def test_floor_lanes_check_each_variants_bytes(monkeypatch: pytest.MonkeyPatch) 
     """The one-agent and two-agent READs share a destination: a two-agent READ that moves
     no byte must not pass on the bytes the one-agent READ left there."""
     pytest.importorskip("nixl._api")
-    from microbenchmarks import floor as F
+    from ray_rdt_pool.bench import floor as F
 
     good = F.measure_nixl_lanes(1 << 20, 1)
     assert good["checksum_ok"] is True

@@ -1,4 +1,4 @@
-"""The multi-node test bed (microbenchmarks/testbed.py) keeps its promises.
+"""The multi-node test bed (ray_rdt_pool/bench/testbed.py) keeps its promises.
 
 Each Ray node in its own network namespace, its link limited both ways by tc, NIXL's
 bytes over that link, and nothing left behind: no namespace, veth, bridge, process,
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from microbenchmarks import testbed as tb
-from microbenchmarks.testbed import TestBed, TestBedError, cleanup_stale
+from ray_rdt_pool.bench import testbed as tb
+from ray_rdt_pool.bench.testbed import TestBed, TestBedError, cleanup_stale
 
 REASON = TestBed.available()
 pytestmark = [pytest.mark.ray, pytest.mark.skipif(REASON is not None, reason=str(REASON)),
@@ -262,7 +262,7 @@ def test_a_node_that_fails_to_start_is_named_and_everything_is_undone() -> None:
 
 CRASH = textwrap.dedent("""
     import os, signal, subprocess, sys
-    from microbenchmarks.testbed import TestBed
+    from ray_rdt_pool.bench.testbed import TestBed
     with TestBed(nodes=2, rate="100mbit", ray=False) as bed:
         bed.popen(1, ["sleep", "600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         print(bed.tag, flush=True)

@@ -86,3 +86,19 @@ def test_every_allowed_exception_is_still_needed() -> None:
     """An entry whose file no longer touches Ray's privates goes from ALLOWED."""
     found = outside_ray_glue()
     assert [f for f in ALLOWED if f not in found] == []
+
+
+def test_the_library_never_imports_the_bench_or_the_cli() -> None:
+    """``ray_rdt_pool.bench`` and ``ray_rdt_pool.cli`` sit above the library: a Ray worker
+    that receives tensors must not load the benchmark (or psutil, matplotlib)."""
+    above = ("ray_rdt_pool.bench", "ray_rdt_pool.cli")
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith(("bench/", "cli/")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [(rel, n) for n in names if n.startswith(above)]
+    assert found == []

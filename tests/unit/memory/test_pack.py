@@ -942,8 +942,8 @@ def test_unpack_into_and_copy_bytes_land_every_byte(count: int, helper: bool,
 def test_put_phases_times_every_phase_and_leaves_the_packed_bytes(capsys: Any) -> None:
     """``python -m microbenchmarks.put_phases`` times the put's steps on the real code: the
     phases add up to no more than the put, and the region holds the packed tensors."""
-    from microbenchmarks import _bench_workloads as W
     from microbenchmarks import put_phases as P
+    from ray_rdt_pool.bench import workloads as W
 
     tensors = W.build_tensors(W.make_spec("experience_samples", W.QUICK_SIZES))[0][:50]
     total = sum(t.nbytes for t in tensors)

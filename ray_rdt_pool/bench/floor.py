@@ -25,7 +25,7 @@ Measures, each on its own:
   plain serializer again after RDT has been used in the process.
 * ``ucx``: which UCX protocols and transports a NIXL READ uses here (``UCX_PROTO_INFO``).
 
-Usage: ``python -m microbenchmarks.floor [--json PATH] [--mib 256] [--reps 7]``.
+Usage: ``python -m ray_rdt_pool.bench.floor [--json PATH] [--mib 256] [--reps 7]``.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def _read_target(conn: Connection, nbytes: int, prog_thread: bool) -> None:
     """Target process: register one buffer, publish it, then keep the agent alive."""
     import torch
 
-    from microbenchmarks._bench_workloads import checksum
+    from ray_rdt_pool.bench.workloads import checksum
 
     agent = _make_agent(f"floor-target-{os.getpid()}", prog_thread)
     buf = torch.randint(-(2**31), 2**31 - 1, (nbytes // 4,), dtype=torch.int32)
@@ -216,7 +216,7 @@ def measure_nixl_read(nbytes: int, reps: int, prog_thread: bool,
     """GB/s of a NIXL READ of ``nbytes`` between two processes, plus small-READ latency."""
     import torch
 
-    from microbenchmarks._bench_workloads import checksum
+    from ray_rdt_pool.bench.workloads import checksum
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -276,7 +276,7 @@ def measure_nixl_lanes(nbytes: int, reps: int) -> dict[str, Any]:
 
     import torch
 
-    from microbenchmarks._bench_workloads import checksum
+    from ray_rdt_pool.bench.workloads import checksum
     from ray_rdt_pool.nixl.backend import NixlBackend
 
     ctx = mp.get_context("spawn")
@@ -464,10 +464,11 @@ def probe_ucx(timeout_s: float = 60) -> dict[str, Any]:
     env = dict(os.environ, UCX_PROTO_INFO="y")
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "microbenchmarks.floor", "--_ucx-probe-child"],
+            [sys.executable, "-m", "ray_rdt_pool.bench.floor", "--_ucx-probe-child"],
             env=env, capture_output=True, text=True, timeout=timeout_s,
             preexec_fn=lambda: os.nice(10),  # stay out of the way of what it overlaps
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            # The folder that holds this copy of the package, so the child imports it too.
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         )
         text = proc.stdout + proc.stderr
         protocols = parse_proto_info(text)
@@ -501,7 +502,9 @@ def _serializer_actor_body(count: int, floats: int, reps: int) -> dict[str, Any]
     import ray
     import torch
 
-    ctx = ray._private.worker.global_worker.get_serialization_context()
+    from ray_rdt_pool._ray.patches import serialization_context
+
+    ctx = serialization_context()
     separate = [torch.randn(floats) for _ in range(count)]
     weight = torch.randn(count, floats)
     views = [weight[i] for i in range(count)]
@@ -547,12 +550,12 @@ def measure_serializer(count: int, floats: int, reps: int) -> dict[str, Any]:
         ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
                  log_to_driver=False, logging_level=logging.WARNING)
     try:
-        @ray.remote(num_cpus=0, enable_tensor_transport=True)
+        @ray.remote(num_cpus=0, enable_tensor_transport=True)  # type: ignore[call-overload]
         class SerializerProbe:
             def run(self, count: int, floats: int, reps: int) -> dict[str, Any]:
                 return _serializer_actor_body(count, floats, reps)
 
-        actor = SerializerProbe.remote()
+        actor = SerializerProbe.remote()  # type: ignore[attr-defined]
         raw = ray.get(actor.run.remote(count, floats, reps), timeout=600)
         ray.kill(actor)
     finally:
@@ -641,13 +644,13 @@ def format_report(res: dict[str, Any]) -> str:
 
 
 def _env() -> dict[str, Any]:
-    from microbenchmarks._bench_env import cpu_model, loadavg
+    from ray_rdt_pool.bench.env import cpu_model, loadavg
 
     return {"cores": os.cpu_count(), "cpu_model": cpu_model(), "loadavg_start": loadavg()}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m microbenchmarks.floor", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m ray_rdt_pool.bench.floor", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=256, help="bytes for memcpy and READ (MiB)")
     p.add_argument("--reps", type=int, default=7)
@@ -677,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
                                                max(3, args.reps // 2))
     if "ucx" not in skip:
         res["ucx"] = probe_ucx()
-    from microbenchmarks._bench_env import loadavg
+    from ray_rdt_pool.bench.env import loadavg
 
     res["env"]["loadavg_end"] = loadavg()
     print(format_report(res))

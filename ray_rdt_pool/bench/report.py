@@ -1,7 +1,7 @@
 """Summaries, text tables and the chart of the side-by-side benchmark.
 
 Input is the list of per-transfer samples the runner records (one dict per repetition,
-see :mod:`microbenchmarks.bench`). Everything here is pure: no Ray, no actors.
+see :mod:`ray_rdt_pool.bench.run`). Everything here is pure: no Ray, no actors.
 
 Ratio convention: ``speedup = ray_time / our_time`` on the median end-to-end time, so a
 value above 1 means our transport is faster.
@@ -264,6 +264,11 @@ def format_idle(idle: dict[str, dict[str, Any]], window_s: float,
     return "\n".join(lines)
 
 
+_NATIVE_HELPER: dict[Any, str] = {
+    True: "read in C++ (compiled helper built)",
+    False: "Python loop (python -m ray_rdt_pool.memory.native build makes the C++ helper)"}
+
+
 def format_env(env: dict[str, Any]) -> str:
     v = env["versions"]
     ucx = env.get("ucx", {})
@@ -280,10 +285,7 @@ def format_env(env: dict[str, Any]) -> str:
         f"; NIXL READ uses {'; '.join(ucx.get('read_protocols') or []) or 'n/a'}"
         f"; control messages over {', '.join(ucx.get('am_transports') or []) or 'n/a'}",
         f"load average at start {env['loadavg_start']}, at end {env.get('loadavg_end')}",
-        "tensor facts of a put: " + {True: "read in C++ (compiled helper built)",
-                                     False: "Python loop (python -m ray_rdt_pool.memory.native "
-                                            "build makes the C++ helper)"}.get(
-            env.get("native_helper"), "n/a"),
+        "tensor facts of a put: " + _NATIVE_HELPER.get(env.get("native_helper"), "n/a"),
     ]
     return "\n".join(lines)
 
@@ -350,7 +352,7 @@ def format_floors(floor: dict[str, Any], floors: dict[str, Any], summary: dict[s
     """The weight-sync floors and how close our e2e medians come to them."""
     mib = floor.get("bytes", 0) / (1 << 20)
     head = (f"== floor of this machine, measured in this run after the transfers "
-            f"(microbenchmarks.floor, {mib:.0f} MiB, median of {floor.get('reps', '?')}) ==")
+            f"(ray_rdt_pool.bench.floor, {mib:.0f} MiB, median of {floor.get('reps', '?')}) ==")
     lines = [head]
     for key, what in (("memcpy_gbps", "memcpy, 1 thread, into a pre-faulted buffer (pack)"),
                       ("read_gbps", "NIXL READ, 2 processes, progress thread off (transfer)")):

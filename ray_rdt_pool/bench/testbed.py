@@ -14,15 +14,15 @@ custom resource ``node<i>`` (1 unit), so a caller places an actor on node ``i`` 
 (``UCX_TLS=tcp,self``, ``UCX_NET_DEVICES=eth0``), so NIXL's bytes cross the limited link
 instead of going through cma or shared memory (the namespaces share one host).
 
-    from microbenchmarks.testbed import TestBed
+    from ray_rdt_pool.bench.testbed import TestBed
     if (why := TestBed.available()) is not None: raise SystemExit(why)
     with TestBed(nodes=3, rate="500mbit", env={"PYTHONPATH": repo}) as bed:
         out = bed.run_driver("driver.py", ["--engines", "2"], timeout=300)
 
 or from the shell (the driver runs on the head, in namespace 0, with ``RAY_ADDRESS`` set)::
 
-    python -m microbenchmarks.testbed --nodes 3 --rate 500mbit -- driver.py ARGS
-    python -m microbenchmarks.testbed --check | --cleanup
+    python -m ray_rdt_pool.bench.testbed --nodes 3 --rate 500mbit -- driver.py ARGS
+    python -m ray_rdt_pool.bench.testbed --check | --cleanup
 
 Rules it keeps (the host is shared):
 
@@ -930,11 +930,11 @@ def bed_from_args(args: argparse.Namespace, nodes: int, env: Mapping[str, str] |
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m microbenchmarks.testbed",
+        prog="python -m ray_rdt_pool.bench.testbed",
         description="Run a Ray driver on a multi-node test bed: N Ray nodes in network "
                     "namespaces of this host, each link limited to --rate.",
-        epilog="example: python -m microbenchmarks.testbed --nodes 3 --rate 500mbit -- "
-               "microbenchmarks/testbed_sync.py --driver ...")
+        epilog="example: python -m ray_rdt_pool.bench.testbed --nodes 3 --rate 500mbit -- "
+               "driver.py ARGS")
     add_bed_args(ap)
     ap.add_argument("--timeout", type=float, default=1800.0, help="driver timeout, seconds")
     ap.add_argument("--check", action="store_true", help="say whether a test bed can run here")

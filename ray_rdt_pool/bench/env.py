@@ -1,8 +1,9 @@
 """Environment facts recorded with every benchmark run (machine, versions, UCX, load).
 
-Only reads: /proc, package metadata and environment variables. The UCX protocol probe
-(a tiny NIXL READ in a subprocess) lives in :mod:`microbenchmarks.floor`; the bench
-starts it in the background while Ray starts and attaches its result here.
+Only reads: /proc/cpuinfo (psutil has no CPU model), psutil, package metadata and
+environment variables. The UCX protocol probe (a tiny NIXL READ in a subprocess) lives in
+:mod:`ray_rdt_pool.bench.floor`; the bench starts it in the background while Ray starts
+and attaches its result here.
 """
 
 from __future__ import annotations
@@ -35,14 +36,12 @@ def cpu_model() -> str:
 
 
 def mem_total_gib() -> float | None:
+    import psutil
+
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return round(int(line.split()[1]) / (1 << 20), 1)
-    except OSError:
-        pass
-    return None
+        return round(psutil.virtual_memory().total / (1 << 30), 1)
+    except Exception:  # an environment facts call must not fail the run
+        return None
 
 
 def _version(dist: str) -> str | None:
@@ -87,9 +86,10 @@ def _native_helper() -> bool | None:
 
 def start_ucx_probe() -> subprocess.Popen[str]:
     """Start ``floor``'s UCX probe in the background; finish with :func:`finish_ucx_probe`."""
-    code = ("import json; from microbenchmarks.floor import probe_ucx; "
+    code = ("import json; from ray_rdt_pool.bench.floor import probe_ucx; "
             "print(json.dumps(probe_ucx()))")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The folder that holds this copy of the package, so the child imports it too.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return subprocess.Popen([sys.executable, "-c", code], cwd=root, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 

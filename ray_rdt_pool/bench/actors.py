@@ -11,7 +11,7 @@ Three ways of moving a workload:
   :meth:`Receiver.consume` (``ray.put`` / ``ray.get``), or :meth:`Sender.tq_produce` /
   :meth:`Receiver.tq_consume` for TransferQueue (``kv_batch_put`` / ``kv_batch_get``);
 * buckets (``sync_stream``): :meth:`Sender.stream_to` streams the weight set to the
-  receiver with at most :data:`~microbenchmarks._bench_workloads.STREAM_MAX_INFLIGHT`
+  receiver with at most :data:`~ray_rdt_pool.bench.workloads.STREAM_MAX_INFLIGHT`
   buckets in flight: ours through ``WeightSender.stream``, Ray's variants with a loop of
   ``ray.put`` per bucket and one receiver task per bucket (:meth:`Receiver.stream_bucket`).
 
@@ -36,7 +36,7 @@ import time
 from collections import deque
 from typing import Any
 
-from microbenchmarks import _bench_workloads as W
+from ray_rdt_pool.bench import workloads as W
 
 ZERO_COPY_ENV = "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"
 #: The TransferQueue release the ``transferqueue`` variant was written against (the
@@ -167,9 +167,10 @@ def _process_info(variant: Variant) -> dict[str, Any]:
     import ray
     import torch
 
+    from ray_rdt_pool._ray.patches import serialization_context
     from ray_rdt_pool.memory.describe import native_active
 
-    ctx = ray._private.worker.global_worker.get_serialization_context()
+    ctx = serialization_context()
     return {
         "pid": os.getpid(),
         "node_id": ray.get_runtime_context().get_node_id(),
@@ -265,7 +266,7 @@ def install_transport_timer() -> dict[str, float] | None:
     sources = getattr(rt.receiver, "sources", None)
     read = getattr(sources, "read", None)
     if callable(read):
-        sources.read = timed(read, "get_s")
+        setattr(sources, "read", timed(read, "get_s"))  # noqa: B010
     return acc
 
 
@@ -377,9 +378,9 @@ class Sender:
             self._install_hooks()
 
     def _install_hooks(self) -> None:
-        import ray
+        from ray_rdt_pool._ray.patches import rdt_store
 
-        store = ray._private.worker.global_worker.rdt_manager.rdt_store
+        store = rdt_store()
         add_orig = store.add_object_primary
         pop_orig = store.pop_object
 

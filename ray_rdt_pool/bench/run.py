@@ -1,7 +1,10 @@
 """Side-by-side benchmark CLI: Ray's object store, Ray's NIXL variants and our NIXL_POOL.
 
-``make bench`` runs ``python -m microbenchmarks.bench --quick --out bench-results``; the
-full run drops ``--quick``. See docs/benchmarks.md for the figures and what they mean.
+``make bench`` runs ``ray-rdt-pool bench --quick --out bench-results``; the full run
+drops ``--quick``. See docs/benchmarks.md for the figures and what they mean. By default
+it starts its own Ray on this host (``--nodes 2``: two Ray nodes of this host);
+``--address`` joins a running cluster instead, and ``--netns-nodes N --rate R`` measures
+the weight sync on the network-namespace test bed (:mod:`ray_rdt_pool.bench.testbed_sync`).
 
 Each transfer is one repetition of this chain (``--fetch get``, the default)::
 
@@ -40,14 +43,14 @@ weights; ``put`` and ``fetch`` are the bucket puts and loads, summed. On one nod
 receivers copy the buckets straight out of the trainer's tensors (source reads: no put,
 ``source_read_buckets`` in the samples), across nodes they READ them by reference
 (``reference_buckets``; ``put`` is then the time spent describing them). After the run
-(Ray stopped) the memcpy and NIXL READ rates of :mod:`microbenchmarks.floor` are
+(Ray stopped) the memcpy and NIXL READ rates of :mod:`ray_rdt_pool.bench.floor` are
 measured and give the floors of ``sync`` (pack + READ) and ``sync_stream``
 (max(pack, READ) + one bucket; with source reads, one cma copy). So are the sender's own
 pack rate and the rate of a READ over two read lanes; the last table gives each speedup
-target of the topology (:data:`~microbenchmarks._bench_report.TARGETS`), whether ours
+target of the topology (:data:`~ray_rdt_pool.bench.report.TARGETS`), whether ours
 met it, and the least ours could reach in this run: its time outside ``ray_rdt_pool``
 plus the payload at those two rates (see
-:func:`~microbenchmarks._bench_report.target_floors`).
+:func:`~ray_rdt_pool.bench.report.target_floors`).
 
 ``experience`` and ``experience_samples`` send one RL batch (batched: a tensor per
 field; per sample: a tensor per (sample, field)); the report compares their put+get.
@@ -71,10 +74,12 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from microbenchmarks import _bench_env as E
-from microbenchmarks import _bench_report as R
-from microbenchmarks import _bench_workloads as W
-from microbenchmarks._bench_actors import (
+import psutil
+
+from ray_rdt_pool.bench import env as E
+from ray_rdt_pool.bench import report as R
+from ray_rdt_pool.bench import workloads as W
+from ray_rdt_pool.bench.actors import (
     OTHER_VARIANTS,
     OUR_VARIANTS,
     RAY_VARIANTS,
@@ -109,6 +114,9 @@ class Config:
     reps: int
     warmup: int
     nodes: int
+    address: str | None
+    netns_nodes: int | None
+    rate: str
     schedule: str
     fetch: str
     idle_s: float
@@ -124,6 +132,8 @@ class Config:
     json_path: str | None
     plot_path: str | None
     out_dir: str | None
+    #: role -> Ray node id, when the actors join a running cluster (``--address``)
+    placement: dict[str, str] | None = None
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -147,7 +157,7 @@ def _csv(text: str, allowed: Sequence[str], what: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m microbenchmarks.bench",
+        prog="ray-rdt-pool bench",
         description="Side-by-side RDT benchmark: object store, Ray NIXL variants, NIXL_POOL.",
         epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
@@ -161,7 +171,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1,
                    help="unmeasured first repetitions per workload (default 1)")
     p.add_argument("--nodes", type=int, choices=(1, 2), default=1,
-                   help="2: a 2-node Ray cluster on this machine, sender and receiver apart")
+                   help="2: sender and receiver on two distinct Ray nodes (without --address: "
+                        "a 2-node Ray cluster on this machine)")
+    p.add_argument("--address", metavar="ADDR",
+                   help="join this running Ray cluster (e.g. HEAD:6379, or 'auto') instead "
+                        "of starting one; the actors are pinned to its nodes")
+    p.add_argument("--netns-nodes", type=int, metavar="N",
+                   help="instead: the weight sync (one trainer to 1..N-1 engines) on N Ray "
+                        "nodes in network namespaces of this host, links limited to --rate "
+                        "(needs root; see ray_rdt_pool.bench.testbed)")
+    p.add_argument("--rate", default="500mbit",
+                   help="with --netns-nodes: each node's link rate as tc writes it, or "
+                        "'none' (default 500mbit)")
     p.add_argument("--schedule", choices=("sequential", "interleaved"), default="sequential",
                    help="sequential: each variant's actors alone; interleaved: all alive, "
                         "repetitions alternate between variants")
@@ -225,6 +246,9 @@ def parse_config(argv: Sequence[str] | None) -> Config:
     for flag, value in (("--pool-mib", a.pool_mib), ("--object-store-mib", a.object_store_mib)):
         if value is not None and value < 1:
             parser.error(f"{flag} {value}: must be >= 1 (MiB); leave it out for the default")
+    if a.netns_nodes is not None and (a.netns_nodes < 2 or a.address):
+        parser.error(f"--netns-nodes {a.netns_nodes}: needs at least 2 (a trainer and an "
+                     "engine) and starts its own cluster, so not with --address")
     for flag, secs in (("--timeout-s", a.timeout_s), ("--idle-s", a.idle_s)):
         if secs is not None and not secs > 0:
             parser.error(f"{flag} {secs:g}: must be > 0 seconds")
@@ -237,7 +261,8 @@ def parse_config(argv: Sequence[str] | None) -> Config:
                      "--warmup >= 0")
     return Config(
         quick=a.quick, sizes=sizes, variants=variants, workloads=workloads, reps=reps,
-        warmup=a.warmup, nodes=a.nodes, schedule=a.schedule, fetch=a.fetch,
+        warmup=a.warmup, nodes=a.nodes, address=a.address, netns_nodes=a.netns_nodes,
+        rate=a.rate, schedule=a.schedule, fetch=a.fetch,
         idle_s=a.idle_s if a.idle_s is not None else (0.5 if a.quick else 1.0),
         idle_settle_s=max(0.0, a.idle_settle_s),
         timeout_s=a.timeout_s, release_timeout_s=min(30.0, a.timeout_s), pool_bytes=pool,
@@ -307,14 +332,14 @@ class Progress:
 
 
 def proc_cpu(pid: int) -> tuple[float, int] | None:
-    """(user+system CPU seconds, thread count) of a process, from /proc/<pid>/stat."""
+    """(user+system CPU seconds, thread count) of a process on this host."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            times = proc.cpu_times()
+            return times.user + times.system, proc.num_threads()
+    except psutil.Error:
         return None
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks, int(fields[17])
 
 
 def measure_idle(pids: dict[str, dict[str, int]], window_s: float,
@@ -336,9 +361,8 @@ def measure_idle(pids: dict[str, dict[str, int]], window_s: float,
 
 def _pid_gone(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
+        return psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
         return True
 
 
@@ -352,7 +376,12 @@ class Pair:
 
     @property
     def pids(self) -> dict[str, int]:
-        return {role: info["pid"] for role, info in self.infos.items()}
+        """The PIDs of the actors on this host (another host's PID means nothing here)."""
+        import ray
+
+        here = ray.get_runtime_context().get_node_id()
+        return {role: info["pid"] for role, info in self.infos.items()
+                if info["node_id"] == here}
 
 
 _CLASSES: dict[tuple[str, bool], Any] = {}
@@ -366,7 +395,8 @@ def _actor_class(role: str, rdt: bool) -> Any:
     if key not in _CLASSES:
         base = Sender if role == "sender" else Receiver
         cls = type(f"{base.__name__}{'RDT' if rdt else 'Plain'}", (base,), {})
-        _CLASSES[key] = ray.remote(num_cpus=0, enable_tensor_transport=rdt)(cls)
+        _CLASSES[key] = ray.remote(  # type: ignore[call-overload]
+            num_cpus=0, enable_tensor_transport=rdt)(cls)
     return _CLASSES[key]
 
 
@@ -377,7 +407,14 @@ def make_pair(variant: Variant, cfg: Config) -> Pair:
     env = {ZERO_COPY_ENV: "1"} if variant.zero_copy else {}
     handles = {}
     for role in ("sender", "receiver"):
-        opts: dict[str, Any] = {"resources": {role: 1}, "max_restarts": 0}
+        opts: dict[str, Any] = {"max_restarts": 0}
+        if cfg.placement is None:
+            opts["resources"] = {role: 1}
+        else:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                cfg.placement[role], soft=False)
         if env:
             opts["runtime_env"] = {"env_vars": env}
         handles[role] = _actor_class(role, variant.rdt).options(**opts).remote(
@@ -827,8 +864,23 @@ class Runner:
 # ----------------------------------------------------------------------------- cluster
 
 
+def place_on_nodes(nodes: Sequence[dict[str, Any]], here: str, want: int,
+                   address: str) -> dict[str, str]:
+    """Role -> node id on a running cluster: the driver's node first, and with ``want``
+    2 the receiver on another node. Raises BenchError naming the counts if too few."""
+    alive = [n["NodeID"] for n in nodes if n.get("Alive")]
+    if len(alive) < want:
+        raise BenchError(
+            f"--nodes {want} puts the sender and the receiver on {want} distinct Ray nodes, "
+            f"but the cluster at {address} has {len(alive)} alive node(s); add a node to "
+            "it, or run with --nodes 1")
+    order = sorted(alive, key=lambda n: n != here)  # the driver's node first
+    return {"sender": order[0], "receiver": order[want - 1]}
+
+
 def start_ray(cfg: Config, min_cpus: int = 0) -> Any:
-    """Start Ray (1 node, or a 2-node ``Cluster`` on this machine); return a stop function.
+    """Start Ray (1 node, or a 2-node ``Cluster`` on this machine), or join the cluster at
+    ``cfg.address`` and fill ``cfg.placement``; return a stop function.
 
     ``min_cpus``: logical CPUs the cluster must offer at least (TransferQueue's actors ask
     for one each; ours ask for none). Only Ray's scheduler sees the number.
@@ -838,7 +890,16 @@ def start_ray(cfg: Config, min_cpus: int = 0) -> Any:
     import ray
 
     ncpu = max(os.cpu_count() or 1, min_cpus if cfg.nodes == 1 else (min_cpus + 1) // 2)
-    common = {"log_to_driver": cfg.actor_logs, "logging_level": logging.WARNING}
+    common: dict[str, Any] = {"log_to_driver": cfg.actor_logs, "logging_level": logging.WARNING}
+    if cfg.address:
+        ray.init(address=cfg.address, **common)
+        try:
+            cfg.placement = place_on_nodes(
+                ray.nodes(), ray.get_runtime_context().get_node_id(), cfg.nodes, cfg.address)
+        except BaseException:
+            ray.shutdown()
+            raise
+        return ray.shutdown
     if cfg.nodes == 1:
         ray.init(address="local", num_cpus=ncpu, resources={"sender": 1000, "receiver": 1000},
                  object_store_memory=cfg.object_store_bytes, include_dashboard=False, **common)
@@ -872,7 +933,9 @@ def _config_json(cfg: Config) -> dict[str, Any]:
 def _title(cfg: Config, env: dict[str, Any], stamp: str) -> str:
     mode = "QUICK run" if cfg.quick else "full run"
     return (f"ray_rdt_pool side-by-side, {mode}, {stamp}: {env['cores']}-core "
-            f"{env['cpu_model']}, {cfg.nodes} node(s), {cfg.schedule}, fetch={cfg.fetch}, "
+            f"{env['cpu_model']}, {cfg.nodes} node(s)"
+            f"{f' of the cluster at {cfg.address}' if cfg.address else ''}, {cfg.schedule}, "
+            f"fetch={cfg.fetch}, "
             f"ray {env['versions'].get('ray')}")
 
 
@@ -899,17 +962,17 @@ def _path_label(cfg: Config, spec: W.WorkloadSpec) -> str:
 def measure_floor(runner: Runner, reps: int = 5) -> dict[str, Any]:
     """Copy and NIXL READ GB/s on this machine, now (Ray is down, our actors gone).
 
-    The same measurements as ``python -m microbenchmarks.floor`` (one thread copying into
+    The same measurements as ``python -m ray_rdt_pool.bench.floor`` (one thread copying into
     a pre-faulted buffer; a READ between two processes with NIXL's progress thread off),
     at the weight set's size (at most 256 MiB), so the sync floors use rates from the
     same run. Also the best this design reaches at each of its two steps, for the target
-    floors (:func:`~microbenchmarks._bench_report.target_floors`): the sender's own pack
+    floors (:func:`~ray_rdt_pool.bench.report.target_floors`): the sender's own pack
     (its threads and streaming stores, ``pack_gbps``) and a READ split over two read
     lanes (``read_lanes_gbps``). Failures are recorded, never raised: the floor is
     context, not a result.
     """
-    from microbenchmarks import bench_pack
-    from microbenchmarks import floor as F
+    from ray_rdt_pool.bench import floor as F
+    from ray_rdt_pool.bench import pack as bench_pack
 
     sync = [w for w in W.SYNC_WORKLOADS if w in runner.payloads]
     size = runner.payloads[sync[0]] if sync else max(runner.payloads.values(), default=0)
@@ -937,8 +1000,41 @@ def measure_floor(runner: Runner, reps: int = 5) -> dict[str, Any]:
     return out
 
 
+def testbed_engine_counts(nodes: int) -> list[int]:
+    """Engine counts measured on ``nodes`` test-bed nodes (node 0 is the trainer's):
+    the powers of two below ``nodes``, and ``nodes - 1``."""
+    counts = {nodes - 1}
+    k = 1
+    while k < nodes - 1:
+        counts.add(k)
+        k *= 2
+    return sorted(counts)
+
+
+def run_testbed(cfg: Config) -> int:
+    """``--netns-nodes N``: :mod:`ray_rdt_pool.bench.testbed_sync` on N namespaced nodes."""
+    from ray_rdt_pool.bench import testbed_sync
+    from ray_rdt_pool.bench.testbed import TestBed
+
+    reason = TestBed.available()
+    if reason is not None:
+        print(f"error: --netns-nodes needs the network-namespace test bed, which cannot "
+              f"run here: {reason}", file=sys.stderr)
+        return 2
+    assert cfg.netns_nodes is not None
+    argv = ["--engines", ",".join(map(str, testbed_engine_counts(cfg.netns_nodes))),
+            "--rate", cfg.rate]
+    if cfg.quick:
+        argv += ["--size-mib", "16", "--syncs", "1"]
+    if cfg.out_dir:
+        argv += ["--out", cfg.out_dir]
+    return testbed_sync.main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_config(argv)
+    if cfg.netns_nodes is not None:
+        return run_testbed(cfg)
     wall0 = time.monotonic()
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     env = E.collect_env()
@@ -969,6 +1065,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress.close()
         print("interrupted", file=sys.stderr)
         return 130
+    except BenchError as exc:
+        progress.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     finally:
         if stop is not None:
             stop()

@@ -1,6 +1,6 @@
 """Weight sync across Ray nodes with real link limits: one trainer to N engine nodes.
 
-Builds a :class:`microbenchmarks.testbed.TestBed` of ``max(--engines) + 1`` nodes (each in
+Builds a :class:`ray_rdt_pool.bench.testbed.TestBed` of ``max(--engines) + 1`` nodes (each in
 its own network namespace, each link limited to ``--rate`` both ways) and runs this file
 as the Ray driver on the head. The trainer actor lives on node 0 and holds a
 ``WeightSender`` over a model of ``--tensors`` fp32 tensors, ``--size-mib`` in all;
@@ -18,7 +18,7 @@ Reported per N: the median and every time of the timed syncs (driver wall clock 
 carries every engine's copy), with a chain (size + (N - 1) * bucket) / rate. Prints a
 table and writes ``testbed_sync.json`` to ``--out``.
 
-    python -m microbenchmarks.testbed_sync --engines 1,2,4,8 --rate 500mbit --out DIR
+    python -m ray_rdt_pool.bench.testbed_sync --engines 1,2,4,8 --rate 500mbit --out DIR
 
 ``--ranks M`` (a comma-separated list) splits the model over M trainer ranks instead,
 rank r holding the names i with i % M == r, each rank on its own node (nodes 0 to M-1,
@@ -29,7 +29,7 @@ engine, an engine's ingress the whole model). ``--ranks`` and ``--relay`` combin
 loop, one table row per (M, N, relay); a chain takes one trainer, so it runs at M = 1 only.
 ``--rank-engines`` gives the engine counts for M > 1 (default: ``--engines``).
 
-    python -m microbenchmarks.testbed_sync --ranks 1,4 --rank-engines 4 --relay none,chain
+    python -m ray_rdt_pool.bench.testbed_sync --ranks 1,4 --rank-engines 4 --relay none,chain
 
 ``--trace`` times each engine's relay calls and bucket loads in the last timed sync of
 each row (host clock, shared by the namespaces) and prints the medians: where a chain's
@@ -45,7 +45,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -54,14 +53,19 @@ from pathlib import Path
 from typing import Any
 
 MIB = 1 << 20
-REPO = Path(__file__).resolve().parents[1]
+#: The folder that holds this copy of the package (the repository in a clone).
+REPO = Path(__file__).resolve().parents[2]
 RESULT_TAG = "RESULT "
+#: The driver on the head runs this module by name, so it imports the package as a package.
+_DRIVER = ("import runpy\n"
+           "runpy.run_module('ray_rdt_pool.bench.testbed_sync', run_name='__main__', "
+           "alter_sys=True)\n")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from microbenchmarks.testbed import add_bed_args
+    from ray_rdt_pool.bench.testbed import add_bed_args
 
-    ap = argparse.ArgumentParser(prog="python -m microbenchmarks.testbed_sync",
+    ap = argparse.ArgumentParser(prog="python -m ray_rdt_pool.bench.testbed_sync",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", default="1,2,4,8",
                     help="comma-separated engine counts, each engine its own Ray node")
@@ -118,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _peer_class() -> Any:
     import ray
 
-    @ray.remote(num_cpus=0, enable_tensor_transport=True)
+    @ray.remote(num_cpus=0, enable_tensor_transport=True)  # type: ignore[call-overload]
     class Peer:
         """The trainer (sender) or an engine (receiver); one process on one node each."""
 
@@ -164,7 +168,8 @@ def _peer_class() -> Any:
             calls and bucket loads; returns what was timed since the last call."""
             import ray_rdt_pool.weights.relay as relay
 
-            log, self.log = getattr(self, "log", []), []
+            log: list[tuple[Any, ...]] = getattr(self, "log", [])
+            self.log: list[tuple[Any, ...]] = []
             if getattr(self, "traced", False):
                 return log
             self.traced = True
@@ -187,8 +192,8 @@ def _peer_class() -> Any:
 
             # The trainer names the call by module and name: this process's attribute
             # is the one that runs here.
-            relay._remote_relay_bucket = timed_call
-            rec._load_bucket = timed_load
+            relay._remote_relay_bucket = timed_call  # type: ignore[assignment]
+            rec._load_bucket = timed_load  # type: ignore[method-assign,assignment]
             return log
 
     return Peer
@@ -370,16 +375,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 # ------------------------------------------------------------------ host side
 
 
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def _git_commit() -> str | None:
     r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                        capture_output=True, text=True, check=False)
@@ -423,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import logging
 
-    from microbenchmarks.testbed import TestBed, bed_from_args
+    from ray_rdt_pool.bench.env import cpu_model
+    from ray_rdt_pool.bench.testbed import TestBed, bed_from_args
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     reason = TestBed.available()
@@ -436,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     bed = bed_from_args(args, nodes, env=env)
     load_before = list(os.getloadavg())
     with bed:
-        out = bed.run_driver(__file__, [*(argv if argv is not None else sys.argv[1:]),
+        out = bed.run_driver(_DRIVER, [*(argv if argv is not None else sys.argv[1:]),
                                         "--driver"], timeout=args.timeout,
                              echo_stderr=True)
     lines = [ln for ln in out.splitlines() if ln.startswith(RESULT_TAG)]
@@ -464,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_inflight": args.max_inflight, "rate": bed.rate, "burst": bed.burst,
         "nodes": nodes, "results": got["results"],
         "bring_up_s": bed.timings.get("bring_up"), "teardown_s": bed.timings.get("teardown"),
-        "host": {"cpu": _cpu(), "cores": os.cpu_count(), "loadavg_before": load_before,
+        "host": {"cpu": cpu_model(), "cores": os.cpu_count(), "loadavg_before": load_before,
                  "loadavg_after": list(os.getloadavg())},
         "commit": _git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "note": "multi-node test bed: one network namespace per Ray node on one host, "

@@ -1,6 +1,6 @@
 """Pack copy microbenchmark: ``pack_into`` on one thread against several.
 
-Not a test. Run as ``python -m microbenchmarks.bench_pack [--threads N] [--reps R]``.
+Not a test. Run as ``python -m ray_rdt_pool.bench.pack [--threads N] [--reps R]``.
 
 Each workload is described and laid out once, exactly as ``Sender.put`` does, and packed
 into one pre-faulted ``HostRegion`` (the sender's pool in steady state) by three
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from microbenchmarks._bench_env import cpu_model, loadavg
+from ray_rdt_pool.bench.env import cpu_model, loadavg
 from ray_rdt_pool.config import Tuning
 from ray_rdt_pool.core.layout import packed_offsets
 from ray_rdt_pool.memory.describe import Described, describe
@@ -182,7 +182,7 @@ def measure_pack_gbps(nbytes: int, reps: int = 5) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     config = Tuning()
-    p = argparse.ArgumentParser(prog="python -m microbenchmarks.bench_pack", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m ray_rdt_pool.bench.pack", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=config.pack_thread_count,
                    help="threads of the threaded variants, caller included "

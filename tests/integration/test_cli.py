@@ -1,0 +1,274 @@
+"""The ``ray-rdt-pool`` command against a Ray cluster that was running before it.
+
+The module starts one cluster with ``ray start --head`` (its own temp dir and ports; it is
+stopped by the PIDs of its processes, never with Ray's host-wide stop command), then runs
+``bench --address``, ``stats --address`` and ``doctor --address`` against it, as
+subprocesses that join it. The last tests add a second node to it (``ray start
+--address``), on which ``bench --nodes 2`` must place the receiver and ``doctor`` must
+READ between the two. ``doctor`` must also fail, naming the fix, when NIXL cannot import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "ray_rdt_pool.cli"]
+#: The smallest bench run that still moves every byte through ours and the object store.
+TINY = ["--quick", "--reps", "1", "--warmup", "0", "--variants", "objstore,nixl_pool",
+        "--workloads", "big,sync", "--big-mib", "1", "--tf-hidden", "32", "--tf-layers", "2",
+        "--tf-vocab", "64", "--sync-iters", "2", "--idle-s", "0.1", "--idle-settle-s", "0",
+        "--no-ucx-probe", "--no-floor"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=str(ROOT), RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
+               RAY_RDT_POOL_POOL_BYTES="32M", RAY_RDT_POOL_ARENA_BYTES="32M")
+    env.update(extra)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ours(temp_dir: str) -> list[psutil.Process]:
+    """This cluster's processes: each names its temp dir (or session dir) in its arguments."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(temp_dir in arg for arg in p.info["cmdline"] or []):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _ports(*flags: str) -> list[str]:
+    argv: list[str] = []
+    for flag in flags:
+        argv += [flag, str(_free_port())]
+    return argv
+
+
+#: The ports every node of the cluster takes; each gets a free one, away from a
+#: cluster another test or helper runs on this host.
+_NODE_PORTS = ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+               "--metrics-export-port", "--runtime-env-agent-port", "--node-manager-port",
+               "--object-manager-port")
+
+
+class _Cluster:
+    """A cluster of ``ray start`` processes, each node its own process group."""
+
+    def __init__(self) -> None:
+        self.temp_dir = tempfile.mkdtemp(prefix="rcli", dir="/tmp")
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.starters: list[subprocess.Popen[bytes]] = []
+        self.ray_cli = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
+
+    def _start(self, argv: list[str]) -> None:
+        # A loaded host starts the raylet's agent slowly; Ray's default wait then kills it.
+        self.starters.append(subprocess.Popen(
+            [self.ray_cli, "start", "--block", "--num-cpus", "1", "--disable-usage-stats",
+             "--object-store-memory", str(300 << 20), *_ports(*_NODE_PORTS), *argv],
+            env=_env(RAY_agent_register_timeout_ms="300000"), start_new_session=True,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def start_head(self) -> None:
+        self._start(["--head", "--port", str(self.port), "--include-dashboard", "false",
+                     "--temp-dir", self.temp_dir, *_ports("--ray-client-server-port")])
+        self.wait_for(1)
+
+    def add_node(self) -> None:
+        self._start(["--address", self.address])
+        self.wait_for(len(self.starters))
+
+    def wait_for(self, nodes: int) -> None:
+        deadline = time.monotonic() + 180
+        while True:
+            probe = subprocess.run(
+                [sys.executable, "-c", "import ray; ray.init(); "
+                 "print(len([n for n in ray.nodes() if n['Alive']]))"],
+                env=_env(RAY_ADDRESS=self.address), capture_output=True, text=True,
+                timeout=120)
+            if probe.returncode == 0 and probe.stdout.strip().endswith(str(nodes)):
+                return
+            assert all(p.poll() is None for p in self.starters), "a ray start exited"
+            assert time.monotonic() < deadline, \
+                f"{nodes} node(s) did not come up: {probe.stderr[-2000:]}"
+            time.sleep(1)
+
+    def stop(self) -> None:
+        """End the ``ray start`` processes and every process that names this cluster's
+        temp dir (or its session dir, inside it) in its arguments."""
+        starters = [psutil.Process(p.pid) for p in self.starters if p.poll() is None]
+        procs = [*starters, *_ours(self.temp_dir)]
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.Error:
+                pass
+        _gone, alive = psutil.wait_procs(procs, timeout=20)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        for p in self.starters:
+            p.wait(timeout=30)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[_Cluster]:
+    c = _Cluster()
+    try:
+        c.start_head()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster: _Cluster) -> str:
+    return ray_cluster.address
+
+
+@pytest.fixture(scope="module")
+def two_nodes(ray_cluster: _Cluster) -> str:
+    """The module's cluster with a second node (it stays for the rest of the module)."""
+    if len(ray_cluster.starters) < 2:
+        ray_cluster.add_node()
+    return ray_cluster.address
+
+
+def _run(args: list[str], timeout: float = 300, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], cwd=ROOT, env=_env(**env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_bench_joins_a_running_cluster(cluster: str, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = _run(["bench", "--address", cluster, *TINY, "--json", str(out)])
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    data = json.loads(out.read_text())
+    assert data["ok"] is True and data["config"]["address"] == cluster
+    assert data["config"]["placement"]["sender"] == data["config"]["placement"]["receiver"]
+    assert set(data["summary"]) == {"big", "sync"}
+    for name in ("objstore", "nixl_pool"):
+        for workload in ("big", "sync"):
+            row = data["summary"][workload]["variants"][name]
+            assert row["checksums_ok"] is True, (name, workload, row)
+    assert f"of the cluster at {cluster}" in proc.stdout
+
+
+def test_bench_nodes_2_names_how_many_nodes_it_found(cluster: str) -> None:
+    proc = _run(["bench", "--address", cluster, *TINY, "--nodes", "2"], timeout=180)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "2 distinct Ray nodes" in proc.stderr and "has 1 alive node(s)" in proc.stderr
+
+
+def test_stats_shows_a_named_actor_of_the_cluster(cluster: str) -> None:
+    driver = (
+        "import ray, time, torch, ray_rdt_pool\n"
+        "ray.init(namespace='clitest')\n"
+        "ray_rdt_pool.register()\n"
+        "@ray.remote(num_cpus=0, enable_tensor_transport=True)\n"
+        "class Holder:\n"
+        "    def __init__(self):\n"
+        "        ray_rdt_pool.register()\n"
+        "        self.t = torch.ones(1 << 18)\n"
+        "        self.ref = ray.put([self.t], _tensor_transport='nixl_pool')\n"
+        "    def ready(self):\n"
+        "        return True\n"
+        "h = Holder.options(name='holder', lifetime='detached').remote()\n"
+        "ray.get(h.ready.remote())\n"
+        "print('up', flush=True)\n")
+    up = subprocess.run([sys.executable, "-c", driver], env=_env(RAY_ADDRESS=cluster),
+                        capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert up.returncode == 0 and "up" in up.stdout, up.stderr[-2000:]
+    try:
+        proc = _run(["stats", "--address", cluster, "--namespace", "clitest", "--json"],
+                    timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rows = json.loads(proc.stdout)
+        held = [r for r in rows if r["actor"].startswith("Holder")]
+        assert len(held) == 1 and held[0]["live_objects"] == 1, rows
+        assert held[0]["pool_used"] >= 1 << 20
+        table = _run(["stats", "--address", cluster, "--namespace", "clitest"], timeout=120)
+        assert "pool used/capacity" in table.stdout and "Holder" in table.stdout
+    finally:
+        subprocess.run([sys.executable, "-c", "import ray; ray.init(namespace='clitest'); "
+                        "ray.kill(ray.get_actor('holder'))"], env=_env(RAY_ADDRESS=cluster),
+                       capture_output=True, timeout=120)
+
+
+def test_doctor_passes_here(cluster: str) -> None:
+    proc = _run(["doctor", "--address", cluster], timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    for name in ("versions", "nixl", "memfd", "native helpers", "actors", "ucx"):
+        assert any(line.split()[1:2] == name.split()[:1] for line in proc.stdout.splitlines()
+                   if line.startswith("ok")), (name, proc.stdout)
+    assert "all checks passed" in proc.stdout
+
+
+def test_doctor_fails_and_says_what_to_fix_when_nixl_is_hidden(tmp_path: Path) -> None:
+    fake = tmp_path / "nixl"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    proc = subprocess.run([*CLI, "doctor", "--no-actors"], cwd=tmp_path, text=True,
+                          capture_output=True, timeout=120,
+                          env=_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}"))
+    assert proc.returncode == 1, proc.stdout
+    line = next(ln for ln in proc.stdout.splitlines() if ln.split()[1:2] == ["nixl"])
+    assert line.startswith("FAIL") and "hidden by the test" in line
+    assert "fix: pip install 'nixl>=1.5,<2'" in proc.stdout
+    assert "1 check(s) failed: nixl" in proc.stdout
+
+
+def test_bench_nodes_2_puts_the_receiver_on_the_other_node(two_nodes: str,
+                                                           tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = _run(["bench", "--address", two_nodes, *TINY, "--variants", "nixl_pool",
+                 "--workloads", "big", "--nodes", "2", "--json", str(out)])
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    data = json.loads(out.read_text())
+    placement = data["config"]["placement"]
+    assert data["ok"] is True and placement["sender"] != placement["receiver"]
+    actors = data["variants"]["nixl_pool"]["actors"]
+    assert actors["sender"]["node_id"] == placement["sender"]
+    assert actors["receiver"]["node_id"] == placement["receiver"]
+    assert data["summary"]["big"]["variants"]["nixl_pool"]["checksums_ok"] is True
+
+
+def test_doctor_reads_between_two_nodes(two_nodes: str) -> None:
+    proc = _run(["doctor", "--address", two_nodes], timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    actors = [ln for ln in lines if ln.split()[1:2] == ["actors"]]
+    assert len(actors) == 1 and actors[0].startswith("ok"), proc.stdout
+    assert "two nodes of one host: one NIXL READ, byte for byte" in actors[0]
+    ucx = next(ln for ln in lines if ln.split()[1:2] == ["ucx"])
+    # UCX's own report, read in the receiving actor: the READ's protocol and transport.
+    assert ucx.startswith("ok") and "a NIXL READ between the actors" in ucx, proc.stdout
+    assert " via " in ucx

@@ -1,0 +1,80 @@
+"""The ``ray-rdt-pool`` command without a cluster: its declaration, its dispatch, what
+``bench`` says without its extra, the ``--nodes`` placement on a running cluster, and
+``--netns-nodes`` where the test bed cannot run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomllib
+
+from ray_rdt_pool import cli
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_console_script_and_extras_are_declared() -> None:
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert meta["scripts"]["ray-rdt-pool"] == "ray_rdt_pool.cli:main"
+    bench = " ".join(meta["optional-dependencies"]["bench"])
+    assert "psutil" in bench and "matplotlib" in bench
+    # The library itself needs neither: they come with the bench extra.
+    assert not any(d.startswith(("psutil", "matplotlib")) for d in meta["dependencies"])
+
+
+def test_help_lists_the_commands() -> None:
+    top = subprocess.run([sys.executable, "-m", "ray_rdt_pool.cli", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert top.returncode == 0 and all(c in top.stdout for c in ("bench", "stats", "doctor"))
+
+
+def test_no_or_unknown_command_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert cli.main(["benchmark"]) == 2
+    assert "unknown command 'benchmark'" in capsys.readouterr().err
+
+
+def test_bench_without_its_extra_says_what_to_install(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delitem(sys.modules, "ray_rdt_pool.bench.run", raising=False)
+    monkeypatch.setitem(sys.modules, "psutil", None)  # import psutil now fails
+    assert cli.main(["bench", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "needs psutil" in err and "pip install 'ray-rdt-pool[bench]'" in err
+
+
+def test_nodes_places_the_actors_on_distinct_nodes() -> None:
+    from ray_rdt_pool.bench.run import BenchError, place_on_nodes
+
+    nodes: list[dict[str, Any]] = [{"NodeID": "w1", "Alive": True},
+                                   {"NodeID": "dead", "Alive": False},
+                                   {"NodeID": "head", "Alive": True}]
+    assert place_on_nodes(nodes, "head", 1, "h:1") == {"sender": "head", "receiver": "head"}
+    assert place_on_nodes(nodes, "head", 2, "h:1") == {"sender": "head", "receiver": "w1"}
+    # The driver on a node without the other: still two distinct live nodes.
+    assert place_on_nodes(nodes, "elsewhere", 2, "h:1") == {"sender": "w1",
+                                                            "receiver": "head"}
+    with pytest.raises(BenchError, match=r"cluster at h:1 has 1 alive node\(s\)"):
+        place_on_nodes(nodes[1:], "head", 2, "h:1")
+
+
+def test_netns_nodes_needs_root_and_says_why(monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from ray_rdt_pool.bench import run
+    from ray_rdt_pool.bench.testbed import TestBed
+
+    assert run.testbed_engine_counts(9) == [1, 2, 4, 8]
+    assert run.testbed_engine_counts(6) == [1, 2, 4, 5]
+    assert run.testbed_engine_counts(2) == [1]
+    monkeypatch.setattr(TestBed, "available", classmethod(
+        lambda cls, ray=True: "needs root (it creates network namespaces, veths and tc qdiscs)"))
+    assert run.main(["--netns-nodes", "3", "--rate", "100mbit"]) == 2
+    assert "needs root" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run.parse_config(["--netns-nodes", "1"])
+    with pytest.raises(SystemExit):
+        run.parse_config(["--netns-nodes", "3", "--address", "h:1"])
