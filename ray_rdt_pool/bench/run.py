@@ -47,10 +47,10 @@ receivers copy the buckets straight out of the trainer's tensors (source reads: 
 measured and give the floors of ``sync`` (pack + READ) and ``sync_stream``
 (max(pack, READ) + one bucket; with source reads, one cma copy). So are the sender's own
 pack rate and the rate of a READ over two read lanes; the last table gives each speedup
-target of the topology (:data:`~ray_rdt_pool.bench.report.TARGETS`), whether ours
+target of the topology (:data:`~ray_rdt_pool.bench.targets.TARGETS`), whether ours
 met it, and the least ours could reach in this run: its time outside ``ray_rdt_pool``
 plus the payload at those two rates (see
-:func:`~ray_rdt_pool.bench.report.target_floors`).
+:func:`~ray_rdt_pool.bench.targets.target_floors`).
 
 ``experience`` and ``experience_samples`` send one RL batch (batched: a tensor per
 field; per sample: a tensor per (sample, field)); the report compares their put+get.
@@ -77,7 +77,9 @@ from typing import Any
 import psutil
 
 from ray_rdt_pool.bench import env as E
+from ray_rdt_pool.bench import plot
 from ray_rdt_pool.bench import report as R
+from ray_rdt_pool.bench import targets as T
 from ray_rdt_pool.bench import workloads as W
 from ray_rdt_pool.bench.actors import (
     OTHER_VARIANTS,
@@ -211,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ucx-probe", action="store_true",
                    help="skip the UCX protocol probe (a tiny NIXL READ in a subprocess)")
     floor_for = [w for w in W.WORKLOADS
-                 if w in W.SYNC_WORKLOADS or any(w in t for t in R.TARGETS.values())]
+                 if w in W.SYNC_WORKLOADS or any(w in t for t in T.TARGETS.values())]
     p.add_argument("--no-floor", action="store_true",
                    help="skip the floor measured after the transfers (memcpy, NIXL READ, "
                         "the sender's pack and a READ over two lanes; a few seconds), "
@@ -966,7 +968,7 @@ def measure_floor(runner: Runner, reps: int = 5) -> dict[str, Any]:
     a pre-faulted buffer; a READ between two processes with NIXL's progress thread off),
     at the weight set's size (at most 256 MiB), so the sync floors use rates from the
     same run. Also the best this design reaches at each of its two steps, for the target
-    floors (:func:`~ray_rdt_pool.bench.report.target_floors`): the sender's own pack
+    floors (:func:`~ray_rdt_pool.bench.targets.target_floors`): the sender's own pack
     (its threads and streaming stores, ``pack_gbps``) and a READ split over two read
     lanes (``read_lanes_gbps``). Failures are recorded, never raised: the floor is
     context, not a result.
@@ -1073,7 +1075,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if stop is not None:
             stop()
     floor: dict[str, Any] = {}
-    if cfg.floor and any(s["workload"] in W.SYNC_WORKLOADS or s["workload"] in R.TARGETS[cfg.nodes]
+    if cfg.floor and any(s["workload"] in W.SYNC_WORKLOADS or s["workload"] in T.TARGETS[cfg.nodes]
                          for s in runner.samples):
         progress.label("floor")
         floor = measure_floor(runner)
@@ -1090,10 +1092,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = R.summarize(runner.samples, runner.payloads, RAY_VARIANTS, OUR_VARIANTS, display,
                           other_variants=OTHER_VARIANTS, expected=expected)
     stream_spec = runner.specs.get("sync_stream")
-    floors = R.weight_sync_floors(
+    floors = T.weight_sync_floors(
         floor, runner.payloads, W.stream_bucket_bytes(stream_spec) if stream_spec else None)
     vs_sync = R.stream_vs_sync(summary, cfg.variants)
-    targets = R.target_floors(summary, runner.payloads, floor, cfg.nodes)
+    targets = T.target_floors(summary, runner.payloads, floor, cfg.nodes)
     experience = R.experience_put_get(summary, cfg.variants, OUR_VARIANTS,
                                       runner.tensor_floor)
     print(_title(cfg, env, stamp))
@@ -1115,17 +1117,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(R.format_stream_vs_sync(vs_sync))
         if w == "sync_stream" and floor:
             print()
-            print(R.format_floors(floor, floors, summary, OUR_VARIANTS))
+            print(T.format_floors(floor, floors, summary, OUR_VARIANTS))
         if w == "experience_samples" and "experience" in summary and w in summary:
             print()
             print(R.format_experience(experience, len(W.tensor_layout(runner.specs["experience"])),
                                       len(W.tensor_layout(spec))))
     if floor and "sync_stream" not in summary:
         print()
-        print(R.format_floors(floor, floors, summary, OUR_VARIANTS))
+        print(T.format_floors(floor, floors, summary, OUR_VARIANTS))
     if targets:
         print()
-        print(R.format_targets(targets, floor, cfg.nodes))
+        print(T.format_targets(targets, floor, cfg.nodes))
     if runner.idle:
         print()
         print(R.format_idle(runner.idle, cfg.idle_s, cfg.idle_settle_s))
@@ -1175,7 +1177,7 @@ def _write_outputs(cfg: Config, result: dict[str, Any], summary: dict[str, Any],
         written.append(path)
     for path in plot_paths:
         try:
-            R.write_plot(path, summary, cfg.variants, unavailable, title)
+            plot.write_plot(path, summary, cfg.variants, unavailable, title)
             written.append(path)
         except Exception as exc:  # a chart must not hide the measurements
             print(f"warning: plot {path} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
