@@ -81,15 +81,14 @@ from ray_rdt_pool.bench import plot
 from ray_rdt_pool.bench import report as R
 from ray_rdt_pool.bench import targets as T
 from ray_rdt_pool.bench import workloads as W
-from ray_rdt_pool.bench.actors import (
+from ray_rdt_pool.bench.actors import Receiver, Sender
+from ray_rdt_pool.bench.variants import (
     OTHER_VARIANTS,
     OUR_VARIANTS,
     RAY_VARIANTS,
     TQ_ACTOR_CPUS,
     VARIANT_NAMES,
     ZERO_COPY_ENV,
-    Receiver,
-    Sender,
     Variant,
     our_transport_unavailable_reason,
     register_ours,

@@ -22,7 +22,8 @@ import pytest
 from ray_rdt_pool.bench import report as R
 from ray_rdt_pool.bench import targets as T
 from ray_rdt_pool.bench import workloads as W
-from ray_rdt_pool.bench.actors import (
+from ray_rdt_pool.bench.run import Progress, Runner, parse_config
+from ray_rdt_pool.bench.variants import (
     OTHER_VARIANTS,
     OUR_VARIANTS,
     RAY_VARIANTS,
@@ -30,7 +31,6 @@ from ray_rdt_pool.bench.actors import (
     our_transport_unavailable_reason,
     transferqueue_unavailable_reason,
 )
-from ray_rdt_pool.bench.run import Progress, Runner, parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -330,7 +330,7 @@ def test_transferqueue_variant_is_optional_and_experience_only(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from ray_rdt_pool.bench.actors import variant_by_name
+    from ray_rdt_pool.bench.variants import variant_by_name
 
     tq = variant_by_name("transferqueue")
     assert tq.name in OTHER_VARIANTS and tq.name not in RAY_VARIANTS + OUR_VARIANTS
@@ -363,7 +363,7 @@ def test_transferqueue_batch_round_trip(workload: str) -> None:
     pytest.importorskip("tensordict")
     from tensordict import TensorDict
 
-    from ray_rdt_pool.bench.actors import tq_batch, tq_unbatch
+    from ray_rdt_pool.bench.tq import tq_batch, tq_unbatch
 
     spec = W.make_spec(workload, W.Sizes(exp_samples=5, exp_tokens=7))
     tensors, _ = W.build_tensors(spec, seed=2)
@@ -415,7 +415,7 @@ def test_quick_config_and_pool_sizing() -> None:
 
 
 def test_objstore_views_skip_is_explained() -> None:
-    from ray_rdt_pool.bench.actors import variant_by_name
+    from ray_rdt_pool.bench.variants import variant_by_name
 
     runner = Runner(parse_config(["--quick"]), Progress(1, io.StringIO()))
     reason = runner.skip_reason(variant_by_name("objstore"), "views")
