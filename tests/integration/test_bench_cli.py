@@ -22,7 +22,9 @@ import pytest
 from ray_rdt_pool.bench import report as R
 from ray_rdt_pool.bench import targets as T
 from ray_rdt_pool.bench import workloads as W
-from ray_rdt_pool.bench.run import Progress, Runner, parse_config
+from ray_rdt_pool.bench.options import parse_config
+from ray_rdt_pool.bench.progress import Progress
+from ray_rdt_pool.bench.runner import Runner
 from ray_rdt_pool.bench.variants import (
     OTHER_VARIANTS,
     OUR_VARIANTS,
@@ -700,7 +702,7 @@ def test_cli_rejects_values_that_measure_nothing(argv: list[str], message: str,
 def test_cli_pool_size_and_floor_help() -> None:
     assert parse_config(["--pool-mib", "1"]).pool_bytes == 1 << 20
     assert parse_config(["--sync-iters", "2"]).sizes.sync_iters == 2
-    from ray_rdt_pool.bench.run import build_parser
+    from ray_rdt_pool.bench.options import build_parser
 
     text = " ".join(build_parser().format_help().split())
     # main() measures the floor after any workload with a target, not only after sync.
