@@ -34,7 +34,7 @@ PORT = 47011
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from ray_rdt_pool.bench.testbed import add_bed_args
+    from ray_rdt_pool.bench.testbed_cli import add_bed_args
 
     ap = argparse.ArgumentParser(prog="python -m microbenchmarks.testbed_chain",
                                  description=__doc__.split("\n\n")[0])

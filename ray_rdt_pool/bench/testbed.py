@@ -47,63 +47,62 @@ Rules it keeps (the host is shared):
 
 Only the standard library and the ``ray`` CLI (plus a short ``ray.init``/``ray.nodes()``
 script run inside namespace 0 to wait for the nodes) are used here, so the module can
-move into the package unchanged.
+move into the package unchanged. The network (names, namespaces, veths, tc) is in
+:mod:`~ray_rdt_pool.bench.netns`, the teardown steps and ``cleanup_stale`` in
+:mod:`~ray_rdt_pool.bench.netns_cleanup`, the command line in
+:mod:`~ray_rdt_pool.bench.testbed_cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import errno
-import fcntl
 import ipaddress
 import json
 import logging
 import os
 import re
-import secrets
 import shlex
 import shutil
-import signal
-import string
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from ray_rdt_pool.bench.netns import (
+    _BRIDGE,
+    BASE_DIR,
+    INNER_DEV,
+    MAX_NODES,
+    TestBedError,
+    _new_tag,
+    _ns_name,
+    _pick_subnet,
+    _sh,
+    _switch_name,
+    parse_rate,
+    parse_size,
+    probe_namespaces,
+)
+from ray_rdt_pool.bench.netns_cleanup import (
+    _default_cluster_file,
+    _delete_tag,
+    _kill_group,
+    _ns_pids,
+    _read,
+    cleanup_stale,
+    restore_cluster_file,
+)
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["Node", "TestBed", "TestBedError", "cleanup_stale", "parse_rate"]
+__all__ = ["Node", "TestBed"]
 
-#: Every name the test bed gives an interface or a namespace starts with this.
-PREFIX = "rtb"
-#: Where its lock files, Ray temp dirs, scripts and command logs live.
-BASE_DIR = Path("/tmp/rtb")
-#: The node's end of its veth, inside its namespace (the same name in every namespace).
-INNER_DEV = "eth0"
 HEAD_PORT = 6379
-#: The candidate subnets: 198.18.0.0/15 is reserved for network benchmarks (RFC 2544).
-SUBNET_POOL = ipaddress.IPv4Network("198.18.0.0/15")
-#: Linux limits interface names to 15 characters; "rtb" + tag + "v" + 3 digits fits.
-MAX_NODES = 200
-_TAG_LEN = 4
-_TAG_CHARS = string.ascii_lowercase + string.digits
-#: Namespaces: nodes ("n<i>"), the switch ("s"), the probe ("p"); host links of that form
-#: are never made, but would be removed too.
-_NAME_RE = re.compile(rf"^{PREFIX}([a-z0-9]{{{_TAG_LEN}}})(?:n\d+|s|p|v\d+|b)$")
-#: The bridge in the switch namespace (which also holds the veths' switch ends, "v<i>").
-_BRIDGE = "br0"
-_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps)$")
-_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
-_SIZE_RE = re.compile(r"^(\d+)(b|kb|mb|k|m|kbit|mbit)?$")
-_SIZE_UNITS = {None: 1, "b": 1, "k": 1024, "kb": 1024, "m": 1 << 20, "mb": 1 << 20,
-               "kbit": 128, "mbit": 131072}
 #: The Ray log files whose tails go into a bring-up error.
 _LOG_FILES = ("raylet.err", "raylet.out", "gcs_server.err", "gcs_server.out",
               "runtime_env_agent.err", "dashboard_agent.err")
@@ -122,45 +121,6 @@ while True:
 print(json.dumps([{"ip": n["NodeManagerAddress"], "resources": n["Resources"]}
                   for n in alive]))
 """
-
-
-class TestBedError(RuntimeError):
-    """The test bed could not be built, a command in it failed, or cleanup left something."""
-
-    __test__ = False  # not a pytest test class
-
-
-def parse_rate(rate: str) -> float:
-    """Bits per second of a ``tc`` rate such as ``"500mbit"`` (``mbps`` means megabytes)."""
-    m = _RATE_RE.match(rate.strip().lower())
-    if m is None:
-        raise ValueError(f"rate {rate!r} is not a tc rate: give e.g. '500mbit' or '1gbit'")
-    return float(m.group(1)) * _RATE_UNITS[m.group(2)]
-
-
-def parse_size(size: str) -> int:
-    """Bytes of a ``tc`` size such as ``"512kb"`` (``kb`` = 1024 bytes, as tc reads it)."""
-    m = _SIZE_RE.match(size.strip().lower())
-    if m is None:
-        raise ValueError(f"size {size!r} is not a tc size: give e.g. '512kb' or '1mb'")
-    return int(m.group(1)) * _SIZE_UNITS[m.group(2)]
-
-
-def _ns_name(tag: str, i: int) -> str:
-    return f"{PREFIX}{tag}n{i}"
-
-
-def _switch_name(tag: str) -> str:
-    return f"{PREFIX}{tag}s"
-
-
-def _probe_name(tag: str) -> str:
-    return f"{PREFIX}{tag}p"
-
-
-def _own(name: str, tag: str) -> bool:
-    m = _NAME_RE.match(name)
-    return m is not None and m.group(1) == tag
 
 
 def _tail(path: Path, lines: int = 15, max_chars: int = 2000) -> str:
@@ -193,192 +153,6 @@ def _ray_cli() -> str | None:
     if here.is_file() and os.access(here, os.X_OK):
         return str(here)
     return shutil.which("ray")
-
-
-def _lock(tag: str, create: bool) -> int | None:
-    """Open and flock the tag's lock file; None when another live process holds it (or,
-    with ``create``, when the tag is taken)."""
-    path = BASE_DIR / f"{tag}.lock"
-    flags = os.O_RDWR | os.O_CREAT | (os.O_EXCL if create else 0)
-    try:
-        fd = os.open(path, flags, 0o644)
-    except FileExistsError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.EAGAIN, errno.EACCES):
-            return None
-        raise
-    os.write(fd, f"{os.getpid()}\n".encode())
-    return fd
-
-
-def _new_tag() -> tuple[str, int]:
-    BASE_DIR.mkdir(parents=True, exist_ok=True)
-    for _ in range(100):
-        tag = "".join(secrets.choice(_TAG_CHARS) for _ in range(_TAG_LEN))
-        if (BASE_DIR / tag).exists():
-            continue  # the kept logs of an earlier run
-        fd = _lock(tag, create=True)
-        if fd is not None:
-            return tag, fd
-    raise TestBedError(f"no free test-bed tag in {BASE_DIR} after 100 tries")
-
-
-def _sh(argv: Sequence[str], check: bool = True, timeout: float = 30.0,
-        log: list[str] | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = shlex.join(argv)
-    logger.debug("testbed: %s", cmd)
-    if log is not None:
-        log.append(f"{time.strftime('%H:%M:%S')} {cmd}")
-    r = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
-                       check=False)
-    if check and r.returncode != 0:
-        raise TestBedError(f"`{cmd}` failed with exit status {r.returncode}: "
-                           f"{(r.stderr or r.stdout).strip()[-2000:]}")
-    return r
-
-
-def _netns_list() -> list[str]:
-    r = _sh(["ip", "netns", "list"], check=False)
-    return [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
-
-
-def _link_names() -> list[str]:
-    r = _sh(["ip", "-o", "link", "show"], check=False)
-    names = []
-    for line in r.stdout.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) >= 2:
-            names.append(parts[1].strip().split("@", 1)[0])
-    return names
-
-
-def _ns_pids(ns: str) -> list[int]:
-    r = _sh(["ip", "netns", "pids", ns], check=False)
-    return [int(p) for p in r.stdout.split() if p.isdigit()]
-
-
-def _kill_namespaces(namespaces: Sequence[str], tag: str, grace_s: float = 2.0,
-                     log: list[str] | None = None) -> list[str]:
-    """SIGTERM every process in the namespaces, SIGKILL what is left after ``grace_s``,
-    and wait until none is left; returns the problems."""
-    assert all(_own(ns, tag) for ns in namespaces), namespaces
-    me = os.getpid()
-
-    def signal_all(sig: int) -> int:
-        n = 0
-        for ns in namespaces:
-            for pid in _ns_pids(ns):
-                if pid == me:
-                    continue
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-                    n += 1
-        return n
-
-    if log is not None and namespaces:
-        log.append(f"{time.strftime('%H:%M:%S')} kill -TERM $(ip netns pids ...) "
-                   f"in {' '.join(namespaces)}")
-    if signal_all(signal.SIGTERM) == 0:
-        return []
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_ns_pids(ns) for ns in namespaces):
-        time.sleep(0.1)
-    if any(_ns_pids(ns) for ns in namespaces):
-        if log is not None:
-            log.append(f"{time.strftime('%H:%M:%S')} kill -KILL $(ip netns pids ...)")
-        signal_all(signal.SIGKILL)
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline and any(_ns_pids(ns) for ns in namespaces):
-            time.sleep(0.1)
-    left = {ns: _ns_pids(ns) for ns in namespaces}
-    return [f"processes {pids} still run in namespace {ns}" for ns, pids in left.items()
-            if pids]
-
-
-def _delete_tag(tag: str, log: list[str] | None = None) -> list[str]:
-    """Remove every namespace of a tag, processes first (deleting a namespace takes its
-    veths and bridge with it), and any host link of the tag. A namespace whose processes
-    would not end is kept, so that a later cleanup can still find them. Returns the
-    problems."""
-    namespaces = [ns for ns in _netns_list() if _own(ns, tag)]
-    problems = _kill_namespaces(namespaces, tag, log=log)
-    for ns in namespaces:
-        if _ns_pids(ns):
-            continue
-        r = _sh(["ip", "netns", "del", ns], check=False, log=log)
-        if r.returncode != 0:
-            problems.append(f"ip netns del {ns}: {r.stderr.strip()}")
-    for name in [name for name in _link_names() if _own(name, tag)]:
-        r = _sh(["ip", "link", "del", name], check=False, log=log)
-        if r.returncode != 0 and name in _link_names():
-            problems.append(f"ip link del {name}: {r.stderr.strip()}")
-    return problems
-
-
-def cleanup_stale() -> list[str]:
-    """Remove what crashed test-bed runs left (processes, namespaces with their veths and
-    bridge, directories): only names with the ``rtb`` prefix whose run's lock is no longer held.
-    Returns the tags removed."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return []
-    BASE_DIR.mkdir(parents=True, exist_ok=True)
-    tags = {m.group(1) for name in [*_netns_list(), *_link_names()]
-            if (m := _NAME_RE.match(name)) is not None}
-    tags |= {p.stem for p in BASE_DIR.glob("*.lock")}
-    tags |= {p.name for p in BASE_DIR.iterdir() if p.is_dir()
-             and re.fullmatch(f"[a-z0-9]{{{_TAG_LEN}}}", p.name)}
-    removed = []
-    for tag in sorted(tags):
-        if not re.fullmatch(f"[a-z0-9]{{{_TAG_LEN}}}", tag):
-            continue
-        fd = _lock(tag, create=False)
-        if fd is None:
-            continue  # a live run holds it
-        try:
-            d = BASE_DIR / tag
-            kept = (d / "KEEP").exists()
-            if kept and not any(_own(name, tag) for name in [*_netns_list(), *_link_names()]):
-                continue  # the logs of a finished run, kept on purpose
-            problems = _delete_tag(tag)
-            if problems:
-                logger.warning("testbed: leftovers of run %s not removed: %s", tag, problems)
-                continue
-            if d.is_dir() and not kept:
-                shutil.rmtree(d, ignore_errors=True)
-            if not d.exists():
-                with contextlib.suppress(FileNotFoundError):
-                    (BASE_DIR / f"{tag}.lock").unlink()
-            removed.append(tag)
-        finally:
-            os.close(fd)
-    if removed:
-        logger.info("testbed: removed leftovers of earlier runs %s", removed)
-    return removed
-
-
-def _used_networks() -> list[ipaddress.IPv4Network]:
-    nets = []
-    for argv in (["ip", "-4", "-o", "addr", "show"], ["ip", "-4", "route", "show", "table",
-                                                     "all"]):
-        out = _sh(argv, check=False).stdout
-        for tok in re.findall(r"\b(\d+\.\d+\.\d+\.\d+(?:/\d+)?)\b", out):
-            with contextlib.suppress(ValueError):
-                nets.append(ipaddress.IPv4Network(tok, strict=False))
-    return nets
-
-
-def _pick_subnet() -> ipaddress.IPv4Network:
-    used = _used_networks()
-    candidates = [ipaddress.IPv4Network(n) for n in SUBNET_POOL.subnets(new_prefix=24)]
-    secrets.SystemRandom().shuffle(candidates)
-    for net in candidates:
-        if not any(net.overlaps(u) for u in used):
-            return net
-    raise TestBedError(f"every /24 of {SUBNET_POOL} overlaps a host address or route")
 
 
 @dataclass(frozen=True)
@@ -474,43 +248,7 @@ class TestBed:
             return "the `ray` command is not installed next to this Python or on PATH"
         return cls._available
 
-    @staticmethod
-    def _probe() -> str | None:
-        if not sys.platform.startswith("linux"):
-            return f"needs Linux network namespaces (this is {sys.platform})"
-        if os.geteuid() != 0:
-            return "needs root (it creates network namespaces, veths and tc qdiscs)"
-        for tool in ("ip", "tc"):
-            if shutil.which(tool) is None:
-                return f"needs the `{tool}` command (iproute2)"
-        try:
-            tag, fd = _new_tag()
-        except OSError as e:
-            return f"cannot write its lock file in {BASE_DIR}: {e}"
-        ns = _probe_name(tag)
-        try:
-            # Everything is made inside a throwaway namespace: the host's links are untouched.
-            steps = [["ip", "netns", "add", ns],
-                     ["ip", "-n", ns, "link", "add", "b0", "type", "bridge"],
-                     ["ip", "-n", ns, "link", "add", "v0", "type", "veth", "peer", "name", "v1"],
-                     ["ip", "-n", ns, "link", "set", "v0", "master", "b0"],
-                     ["ip", "-n", ns, "link", "set", "v0", "up"],
-                     ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "v0", "root",
-                      "tbf", "rate", "100mbit", "burst", "64kb", "latency", "50ms"]]
-            for argv in steps:
-                r = _sh(argv, check=False)
-                if r.returncode != 0:
-                    return (f"`{shlex.join(argv)}` failed here: "
-                            f"{(r.stderr or r.stdout).strip()[-300:]}")
-            return None
-        except (OSError, subprocess.SubprocessError) as e:
-            return f"network namespaces do not work here: {e}"
-        finally:
-            if ns in _netns_list():
-                _sh(["ip", "netns", "del", ns], check=False)
-            with contextlib.suppress(FileNotFoundError):
-                (BASE_DIR / f"{tag}.lock").unlink()
-            os.close(fd)
+    _probe = staticmethod(probe_namespaces)
 
     # ---------------------------------------------------------------- properties
 
@@ -683,20 +421,7 @@ class TestBed:
     def node_report(self, i: int, short: bool = False) -> str:
         """The `ray start` output and the telling lines of node ``i``'s Ray logs (errors,
         then the tail), for an error message; ``short``: the last line of each only."""
-        node = self.nodes[i]
-        start = _excerpt(self.dir / f"ray-start-n{i}.log", tail=12)
-        logs = node.temp_dir / "session_latest" / "logs"
-        if short:
-            last = [t.strip().splitlines()[-1] for t in
-                    [start, *(_excerpt(logs / n, tail=0) for n in _LOG_FILES)] if t.strip()]
-            return " | ".join(x[-300:] for x in last)
-        parts = [f"\n--- node {i} ({node.namespace}, {node.ip}): ray start output ---\n"
-                 + start]
-        for name in _LOG_FILES:
-            text = _excerpt(logs / name)
-            if text.strip():
-                parts.append(f"\n--- node {i}: {name} ---\n{text}")
-        return "".join(parts)
+        return _node_report(self.nodes[i], self.dir, short)
 
     def _start_ray(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
@@ -838,135 +563,27 @@ class TestBed:
         ``ray.init()`` on the host would try to join the dead address)."""
         if not self.nodes:
             return []
-        path = _default_cluster_file()
-        now = _read(path)
-        if now is None or now == self._ray_cluster_file_before:
-            return []
-        if now.decode(errors="replace").strip() != self.address:
-            return []  # someone else's cluster wrote it meanwhile: theirs
-        try:
-            if self._ray_cluster_file_before is None:
-                path.unlink()
-            else:
-                path.write_bytes(self._ray_cluster_file_before)
-        except OSError as e:
-            return [f"could not restore {path}: {e}"]
-        return []
+        return restore_cluster_file(self._ray_cluster_file_before, self.address)
 
 
-def _default_cluster_file() -> Path:
-    """Ray's ``ray_current_cluster`` in its default temp dir (as Ray computes it)."""
-    tmp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
-    return Path(tmp) / "ray" / "ray_current_cluster"
-
-
-def _read(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except OSError:
-        return None
-
-
-def _kill_group(p: subprocess.Popen[Any]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(p.pid, signal.SIGTERM)
-    try:
-        p.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-
-
-# -------------------------------------------------------------------- CLI
-
-
-@contextlib.contextmanager
-def _sigterm_as_exit() -> Iterator[None]:
-    """A SIGTERM ends the CLI through its `finally`s, so the test bed is cleaned up."""
-    def handler(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-def _env_pairs(items: Sequence[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            raise SystemExit(f"--env takes KEY=VALUE, got {item!r}")
-        out[k] = v
-    return out
-
-
-def add_bed_args(ap: argparse.ArgumentParser, nodes: int | None = 2) -> None:
-    """The options of a test bed (shared by the CLIs that build one)."""
-    if nodes is not None:
-        ap.add_argument("--nodes", type=int, default=nodes, help="Ray nodes (node 0 is the head)")
-    ap.add_argument("--rate", default="500mbit",
-                    help="per-node link rate, egress and ingress, as tc writes it; 'none' = "
-                         "unlimited (default 500mbit)")
-    ap.add_argument("--burst", default="512kb", help="tbf burst (default 512kb)")
-    ap.add_argument("--latency", default="100ms", help="tbf latency (default 100ms)")
-    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                    help="environment for every node and the driver (repeatable)")
-    ap.add_argument("--num-cpus", type=int, default=1, help="CPUs each node advertises")
-    ap.add_argument("--keep-logs", action="store_true",
-                    help="keep the Ray logs in /tmp/rtb/<tag>/ after the run")
-
-
-def bed_from_args(args: argparse.Namespace, nodes: int, env: Mapping[str, str] | None = None
-                  ) -> TestBed:
-    rate = None if str(args.rate).lower() in ("none", "0", "") else args.rate
-    return TestBed(nodes=nodes, rate=rate, burst=args.burst, latency=args.latency,
-                   env={**(env or {}), **_env_pairs(args.env)}, num_cpus=args.num_cpus,
-                   keep_logs=args.keep_logs)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m ray_rdt_pool.bench.testbed",
-        description="Run a Ray driver on a multi-node test bed: N Ray nodes in network "
-                    "namespaces of this host, each link limited to --rate.",
-        epilog="example: python -m ray_rdt_pool.bench.testbed --nodes 3 --rate 500mbit -- "
-               "driver.py ARGS")
-    add_bed_args(ap)
-    ap.add_argument("--timeout", type=float, default=1800.0, help="driver timeout, seconds")
-    ap.add_argument("--check", action="store_true", help="say whether a test bed can run here")
-    ap.add_argument("--cleanup", action="store_true",
-                    help="remove the leftovers of crashed test-bed runs, then exit")
-    ap.add_argument("-v", "--verbose", action="store_true", help="log every command")
-    ap.add_argument("driver", nargs="?", help="the driver script (.py)")
-    ap.add_argument("driver_args", nargs=argparse.REMAINDER, help="its arguments")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(message)s", stream=sys.stderr)
-    if args.check:
-        reason = TestBed.available()
-        print("test bed: available" if reason is None else f"test bed: unavailable: {reason}")
-        return 0 if reason is None else 1
-    if args.cleanup:
-        print(f"removed leftovers of runs: {cleanup_stale() or 'none'}")
-        return 0
-    if not args.driver:
-        ap.error("give a driver script (after --), or --check / --cleanup")
-    driver_args = args.driver_args[1:] if args.driver_args[:1] == ["--"] else args.driver_args
-    with _sigterm_as_exit(), bed_from_args(args, args.nodes) as bed:
-        print(f"test bed {bed.tag}: {bed.n} nodes {[n.ip for n in bed.nodes]}, rate "
-              f"{bed.rate or 'unlimited'}, up in {bed.timings['bring_up']:.1f} s",
-              file=sys.stderr)
-        try:
-            bed.run_driver(args.driver, driver_args, timeout=args.timeout, echo=True)
-        except TestBedError as e:
-            print(str(e).split("\n", 1)[0], file=sys.stderr)
-            return 1
-    return 0
+def _node_report(node: Node, bed_dir: Path, short: bool) -> str:
+    i = node.index
+    start = _excerpt(bed_dir / f"ray-start-n{i}.log", tail=12)
+    logs = node.temp_dir / "session_latest" / "logs"
+    if short:
+        last = [t.strip().splitlines()[-1] for t in
+                [start, *(_excerpt(logs / n, tail=0) for n in _LOG_FILES)] if t.strip()]
+        return " | ".join(x[-300:] for x in last)
+    parts = [f"\n--- node {i} ({node.namespace}, {node.ip}): ray start output ---\n"
+             + start]
+    for name in _LOG_FILES:
+        text = _excerpt(logs / name)
+        if text.strip():
+            parts.append(f"\n--- node {i}: {name} ---\n{text}")
+    return "".join(parts)
 
 
 if __name__ == "__main__":
+    from ray_rdt_pool.bench.testbed_cli import main
+
     sys.exit(main())

@@ -63,7 +63,7 @@ _DRIVER = ("import runpy\n"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from ray_rdt_pool.bench.testbed import add_bed_args
+    from ray_rdt_pool.bench.testbed_cli import add_bed_args
 
     ap = argparse.ArgumentParser(prog="python -m ray_rdt_pool.bench.testbed_sync",
                                  description=__doc__.split("\n\n")[0])
@@ -419,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     from ray_rdt_pool.bench.env import cpu_model
-    from ray_rdt_pool.bench.testbed import TestBed, bed_from_args
+    from ray_rdt_pool.bench.testbed import TestBed
+    from ray_rdt_pool.bench.testbed_cli import bed_from_args
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     reason = TestBed.available()

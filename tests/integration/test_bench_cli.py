@@ -20,8 +20,12 @@ from pathlib import Path
 import pytest
 
 from ray_rdt_pool.bench import report as R
+from ray_rdt_pool.bench import targets as T
 from ray_rdt_pool.bench import workloads as W
-from ray_rdt_pool.bench.actors import (
+from ray_rdt_pool.bench.options import parse_config
+from ray_rdt_pool.bench.progress import Progress
+from ray_rdt_pool.bench.runner import Runner
+from ray_rdt_pool.bench.variants import (
     OTHER_VARIANTS,
     OUR_VARIANTS,
     RAY_VARIANTS,
@@ -29,7 +33,6 @@ from ray_rdt_pool.bench.actors import (
     our_transport_unavailable_reason,
     transferqueue_unavailable_reason,
 )
-from ray_rdt_pool.bench.run import Progress, Runner, parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,7 +111,7 @@ def test_cli_smallest_run_writes_complete_json(tmp_path: Path) -> None:
         assert data["floor"]["memcpy_gbps"] > 0 and data["floor"]["read_gbps"] > 0
         assert data["floor"]["pack_gbps"] > 0 and data["floor"]["read_lanes_gbps"] > 0
         # One node: every target workload has its verdict and its floor.
-        assert set(data["targets"]) == set(R.TARGETS[1])
+        assert set(data["targets"]) == set(T.TARGETS[1])
         assert all(t["floor_s"] > 0 and t["read_s"] == 0 for t in data["targets"].values())
         assert set(data["floor"]["weight_sync"]) == {"sync", "sync_stream"}
         assert data["experience_put_get"]["nixl_pool"]["target"] == 2.0
@@ -214,14 +217,14 @@ def test_stream_buckets_match_the_weights_api(kib: int) -> None:
 
 def test_pipeline_floor_is_max_stage_plus_one_bucket() -> None:
     # 4 buckets of 1 GB; pack 2 GB/s (0.5 s each), READ 1 GB/s (1 s each).
-    assert R.pipeline_floor_s([10**9] * 4, 2.0, 1.0) == pytest.approx(4.0 + 0.5)
-    assert R.pipeline_floor_s([10**9] * 4, 1.0, 2.0) == pytest.approx(4.0 + 0.5)
-    assert R.pipeline_floor_s([10**9], 1.0, 1.0) == pytest.approx(2.0)  # nothing overlaps
+    assert T.pipeline_floor_s([10**9] * 4, 2.0, 1.0) == pytest.approx(4.0 + 0.5)
+    assert T.pipeline_floor_s([10**9] * 4, 1.0, 2.0) == pytest.approx(4.0 + 0.5)
+    assert T.pipeline_floor_s([10**9], 1.0, 1.0) == pytest.approx(2.0)  # nothing overlaps
     # Unequal buckets: the worst split point k of pack(0..k) + READ(k..n-1). A 3 s bucket
     # then a 1 s one: pack 3, READ 3 (the second pack hides under it), READ 1.
-    assert R.pipeline_floor_s([3 * 10**9, 10**9], 1.0, 1.0) == pytest.approx(3 + 3 + 1)
-    assert R.pipeline_floor_s([10**9, 3 * 10**9], 1.0, 1.0) == pytest.approx(1 + 3 + 3)
-    floors = R.weight_sync_floors({"memcpy_gbps": 2.0, "read_gbps": 1.0},
+    assert T.pipeline_floor_s([3 * 10**9, 10**9], 1.0, 1.0) == pytest.approx(3 + 3 + 1)
+    assert T.pipeline_floor_s([10**9, 3 * 10**9], 1.0, 1.0) == pytest.approx(1 + 3 + 3)
+    floors = T.weight_sync_floors({"memcpy_gbps": 2.0, "read_gbps": 1.0},
                                   {"sync": 4 * 10**9, "sync_stream": 4 * 10**9}, [10**9] * 4)
     assert floors["sync"]["floor_s"] == pytest.approx(2.0 + 4.0)  # one after the other
     assert floors["sync_stream"]["floor_s"] == pytest.approx(4.5)
@@ -229,7 +232,7 @@ def test_pipeline_floor_is_max_stage_plus_one_bucket() -> None:
     # Same node, pool mapped: sync's floor is the pack; the stream's, pack then copy.
     assert floors["sync"]["mapped_floor_s"] == pytest.approx(2.0)
     assert floors["sync_stream"]["mapped_floor_s"] == pytest.approx(2.0 + 0.5)
-    assert R.weight_sync_floors({"memcpy_gbps": 2.0}, {"sync": 1}, None) == {}
+    assert T.weight_sync_floors({"memcpy_gbps": 2.0}, {"sync": 1}, None) == {}
 
 
 def _sample(variant: str, workload: str, **phases: float) -> dict:
@@ -329,7 +332,7 @@ def test_transferqueue_variant_is_optional_and_experience_only(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from ray_rdt_pool.bench.actors import variant_by_name
+    from ray_rdt_pool.bench.variants import variant_by_name
 
     tq = variant_by_name("transferqueue")
     assert tq.name in OTHER_VARIANTS and tq.name not in RAY_VARIANTS + OUR_VARIANTS
@@ -362,7 +365,7 @@ def test_transferqueue_batch_round_trip(workload: str) -> None:
     pytest.importorskip("tensordict")
     from tensordict import TensorDict
 
-    from ray_rdt_pool.bench.actors import tq_batch, tq_unbatch
+    from ray_rdt_pool.bench.tq import tq_batch, tq_unbatch
 
     spec = W.make_spec(workload, W.Sizes(exp_samples=5, exp_tokens=7))
     tensors, _ = W.build_tensors(spec, seed=2)
@@ -414,7 +417,7 @@ def test_quick_config_and_pool_sizing() -> None:
 
 
 def test_objstore_views_skip_is_explained() -> None:
-    from ray_rdt_pool.bench.actors import variant_by_name
+    from ray_rdt_pool.bench.variants import variant_by_name
 
     runner = Runner(parse_config(["--quick"]), Progress(1, io.StringIO()))
     reason = runner.skip_reason(variant_by_name("objstore"), "views")
@@ -442,7 +445,7 @@ def test_target_floors_say_met_and_whether_the_floor_fits() -> None:
     order = list(payloads)
     summary = R.summarize(samples, payloads, RAY_VARIANTS, OUR_VARIANTS, order)
     floor = {"pack_gbps": 20.0, "read_lanes_gbps": 10.0}
-    t = R.target_floors(summary, payloads, floor, nodes=2)
+    t = T.target_floors(summary, payloads, floor, nodes=2)
     assert set(t) == {"big", "sync", "many"}
     big, sync, many = t["big"], t["sync"], t["many"]
     assert big["target"] == 2.0 and big["allowance_s"] == pytest.approx(0.040)
@@ -454,13 +457,13 @@ def test_target_floors_say_met_and_whether_the_floor_fits() -> None:
     assert sync["reachable"] is True
     assert many["target"] == 1.5 and many["met"] is True and "floor_s" not in many
     # One node: the receiver maps the pool, so the floor has no READ.
-    one = R.target_floors(summary, payloads, floor, nodes=1)
+    one = T.target_floors(summary, payloads, floor, nodes=1)
     assert one["big"]["target"] == 1.2 and one["big"]["read_s"] == 0.0
     assert one["big"]["floor_s"] == pytest.approx(0.060)
     # Without the READ rate, a cross-node floor cannot be stated; the verdict still is.
-    no_read = R.target_floors(summary, payloads, {"pack_gbps": 20.0}, nodes=2)
+    no_read = T.target_floors(summary, payloads, {"pack_gbps": 20.0}, nodes=2)
     assert "floor_s" not in no_read["big"] and no_read["big"]["met"] is False
-    text = R.format_targets(t, floor, 2)
+    text = T.format_targets(t, floor, 2)
     big_line = next(line for line in text.splitlines() if line.startswith("big"))
     assert "NOT met" in big_line and big_line.rstrip().endswith("NO")
     sync_line = next(line for line in text.splitlines() if line.startswith("sync"))
@@ -504,7 +507,7 @@ def test_measure_floor_records_each_rate_or_why_not(monkeypatch: pytest.MonkeyPa
     # Without a sync workload, the largest payload (capped) is measured.
     bench.measure_floor(SimpleNamespace(payloads={"big": 300 << 20, "many": 1}), reps=1)  # type: ignore[arg-type]
     assert sizes[-1] == 256 << 20
-    text = R.format_targets({}, out, 2)
+    text = T.format_targets({}, out, 2)
     assert "pack n/a (AssertionError: wrong bytes after the pack)" in text
     assert "READ over two lanes n/a (RuntimeError: no second agent)" in text
 
@@ -558,7 +561,7 @@ def test_a_failed_ray_variant_never_lets_a_target_read_met() -> None:
     payloads = {"big": 256 << 20}
     summary = R.summarize(samples, payloads, RAY_VARIANTS, OUR_VARIANTS, ["big"],
                           other_variants=OTHER_VARIANTS)
-    t = R.target_floors(summary, payloads, {}, 1)["big"]
+    t = T.target_floors(summary, payloads, {}, 1)["big"]
     assert t["met"] is None and t["incomplete"] == "objstore_zc failed"
     ratios = summary["big"]["ratios"]
     assert ratios["best_ray"] == "nixl" and ratios["best_ray_incomplete"] == ["objstore_zc"]
@@ -567,16 +570,16 @@ def test_a_failed_ray_variant_never_lets_a_target_read_met() -> None:
     text = R.format_ratios(ratios, {})
     assert "INCOMPLETE: objstore_zc failed (10.0 ms over the transfers that completed)" in text
     assert "<= x2.00 vs best Ray (nixl)" in text
-    line = next(x for x in R.format_targets({"big": t}, {}, 1).splitlines()
+    line = next(x for x in T.format_targets({"big": t}, {}, 1).splitlines()
                 if x.startswith("big"))
     assert "unknown" in line and " met" not in line
-    assert "INCOMPLETE: objstore_zc failed; not determinable" in R.format_targets(
+    assert "INCOMPLETE: objstore_zc failed; not determinable" in T.format_targets(
         {"big": t}, {}, 1)
     # A miss against the best that completed stands: a failed one can only be faster.
     slow = (_ray_run("objstore_zc", 0.010, failed_rep=5) + _ray_run("nixl", 0.030)
             + _ray_run("nixl_pool", 0.029))
     summary = R.summarize(slow, payloads, RAY_VARIANTS, OUR_VARIANTS, ["big"])
-    assert R.target_floors(summary, payloads, {}, 1)["big"]["met"] is False
+    assert T.target_floors(summary, payloads, {}, 1)["big"]["met"] is False
     # A Ray variant that was to run and left no sample (its actors did not start) is
     # failed too, not absent; so is ours, whose target then is not determinable.
     samples = _ray_run("nixl", 0.030) + _ray_run("nixl_pool", 0.015)
@@ -585,12 +588,12 @@ def test_a_failed_ray_variant_never_lets_a_target_read_met() -> None:
     ratios = summary["big"]["ratios"]
     assert ratios["best_ray_incomplete"] == ["objstore_zc"]
     assert ratios["failed_ray_e2e_s"] == {"objstore_zc": None}
-    assert R.target_floors(summary, payloads, {}, 1)["big"]["met"] is None
+    assert T.target_floors(summary, payloads, {}, 1)["big"]["met"] is None
     samples = _ray_run("nixl", 0.030) + _ray_run("nixl_pool", 0.015, failed_rep=2)
     summary = R.summarize(samples, payloads, RAY_VARIANTS, OUR_VARIANTS, ["big"])
-    t = R.target_floors(summary, payloads, {}, 1)["big"]
+    t = T.target_floors(summary, payloads, {}, 1)["big"]
     assert t["met"] is None and t["e2e_s"] is None and t["incomplete"] == "nixl_pool failed"
-    assert "unknown" in R.format_targets({"big": t}, {}, 1)
+    assert "unknown" in T.format_targets({"big": t}, {}, 1)
 
 
 def test_report_shows_every_failed_variant() -> None:
@@ -699,13 +702,13 @@ def test_cli_rejects_values_that_measure_nothing(argv: list[str], message: str,
 def test_cli_pool_size_and_floor_help() -> None:
     assert parse_config(["--pool-mib", "1"]).pool_bytes == 1 << 20
     assert parse_config(["--sync-iters", "2"]).sizes.sync_iters == 2
-    from ray_rdt_pool.bench.run import build_parser
+    from ray_rdt_pool.bench.options import build_parser
 
     text = " ".join(build_parser().format_help().split())
     # main() measures the floor after any workload with a target, not only after sync.
     assert ("which runs when any of big, many, views, transformer, sync, sync_stream ran"
             in text)
-    assert set(R.TARGETS[1]) | set(W.SYNC_WORKLOADS) == {
+    assert set(T.TARGETS[1]) | set(W.SYNC_WORKLOADS) == {
         "big", "many", "views", "transformer", "sync", "sync_stream"}
 
 

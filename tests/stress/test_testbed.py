@@ -26,8 +26,12 @@ from pathlib import Path
 
 import pytest
 
+from ray_rdt_pool.bench import netns as N
+from ray_rdt_pool.bench import netns_cleanup as C
 from ray_rdt_pool.bench import testbed as tb
-from ray_rdt_pool.bench.testbed import TestBed, TestBedError, cleanup_stale
+from ray_rdt_pool.bench.netns import TestBedError
+from ray_rdt_pool.bench.netns_cleanup import cleanup_stale
+from ray_rdt_pool.bench.testbed import TestBed
 
 REASON = TestBed.available()
 pytestmark = [pytest.mark.ray, pytest.mark.skipif(REASON is not None, reason=str(REASON)),
@@ -35,7 +39,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.skipif(REASON is not None, reason=str
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
-CLUSTER_FILE = tb._default_cluster_file()
+CLUSTER_FILE = C._default_cluster_file()
 
 #: A TCP receiver on port 5201 of its namespace: prints "ready", takes ``n`` connections,
 #: drains them all, prints bytes and the seconds from "ready" to the last byte.
@@ -67,7 +71,7 @@ SEND = textwrap.dedent("""
 
 def _names(tag: str) -> list[str]:
     """Every namespace and link of the host that carries the tag."""
-    return [n for n in tb._netns_list() + tb._link_names() if tag in n]
+    return [n for n in N._netns_list() + N._link_names() if tag in n]
 
 
 def _running(pids: list[int]) -> list[int]:
@@ -100,7 +104,7 @@ def _processes_naming(text: str) -> list[int]:
 def _assert_gone(bed: TestBed, pids: Sequence[int] = ()) -> None:
     assert bed.tag
     assert _names(bed.tag) == []
-    assert not bed.dir.exists() and not (tb.BASE_DIR / f"{bed.tag}.lock").exists()
+    assert not bed.dir.exists() and not (N.BASE_DIR / f"{bed.tag}.lock").exists()
     deadline = time.monotonic() + 10  # an exiting process may linger a moment as a zombie
     while (_running(list(pids)) or _processes_naming(str(bed.dir))) and \
             time.monotonic() < deadline:
@@ -132,13 +136,13 @@ def _transfer(bed: TestBed, to: int, senders: list[int], nbytes: int) -> float:
 def test_each_link_is_limited_both_ways_as_a_full_duplex_nic() -> None:
     rate, burst = "80mbit", "32kb"
     nbytes = 4 << 20
-    host_links = tb._link_names()
+    host_links = N._link_names()
     with TestBed(nodes=3, rate=rate, burst=burst, ray=False) as bed:
-        assert tb._link_names() == host_links  # the bridge and veths are in namespaces
+        assert N._link_names() == host_links  # the bridge and veths are in namespaces
         # Every node's egress (in its namespace) and ingress (host end) carry the bucket.
         for node in bed.nodes:
             inner = subprocess.run(["ip", "netns", "exec", node.namespace, "tc", "qdisc",
-                                    "show", "dev", tb.INNER_DEV], capture_output=True,
+                                    "show", "dev", N.INNER_DEV], capture_output=True,
                                    text=True, check=True).stdout
             outer = subprocess.run(["ip", "netns", "exec", bed.switch, "tc", "qdisc", "show",
                                     "dev", node.veth], capture_output=True, text=True,
@@ -146,8 +150,8 @@ def test_each_link_is_limited_both_ways_as_a_full_duplex_nic() -> None:
             assert "tbf" in inner and "rate 80Mbit" in inner, inner
             assert "tbf" in outer and "rate 80Mbit" in outer, outer
         # Two bursts' worth of slack: the receiver's and a sender's bucket start full.
-        slack = 2 * tb.parse_size(burst)
-        floor_two = (2 * nbytes - slack) * 8 / tb.parse_rate(rate)
+        slack = 2 * N.parse_size(burst)
+        floor_two = (2 * nbytes - slack) * 8 / N.parse_rate(rate)
         # Ingress: two senders, each under its own egress limit, into one node; without
         # the host-side qdisc this takes about half the time.
         assert _transfer(bed, 0, [1, 2], nbytes) >= floor_two
@@ -280,13 +284,13 @@ def test_leftovers_of_a_killed_run_are_removed_and_a_live_run_is_not() -> None:
         tag = crashed.stdout.split()[0]
         left = _names(tag)
         assert len(left) == 3, left  # 2 nodes and the switch
-        sleeper = _running(tb._ns_pids(tb._ns_name(tag, 1)))
+        sleeper = _running(C._ns_pids(N._ns_name(tag, 1)))
         assert sleeper
         removed = cleanup_stale()
         assert tag in removed and live.tag not in removed
         assert _names(live.tag) == mine  # a live run's lock is held: untouched
-        assert _names(tag) == [] and not (tb.BASE_DIR / tag).exists()
-        assert not (tb.BASE_DIR / f"{tag}.lock").exists()
+        assert _names(tag) == [] and not (N.BASE_DIR / tag).exists()
+        assert not (N.BASE_DIR / f"{tag}.lock").exists()
         deadline = time.monotonic() + 10
         while _running(sleeper) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -297,7 +301,7 @@ def test_leftovers_of_a_killed_run_are_removed_and_a_live_run_is_not() -> None:
 def test_ray_current_cluster_is_removed_only_when_it_names_the_bed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
-    path = tb._default_cluster_file()
+    path = C._default_cluster_file()
     assert path == tmp_path / "ray" / "ray_current_cluster"
     path.parent.mkdir()
     bed = TestBed(nodes=1)
@@ -317,7 +321,7 @@ def test_bad_arguments_and_reasons() -> None:
         TestBed(nodes=2, rate="fast")
     with pytest.raises(ValueError, match="nodes"):
         TestBed(nodes=0)
-    assert tb.parse_rate("500mbit") == 5e8 and tb.parse_size("512kb") == 512 * 1024
+    assert N.parse_rate("500mbit") == 5e8 and N.parse_size("512kb") == 512 * 1024
     bed = TestBed(nodes=2, ray=False)
     with pytest.raises(TestBedError, match="not running"):
         bed.run_driver("print(1)")

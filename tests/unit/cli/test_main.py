@@ -40,7 +40,8 @@ def test_no_or_unknown_command_exits_2(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_bench_without_its_extra_says_what_to_install(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.delitem(sys.modules, "ray_rdt_pool.bench.run", raising=False)
+    for name in ("run", "runner", "progress"):  # progress imports psutil
+        monkeypatch.delitem(sys.modules, f"ray_rdt_pool.bench.{name}", raising=False)
     monkeypatch.setitem(sys.modules, "psutil", None)  # import psutil now fails
     assert cli.main(["bench", "--quick"]) == 2
     err = capsys.readouterr().err
@@ -48,7 +49,8 @@ def test_bench_without_its_extra_says_what_to_install(
 
 
 def test_nodes_places_the_actors_on_distinct_nodes() -> None:
-    from ray_rdt_pool.bench.run import BenchError, place_on_nodes
+    from ray_rdt_pool.bench.options import BenchError
+    from ray_rdt_pool.bench.run import place_on_nodes
 
     nodes: list[dict[str, Any]] = [{"NodeID": "w1", "Alive": True},
                                    {"NodeID": "dead", "Alive": False},
@@ -64,7 +66,7 @@ def test_nodes_places_the_actors_on_distinct_nodes() -> None:
 
 def test_netns_nodes_needs_root_and_says_why(monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
-    from ray_rdt_pool.bench import run
+    from ray_rdt_pool.bench import options, run
     from ray_rdt_pool.bench.testbed import TestBed
 
     assert run.testbed_engine_counts(9) == [1, 2, 4, 8]
@@ -75,6 +77,6 @@ def test_netns_nodes_needs_root_and_says_why(monkeypatch: pytest.MonkeyPatch,
     assert run.main(["--netns-nodes", "3", "--rate", "100mbit"]) == 2
     assert "needs root" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        run.parse_config(["--netns-nodes", "1"])
+        options.parse_config(["--netns-nodes", "1"])
     with pytest.raises(SystemExit):
-        run.parse_config(["--netns-nodes", "3", "--address", "h:1"])
+        options.parse_config(["--netns-nodes", "3", "--address", "h:1"])
