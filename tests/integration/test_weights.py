@@ -21,72 +21,31 @@ from ray import cloudpickle
 import ray_rdt_pool
 from ray_rdt_pool.errors import PoolExhaustedError
 from ray_rdt_pool.weights import (
-    DtypeMismatchError,
-    DuplicateTargetError,
     ManifestReleasedError,
-    MissingWeightsError,
     ShapeMismatchError,
-    UnexpectedWeightsError,
     WeightReceiver,
     WeightSender,
     WeightSyncTimeoutError,
     sync,
 )
+from tests.support import weights_state
 from tests.support.raycluster import actor_cluster, call, wait_drained, wait_for
+from tests.support.weights_state import KINDS, SMALL, Spec, make_state
+from tests.support.weights_state import mismatch as _mismatch
 
 # The helpers below run inside the actors; ship them by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(weights_state)
 
 POOL = 8 << 20
 ENV = {"RAY_RDT_POOL_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "64M"}
 
-Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
-
-
-def make_state(spec: Spec, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, (shape, dtype) in spec.items():
-        t = torch.randn(shape, generator=g, dtype=torch.float64)
-        out[name] = (t > 0) if dtype == torch.bool else (t * 100).to(dtype)
-    return out
-
-
-SMALL: Spec = {
-    "embed.weight": ((64, 32), torch.float32),
-    "layers.0.w": ((32, 32), torch.float32),
-    "layers.0.b": ((32,), torch.float32),
-    "layers.1.w": ((32, 32), torch.bfloat16),
-    "layers.1.b": ((32,), torch.float32),
-    "step": ((), torch.int64),
-}
 
 
 # ---------------------------------------------------------------------------------------
 # No Ray
 # ---------------------------------------------------------------------------------------
 
-
-def _mismatch(kind: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A destination (and receiver options) that mismatches SMALL in one way."""
-    dest = make_state(SMALL, seed=5)
-    opts: dict[str, Any] = {}
-    if kind == "missing":
-        dest["extra.dest.only"] = torch.zeros(3)
-    elif kind == "unexpected":
-        del dest["layers.1.b"]
-    elif kind == "shape":
-        dest["layers.0.w"] = torch.zeros(32, 31)
-    elif kind == "dtype":
-        dest["layers.0.b"] = torch.zeros(32, dtype=torch.bool)  # float -> bool refused
-    elif kind == "duplicate":
-        opts["name_map"] = {"layers.0.b": "layers.1.b"}
-    return dest, opts
-
-
-KINDS = {"missing": MissingWeightsError, "unexpected": UnexpectedWeightsError,
-         "shape": ShapeMismatchError, "dtype": DtypeMismatchError,
-         "duplicate": DuplicateTargetError}
 
 
 # ---------------------------------------------------------------------------------------
