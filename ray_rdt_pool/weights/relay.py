@@ -33,7 +33,6 @@ from ray_rdt_pool.errors import (
     WeightSyncError,
     WeightSyncTimeoutError,
 )
-from ray_rdt_pool.weights.late import _LATE
 from ray_rdt_pool.weights.manifest import BucketLayout, PoolBucket, WeightLayout
 from ray_rdt_pool.weights.pool import _free_owned, _registration_cache_bytes
 from ray_rdt_pool.weights.receiver import WeightReceiver
@@ -539,12 +538,6 @@ class RelaySession(StreamSession):
                  if not _ended([ref])}
         _wait_quietly([a for i, a in enumerate(aborts) if i not in stuck],
                       min(self.timeout_s, 30.0))
-        late = [f for f in self.inflight if not _ended(f.acks)]
-        gone = {id(f) for f in late}
-        _free_owned([o for f in self.inflight if id(f) not in gone for o in f.owned]
-                    + [self.owned])
-        if late:
-            _LATE.add(late, self.session)
-        self.inflight.clear()
+        self._release_inflight()
         self.unchecked.clear()
         self.rows.clear()

@@ -382,6 +382,17 @@ class StreamSession:
         self.skipped = _get_all(self.finishes, self.timeout_s,
                                 "committing the stream on the receivers")
 
+    def _release_inflight(self) -> None:
+        """Free the in-flight buckets whose receiver calls have all ended; those still
+        being read go to the late list, to be freed when their calls end."""
+        late = [f for f in self.inflight if not _ended(f.acks)]
+        gone = {id(f) for f in late}
+        _free_owned([o for f in self.inflight if id(f) not in gone for o in f.owned]
+                    + [self.owned])
+        if late:
+            _LATE.add(late, self.session)
+        self.inflight.clear()
+
     def _clean_up(self) -> None:
         """After a failure: let the receivers finish (or fail) what they hold so every
         ref drains, then have every receiver that began drop the stream (and any bucket
@@ -405,13 +416,7 @@ class StreamSession:
         # source's kept tensors). One whose call has not ended even so (a plain actor
         # runs the bucket calls queued before the abort; a stuck receiver) may still
         # read it: such buckets are let go only once that call ends.
-        late = [f for f in self.inflight if not _ended(f.acks)]
-        gone = {id(f) for f in late}
-        _free_owned([o for f in self.inflight if id(f) not in gone for o in f.owned]
-                    + [self.owned])
-        if late:
-            _LATE.add(late, self.session)
-        self.inflight.clear()
+        self._release_inflight()
         self.gathered = _Run()
 
     def report(self, t0: float) -> StreamReport:
