@@ -98,7 +98,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ray_rdt_pool.nixl.protocol import Backend
 
-__all__ = ["FakeBackend", "FakeClock", "World"]
+__all__ = ["FakeBackend", "FakeClock", "FakeSignals", "World"]
 
 
 class FakeClock:
@@ -169,6 +169,10 @@ class World:
     violations: list[str] = field(default_factory=list)
     #: remote agents removed while READs from them were in flight (a deliberate cut-off)
     cuts: list[str] = field(default_factory=list)
+    #: every signal endpoint made by :meth:`signals`, by name
+    endpoints: dict[str, FakeSignals] = field(default_factory=dict)
+    #: signals to endpoints in this set are lost (a peer that is gone: no error)
+    lost: set[str] = field(default_factory=set)
 
     def factory(self, name: str, interval: float, lanes: int = 1,
                 split_bytes: int = 8 << 20, on_split: Any = None,
@@ -179,6 +183,12 @@ class World:
         b = FakeBackend(self, name, lanes=lanes, split_bytes=split_bytes, on_split=on_split)
         self.agents[name] = b
         return b
+
+    def signals(self, name: str) -> FakeSignals:
+        """A new signal endpoint named ``name`` (a runtime's ``signals_factory``)."""
+        e = FakeSignals(self, name)
+        self.endpoints[name] = e
+        return e
 
     # The directory interface of the runtime's KVDirectory.
     def publish(self, name: str, version: int, reset_version: int, md: bytes) -> None:
@@ -378,3 +388,53 @@ class FakeBackend:
 if TYPE_CHECKING:
     def _implements_the_protocol(b: FakeBackend) -> Backend:
         return b  # mypy checks here that FakeBackend is a Backend
+
+
+class FakeSignals:
+    """One fake signal endpoint: implements :class:`~ray_rdt_pool.nixl.protocol.Signals`
+    inside one process. A message lands in the destination's queue at once, in order; to
+    an endpoint in ``World.lost`` or one that closed, it is lost without an error, as
+    NIXL loses a notification to a peer that died. Sending to a name never connected
+    raises, as NIXL does (``NIXL_ERR_NOT_FOUND``)."""
+
+    def __init__(self, world: World, name: str) -> None:
+        self.world = world
+        self.name = name
+        self.sent = 0  #: messages sent, for tests
+        self._lock = threading.Lock()
+        self._queue: list[tuple[str, bytes]] = []
+        self._peers: set[str] = set()
+        self.closed = False
+
+    def metadata(self) -> bytes:
+        return self.name.encode()
+
+    def connect(self, md: bytes) -> str:
+        name = bytes(md).decode()
+        with self._lock:
+            self._peers.add(name)
+        return name
+
+    def send(self, name: str, msg: bytes) -> None:
+        with self._lock:
+            if self.closed:
+                raise RuntimeError(f"signal endpoint {self.name} is closed")
+            if name not in self._peers:
+                raise RuntimeError(f"NIXL_ERR_NOT_FOUND: {name} was never connected")
+            self.sent += 1
+        dest = self.world.endpoints.get(name)
+        if dest is None or name in self.world.lost:
+            return
+        with dest._lock:
+            if not dest.closed:
+                dest._queue.append((self.name, bytes(msg)))
+
+    def poll(self) -> list[tuple[str, bytes]]:
+        with self._lock:
+            out, self._queue = self._queue, []
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            self._queue = []

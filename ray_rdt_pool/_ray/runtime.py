@@ -31,6 +31,7 @@ from ray_rdt_pool._ray.metadata import PoolFetch, PoolTransportMetadata
 from ray_rdt_pool._ray.stats import collect
 from ray_rdt_pool.config import PoolConfig, Tuning, from_env
 from ray_rdt_pool.core.clock import SYSTEM_CLOCK, Clock
+from ray_rdt_pool.core.mailbox import Mailbox
 from ray_rdt_pool.core.selection import check_selection_count
 from ray_rdt_pool.errors import (
     ConfigurationError,
@@ -71,7 +72,8 @@ class Runtime:
                  | None = None, directory: Any = None,
                  region_factory: Callable[[int, str, bool], Any] | None = None,
                  node_id: Callable[[], str | None] | None = None,
-                 clock: Clock = SYSTEM_CLOCK) -> None:
+                 clock: Clock = SYSTEM_CLOCK,
+                 signals_factory: Callable[[str], Any] | None = None) -> None:
         self.config = config
         self.clock = clock
         self.events = Events()
@@ -81,6 +83,9 @@ class Runtime:
         self._active: Callable[[], None] = _nothing  # the backend's active(), once made
         self._backend_lock = threading.Lock()
         self.agent_name = ""
+        # The weight sync's signal endpoint and its mailbox, made on first use.
+        self._signals_factory = signals_factory
+        self._mailbox: Mailbox | None = None
         self.directory = directory if directory is not None else KVDirectory()
         self.registry = Registry(self.backend, self.directory,
                                  config.registration_cache_bytes, self.events, region_factory)
@@ -145,6 +150,25 @@ class Runtime:
                 self.agent_name = name
                 self._backend = b
             return self._backend
+
+    def mailbox(self) -> Mailbox:
+        """The process's signal endpoint (its own NIXL agent) and the mailbox that sorts
+        its messages, created on first use (a weight sync's)."""
+        box = self._mailbox
+        if box is not None and not self.closed:
+            return box
+        with self._backend_lock:
+            if self.closed or self._closing:
+                raise self._gone()
+            if self._mailbox is None:
+                if self._signals_factory is not None:
+                    make = self._signals_factory
+                else:
+                    from ray_rdt_pool.nixl.signals import NixlSignals
+
+                    make = NixlSignals
+                self._mailbox = Mailbox(make(_nixl.new_agent_name() + "-sig"), self.clock)
+            return self._mailbox
 
     def _gone(self) -> RdtPoolError:
         if self._retired:
@@ -345,6 +369,12 @@ class Runtime:
             first = not self._closing
             self._closing = True
             backend = self._backend
+            mailbox, self._mailbox = self._mailbox, None
+        if mailbox is not None and first:
+            try:
+                mailbox.endpoint.close()
+            except Exception:
+                logger.debug("closing the signal endpoint failed", exc_info=True)
         if not first:
             if not self._shut.wait(SHUTDOWN_WAIT_S):
                 logger.warning("ray_rdt_pool.shutdown(): another thread's shutdown has not "

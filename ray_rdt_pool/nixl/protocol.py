@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-__all__ = ["Backend", "Desc"]
+__all__ = ["Backend", "Desc", "Signals"]
 
 #: One descriptor: (address, length in bytes, device index).
 Desc = tuple[int, int, int]
@@ -71,4 +71,30 @@ class Backend(Protocol):
     def state(self, xfer: Any) -> str: ...
     def release(self, xfer: Any) -> None: ...
     def add_tick(self, fn: Callable[[], Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+class Signals(Protocol):
+    """One process's endpoint for small messages to other processes: the signals a weight
+    sync's data plane runs on (NIXL notifications, on an agent of their own so that no
+    peer bookkeeping of the transport's agent ever drops a signal peer). Every method is
+    thread-safe. The contract, and what real NIXL may do within it:
+
+    * ``metadata()``: bytes a peer passes to ``connect`` to send here.
+    * ``connect(md)``: make that endpoint a destination of ``send``; returns its name.
+      Connecting again is a no-op. The receiving side connects nothing to receive.
+    * ``send(name, msg)``: queue ``msg`` for a connected peer. Messages from one sender
+      arrive in order. A message to a peer that is gone is lost without an error (a
+      peer's death is learnt elsewhere, from Ray). Raises for a name never connected.
+    * ``poll()``: the messages that arrived since the last call, as ``(sender name,
+      bytes)``; it also progresses the endpoint (connections being made). Never blocks.
+    * ``close()``: destroy the endpoint; messages not yet polled are lost.
+    """
+
+    name: str
+
+    def metadata(self) -> bytes: ...
+    def connect(self, md: bytes) -> str: ...
+    def send(self, name: str, msg: bytes) -> None: ...
+    def poll(self) -> list[tuple[str, bytes]]: ...
     def close(self) -> None: ...
