@@ -31,7 +31,8 @@ of this tree::
         │   ├── RankOverlapError
         │   └── RankMissingError
         ├── TrainerRankError
-        └── RelayReceiverError
+        └── ReceiverError
+            └── RelayReceiverError
 
 Each also derives from the built-in exception in brackets, the one a caller would
 naturally catch, so existing ``except`` clauses keep working. Messages carry the numbers
@@ -62,6 +63,7 @@ __all__ = [
     "RankOverlapError",
     "RdtPoolError",
     "ReadStillRunningError",
+    "ReceiverError",
     "RegistrationError",
     "RelayReceiverError",
     "SelectError",
@@ -460,26 +462,36 @@ class TrainerRankError(WeightSyncError):
                              self.committed))
 
 
-class RelayReceiverError(WeightSyncError):
-    """A receiver of a relayed stream (``relay="chain"``) died, or stopped answering for
-    ``timeout_s``, while the chain still needed it.
+class ReceiverError(WeightSyncError):
+    """A receiver of a sync died, or stopped answering for ``timeout_s``, while the sync
+    still needed it.
 
     ``receiver`` is its index in the ``receivers`` passed to the sync, ``actor_id`` its
-    actor's id (hex), ``bucket`` the bucket it failed at and ``stalled`` True when it
-    stopped answering (False: it died). The Ray error, if any, is the ``__cause__``. No
-    receiver committed the stream: every one that is alive keeps its previous version
-    and stays usable; sync the survivors again, without this receiver or after
-    replacing it.
+    actor's id (hex), ``bucket`` the bucket it failed at, ``stalled`` True when it
+    stopped answering (False: it died), and ``committed`` the receivers that committed
+    the version anyway: none, unless it died at the commit step itself (receivers commit
+    one by one there, with no atomicity across them). The Ray error, if any, is the
+    ``__cause__``. Every other receiver that is alive keeps its previous version (or
+    the new one, if listed in ``committed``) and stays usable; sync the survivors again,
+    without this receiver or after replacing it.
     """
 
     def __init__(self, message: str, receiver: int = -1, actor_id: str = "",
-                 bucket: int = -1, stalled: bool = False) -> None:
+                 bucket: int = -1, stalled: bool = False,
+                 committed: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.receiver = receiver
         self.actor_id = actor_id
         self.bucket = bucket
         self.stalled = stalled
+        self.committed = tuple(committed)
 
     def __reduce__(self) -> Any:
         return (type(self), (str(self.args[0]) if self.args else "", self.receiver,
-                             self.actor_id, self.bucket, self.stalled))
+                             self.actor_id, self.bucket, self.stalled, self.committed))
+
+
+class RelayReceiverError(ReceiverError):
+    """A :class:`ReceiverError` in a relayed stream (``relay="chain"``): the receiver the
+    chain broke at. A stalled receiver in a chain holds up every receiver after it, so
+    the one named is the first that did not pass on what it was given."""

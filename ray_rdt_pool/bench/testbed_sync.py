@@ -164,24 +164,15 @@ def _peer_class() -> Any:
                     for k, t in self.state.items()}
 
         def trace(self) -> list[tuple[str, int, float, float]]:
-            """Start timing (host clock: every namespace shares it) this engine's relay
-            calls and bucket loads; returns what was timed since the last call."""
-            import ray_rdt_pool.weights.relay as relay
-
+            """Start timing (host clock: every namespace shares it) this engine's bucket
+            loads; returns what was timed since the last call."""
             log: list[tuple[Any, ...]] = getattr(self, "log", [])
             self.log: list[tuple[Any, ...]] = []
             if getattr(self, "traced", False):
                 return log
             self.traced = True
-            call, rec = relay._remote_relay_bucket, self.weight_receiver
+            rec = self.weight_receiver
             load = rec._load_bucket
-
-            def timed_call(actor: Any, attr: str, session: str, k: int, *rest: Any) -> Any:
-                t0 = time.time()
-                try:
-                    return call(actor, attr, session, k, *rest)
-                finally:
-                    self.log.append(("call", k, t0, time.time()))
 
             def timed_load(plan: Any, *rest: Any) -> Any:
                 t0 = time.time()
@@ -190,9 +181,6 @@ def _peer_class() -> Any:
                 finally:
                     self.log.append(("load", plan.index, t0, time.time()))
 
-            # The trainer names the call by module and name: this process's attribute
-            # is the one that runs here.
-            relay._remote_relay_bucket = timed_call  # type: ignore[assignment]
             rec._load_bucket = timed_load  # type: ignore[method-assign,assignment]
             return log
 
@@ -232,26 +220,19 @@ def _cpu_seconds() -> dict[str, float]:
 
 def _where_time_goes(logs: list[list[tuple[str, int, float, float]]]) -> dict[str, float]:
     """Medians, in ms, over every bucket and engine (chain order) of one sync: the load
-    (READ, write, publish), the wait inside a call before its load (the previous
-    engine's ack), what follows the load in the call, the gap between one engine's
-    calls, and the handoff (the previous engine's load end to this one's load start)."""
-    calls = [{k: (a, b) for w, k, a, b in log if w == "call"} for log in logs]
+    (READ, write, publish), the gap between one engine's loads, and the handoff (the
+    previous engine's load end to this one's load start: a signal and a wake-up)."""
     loads = [{k: (a, b) for w, k, a, b in log if w == "load"} for log in logs]
 
     def med(xs: list[float]) -> float:
         return round(1e3 * statistics.median(xs), 2) if xs else float("nan")
 
     out = {"load_ms": med([b - a for ls in loads for a, b in ls.values()])}
-    if any(calls):
-        out["before_load_ms"] = med([loads[i][k][0] - c[0] for i, cs in enumerate(calls)
-                                     for k, c in cs.items() if k in loads[i]])
-        out["after_load_ms"] = med([c[1] - loads[i][k][1] for i, cs in enumerate(calls)
-                                    for k, c in cs.items() if k in loads[i]])
-        out["between_calls_ms"] = med([cs[k + 1][0] - cs[k][1] for cs in calls for k in cs
-                                       if k + 1 in cs])
-        out["handoff_ms"] = med([loads[i][k][0] - loads[i - 1][k][1]
-                                 for i in range(1, len(loads)) for k in loads[i]
-                                 if k in loads[i - 1]])
+    out["between_loads_ms"] = med([ls[k + 1][0] - ls[k][1] for ls in loads for k in ls
+                                   if k + 1 in ls])
+    out["handoff_ms"] = med([loads[i][k][0] - loads[i - 1][k][1]
+                             for i in range(1, len(loads)) for k in loads[i]
+                             if k in loads[i - 1]])
     starts = [a for ls in loads for a, _b in ls.values()]
     ends = [b for ls in loads for _a, b in ls.values()]
     if starts:

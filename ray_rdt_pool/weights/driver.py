@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ray_rdt_pool.errors import InvalidInputError
 from ray_rdt_pool.weights.manifest import Manifest
-from ray_rdt_pool.weights.relay import check_relay
 from ray_rdt_pool.weights.remote import (
     RECEIVER_ATTR,
     SENDER_ATTR,
@@ -26,9 +25,11 @@ from ray_rdt_pool.weights.remote import (
     _is_actor,
     _remote_load,
     _timeout,
+    _wait_moving,
 )
 from ray_rdt_pool.weights.reports import StreamReport, SyncReport
 from ray_rdt_pool.weights.sender import WeightSender
+from ray_rdt_pool.weights.stream import check_relay
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -40,10 +41,18 @@ def _remote_publish(actor: Any, attr: str, version: int | None = None) -> Manife
 
 def _remote_stream(actor: Any, attr: str, receivers: list[ActorHandle], receiver_attr: str,
                    max_inflight: int, timeout_s: float, version: int | None = None,
-                   relay: str | None = None, relay_order: str = "caller") -> StreamReport:
-    return _find(actor, attr, WeightSender).stream(
-        receivers, version=version, receiver_attr=receiver_attr, max_inflight=max_inflight,
-        timeout_s=timeout_s, relay=relay, relay_order=relay_order)
+                   relay: str | None = None, relay_order: str = "caller",
+                   beat_key: str | None = None) -> StreamReport:
+    from ray_rdt_pool._ray.beats import Beat
+
+    beat = Beat(beat_key, timeout_s / 4)
+    try:
+        return _find(actor, attr, WeightSender)._stream(
+            receivers, version=version, receiver_attr=receiver_attr,
+            max_inflight=max_inflight, timeout_s=timeout_s, relay=relay,
+            relay_order=relay_order, beat=beat)
+    finally:
+        beat.close()
 
 
 def sync(trainer: ActorHandle | Sequence[ActorHandle], receivers: Sequence[ActorHandle], *,
@@ -56,16 +65,22 @@ def sync(trainer: ActorHandle | Sequence[ActorHandle], receivers: Sequence[Actor
     The trainer actor holds a :class:`WeightSender` at ``sender_attr``; each receiver a
     :class:`WeightReceiver` at ``receiver_attr``. ``mode="stream"`` runs
     :meth:`WeightSender.stream` in the trainer (bounded pool memory, pipelined with
-    ``max_inflight >= 2``). ``mode="publish"`` puts every bucket, hands the manifest to
-    all receivers at once (they load concurrently), then drops the driver's copy, so the
+    ``max_inflight >= 2``; a few Ray calls per receiver, the buckets signalled on the
+    data plane). ``mode="publish"`` puts every bucket, hands the manifest to all
+    receivers at once (they load concurrently), then drops the driver's copy, so the
     sender frees the pool when the last receiver is done. ``version`` is passed to
     ``publish``/``stream`` (default: one more than the highest version the sender
-    used, successful or not). Every wait that outlasts its bound raises
-    :class:`WeightSyncTimeoutError` naming what it waited for.
+    used, successful or not).
+
+    ``timeout_s`` is "no progress for this long", everywhere: a sync may take as long
+    as its buckets need, and raises :class:`WeightSyncTimeoutError` naming what it
+    waited for once nothing moved for ``timeout_s`` (the trainer's and receivers' calls
+    tell the driver they move).
 
     ``trainer`` may be a list of trainer ranks, each holding part of the model (disjoint
     names, or dim-0 shards with ``WeightSender(shard=(rank, world))``): every receiver
-    then reads each part from the rank that holds it and commits once it has them all
+    then reads each part from the rank that holds it, and the driver commits the
+    version on every receiver once every receiver has every byte
     (:mod:`ray_rdt_pool.weights.ranks`; ``max_inflight`` does not apply).
 
     ``relay="chain"`` (stream only, one trainer): the trainer sends each bucket once and
@@ -101,16 +116,20 @@ def sync(trainer: ActorHandle | Sequence[ActorHandle], receivers: Sequence[Actor
         raise InvalidInputError(f"mode must be 'stream' or 'publish', got {mode!r}")
     if relay is not None and mode != "stream":
         raise InvalidInputError(f"relay={relay!r} needs mode='stream', got mode={mode!r}")
+    from ray_rdt_pool._ray.beats import new_key
+
     t0 = time.perf_counter()
     if mode == "stream":
-        rep: StreamReport = _get_all(
+        key = new_key()
+        rep: StreamReport = _wait_moving(
             [trainer.__ray_call__.remote(_remote_stream, sender_attr, receivers,
                                          receiver_attr, max_inflight, timeout_s, version,
-                                         relay, relay_order)],
-            timeout_s * 2, f"the streaming sync (WeightSender.stream at {sender_attr!r} "
-                           "on the trainer)")[0]
+                                         relay, relay_order, key)],
+            [key], timeout_s, f"the streaming sync (WeightSender.stream at {sender_attr!r} "
+                              "on the trainer)")[0]
         return SyncReport("stream", rep.version, time.perf_counter() - t0, rep.nbytes,
-                          rep.buckets, rep.loads, rep, rep.peak_pool_used)
+                          rep.buckets, rep.loads, rep, rep.peak_pool_used,
+                          ray_calls=rep.ray_calls + 1)
     published = [trainer.__ray_call__.remote(_remote_publish, sender_attr, version)]
     try:
         manifest: Manifest = _get_all(
@@ -122,11 +141,14 @@ def sync(trainer: ActorHandle | Sequence[ActorHandle], receivers: Sequence[Actor
         published.clear()
     layout, version, used = manifest.layout, manifest.version, manifest.sender_pool_used
     try:
-        loads = tuple(_get_all([r.__ray_call__.remote(_remote_load, receiver_attr, manifest)
-                                for r in receivers], timeout_s,
-                               "loading the manifest on the receivers"))
+        keys = [new_key() for _ in receivers]
+        loads = tuple(_wait_moving(
+            [r.__ray_call__.remote(_remote_load, receiver_attr, manifest, k, timeout_s / 4)
+             for r, k in zip(receivers, keys)], keys, timeout_s,
+            "loading the manifest on the receivers"))
     finally:
         manifest.release()  # even on error: a held traceback must not pin the pool
         del manifest
     return SyncReport("publish", version, time.perf_counter() - t0, layout.total_bytes,
-                      len(layout.buckets), loads, None, used)
+                      len(layout.buckets), loads, None, used,
+                      ray_calls=1 + len(receivers))

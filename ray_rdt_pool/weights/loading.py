@@ -94,9 +94,9 @@ def load_bucket(plan: BucketPlan, ref: ObjectRef | SourceBucket | PoolBucket,
                 relay: Relay | None = None) -> BucketReport:
     """Load bucket ``plan.index`` from ``ref``; ``source`` is the sender process the
     stream's receiver accepted source reads from, ``load_weights`` the receiver's loader.
-    ``relay`` (a relayed stream) is called once the bucket is written, with the plan and
-    the bucket's tensors as they arrived (the destination tensors themselves when it
-    landed there), while they are still valid.
+    ``relay`` (a relayed stream) is called once the bucket is written to the
+    destination and before ``load_weights`` sees it, with the plan and the bucket's
+    tensors as they arrived (the destination tensors themselves when it landed there).
     """
     import ray
 
@@ -153,6 +153,10 @@ def load_bucket(plan: BucketPlan, ref: ObjectRef | SourceBucket | PoolBucket,
                 [("duplicate", what, "different bytes into one destination tensor")])
     if plan.copies:
         _copy_all((d, src[idx]) for idx, d in plan.copies)
+    if relay is not None:
+        # Before the loader: a relay forwards the bytes as they arrived, whatever
+        # load_weights does with its views (an engine may scale them in place).
+        relay(plan, src)
     if plan.loads:
         assert load_weights is not None
         batch = [(name, src[idx]) for idx, name in plan.loads]
@@ -174,8 +178,6 @@ def load_bucket(plan: BucketPlan, ref: ObjectRef | SourceBucket | PoolBucket,
                 "the loader, or map names it does not take to None with name_map",
                 plan.index, names) from e
         batch.clear()
-    if relay is not None:
-        relay(plan, src)
     del got, src
     return BucketReport(plan.index, plan.nbytes, direct, time.perf_counter() - t0)
 

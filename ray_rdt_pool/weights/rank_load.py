@@ -8,14 +8,20 @@ every byte landed. Runs on the receiver actor's task thread, holding its write l
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ray_rdt_pool.core.selection import Slices
-from ray_rdt_pool.errors import ManifestMismatchError, TrainerRankError, WeightSyncError
+from ray_rdt_pool.errors import (
+    ManifestMismatchError,
+    TrainerRankError,
+    WeightSyncError,
+    WeightSyncTimeoutError,
+)
+from ray_rdt_pool.weights.links import ABORT, BYE, DONE, FAIL, GO, HELLO, Link
 from ray_rdt_pool.weights.loadplan import BucketPlan, plan_load
 from ray_rdt_pool.weights.manifest import SourceBucket, WeightLayout
 from ray_rdt_pool.weights.rank_offer import _piece_name
@@ -40,6 +46,8 @@ class _Sharded:
 class _RankedLoad:
     """One receiver's part of a many-rank sync (what :func:`load_ranks` runs)."""
 
+    group: str  #: the sync's id: the receiver's stream session, the signals' topic
+    index: int  #: this receiver's position in the sync's receivers
     version: int
     layout: WeightLayout  #: the merged layout, buckets in this receiver's read order
     boxes: tuple[Any, ...]  #: per merged bucket, its rank's message
@@ -49,6 +57,8 @@ class _RankedLoad:
     sources: tuple[SourceProcess | None, ...]  #: per rank
     sharded: Mapping[str, _Sharded]
     ranks: int
+    mds: tuple[bytes, ...]  #: per rank, its signal endpoint
+    timeout_s: float
 
 
 class _RankOptions(ReceiverOptions):
@@ -68,19 +78,36 @@ class _RankOptions(ReceiverOptions):
         dest: dict[str, torch.Tensor] = dict(dests)
         pieces: dict[str, str | None] = {}
         parts: dict[str, Slices | None] = {}
+        taken: dict[str, str] = {}  # destination name -> the sharded name mapped to it
         for name, sh in job.sharded.items():
             names = [_piece_name(name, r) for r in range(job.ranks)]
             pieces.update(dict.fromkeys(names))
-            dn = base(name)
+            try:
+                dn = base(name)
+                if dn is not None and not isinstance(dn, str):
+                    raise TypeError(f"returned a {type(dn).__name__}")
+            except Exception as err:
+                problems.append(("unexpected", name, (
+                    f"name_map({name!r}) failed ({type(err).__name__}: {err}); make it "
+                    "return a destination name (a str), or None to skip the tensor")))
+                continue
             if dn is None:
                 continue
             d = dests.get(dn)
             if d is None:
-                problems.append(("unexpected", name, (
-                    f"{name!r} (as {dn!r}) comes from {job.ranks} trainer ranks as dim-0 "
-                    "shards, which only a destination tensor takes (not load_weights); "
-                    "give the receiver a dest tensor for it, or map it to None")))
+                if rec.strict:
+                    problems.append(("unexpected", name, (
+                        f"{name!r} (as {dn!r}) comes from {job.ranks} trainer ranks as "
+                        "dim-0 shards, which only a destination tensor takes (not "
+                        "load_weights); give the receiver a dest tensor for it, map it to "
+                        "None, or pass strict=False to skip it")))
                 continue
+            if dn in taken:
+                problems.append(("duplicate", name, (
+                    f"{name!r} and {taken[dn]!r} both map to destination {dn!r}; map one "
+                    "of them elsewhere or to None")))
+                continue
+            taken[dn] = name
             sel = None
             if rec.select is not None:
                 try:
@@ -128,44 +155,88 @@ def _remote_load_ranks(actor: Any, attr: str, job: _RankedLoad) -> LoadReport:
 
 
 def load_ranks(rec: WeightReceiver, job: _RankedLoad) -> LoadReport:
-    """Validate the merged layout whole, then read each bucket from its rank, in the
-    job's order, and commit the version once every one landed; a failure leaves the
-    version as it was (buckets before it stay written, as for any load)."""
+    """Validate the merged layout whole, say HELLO to every rank and wait for its GO,
+    then read each bucket from its rank and say BYE. Commits nothing: the receiver holds
+    the sync as a stream (``job.group``) that the driver's commit call finishes once
+    every receiver and rank is done. A failure signals FAIL to the ranks; buckets read
+    before it stay written, the version stays."""
     from ray_rdt_pool.weights.validate import _raise
 
+    link = Link(job.group)
+    ranks = [link.connect(md) for md in job.mds]
     v = job.version
     what = "many-rank sync"
-    rec._reserve(v, what)
     try:
-        problems: list[tuple[str, str, str]] = []
-        opts = _RankOptions(rec, job, problems)
-        _raise(problems)
+        rec._reserve(v, what)
         try:
-            plan = plan_load(opts, job.layout)
-        except ManifestMismatchError as e:
-            raise type(e)(f"{e} (the model is the union of {job.ranks} trainer ranks)",
-                          e.problems) from None
-        readable = {r: src is not None and rec.can_read_source(src)
-                    for r, src in enumerate(job.sources)}
-        # Per rank, its buckets this receiver needs, in order (a bucket it needs nothing
-        # of is not read: its rank is not asked).
-        todo: dict[int, list[BucketPlan]] = {}
-        for bp in plan.buckets:
-            if not (bp.select is not None and bp.nbytes == 0 and not bp.loads):
-                todo.setdefault(job.rank_of[bp.index], []).append(bp)
-        with rec._writing:
-            with rec._lock:
-                rec._take_over_locked(v, what)
-            reports = _read_ranks(rec, job, todo, readable)
-            with rec._lock:
-                rec._commit_locked(v, what)
+            problems: list[tuple[str, str, str]] = []
+            opts = _RankOptions(rec, job, problems)
+            _raise(problems)
+            try:
+                plan = plan_load(opts, job.layout)
+            except ManifestMismatchError as e:
+                raise type(e)(f"{e} (the model is the union of {job.ranks} trainer ranks)",
+                              e.problems) from None
+            readable = {r: src is not None and rec.can_read_source(src)
+                        for r, src in enumerate(job.sources)}
+            # Per rank, its buckets this receiver needs, in order (a bucket it needs
+            # nothing of is not read).
+            todo: dict[int, list[BucketPlan]] = {}
+            for bp in plan.buckets:
+                if not (bp.select is not None and bp.nbytes == 0 and not bp.loads):
+                    todo.setdefault(job.rank_of[bp.index], []).append(bp)
+            _hello(link, ranks, job)
+            with rec._writing:
+                with rec._lock:
+                    rec._take_over_locked(v, what)
+                    rec._hold_locked(job.group, v, plan)
+                reports = _read_ranks(rec, job, todo, readable,
+                                      lambda r, k: link.send(ranks[r], DONE, k))
+                rec._all_loaded(job.group, len(plan.buckets))
+        except BaseException:
+            rec._unreserve_unheld(job.group, v)
+            raise
+        link.tell(ranks, BYE, job.index)
+    except BaseException as e:
+        link.tell(ranks, FAIL, job.index, f"{type(e).__name__}: {e}"[:2000])
+        rec.abort_stream(job.group)
+        raise
     finally:
-        rec._unreserve(v)
+        link.close()
     return _summarise(v, sorted(reports, key=lambda x: x.bucket), plan.skipped)
 
 
+def _hello(link: Link, ranks: list[str], job: _RankedLoad) -> None:
+    """Say HELLO to every rank and wait for each one's GO: a rank that gave the sync up
+    (this receiver came late) answers nothing, or ABORT, and nothing is read."""
+    import time
+
+    for name in ranks:
+        link.send(name, HELLO, job.index, link.md)
+    waiting = set(ranks)
+    deadline = time.monotonic() + job.timeout_s
+    while waiting:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WeightSyncTimeoutError(
+                f"{len(waiting)} trainer rank(s) did not answer this receiver's start of "
+                f"many-rank sync {job.group} within {job.timeout_s}s (the sync was given "
+                "up before this receiver got to it?); nothing was read, the version stays "
+                "as it was")
+        msg = link.get(left)
+        if msg is None:
+            continue
+        if msg.kind == ABORT:
+            raise WeightSyncError(f"many-rank sync {job.group} was given up before this "
+                                  "receiver read anything; its version stays as it was")
+        if msg.kind == GO:
+            waiting.discard(msg.sender)
+            deadline = time.monotonic() + job.timeout_s
+
+
 def _read_ranks(rec: WeightReceiver, job: _RankedLoad, todo: Mapping[int, list[BucketPlan]],
-                readable: Mapping[int, bool]) -> list[BucketReport]:
+                readable: Mapping[int, bool], done: Callable[[int, int], None]
+                ) -> list[BucketReport]:
     """Load every bucket of ``todo``: one thread per rank (at most
     :data:`MAX_RANK_READS`), each reading its rank's buckets in order, so a receiver
     reads from several ranks at once and no rank's link waits for another's. Buckets
@@ -192,8 +263,11 @@ def _read_ranks(rec: WeightReceiver, job: _RankedLoad, todo: Mapping[int, list[B
         try:
             if bp.loads:
                 with loader:
-                    return rec._load_bucket(bp, ref, source)
-            return rec._load_bucket(bp, ref, source)
+                    out = rec._load_bucket(bp, ref, source)
+            else:
+                out = rec._load_bucket(bp, ref, source)
+            done(r, job.local[g])
+            return out
         except WeightSyncError:
             raise
         except Exception as e:

@@ -1,24 +1,42 @@
-"""A trainer rank's side of a many-rank sync (see :mod:`.ranks`): its offer and its hold.
+"""A trainer rank's side of a many-rank sync (see :mod:`.ranks`): its offer and its
+serve.
 
-Owns the offers a rank holds between its offer (:func:`_remote_offer`: its layout and
-one message per bucket) and its hold (:func:`_remote_hold`: it waits for the receivers'
-loads, then frees what it offered), in ``_HELD``: one per sender, in the trainer
-process, touched by its task thread only. Also the ``shard=`` check and the name a
-dim-0 shard travels under (:func:`_piece_name`).
+Owns the offers a rank holds, per sync, in its :class:`WeightSender` (``_offers``),
+from :func:`_remote_offer` (its layout and one message per bucket, read in place or
+packed) until its :func:`_remote_serve` ends: the serve answers each receiver's
+``HELLO`` with ``GO`` (only then may it read), takes their progress, and frees the offer
+once every receiver said ``BYE``. A serve that fails (a receiver failed or died,
+nothing moved for ``timeout_s``) signals ``ABORT``, and lets go of what a receiver that
+got ``GO`` may still read only once that receiver's call ends. An offer whose serve never
+came (its driver died) is freed after ``2 * timeout_s``, at this sender's next offer,
+stream or publish. Also the ``shard=`` check and the name a dim-0 shard travels under
+(:func:`_piece_name`). Runs on the rank's task thread.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ray_rdt_pool.errors import InvalidInputError, PoolExhaustedError
+from ray_rdt_pool.errors import (
+    InvalidInputError,
+    PoolExhaustedError,
+    WeightSyncError,
+    WeightSyncTimeoutError,
+)
+from ray_rdt_pool.weights.late import _LATE, _InFlight
+from ray_rdt_pool.weights.links import ABORT, BYE, DONE, FAIL, GO, HELLO, Link, mailbox
 from ray_rdt_pool.weights.manifest import PoolBucket, TensorEntry, WeightLayout
 
 if TYPE_CHECKING:
     from ray_rdt_pool.same_node.source import SourceProcess
+    from ray_rdt_pool.weights.sender import WeightSender
+
+#: How often a serve asks Ray whether a receiver's call ended (s).
+CHECK_CALLS_S = 0.05
 
 
 def _check_shard(shard: Any) -> tuple[int, int] | None:
@@ -55,36 +73,45 @@ class _Offer:
     source: SourceProcess | None
     pool_used: int
     by_reference: int  #: buckets read in place (not packed)
+    md: bytes  #: the rank's signal endpoint
 
 
 @dataclass
 class _Held:
-    """A rank's offer until its hold ends: the tensors receivers read in place (kept
-    alive, so unmoved), the owned objects to free, and the storages sent by reference."""
+    """A rank's offer until its serve ends: the tensors receivers read in place (kept
+    alive, so unmoved), the owned objects (or published refs) to drop, the storages
+    sent by reference, and until when it waits for its serve."""
 
     group: str
+    version: int
+    deadline: float  #: monotonic: freed by release_stale after this, if not served
     kept: list[torch.Tensor] = field(default_factory=list)
     owned: list[str] = field(default_factory=list)
+    refs: list[Any] = field(default_factory=list)
     ref_keys: set[Any] = field(default_factory=set)
+    serving: bool = False
+
+    def release(self) -> None:
+        from ray_rdt_pool.weights.pool import _free_owned
+
+        self.kept.clear()
+        self.refs.clear()
+        _free_owned(self.owned)
+        self.owned.clear()
 
 
-#: id(WeightSender) -> its offer not yet released (one at a time per sender).
-_HELD: dict[int, _Held] = {}
+def release_stale(sender: WeightSender) -> None:
+    """Free the offers of ``sender`` whose serve never came in time (a driver died
+    between its offer and its serve)."""
+    now = time.monotonic()
+    for group, held in list(sender._offers.items()):
+        if not held.serving and now >= held.deadline:
+            del sender._offers[group]
+            held.release()
 
 
-def _release(sender: Any) -> _Held | None:
-    from ray_rdt_pool.weights.pool import _free_owned
-
-    held = _HELD.pop(id(sender), None)
-    if held is not None:
-        held.kept.clear()
-        _free_owned(held.owned)
-        held.owned.clear()
-    return held
-
-
-def _remote_offer(actor: Any, attr: str, group: str, version: int | None,
-                  mode: str) -> _Offer:
+def _remote_offer(actor: Any, attr: str, group: str, version: int | None, mode: str,
+                  timeout_s: float) -> _Offer:
     """On a trainer rank: plan its part and make every bucket's message (see module)."""
     from ray_rdt_pool.registry import storage_key
     from ray_rdt_pool.weights.pool import (
@@ -98,13 +125,17 @@ def _remote_offer(actor: Any, attr: str, group: str, version: int | None,
     from ray_rdt_pool.weights.sender import WeightSender
     from ray_rdt_pool.weights.stream import _source_readable
 
-    sender = _find(actor, attr, WeightSender)
-    _release(sender)  # an offer whose hold never came (its driver died)
+    sender: WeightSender = _find(actor, attr, WeightSender)
+    release_stale(sender)
+    md = mailbox().metadata()
     v = sender._next_version(version)
+    held = _Held(group, v, time.monotonic() + 2 * timeout_s)
     if mode == "publish":
-        m = sender.publish(version=v)
+        m = sender._publish(None, v, False)
+        held.refs.extend(m.refs)
+        sender._offers[group] = held
         return _Offer(v, m.layout, sender.shard, tuple(m.refs), (None,) * len(m.refs),
-                      None, m.sender_pool_used, 0)
+                      None, m.sender_pool_used, 0, md)
     from ray_rdt_pool.weights.planning import plan_layout
 
     eager, _pairs = sender._acquire(None)
@@ -139,7 +170,6 @@ def _remote_offer(actor: Any, attr: str, group: str, version: int | None,
         from ray_rdt_pool._ray.owned import source_process
 
         src = source_process()
-    held = _Held(group)
     boxes: list[PoolBucket] = []
     addrs: list[tuple[int, ...] | None] = []
     try:
@@ -155,42 +185,128 @@ def _remote_offer(actor: Any, attr: str, group: str, version: int | None,
             else:
                 addrs.append(None)
     except BaseException:
-        _HELD[id(sender)] = held
-        _release(sender)
+        held.release()
         raise
     groups.clear()
-    _HELD[id(sender)] = held
+    sender._offers[group] = held
     sender._used = max(sender._used, v)
     return _Offer(v, layout, sender.shard, tuple(boxes), tuple(addrs), src,
-                  int(_stats().pool_used), sum(a is not None for a in addrs))
+                  int(_stats().pool_used), sum(a is not None for a in addrs), md)
 
 
-def _remote_hold(actor: Any, attr: str, group: str, loads: list[list[Any]], version: int,
-                 timeout_s: float) -> None:
-    """On a trainer rank: wait until every receiver's load has ended (its tensors must
-    not change under their reads), then free what it offered."""
-    import ray
-
-    from ray_rdt_pool.weights.pool import _forget_registrations
+def _remote_release(actor: Any, attr: str, group: str) -> None:
+    """On a trainer rank: drop the offer of a sync that ended before it was served
+    (nothing was signalled ``GO``, so no receiver reads it)."""
     from ray_rdt_pool.weights.remote import _find
     from ray_rdt_pool.weights.sender import WeightSender
 
     sender = _find(actor, attr, WeightSender)
-    refs = loads[0]
+    held = sender._offers.pop(group, None)
+    if held is not None:
+        held.release()
+
+
+def _remote_serve(actor: Any, attr: str, group: str, calls: list[list[Any]], n: int,
+                  timeout_s: float) -> None:
+    """On a trainer rank: serve its offer to the ``n`` receivers of sync ``group``
+    (``calls[0]``: their load calls, in receiver order), then free it (see module)."""
+    from ray_rdt_pool.weights.pool import _forget_registrations
+    from ray_rdt_pool.weights.remote import _find
+    from ray_rdt_pool.weights.sender import WeightSender
+
+    sender: WeightSender = _find(actor, attr, WeightSender)
+    held = sender._offers.get(group)
+    if held is None:
+        raise WeightSyncError(
+            f"the offer of many-rank sync {group} is gone from this rank: it waited more "
+            f"than {2 * timeout_s}s for the driver to serve it, or was released")
+    held.serving = True
+    serve = _Serve(group, calls[0], n, timeout_s)
     try:
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        serve.run()
+    except BaseException:
+        del sender._offers[group]
+        serve.abort(held)
+        raise
     finally:
-        held = _HELD.get(id(sender))
-        if held is not None and held.group == group:
-            _release(sender)
-            # Storages no longer sent by reference (replaced tensors) need not stay
-            # registered; the rest stay for the next sync.
-            _forget_registrations(sender._ref_keys - held.ref_keys)
-            sender._ref_keys = held.ref_keys
-        sender._used = max(sender._used, version)
-    try:
-        ray.get(refs, timeout=0)
-    except Exception:
-        return
-    sender.version = max(sender.version, version)
+        serve.link.close()
+    del sender._offers[group]
+    held.release()
+    # Storages no longer sent by reference (replaced tensors) need not stay
+    # registered; the rest stay for the next sync.
+    if held.ref_keys or sender._ref_keys:
+        _forget_registrations(sender._ref_keys - held.ref_keys)
+        sender._ref_keys = held.ref_keys
+    sender.version = max(sender.version, held.version)
+
+
+class _Serve:
+    """One serve's bookkeeping: who said HELLO (and got GO), who is done (BYE)."""
+
+    def __init__(self, group: str, calls: list[Any], n: int, timeout_s: float) -> None:
+        self.link = Link(group)
+        self.calls = calls
+        self.n = n
+        self.timeout_s = timeout_s
+        self.names: dict[int, str] = {}  # receiver -> its endpoint, once it said HELLO
+        self.bye: set[int] = set()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        next_check = 0.0
+        while len(self.bye) < self.n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._stalled()
+            msg = self.link.get(min(left, CHECK_CALLS_S))
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + CHECK_CALLS_S
+                self._check_calls()
+            if msg is None:
+                continue
+            j = msg.item
+            if msg.kind == HELLO and 0 <= j < self.n and j not in self.names:
+                self.names[j] = self.link.connect(bytes(msg.body))
+                self.link.send(self.names[j], GO, j)
+            elif msg.kind == BYE:
+                self.bye.add(j)
+            elif msg.kind == FAIL:
+                raise WeightSyncError(f"receiver {j} failed: {msg.body}")
+            elif msg.kind != DONE:
+                continue
+            deadline = time.monotonic() + self.timeout_s
+
+    def _check_calls(self) -> None:
+        """A receiver's load call that ended without BYE failed (or its actor died)."""
+        import ray
+
+        ready, _rest = ray.wait(self.calls, num_returns=len(self.calls), timeout=0)
+        for ref in ready:
+            j = self.calls.index(ref)
+            if j in self.bye:
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as e:
+                raise WeightSyncError(f"receiver {j}'s load failed: {type(e).__name__}") from e
+            self.bye.add(j)  # it said BYE before it returned; the signal is on its way
+
+    def _stalled(self) -> WeightSyncTimeoutError:
+        quiet = [j for j in range(self.n) if j not in self.names]
+        slow = [j for j in self.names if j not in self.bye]
+        return WeightSyncTimeoutError(
+            f"serving a many-rank sync: nothing moved for {self.timeout_s}s; receiver(s) "
+            f"{quiet} never started their load, receiver(s) {slow} did not finish it")
+
+    def abort(self, held: _Held) -> None:
+        """After a failure: signal ABORT, and let go of the offer once no receiver that
+        got GO may read it any more."""
+        self.link.tell([self.names[j] for j in self.names], ABORT, 0,
+                       "a trainer rank gave up the sync")
+        readers = [self.calls[j] for j in self.names if j not in self.bye]
+        if not readers:
+            held.release()
+            return
+        _LATE.add([_InFlight(readers, held.kept, held.owned)], held.group)
+        held.refs.clear()

@@ -30,12 +30,20 @@ from typing import TYPE_CHECKING, Any, Literal
 from ray_rdt_pool.errors import (
     RankMissingError,
     RankOverlapError,
+    ReceiverError,
     TrainerRankError,
     WeightSyncTimeoutError,
 )
 from ray_rdt_pool.weights.manifest import Bucket, TensorEntry, WeightLayout
 from ray_rdt_pool.weights.rank_load import _RankedLoad, _remote_load_ranks, _Sharded
-from ray_rdt_pool.weights.rank_offer import _Offer, _piece_name, _remote_hold, _remote_offer
+from ray_rdt_pool.weights.rank_offer import (
+    _Offer,
+    _piece_name,
+    _remote_offer,
+    _remote_release,
+    _remote_serve,
+)
+from ray_rdt_pool.weights.remote import _remote_abort, _remote_finish, _wait_quietly
 from ray_rdt_pool.weights.reports import LoadReport, SyncReport
 
 if TYPE_CHECKING:
@@ -141,7 +149,7 @@ def _order(counts: Sequence[int], j: int) -> list[tuple[int, int]]:
 
 
 def _receiver_load(merged: _Merged, offers: Sequence[_Offer], version: int, j: int,
-                   bucket_bytes: int) -> _RankedLoad:
+                   bucket_bytes: int, group: str, timeout_s: float) -> _RankedLoad:
     counts = [len(o.layout.buckets) for o in offers]
     order = _order(counts, j)
     entries: list[TensorEntry] = []
@@ -152,44 +160,29 @@ def _receiver_load(merged: _Merged, offers: Sequence[_Offer], version: int, j: i
         entries.extend(TensorEntry(e.name, e.shape, e.dtype, g, e.index, e.nbytes) for e in es)
     layout = WeightLayout(tuple(entries), tuple(buckets),
                           tuple(a for al in merged.aliases for a in al), bucket_bytes)
-    return _RankedLoad(version, layout,
+    return _RankedLoad(group, j, version, layout,
                        tuple(offers[r].boxes[k] for r, k in order),
                        tuple(offers[r].addrs[k] for r, k in order),
                        tuple(r for r, _k in order), tuple(k for _r, k in order),
-                       tuple(o.source for o in offers), dict(merged.sharded), len(offers))
+                       tuple(o.source for o in offers), dict(merged.sharded), len(offers),
+                       tuple(o.md for o in offers), timeout_s)
 
 
-def _noop(actor: Any) -> None:
-    return None
-
-
-def _dead(trainers: Sequence[ActorHandle], timeout_s: float) -> list[int]:
-    """The ranks whose actors are gone (a no-op call to each fails as an actor error)."""
-    import ray
-    from ray.exceptions import RayActorError
-
-    refs = [t.__ray_call__.remote(_noop) for t in trainers]
-    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    out = []
-    for r, ref in enumerate(refs):
-        try:
-            ray.get(ref, timeout=0)
-        except RayActorError:
-            out.append(r)
-        except Exception:
-            pass
-    return out
-
-
-def _rank_error(r: int, cause: BaseException, committed: Sequence[int], version: int,
-                n: int) -> TrainerRankError:
-    keep = [i for i in range(n) if i not in committed]
+def _rank_error(r: int, cause: BaseException, version: int, n: int) -> TrainerRankError:
     return TrainerRankError(
         f"trainer rank {r} died during the many-rank sync of version {version} "
-        f"({type(cause).__name__}); receiver(s) {keep} did not commit it and keep their "
-        f"previous version" + (f" (receiver(s) {list(committed)} had every byte and "
-                               "committed)" if committed else "") +
-        "; restart the rank and sync again", r, True, committed)
+        f"({type(cause).__name__}); the {n} receiver(s) did not commit it and keep their "
+        "previous version; restart the rank and sync again", r, True, ())
+
+
+def _receiver_died(j: int, actor: Any, cause: BaseException, version: int) -> ReceiverError:
+    aid = actor._actor_id.hex()
+    err = ReceiverError(
+        f"receiver {j} (actor {aid}) died during the many-rank sync of version {version} "
+        f"({type(cause).__name__}); no receiver committed it, the others keep their "
+        "previous version", j, aid)
+    err.__cause__ = cause
+    return err
 
 
 def sync_ranks(trainers: Sequence[ActorHandle], receivers: list[ActorHandle], *,
@@ -201,8 +194,10 @@ def sync_ranks(trainers: Sequence[ActorHandle], receivers: list[ActorHandle], *,
 
     t0 = time.perf_counter()
     group = uuid.uuid4().hex[:12]
-    calls = [t.__ray_call__.remote(_remote_offer, sender_attr, group, version, mode)
+    calls = [t.__ray_call__.remote(_remote_offer, sender_attr, group, version, mode,
+                                   timeout_s)
              for t in trainers]
+    ray_calls = len(calls)
     ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
     offers: list[_Offer | None] = []
     failure: BaseException | None = None
@@ -211,62 +206,133 @@ def sync_ranks(trainers: Sequence[ActorHandle], receivers: list[ActorHandle], *,
             offers.append(ray.get(c, timeout=0))
         except RayActorError as e:
             offers.append(None)
-            failure = failure or _rank_error(r, e, (), version or 0, len(receivers))
+            failure = failure or _rank_error(r, e, version or 0, len(receivers))
+        except ray.exceptions.GetTimeoutError:
+            offers.append(None)
+            failure = failure or WeightSyncTimeoutError(
+                f"trainer rank {r} did not offer its buckets within {timeout_s}s; a late "
+                "offer is freed by the rank itself after 2 * timeout_s")
         except Exception as e:
             offers.append(None)
             failure = failure or e
     del calls
-    loads: list[Any] = []
-    holds: list[Any] = []
     v = max((o.version for o in offers if o is not None), default=0)
+    offered = [(r, t) for r, (t, o) in enumerate(zip(trainers, offers)) if o is not None]
     try:
         if failure is not None:
-            if isinstance(failure, ray.exceptions.GetTimeoutError):
-                raise WeightSyncTimeoutError(
-                    f"offering the trainer ranks' buckets took longer than {timeout_s}s")
             raise failure
         ok = [o for o in offers if o is not None]
         merged = _merge(ok)
-        bb = max(o.layout.bucket_bytes for o in ok)
-        jobs = [_receiver_load(merged, ok, v, j, bb) for j in range(len(receivers))]
-        loads = [rec.__ray_call__.remote(_remote_load_ranks, receiver_attr, job)
-                 for rec, job in zip(receivers, jobs)]
-        del jobs
-    finally:
-        # Every rank that offered holds until the loads end (none: at once), then frees.
-        holds = [t.__ray_call__.remote(_remote_hold, sender_attr, group, [loads], v,
-                                       timeout_s)
-                 for t, o in zip(trainers, offers) if o is not None]
-        if not loads:
-            ray.wait(holds, num_returns=len(holds), timeout=timeout_s)
-    ray.wait(loads + holds, num_returns=len(loads) + len(holds), timeout=timeout_s)
-    results: list[LoadReport | None] = []
-    errors: list[BaseException] = []
-    for ref in loads:
+    except BaseException:
+        _wait_quietly([t.__ray_call__.remote(_remote_release, sender_attr, group)
+                       for _r, t in offered], min(timeout_s, 30.0))
+        raise
+    bb = max(o.layout.bucket_bytes for o in ok)
+    loads = [rec.__ray_call__.remote(_remote_load_ranks, receiver_attr,
+                                     _receiver_load(merged, ok, v, j, bb, group, timeout_s))
+             for j, rec in enumerate(receivers)]
+    serves = [t.__ray_call__.remote(_remote_serve, sender_attr, group, [loads],
+                                    len(receivers), timeout_s)
+              for t in trainers]
+    ray_calls += len(loads) + len(serves)
+    results = _await(trainers, receivers, loads, serves, v, timeout_s, receiver_attr, group)
+    count = sum(len(o.layout.buckets) for o in ok)
+    finishes = [rec.__ray_call__.remote(_remote_finish, receiver_attr, group, count)
+                for rec in receivers]
+    ray_calls += len(finishes)
+    ray.wait(finishes, num_returns=len(finishes), timeout=timeout_s)
+    committed: list[int] = []
+    first: BaseException | None = None
+    for j, ref in enumerate(finishes):
         try:
-            results.append(ray.get(ref, timeout=0))
-        except Exception as e:
-            results.append(None)
-            errors.append(e)
-    committed = [i for i, x in enumerate(results) if x is not None]
-    held = [t for t, o in zip(trainers, offers) if o is not None]
-    for r, h in zip([r for r, o in enumerate(offers) if o is not None], holds):
-        try:
-            ray.get(h, timeout=0)
+            ray.get(ref, timeout=0)
+            committed.append(j)
         except RayActorError as e:
-            raise _rank_error(r, e, committed, v, len(receivers)) from None
+            first = first or _receiver_died(j, receivers[j], e, v)
+        except Exception as e:
+            first = first or e
+    if first is not None:
+        if isinstance(first, ReceiverError):
+            first.committed = tuple(committed)
+            first.args = (f"{first.args[0]} (at the commit: receiver(s) {committed} "
+                          "committed it)",)
+        raise first
+    return SyncReport(mode, v, time.perf_counter() - t0, merged.total_bytes, count,
+                      tuple(results), None, max(o.pool_used for o in ok),
+                      ray_calls=ray_calls)
+
+
+def _await(trainers: Sequence[ActorHandle], receivers: Sequence[ActorHandle],
+           loads: list[Any], serves: list[Any], version: int, timeout_s: float,
+           receiver_attr: str, group: str) -> list[LoadReport]:
+    """Wait for every load and serve; on the first failure, tell every receiver to drop
+    the sync and raise the error that names its cause (a dead rank, a dead receiver, a
+    receiver's own error, a timeout). Every call ends on its own within ``timeout_s`` of
+    its last progress, so the wait itself has no bound."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    pending = list(loads) + list(serves)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except BaseException as e:
+                _abort(receivers, serves, receiver_attr, group, timeout_s)
+                raise _cause(trainers, receivers, loads, serves, version, ref, e,
+                             RayActorError) from None
+    return [ray.get(ref, timeout=0) for ref in loads]
+
+
+def _abort(receivers: Sequence[ActorHandle], serves: list[Any], receiver_attr: str,
+           group: str, timeout_s: float) -> None:
+    """After a failure: let the serves end (a rank signals ABORT to the receivers it
+    served, and keeps what one may still read until its load ends), then have every
+    receiver drop the sync (after its load: nothing commits it)."""
+    _wait_quietly(serves, min(timeout_s, 30.0))
+    for rec in receivers:
+        try:
+            rec.__ray_call__.remote(_remote_abort, receiver_attr, group)
         except Exception:
             pass
-    if errors:
-        dead = _dead(held, min(timeout_s, 30.0))
-        if dead:
-            raise _rank_error(dead[0], errors[0], committed, v, len(receivers)) from None
-        if any(isinstance(e, ray.exceptions.GetTimeoutError) for e in errors):
-            raise WeightSyncTimeoutError(
-                f"loading from {len(trainers)} trainer ranks took longer than {timeout_s}s")
-        raise errors[0]
-    reports = tuple(x for x in results if x is not None)
-    nbytes = merged.total_bytes
-    return SyncReport(mode, v, time.perf_counter() - t0, nbytes,
-                      sum(len(o.layout.buckets) for o in ok), reports, None,
-                      max(o.pool_used for o in ok))
+
+
+def _cause(trainers: Sequence[ActorHandle], receivers: Sequence[ActorHandle],
+           loads: list[Any], serves: list[Any], version: int, ref: Any,
+           e: BaseException, actor_error: type[BaseException]) -> BaseException:
+    """The error to raise for a failed sync: a dead rank first, then a dead receiver,
+    then the receiver's own error (a mismatch, its loader), then the rank's."""
+    import ray
+
+    def died(refs: list[Any]) -> list[tuple[int, BaseException]]:
+        ready, _rest = ray.wait(refs, num_returns=len(refs), timeout=0)
+        out = []
+        for i, x in enumerate(refs):
+            if x in ready:
+                try:
+                    ray.get(x, timeout=0)
+                except actor_error as err:
+                    out.append((i, err))
+                except Exception:
+                    pass
+        return out
+
+    ranks_dead = died(serves)
+    if ranks_dead:
+        r, err = ranks_dead[0]
+        return _rank_error(r, err, version, len(receivers))
+    recs_dead = died(loads)
+    if recs_dead:
+        j, err = recs_dead[0]
+        return _receiver_died(j, receivers[j], err, version)
+    if isinstance(e, TrainerRankError) or ref in loads:
+        return e
+    # A rank's serve failed: the receivers' own errors say more, if there are any.
+    ready, _rest = ray.wait(loads, num_returns=len(loads), timeout=0)
+    for x in ready:
+        try:
+            ray.get(x, timeout=0)
+        except Exception as err:
+            return err
+    return e

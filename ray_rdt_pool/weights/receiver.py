@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -73,7 +74,7 @@ class _Stream:
     claimed: dict[str, str] = field(default_factory=dict)  # lazy: target name -> manifest name
     skipped: int = 0
     next: int = 0
-    pending: dict[int, tuple[list[ObjectRef], BucketLayout | None]] = field(
+    pending: dict[int, tuple[list[Any], BucketLayout | None]] = field(
         default_factory=dict)
     failed: str | None = None
     #: it still holds its version's reservation (given back once: by its commit, or by
@@ -305,6 +306,14 @@ class WeightReceiver:
         bucket's ref is removed from ``manifest`` (this process's copy) as soon as the
         bucket is loaded.
         """
+        return self._load_manifest(manifest, release)
+
+    def _load_manifest(self, manifest: Manifest, release: bool,
+                       progress: Callable[[], None] | None = None,
+                       before_commit: Callable[[], None] | None = None) -> LoadReport:
+        """:meth:`load`; ``progress()`` is called after each bucket and
+        ``before_commit()`` before the version is committed (a driver's wait: either may
+        raise to stop the load)."""
         _check_flag("release", release)
         if not isinstance(manifest, Manifest):
             raise InvalidInputError(f"load() takes a Manifest (from WeightSender.publish), "
@@ -318,7 +327,9 @@ class WeightReceiver:
             with self._writing:
                 with self._lock:
                     self._take_over_locked(v, "manifest", mid)
-                report = self._load(manifest, plan, release)
+                report = self._load(manifest, plan, release, progress)
+                if before_commit is not None:
+                    before_commit()
                 with self._lock:
                     self._commit_locked(v, "manifest", mid)
         finally:
@@ -335,7 +346,8 @@ class WeightReceiver:
                 "one twice")
         return plan
 
-    def _load(self, manifest: Manifest, plan: LoadPlan, release: bool) -> LoadReport:
+    def _load(self, manifest: Manifest, plan: LoadPlan, release: bool,
+              progress: Callable[[], None] | None = None) -> LoadReport:
         reports: list[BucketReport] = []
         for bp in plan.buckets:
             box = manifest.refs[bp.index]
@@ -344,6 +356,8 @@ class WeightReceiver:
             if release:
                 manifest.refs[bp.index] = None
             del box
+            if progress is not None:
+                progress()
         return _summarise(manifest.version, reports, plan.skipped)
 
     async def load_async(self, manifest: Manifest, *, release: bool = True) -> LoadReport:
@@ -378,15 +392,52 @@ class WeightReceiver:
             raise
         return plan.skipped if plan is not None else 0
 
+    def _current(self, session: str) -> _Stream:
+        """Stream ``session`` if it holds this receiver and has not failed (call with
+        ``_lock`` held); else WeightSyncError."""
+        st = self._stream
+        if st is None or st.session != session or st.failed is not None:
+            raise WeightSyncError(f"stream {session} is not in progress on this "
+                                  "receiver (a newer load or stream superseded it, or it "
+                                  "was aborted)")
+        return st
+
+    def _stream_plan(self, session: str) -> LoadPlan | None:
+        """Stream ``session``'s whole plan (None for a lazy stream)."""
+        with self._lock:
+            return self._current(session).plan
+
+    def _accepted_source(self, session: str) -> SourceProcess | None:
+        """The sender process stream ``session`` may read buckets straight out of."""
+        with self._lock:
+            return self._current(session).source
+
+    def _hold_locked(self, session: str, version: int, plan: LoadPlan) -> None:
+        """A many-rank load (its version reserved, the receiver taken over) holds the
+        receiver as stream ``session`` until the driver's commit or abort."""
+        self._stream = _Stream(session, version, plan)
+
+    def _all_loaded(self, session: str, buckets: int) -> None:
+        """A many-rank load of ``session`` wrote its ``buckets`` buckets: it may commit."""
+        with self._lock:
+            self._current(session).next = buckets
+
+    def _unreserve_unheld(self, session: str, version: int) -> None:
+        """A many-rank load failed: give its version's reservation back, once (through
+        the stream that holds it, if it got that far)."""
+        with self._lock:
+            st = self._stream
+            if st is not None and st.session == session:
+                self._drop_locked(st, "its load failed")
+            else:
+                self._unreserve_locked(version)
+
     def _relay_stream(self, session: str, hook: Relay) -> LoadPlan | None:
         """Hand stream ``session`` (just begun) the relay hook its buckets go to once
         written; returns its plan (None for a lazy stream). WeightSyncError if this
         receiver is no longer in that stream."""
         with self._lock:
-            st = self._stream
-            if st is None or st.session != session or st.failed is not None:
-                raise WeightSyncError(f"stream {session} is not in progress on this "
-                                      "receiver (a newer load or stream superseded it)")
+            st = self._current(session)
             st.relay = hook
             return st.plan
 
@@ -399,7 +450,8 @@ class WeightReceiver:
                 return
             self._drop_locked(st, "the stream was aborted")
 
-    def load_stream_bucket(self, session: str, k: int, box: list[ObjectRef],
+    def load_stream_bucket(self, session: str, k: int,
+                           box: list[ObjectRef] | list[PoolBucket | SourceBucket],
                            spec: BucketLayout | None = None) -> list[BucketReport]:
         """Load bucket ``k`` of the current stream; returns the buckets loaded by this call.
 

@@ -15,15 +15,14 @@ from __future__ import annotations
 import logging
 import math
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ray_rdt_pool.errors import InvalidInputError, WeightSyncError, WeightSyncTimeoutError
-from ray_rdt_pool.weights.manifest import BucketLayout, Manifest, WeightLayout
+from ray_rdt_pool.weights.manifest import Manifest, WeightLayout
 from ray_rdt_pool.weights.receiver import WeightReceiver
 from ray_rdt_pool.weights.reports import BucketReport, LoadReport
 
 if TYPE_CHECKING:
-    from ray import ObjectRef
     from ray.actor import ActorHandle
 
     from ray_rdt_pool.same_node.source import SourceProcess
@@ -91,6 +90,60 @@ def _get_all(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
         raise WeightSyncTimeoutError(f"{what} took longer than {timeout_s}s") from e
 
 
+def _wait_moving(refs: list[Any], keys: list[str], timeout_s: float, what: str) -> list[Any]:
+    """``ray.get`` of ``refs``, calls that beat under ``keys`` (one each, see
+    :mod:`ray_rdt_pool._ray.beats`): waits as long as they move. Once none ended and
+    none beat for ``timeout_s`` plus a grace of ``min(timeout_s, 30)`` seconds, it
+    cancels them (a call not started yet never starts; one that runs stops at its next
+    beat and never commits), waits the grace once more for them to end, and raises
+    :class:`WeightSyncTimeoutError`, or what they raised. The calls apply ``timeout_s``
+    themselves and name what stalled, so their own error usually comes first. A call's
+    error is raised as soon as it ends with one."""
+    import time
+
+    import ray
+
+    from ray_rdt_pool._ray.beats import cancel, read
+
+    pending = list(refs)
+    beats: dict[str, bytes | None] = dict.fromkeys(keys)
+    owner = dict(zip(refs, keys))
+    grace = min(timeout_s, 30.0)
+    deadline = time.monotonic() + timeout_s + grace
+    pause = max(0.05, min(1.0, timeout_s / 8))
+    while pending and time.monotonic() < deadline:
+        left = deadline - time.monotonic()
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, min(pause, left)))
+        for ref in ready:
+            ray.get(ref, timeout=0)  # raises the call's error
+            beats.pop(owner[ref], None)
+            deadline = time.monotonic() + timeout_s + grace
+        for k in [] if ready else list(beats):
+            now = read(k)
+            if now != beats[k]:
+                beats[k] = now
+                deadline = time.monotonic() + timeout_s + grace
+    if pending:
+        for ref in pending:
+            cancel(owner[ref])
+            if beats.get(owner[ref]) is None:
+                try:
+                    ray.cancel(ref)  # never started: it must not start now
+                except Exception:
+                    pass
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=grace)
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)  # raises the call's error (it stopped, or failed)
+            except ray.exceptions.TaskCancelledError:
+                pending.append(ref)
+        if pending:
+            raise WeightSyncTimeoutError(
+                f"{what} took longer than {timeout_s}s without progress (and a grace of "
+                f"{grace}s); it was told to stop and commit nothing")
+    return ray.get(list(refs), timeout=0)
+
+
 def _wait_quietly(refs: list[Any], timeout_s: float) -> None:
     """Wait for ``refs`` during a failed stream's clean-up, whose aborts and frees must run
     whatever the wait raises (the stream's own error is the one raised)."""
@@ -124,32 +177,53 @@ def _find(actor: Any, attr: str, cls: type) -> Any:
     return obj
 
 
+class Began(NamedTuple):
+    """A receiver's answer to a stream's begin."""
+
+    skipped: int  #: manifest tensors it skips
+    source_ok: bool  #: it can read the trainer's process (source reads)
+    node: str  #: its Ray node id
+    md: bytes  #: its signal endpoint's metadata
+    #: per bucket, whether it lands in the destination (None: a lazy stream)
+    in_place: tuple[bool, ...] | None
+    partial: bool  #: it reads only part of some bucket (select=)
+
+
+class Role(NamedTuple):
+    """A receiver's place in a stream: whom it reads from and tells (signal endpoints'
+    metadata), whom it relays to, and its bounds."""
+
+    up: bytes  #: the trainer, or the receiver before it in the chain
+    coord: bytes  #: the trainer, told of every bucket's progress
+    down: bytes | None  #: the receiver after it in the chain, if it relays
+    max_inflight: int  #: snapshots it may hold for its successor at once
+    timeout_s: float  #: no progress for this long ends the receive
+
+
 def _remote_begin(actor: Any, attr: str, session: str, layout: WeightLayout | None,
-                  version: int, source: SourceProcess | None = None) -> tuple[int, bool]:
-    """Begin a stream on a receiver: (tensors it skips, whether it can read ``source``)."""
+                  version: int, source: SourceProcess | None = None,
+                  relay: bool = False) -> Began:
+    """Begin a stream on a receiver (see :class:`Began`)."""
+    import ray
+
+    from ray_rdt_pool.weights.links import mailbox
+
     rec = _find(actor, attr, WeightReceiver)
+    md = mailbox().metadata()  # before the stream holds the receiver: this may fail
     skipped = rec.begin_stream(session, layout, version)
-    return skipped, source is not None and rec.accept_source(session, source)
+    ok = source is not None and rec.accept_source(session, source)
+    plan = rec._stream_plan(session)
+    in_place = None if plan is None else tuple(
+        b.targets is not None and b.select is None for b in plan.buckets)
+    partial = plan is not None and any(b.select is not None for b in plan.buckets)
+    return Began(skipped, ok, ray.get_runtime_context().get_node_id(), md, in_place, partial)
 
 
-def _remote_bucket(actor: Any, attr: str, session: str, k: int, box: list[ObjectRef],
-                   spec: BucketLayout | None = None) -> list[BucketReport]:
-    # On an async actor this runs on its event loop (Ray runs a sync __ray_call__
-    # there), so it blocks the loop for one bucket; it still works, in any order.
-    return _find(actor, attr, WeightReceiver).load_stream_bucket(session, k, box, spec)
+def _remote_receive(actor: Any, attr: str, session: str, role: Role) -> list[BucketReport]:
+    """A receiver's one call of a stream's buckets (see :mod:`.receiving`)."""
+    from ray_rdt_pool.weights.receiving import receive
 
-
-def _remote_run(actor: Any, attr: str, session: str, ks: list[int],
-                boxes: list[list[Any]]) -> list[BucketReport]:
-    """Load a run of consecutive buckets (read in place or by reference), in order."""
-    rec = _find(actor, attr, WeightReceiver)
-    out: list[BucketReport] = []
-    try:
-        for k, box in zip(ks, boxes):
-            out.extend(rec.load_stream_bucket(session, k, box))
-    finally:
-        boxes.clear()
-    return out
+    return receive(_find(actor, attr, WeightReceiver), session, role)
 
 
 def _remote_finish(actor: Any, attr: str, session: str, buckets: int) -> int:
@@ -162,5 +236,13 @@ def _remote_abort(actor: Any, attr: str, session: str) -> None:
         rec.abort_stream(session)
 
 
-def _remote_load(actor: Any, attr: str, manifest: Manifest) -> LoadReport:
-    return _find(actor, attr, WeightReceiver).load(manifest)
+def _remote_load(actor: Any, attr: str, manifest: Manifest, beat_key: str | None = None,
+                 every_s: float = 60.0) -> LoadReport:
+    from ray_rdt_pool._ray.beats import Beat
+
+    beat = Beat(beat_key, every_s)
+    try:
+        return _find(actor, attr, WeightReceiver)._load_manifest(
+            manifest, True, beat.tick, beat.check)
+    finally:
+        beat.close()

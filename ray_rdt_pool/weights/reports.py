@@ -62,6 +62,8 @@ class StreamReport:
     #: buckets receivers READ over NIXL straight from the sender's tensors (a module or
     #: mapping, receivers not all able to read in place): no pack, no pool
     reference_buckets: int = 0
+    #: Ray task calls the stream made (a few per receiver, whatever the bucket count)
+    ray_calls: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,9 @@ class SyncReport:
     loads: tuple[LoadReport, ...]
     stream: StreamReport | None = None
     sender_pool_used: int = 0  #: peak (stream) or after-publish (publish) sender pool bytes
+    #: Ray task calls the sync made, the driver's and the trainer's (a few per receiver
+    #: and per rank, whatever the bucket count)
+    ray_calls: int = 0
 
     @property
     def gbps(self) -> float:

@@ -36,15 +36,16 @@ from ray_rdt_pool.weights.planning import (
     plan_layout,
 )
 from ray_rdt_pool.weights.pool import _forget_registrations, _stats
-from ray_rdt_pool.weights.relay import RelaySession, check_relay
 from ray_rdt_pool.weights.remote import RECEIVER_ATTR, _actor_handles, _timeout
 from ray_rdt_pool.weights.reports import StreamReport
 from ray_rdt_pool.weights.state import Source, SourceLike, StateLike, WireDtype, _check_flag
-from ray_rdt_pool.weights.stream import StreamSession
+from ray_rdt_pool.weights.stream import StreamSession, check_relay
 
 if TYPE_CHECKING:
     from ray import ObjectRef
     from ray.actor import ActorHandle
+
+    from ray_rdt_pool._ray.beats import Beat
 
 
 def _transport() -> str:
@@ -138,6 +139,8 @@ class WeightSender:
         # go once a stream no longer sends them (a replaced tensor) or at close().
         self._ref_keys: set[Any] = set()
         self._layouts = LayoutMemo()  # the last stream's layout, for the next one
+        # Many-rank syncs: what this rank offered, per sync, until it is served.
+        self._offers: dict[str, Any] = {}
 
     def close(self) -> None:
         """Let go of the NIXL registrations kept for by-reference streams (the storages
@@ -218,7 +221,11 @@ class WeightSender:
         :class:`DuplicateNameError` and publishes nothing.
         """
 
-        v = self._next_version(version)
+        return self._publish(state, self._next_version(version), True)
+
+    def _publish(self, state: SourceLike | None, v: int, final: bool) -> Manifest:
+        """:meth:`publish` of version ``v``; ``final=False`` (a many-rank offer) leaves
+        :attr:`version` to be set once the receivers have it."""
         eager, pairs = self._acquire(state)
         refs: list[list[ObjectRef] | None] = []
         overflow: list[int] = []
@@ -253,7 +260,8 @@ class WeightSender:
                 refs.clear()
                 raise
             layout = _layout_of(specs, self.bucket_bytes)
-        self.version = v
+        if final:
+            self.version = v
         self._used = max(self._used, v)  # the next default is past every version used
         return Manifest(layout, refs, v, tuple(overflow), int(_stats().pool_used),
                         uuid.uuid4().hex)
@@ -277,70 +285,86 @@ class WeightSender:
         (earlier buckets are loaded, the receivers' versions unchanged), and
         ``strict`` missing tensors are found after the last bucket.
 
-        Then for each bucket: wait until fewer than ``max_inflight`` buckets are
-        unacknowledged and the pool has room for it, pack it into the pool as an object
-        this stream owns (:class:`PoolBucket`: not a Ray object, so no object-store round
-        trip), and ask every receiver to load it (``__ray_call__``); the object is freed
-        once every receiver acknowledged it. "Room" means the pool has the bucket's bytes
-        free and this stream's pool use (``pool_used`` beyond what was in use when the
-        stream began) stays within ``max_inflight * bucket_bytes``. A lazy source is only
-        pulled for the next bucket once there is room for a full bucket, and the sender
-        drops its tensors as soon as their bucket is packed, so beyond the model and the
-        pool the sync holds at most ``max_inflight`` buckets of source tensors plus one
-        tensor. No bucket is ever packed without room, so there is no fallback
-        registration. With ``max_inflight >= 2`` packing bucket ``k+1`` overlaps the
-        receivers' reads of bucket ``k``; ``max_inflight=1`` serialises them.
+        Each receiver costs three Ray calls whatever the bucket count: begin, one
+        ``receive`` call that loads every bucket, and the commit. The buckets travel on
+        the data plane: for each bucket, wait until fewer than ``max_inflight`` buckets
+        are out and the pool has room for it, pack it into the pool as an object this
+        stream owns (:class:`PoolBucket`: not a Ray object), and signal it ready to the
+        receivers (a NIXL notification); each signals back once it wrote the bucket, and
+        the bucket is freed once every receiver did. "Room" means the pool has the
+        bucket's bytes free and this stream's pool use (``pool_used`` beyond what was
+        in use when the stream began) stays within ``max_inflight * bucket_bytes``. A
+        lazy source is only pulled for the next bucket once there is room for a full
+        bucket, and the sender drops its tensors as soon as their bucket is packed, so
+        beyond the model and the pool the sync holds at most ``max_inflight`` buckets
+        of source tensors plus one tensor. No bucket is ever packed without room, so
+        there is no fallback registration. With ``max_inflight >= 2`` packing bucket
+        ``k+1`` overlaps the receivers' reads of bucket ``k``; ``max_inflight=1``
+        serialises them.
 
         ``source_reads=True`` skips the pack for a bucket whose tensors lie as they are
-        sent, and keeps its tensors until every receiver acknowledged it: with every
-        receiver on this Ray node and able to read this process, the receivers get the
-        tensors' addresses and copy them out of this process (:class:`SourceBucket`);
+        sent, and keeps its tensors until every receiver read it: with every receiver
+        on this Ray node and able to read this process, the receivers get the tensors'
+        addresses and copy them out of this process (:class:`SourceBucket`);
         otherwise, for the module or mapping this sender holds as ``source`` (not
         ``state=``), whose bytes fit the storage cache (``registration_cache_bytes``),
         they READ them by reference over NIXL. Other buckets go through the pool as
         above.
 
-        Once every receiver acknowledged every bucket, the sender tells each to commit
-        (:meth:`WeightReceiver.finish_stream`, one more call per receiver) and waits for
-        it: a receiver never commits a stream this sender gave up on, and when
-        ``stream()`` returns every receiver's ``version`` is the new one.
+        Once every receiver has every bucket, the sender tells each to commit
+        (:meth:`WeightReceiver.finish_stream`) and waits for it: a receiver never
+        commits a stream this sender gave up on, and when ``stream()`` returns every
+        receiver's ``version`` is the new one.
 
-        Raises ``PoolExhaustedError`` if a bucket cannot fit the pool at all (up front
-        for a module or mapping, at that bucket for a lazy source),
-        :class:`WeightSyncTimeoutError` if pool space or acks take longer than
-        ``timeout_s``, :class:`DuplicateNameError` if a lazy source repeats a name,
-        and re-raises a receiver's error (its other buckets still drain). On any error
-        (a begin refused included) every receiver is told to drop the stream, then the
-        sender frees every bucket it still holds, so no bucket stays pinned; a bucket
-        whose receiver call has not ended by then (it outlasted ``timeout_s``) is freed
-        once that call ends, never under it. A failure
-        at the commit itself may leave some receivers committed; the version is used
-        up either way (the next default version is past it).
+        ``timeout_s`` is "no progress for this long": a sync takes as long as its
+        buckets need, and raises :class:`WeightSyncTimeoutError` (naming the receivers
+        it waits for) once nothing moved for ``timeout_s``: no bucket done, no pool
+        room. A receiver that dies raises :class:`ReceiverError` naming it. Raises
+        ``PoolExhaustedError`` if a bucket cannot fit the pool at all (up front for a
+        module or mapping, at that bucket for a lazy source),
+        :class:`DuplicateNameError` if a lazy source repeats a name, and re-raises a
+        receiver's error. On any error (a begin refused included) every receiver is
+        told to drop the stream; a receiver whose receive call had not started yet
+        reads nothing. The sender frees every bucket it still holds once no receive
+        call may read it: at once, or when that call ends. A failure at the commit
+        itself may leave some receivers committed (``ReceiverError.committed``); the
+        version is used up either way (the next default version is past it).
 
         ``relay="chain"`` sends each bucket once, to the first receiver of a chain; each
         receiver reads it from the one before it (from its destination tensors, or a
-        snapshot in its own pool of at most ``max_inflight`` buckets), while that one
-        reads the next bucket. ``relay_order="caller"`` chains the receivers as given,
-        ``"placement"`` groups them by Ray node, this node's first. A receiver that dies
-        or stops answering for ``timeout_s`` raises :class:`RelayReceiverError` naming
-        it; no receiver commits then. A receiver with ``select=`` can only be last.
+        snapshot in its own pool of at most ``max_inflight`` buckets, taken as the
+        bucket arrived), while that one reads the next bucket. ``relay_order="caller"``
+        chains the receivers as given, ``"placement"`` groups them by Ray node, this
+        node's first. A receiver that dies or stops answering for ``timeout_s`` raises
+        :class:`RelayReceiverError` naming it; no receiver commits then. A receiver
+        with ``select=`` can only be last.
         """
+        return self._stream(receivers, state, version=version, receiver_attr=receiver_attr,
+                            max_inflight=max_inflight, timeout_s=timeout_s, relay=relay,
+                            relay_order=relay_order)
+
+    def _stream(self, receivers: Sequence[ActorHandle], state: SourceLike | None = None, *,
+                version: int | None = None, receiver_attr: str = RECEIVER_ATTR,
+                max_inflight: int = 2, timeout_s: float = 300.0, relay: str | None = None,
+                relay_order: str = "caller", beat: Beat | None = None) -> StreamReport:
+        """:meth:`stream`; ``beat``: the driver's wait, told of progress (and able to
+        cancel the stream before it commits)."""
         receivers = _actor_handles(receivers, "stream()")
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) \
                 or max_inflight < 1:
             raise InvalidInputError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
         deadline_s = _timeout(timeout_s)
         check_relay(relay, relay_order)
+        _release_stale_offers(self)
         t0 = time.perf_counter()
         v = self._next_version(version)
         eager, pairs = self._acquire(state)
-        extra: dict[str, Any] = {"order": relay_order} if relay is not None else {}
-        session = (RelaySession if relay is not None else StreamSession)(
+        session = StreamSession(
             receivers, v, receiver_attr=receiver_attr, max_inflight=max_inflight,
             timeout_s=deadline_s, bucket_bytes=self.bucket_bytes, wire_dtype=self.wire_dtype,
             source_reads=self.source_reads,
             by_reference=state is None and isinstance(self.source, (torch.nn.Module, Mapping)),
-            **extra)
+            relay=relay, order=relay_order, beat=beat)
         session.plan(eager, pairs, self._layouts)
         # From here on ``v`` may be committed by some receiver, even if the stream fails:
         # the next default version is past it.
@@ -356,3 +380,10 @@ class WeightSender:
             _forget_registrations(self._ref_keys - session.ref_keys)
             self._ref_keys = session.ref_keys
         return session.report(t0)
+
+
+def _release_stale_offers(sender: WeightSender) -> None:
+    """Free this sender's many-rank offers whose driver never came back for them."""
+    from ray_rdt_pool.weights.rank_offer import release_stale
+
+    release_stale(sender)

@@ -1,12 +1,23 @@
-"""One streamed sync on the sender: :class:`StreamSession`, what ``WeightSender.stream``
-runs.
+"""One streamed sync on the trainer: :class:`StreamSession`, what
+``WeightSender.stream`` runs, plain or relayed down a chain (``relay="chain"``).
 
-Owns the stream's buckets from the moment they are made until every receiver
-acknowledged them (or, on failure, until they are freed or handed to
-:data:`~ray_rdt_pool.weights.late._LATE`), and the stream's protocol with its receivers:
-begin, one call per bucket (or run of buckets), commit, and abort on failure. A session
-is made for one ``stream()`` call, runs once and is dropped when the call returns or
-raises. Only the calling thread (the trainer's task thread) touches it.
+A stream costs each receiver three Ray calls whatever its bucket count: ``begin``
+(validate and reserve the version), ``receive`` (its bucket loop, one call for the
+whole sync: :mod:`.receiving`) and ``finish`` (commit). Inside, the buckets travel on
+the data plane (:mod:`.links`): the trainer packs bucket ``k`` and signals ``READY``
+to the receivers that read from it (every receiver, or the chain's first), each of
+them signals ``DONE`` when it wrote the bucket, and the trainer reuses a bucket's pool
+memory once every reader is done with it. At most ``max_inflight`` buckets are out at
+once: the trainer packs bucket ``k+1`` while ``k`` is read, and waits on ``DONE``
+credits, not on Ray. Every receiver also tells the trainer its progress, so a receiver
+that stops answering for ``timeout_s`` is named; one that dies is named from its Ray
+call.
+
+Owns the stream's buckets from the moment they are made until every reader signalled
+``DONE`` (or, on failure, until every receiver call that may read them ended: then
+freed at once, or handed to :data:`~ray_rdt_pool.weights.late._LATE`), and the
+session's signals on the trainer. A session is made for one ``stream()`` call, runs
+once and is dropped when it returns or raises. Only the calling thread touches it.
 """
 
 from __future__ import annotations
@@ -15,15 +26,34 @@ import os
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ray_rdt_pool.errors import DuplicateNameError
+from ray_rdt_pool._ray.beats import Beat
+from ray_rdt_pool.errors import (
+    DuplicateNameError,
+    InvalidInputError,
+    ReceiverError,
+    RelayReceiverError,
+    WeightSyncError,
+    WeightSyncTimeoutError,
+)
 from ray_rdt_pool.registry import storage_key
 from ray_rdt_pool.weights.late import _LATE, _InFlight
+from ray_rdt_pool.weights.links import (
+    ABORT,
+    DONE,
+    END,
+    FAIL,
+    HELLO,
+    PROGRESS,
+    READY,
+    Link,
+    box_body,
+    spec_body,
+)
 from ray_rdt_pool.weights.manifest import (
     BucketLayout,
     SourceBucket,
@@ -48,13 +78,14 @@ from ray_rdt_pool.weights.pool import (
     _wait_for_pool,
 )
 from ray_rdt_pool.weights.remote import (
+    Began,
+    Role,
     _ended,
     _get_all,
     _remote_abort,
     _remote_begin,
-    _remote_bucket,
     _remote_finish,
-    _remote_run,
+    _remote_receive,
     _wait_quietly,
 )
 from ray_rdt_pool.weights.reports import BucketReport, StreamReport, _ranges, _summarise
@@ -65,24 +96,37 @@ if TYPE_CHECKING:
 
     from ray_rdt_pool.same_node.source import SourceProcess
 
+#: The relays :meth:`WeightSender.stream` offers.
+RELAYS = ("chain",)
+#: How a chain is ordered: as the caller listed the receivers, or by Ray node.
+ORDERS = ("caller", "placement")
+#: How often a wait for signals also asks Ray whether a receiver's call failed (s).
+CHECK_CALLS_S = 0.05
+
 #: One bucket to send: its packed bytes, its tensors, its layout (a lazy source's; None
 #: for a module or mapping, whose receivers have the whole layout) and its entries.
 _Item = tuple[int, list[torch.Tensor], BucketLayout | None, Sequence[TensorEntry]]
 
 
-@dataclass
-class _Run:
-    """Consecutive buckets of a module or mapping that are not packed, gathered to go to
-    each receiver in one task: their indices, boxes and kept tensors."""
+def check_relay(relay: Any, order: Any) -> None:
+    """InvalidInputError unless ``relay`` is None or one of :data:`RELAYS` and ``order``
+    one of :data:`ORDERS`."""
+    if relay is not None and relay not in RELAYS:
+        raise InvalidInputError(f"relay must be None or one of {RELAYS}, got {relay!r}")
+    if order not in ORDERS:
+        raise InvalidInputError(f"relay_order must be one of {ORDERS}, got {order!r}")
 
-    ks: list[int] = field(default_factory=list)
-    boxes: list[list[Any]] = field(default_factory=list)
-    kept: list[torch.Tensor] = field(default_factory=list)
 
-    def add(self, k: int, box: list[Any], kept: list[torch.Tensor]) -> None:
-        self.ks.append(k)
-        self.boxes.append(box)
-        self.kept.extend(kept)
+def chain_order(began: Sequence[Began], order: str, here: str | None) -> list[int]:
+    """The receivers' indices in chain order: as given, or grouped by Ray node (this
+    node's first, then in order of first appearance)."""
+    idx = list(range(len(began)))
+    if order == "caller":
+        return idx
+    first: dict[str, int] = {}
+    for i, b in enumerate(began):
+        first.setdefault(b.node, i)
+    return sorted(idx, key=lambda i: (began[i].node != here, first[began[i].node], i))
 
 
 def _source_readable(tensors: Sequence[torch.Tensor], entries: Sequence[TensorEntry]) -> bool:
@@ -93,20 +137,28 @@ def _source_readable(tensors: Sequence[torch.Tensor], entries: Sequence[TensorEn
         and _dtype_str(t.dtype) == e.dtype for t, e in zip(tensors, entries))
 
 
+class _Out(NamedTuple):
+    """A bucket out for reading: its message (a READY's body) and what must outlive the
+    reads (the pool object, or the source tensors read in place)."""
+
+    k: int
+    body: list[Any]
+    spec: list[Any] | None
+    held: _InFlight
+
+
 class StreamSession:
     """One run of :meth:`~ray_rdt_pool.weights.WeightSender.stream` (its docstring gives
     the semantics): :meth:`plan` buckets the weights, :meth:`run` begins the stream on
-    every receiver, sends every bucket and commits, or cleans up; :meth:`report` sums it
-    up. Each bucket goes to the receivers through :meth:`_send`, the one place that
-    talks to them per bucket.
+    every receiver, starts their receive calls, sends every bucket on the data plane,
+    then commits, or cleans up; :meth:`report` sums it up.
     """
-
-    #: What begins the stream on each receiver (a relay begins it its own way).
-    BEGIN: Any = staticmethod(_remote_begin)
 
     def __init__(self, receivers: list[ActorHandle], version: int, *, receiver_attr: str,
                  max_inflight: int, timeout_s: float, bucket_bytes: int,
-                 wire_dtype: WireDtype, source_reads: bool, by_reference: bool) -> None:
+                 wire_dtype: WireDtype, source_reads: bool, by_reference: bool,
+                 relay: str | None = None, order: str = "caller",
+                 beat: Beat | None = None) -> None:
         self.receivers = receivers
         self.version = version
         self.attr = receiver_attr
@@ -118,14 +170,29 @@ class StreamSession:
         # The sender's own module or mapping (not a state= or a callable's state, which
         # may be new memory each sync, registered and kept every time) may go by reference.
         self.by_reference = by_reference
+        self.relay = relay
+        self.order = order
+        # The driver's wait: progress is told to it, and it may cancel (no commit then).
+        self.beat = beat if beat is not None else Beat(None, 1.0)
         self.session = ""  # the id receivers know this stream by (set by plan)
         self.capacity = 0  # the sender pool's bytes
         self.layout: WeightLayout | None = None  # None: a lazy source, bucketed as it comes
         self.items: Iterator[_Item] = iter(())
         self.biggest = 0  # the largest bucket so far (all of them for a module or mapping)
         self.src_proc: SourceProcess | None = None  # this process, for source reads
+        self.link: Link | None = None
+        n = len(receivers)
+        self.began: list[Began] = []
         self.begins: list[Any] = []
+        self.calls: list[Any] = [None] * n  # each receiver's receive call
         self.finishes: list[Any] = []
+        self.ray_calls = 0
+        self.names: list[str] = [""] * n  # each receiver's signal endpoint
+        self.index: dict[str, int] = {}  # endpoint name -> receiver
+        self.chain: list[int] = list(range(n))  # receiver indices in chain order
+        self.first: list[int] = list(range(n))  # the receivers that read from the trainer
+        self.hello = [False] * n
+        self.done = [-1] * n  # per receiver, the last bucket it signalled DONE
         # Source reads only when every receiver can: a bucket is then never packed.
         self.direct = False
         # Receivers READ the source's tensors where they lie, over NIXL (see _negotiate).
@@ -138,24 +205,18 @@ class StreamSession:
         #: pool_used right after each bucket was made (it only grows then: the peak)
         self.samples: list[int] = []
         self.wait_s = 0.0  # seconds spent waiting for pool room
-        # Per bucket (or run) in flight, oldest first: the receivers' acks, a source-read
-        # or by-reference bucket's tensors, kept alive (so unmoved) until every receiver
-        # has read them, and a pool bucket's object id, freed only then. At most
-        # max_inflight entries.
-        self.inflight: deque[_InFlight] = deque()
-        self.owned: str | None = None  # a pool bucket packed but not yet in ``inflight``
-        # A module's or mapping's buckets read in place go out together, one task per
-        # receiver for a run of them: the tensors they keep are the source's own (no
-        # memory beyond the model), describing them costs nothing, and each task costs a
-        # Ray round trip of its own. (Buckets by reference are described one by one, a
-        # registration lookup and the wire bytes each: sent as they are made, the
-        # receivers READ one while the next is described.)
-        self.gathered = _Run()
-        self.gather = True  # a relay sends every bucket on its own, to pipeline the chain
+        # Buckets out for reading, oldest first, until every first-hop reader is done:
+        # at most max_inflight.
+        self.out: deque[_Out] = deque()
+        self.owned: str | None = None  # a pool bucket packed but not yet in ``out``
         self.acked: list[list[BucketReport]] = [[] for _ in receivers]  # per receiver
         self.skipped: list[int] = []  # per receiver, from its commit
         self.k = 0  # buckets made so far
+        self.count: int | None = None  # buckets in all, once the last was made
         self.sent = 0  # payload bytes of every bucket sent (a module's layout.total_bytes)
+        self.stuck: int | None = None  # the receiver that stopped answering, if one did
+        self.failed: BaseException | None = None
+        self._next_check = 0.0
 
     # -- before any receiver is called --
 
@@ -192,34 +253,67 @@ class StreamSession:
     # -- the stream --
 
     def run(self) -> None:
-        """Begin the stream on every receiver, send every bucket, then commit. On any
-        error: drain, abort on every receiver, free every bucket (see :meth:`_clean_up`),
-        then raise it."""
-        self.begins = [r.__ray_call__.remote(self.BEGIN, self.attr, self.session,
-                                             self.layout, self.version, self.src_proc)
-                       for r in self.receivers]
-        st0 = _stats()
-        self.fallbacks0 = st0.fallbacks
-        self.used0 = int(st0.pool_used)
+        """Begin the stream on every receiver, start their receive calls, send every
+        bucket, then commit. On any error: signal ABORT, let the receivers' calls end,
+        abort on every receiver, free every bucket (see :meth:`_clean_up`), raise it."""
+        self.link = link = Link(self.session)
         try:
+            st0 = _stats()
+            self.fallbacks0 = st0.fallbacks
+            self.used0 = int(st0.pool_used)
+            relay = self.relay is not None
+            self.begins = [r.__ray_call__.remote(_remote_begin, self.attr, self.session,
+                                                 self.layout, self.version, self.src_proc,
+                                                 relay)
+                           for r in self.receivers]
+            self.ray_calls += len(self.begins)
             self._negotiate()
+            self._start()
             self._send_all()
+            self._drain()
             self._commit()
-        except BaseException as e:
+        except BaseException as first:
+            self.failed = first
             self._clean_up()
+            e = self._root_cause(first)
             if isinstance(e, DuplicateNameError):
-                applied = sorted(set.intersection(*[{r.bucket for r in a} for a in self.acked]))
+                applied = list(range(min(self.done, default=-1) + 1))
                 raise DuplicateNameError(
                     e.name, e.bucket, applied,
                     f"bucket(s) {_ranges(applied)} were loaded on every receiver before it; "
                     f"no receiver committed version {self.version} (their versions are "
                     "unchanged)") from None
-            raise
+            if e is first:
+                raise
+            raise e from None
+        finally:
+            link.close()
 
     def _negotiate(self) -> None:
-        """Wait for every receiver to begin, then choose how buckets travel."""
-        began = _get_all(self.begins, self.timeout_s, "validating the layout on the receivers")
-        self.direct = self.src_proc is not None and all(ok for _sk, ok in began)
+        """Wait for every receiver to begin, connect to their signal endpoints, order the
+        chain, then choose how buckets travel."""
+        import ray
+
+        began: list[Began] = self._get_named(self.begins, "validating the layout on the "
+                                                          "receivers")
+        self.began = began
+        assert self.link is not None
+        for i, b in enumerate(began):
+            self.names[i] = self.link.connect(b.md)
+            self.index[self.names[i]] = i
+        if self.relay is not None:
+            here = ray.get_runtime_context().get_node_id()
+            self.chain = chain_order(began, self.order, here)
+            for pos, i in enumerate(self.chain[:-1]):
+                if began[i].partial:
+                    raise InvalidInputError(
+                        f"receiver {i} reads only part of the weights (select=), so it "
+                        f"cannot relay them to the next receiver (position {pos} of "
+                        f"{len(self.chain)} in the chain); sync it without relay, or make "
+                        "it the last receiver (relay_order='caller')")
+            self.first = self.chain[:1]
+        self.direct = self.src_proc is not None and all(began[i].source_ok
+                                                        for i in self.first)
         # Otherwise, for the module or mapping this sender holds, receivers READ the
         # tensors where they lie over NIXL: their storages stay registered between
         # syncs (so the metadata does not change) without holding memory the source
@@ -228,9 +322,23 @@ class StreamSession:
                        and self.by_reference
                        and self.layout.total_bytes <= _registration_cache_bytes())
 
+    def _start(self) -> None:
+        """One receive call per receiver: each runs its bucket loop until the end."""
+        assert self.link is not None
+        me = self.link.md
+        n = len(self.chain)
+        for pos, i in enumerate(self.chain):
+            relayed = self.relay is not None
+            up = me if not relayed or pos == 0 else self.began[self.chain[pos - 1]].md
+            down = self.began[self.chain[pos + 1]].md if relayed and pos < n - 1 else None
+            role = Role(up, me, down, self.max_inflight, self.timeout_s)
+            self.calls[i] = self.receivers[i].__ray_call__.remote(
+                _remote_receive, self.attr, self.session, role)
+            self.ray_calls += 1
+
     def _send_all(self) -> None:
         while True:
-            while len(self.inflight) >= self.max_inflight:
+            while len(self.out) >= self.max_inflight:
                 self._retire()
             if self.layout is None and not self.direct:
                 # Lazy: pull the next bucket's tensors only once a full bucket fits.
@@ -238,12 +346,14 @@ class StreamSession:
                                                self._limit())
             item = next(self.items, None)
             if item is None:
-                self._send_gathered()
+                self.count = self.k
+                self._signal_first(END, self.k)
                 return
             nbytes, tensors, spec, entries = item
             del item
             self._send_bucket(nbytes, tensors, spec, entries)
             del tensors
+            self._take(0.0)
 
     def _limit(self) -> int:
         """Double buffering in bytes: this stream's buckets may hold at most max_inflight
@@ -255,7 +365,7 @@ class StreamSession:
     def _send_bucket(self, nbytes: int, tensors: list[torch.Tensor],
                      spec: BucketLayout | None, entries: Sequence[TensorEntry]) -> None:
         """Make bucket ``self.k`` (a source address, a by-reference object or a pool
-        object) and send it, or gather it into the run to send."""
+        object) and signal it READY to its readers."""
         k = self.k
         self.sent += sum(e.nbytes for e in entries)
         if nbytes > self.capacity:
@@ -263,161 +373,367 @@ class StreamSession:
             raise _too_big(spec.bucket, self.capacity)
         self.biggest = max(self.biggest, nbytes)
         keep: list[torch.Tensor] | None = None
-        box: list[Any]
         if self.direct and _source_readable(tensors, entries):
             assert self.src_proc is not None
-            box = [SourceBucket(self.src_proc, tuple(t.data_ptr() for t in tensors))]
+            box: Any = SourceBucket(self.src_proc, tuple(t.data_ptr() for t in tensors))
             keep = tensors
             self.direct_buckets += 1
         elif self.by_ref and _source_readable(tensors, entries):
             self.owned = f"ws:{self.session}/{k}"
             self.ref_keys.update(storage_key(t) for t in tensors if t.numel())
-            box = [_owned_bucket(self.owned, tensors, entries, by_reference=True)]
+            box = _owned_bucket(self.owned, tensors, entries, by_reference=True)
             keep = tensors
             self.ref_buckets += 1
         else:
-            self._send_gathered()
             # A conversion or a CUDA tensor packs into one contiguous block.
             one_block = any(t.is_cuda for t in tensors) or bool(_conversions(tensors, entries))
             self.wait_s += self._make_room(nbytes, self._limit(), one_block)
             self.owned = f"ws:{self.session}/{k}"
-            box = [_owned_bucket(self.owned, tensors, entries)]
+            box = _owned_bucket(self.owned, tensors, entries)
             tensors.clear()  # the pool holds the snapshot; drop the source's tensors
         del tensors
-        if keep is not None and self.layout is not None and self.owned is None and self.gather:
+        if keep is not None and self.samples:
             # A bucket read in place adds nothing to the pool: the last sample stands
             # (a stats() call per bucket costs as much as describing it).
-            self.samples.append(self.samples[-1] if self.samples else int(_stats().pool_used))
-            self.gathered.add(k, box, keep)
-            del keep, box
-            self.k += 1
-            return
-        try:
+            self.samples.append(self.samples[-1])
+        else:
             self.samples.append(int(_stats().pool_used))
-            # In flight before the first call: if a later receiver's call cannot even be
-            # made, the clean-up still sees the earlier calls, which may read the bucket.
-            acks: list[Any] = []
-            self.inflight.append(_InFlight(acks, keep, [self.owned] if self.owned else []))
-            self.owned = None
-            self._send(acks, [k], [box], spec)
-        finally:
-            box.clear()
-            del keep
+        out = _Out(k, box_body(box), spec_body(spec),
+                   _InFlight([], keep, [self.owned] if self.owned else []))
+        self.owned = None
+        self.out.append(out)
         self.k += 1
+        for i in self.first:
+            if self.hello[i]:
+                self._ready(i, out)
 
-    def _send_gathered(self) -> None:
-        """Send the run gathered so far, if any, as one call per receiver."""
-        run = self.gathered
-        if not run.ks:
-            return
-        acks: list[Any] = []
-        self.inflight.append(_InFlight(acks, run.kept, []))  # before the first call
-        self.gathered = _Run()
-        self._send(acks, run.ks, run.boxes, together=True)
+    def _ready(self, i: int, out: _Out) -> None:
+        """Signal bucket ``out`` READY to receiver ``i``; its receive call may read it
+        from now on (so the bucket must outlive that call, or its DONE)."""
+        assert self.link is not None
+        out.held.acks.append(self.calls[i])
+        self.link.send(self.names[i], READY, out.k, [out.body, out.spec])
 
-    def _send(self, acks: list[Any], ks: list[int], boxes: list[list[Any]],
-              spec: BucketLayout | None = None, together: bool = False) -> None:
-        """Ask every receiver to load buckets ``ks`` (``boxes[i]`` holds the message of
-        bucket ``ks[i]``), one call per receiver, appending each call to ``acks`` as soon
-        as it is made (``acks[i]`` answers for ``receivers[i]``: the reports of the
-        buckets it loaded). ``together``: a run, loaded in order by one
-        ``_remote_run`` call; else one bucket, with a lazy source's ``spec``, by
-        ``_remote_bucket``.
+    def _signal_first(self, kind: int, index: int) -> None:
+        assert self.link is not None
+        for i in self.first:
+            if self.hello[i]:
+                self.link.send(self.names[i], kind, index)
 
-        Every receiver reads each bucket from this process. This is the one method that
-        decides which receiver reads what from where: a relay replaces it (and keeps the
-        contract on ``acks``), the rest of the session is the same.
-        """
-        for r in self.receivers:
-            if together:
-                acks.append(r.__ray_call__.remote(_remote_run, self.attr, self.session, ks,
-                                                  boxes))
-            else:
-                acks.append(r.__ray_call__.remote(_remote_bucket, self.attr, self.session,
-                                                  ks[0], boxes[0], spec))
+    # -- waiting on the data plane --
 
-    def _retire(self) -> None:
-        """Wait for the oldest bucket in flight on every receiver, then drop it. Its acks are
-        collected before it leaves ``inflight``: a source-read bucket's tensors and a pool
-        bucket's block must outlive the receivers' reads (a receiver's failure leaves it in
-        ``inflight`` for the clean-up). The list is emptied, not just dropped, since the
-        lazy bucket iterator still refers to it until it has made the next bucket's
-        tensors."""
-        self._collect(self.inflight[0].acks)
-        _acks, kept, oids = self.inflight.popleft()
-        if kept is not None:
-            kept.clear()
-        _free_owned(oids)
+    def _take(self, timeout_s: float) -> bool:
+        """Handle the signals that arrive within ``timeout_s``; True if one showed
+        progress. Every :data:`CHECK_CALLS_S` it also asks Ray whether a receiver's
+        call ended (a failure, or a death, is raised here)."""
+        assert self.link is not None
+        moved = False
+        msg = self.link.get(timeout_s)
+        while msg is not None:
+            moved = self._on(msg) or moved
+            msg = self.link.get(0.0)
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + CHECK_CALLS_S
+            self._check_calls()
+        if moved:
+            self.beat.tick()
+        return moved
 
-    def _collect(self, acks: list[Any]) -> None:
+    def _on(self, msg: Any) -> bool:
+        i = self.index.get(msg.sender)
+        if i is None:
+            return False
+        if msg.kind == HELLO:
+            if not self.hello[i]:
+                self.hello[i] = True
+                if i in self.first:
+                    for out in self.out:
+                        self._ready(i, out)
+                    if self.count is not None:
+                        self.link.send(self.names[i], END, self.count)  # type: ignore[union-attr]
+        elif msg.kind == DONE:
+            self.done[i] = max(self.done[i], msg.item)
+        elif msg.kind == FAIL:
+            self._fail_from(i, str(msg.body))
+        return msg.kind in PROGRESS
+
+    def _check_calls(self) -> None:
+        """Raise for a receive call that ended early: a receiver that died, or failed."""
         import ray
 
-        # Wait for every receiver first, so one receiver's error is raised only after the
-        # others are done with this bucket too (their refs drain before we give up).
-        ray.wait(acks, num_returns=len(acks), timeout=self.timeout_s)
-        for i, reps in enumerate(_get_all(acks, self.timeout_s,
-                                          "waiting for receivers to load a bucket")):
-            self.acked[i].extend(reps)  # a receiver may load buckets that arrived early
+        pending = [c for c in self.calls if c is not None]
+        if not pending:
+            return
+        ready, _rest = ray.wait(pending, num_returns=len(pending), timeout=0)
+        for ref in ready:
+            i = self.calls.index(ref)
+            if self.count is not None and self.done[i] >= self.count - 1:
+                continue  # a receive that finished: its result is taken by _drain
+            self._raise_call(i, ref)
+            # It returned: it loaded every bucket (its last DONE is on its way).
+            if self.count is not None:
+                self.done[i] = max(self.done[i], self.count - 1)
+
+    def _fail_from(self, i: int, why: str) -> None:
+        """Receiver ``i`` signalled that its receive failed: raise its own error."""
+        import ray
+
+        ref = self.calls[i]
+        if ref is not None:
+            ray.wait([ref], timeout=min(self.timeout_s, 10.0))
+            self._raise_call(i, ref)
+        raise WeightSyncError(f"receiver {i} failed: {why}")
+
+    def _raise_call(self, i: int, ref: Any) -> None:
+        import ray
+        from ray.exceptions import RayActorError
+
+        try:
+            ray.get(ref, timeout=0)
+        except RayActorError as e:
+            raise self._died(i, e) from e
+        except ray.exceptions.GetTimeoutError:
+            return
+        if self.count is None:
+            raise WeightSyncError(f"receiver {i}'s receive call ended before the stream "
+                                  "did")
+
+    def _wait(self, until: Callable[[], bool], what: str) -> None:
+        """Handle signals until ``until()``; raise once nothing moved for ``timeout_s``."""
+        deadline = time.monotonic() + self.timeout_s
+        while not until():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._stalled(what)
+            if self._take(min(left, CHECK_CALLS_S)):
+                deadline = time.monotonic() + self.timeout_s
+
+    def _retire(self) -> None:
+        """Wait until every first-hop reader is done with the oldest bucket out, then
+        free it (its pool object, or the source tensors kept unmoved)."""
+        k = self.out[0].k
+        self._wait(lambda: all(self.done[i] >= k for i in self.first),
+                   f"waiting for the receivers to load bucket {k}")
+        out = self.out.popleft()
+        if out.held.kept is not None:
+            out.held.kept.clear()
+        _free_owned(out.held.owned)
 
     def _make_room(self, nbytes: int, limit: int, one_block: bool = False) -> float:
         """Block until ``nbytes`` fit the sender pool (see :func:`_fits`), retiring this
-        stream's buckets in flight, oldest first, while they do not: their blocks are what
+        stream's buckets out, oldest first, while they do not: their blocks are what
         usually holds the room, and only this thread frees them (a pool of fewer than
         ``max_inflight`` buckets would otherwise wait for itself). Then wait for the rest
         (blocks a same-node receiver still maps, other objects). Returns the seconds
         waited."""
         t0 = time.monotonic()
-        while self.inflight and not _fits(_stats(), nbytes, limit, self.capacity, one_block):
+        while self.out and not _fits(_stats(), nbytes, limit, self.capacity, one_block):
             self._retire()
         _wait_for_pool(nbytes, limit, self.capacity, self.timeout_s, one_block)
         return time.monotonic() - t0
 
-    def _commit(self) -> None:
-        while self.inflight:
+    def _drain(self) -> None:
+        """Wait until every receiver signalled DONE for the last bucket, then for their
+        receive calls' reports."""
+        last = (self.count or 0) - 1
+        self._wait(lambda: all(d >= last for d in self.done),
+                   "waiting for the receivers to load the last bucket")
+        while self.out:
             self._retire()
-        # Every receiver has every bucket: only now may they commit (a receiver that
-        # commits at its last bucket would commit a stream this sender gave up on).
-        self.finishes = [r.__ray_call__.remote(_remote_finish, self.attr, self.session, self.k)
-                         for r in self.receivers]
-        self.skipped = _get_all(self.finishes, self.timeout_s,
-                                "committing the stream on the receivers")
+        results = self._get_named(self.calls, "waiting for the receivers' reports")
+        for i, reps in enumerate(results):
+            self.acked[i].extend(reps)
 
-    def _release_inflight(self) -> None:
-        """Free the in-flight buckets whose receiver calls have all ended; those still
-        being read go to the late list, to be freed when their calls end."""
-        late = [f for f in self.inflight if not _ended(f.acks)]
-        gone = {id(f) for f in late}
-        _free_owned([o for f in self.inflight if id(f) not in gone for o in f.owned]
-                    + [self.owned])
-        if late:
-            _LATE.add(late, self.session)
-        self.inflight.clear()
+    def _commit(self) -> None:
+        # Every receiver has every bucket: only now may they commit (a receiver that
+        # commits at its last bucket would commit a stream this sender gave up on), and
+        # only if the driver still waits for this stream.
+        self.beat.check()
+        self.finishes = [r.__ray_call__.remote(_remote_finish, self.attr, self.session,
+                                               self.count or 0)
+                         for r in self.receivers]
+        self.ray_calls += len(self.finishes)
+        self.skipped = self._commit_all()
+
+    def _commit_all(self) -> list[int]:
+        """The commits' answers; a receiver that died at its commit is named, with the
+        receivers that did commit (``.committed``: commits are one by one, with no
+        atomicity across receivers)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        ray.wait(self.finishes, num_returns=len(self.finishes), timeout=self.timeout_s)
+        out: list[int] = []
+        first: BaseException | None = None
+        committed: list[int] = []
+        for i, ref in enumerate(self.finishes):
+            try:
+                out.append(ray.get(ref, timeout=0))
+                committed.append(i)
+            except RayActorError as e:
+                first = first or self._died(i, e, "committing the stream")
+            except ray.exceptions.GetTimeoutError:
+                first = first or WeightSyncTimeoutError(
+                    f"committing the stream on receiver {i} took longer than "
+                    f"{self.timeout_s}s; receiver(s) {committed} committed version "
+                    f"{self.version}")
+            except BaseException as e:
+                first = first or e
+        if isinstance(first, ReceiverError):
+            first.committed = tuple(committed)
+            first.args = (f"{first.args[0]}; receiver(s) {committed} committed version "
+                          f"{self.version}" if committed else first.args[0],)
+        if first is not None:
+            raise first
+        return out
+
+    def _get_named(self, refs: list[Any], what: str) -> list[Any]:
+        """``ray.get`` of one call per receiver, each within ``timeout_s``; a receiver
+        that died is named."""
+        from ray.exceptions import RayActorError
+
+        try:
+            return _get_all(refs, self.timeout_s, what)
+        except RayActorError as e:
+            i = self._index_of(getattr(e, "actor_id", None))
+            raise self._died(i, e, what) from e
+
+    def _index_of(self, actor_id: str | None) -> int:
+        for i, r in enumerate(self.receivers):
+            if actor_id is not None and r._actor_id.hex() == actor_id:
+                return i
+        return -1
+
+    # -- naming who broke the stream --
+
+    def _where(self, i: int) -> str:
+        aid = self.receivers[i]._actor_id.hex() if i >= 0 else "?"
+        if self.relay is None or i < 0:
+            return f"receiver {i} (actor {aid})"
+        return (f"receiver {i} (actor {aid}, position {self.chain.index(i)} of "
+                f"{len(self.chain)} in the relay chain)")
+
+    def _died(self, i: int, e: BaseException, what: str = "") -> ReceiverError:
+        """The error for receiver ``i``, whose actor died (``e``: Ray's error)."""
+        b = self.done[i] + 1 if i >= 0 else 0
+        aid = self.receivers[i]._actor_id.hex() if i >= 0 else ""
+        when = "while committing" if self.finishes else f"at bucket {b}"
+        rest = ("" if self.finishes else
+                f"; no receiver committed version {self.version}, the others keep their "
+                "previous version")
+        cls = RelayReceiverError if self.relay is not None else ReceiverError
+        err = cls(f"{what + ': ' if what else ''}{self._where(i)} died {when}: "
+                  f"{type(e).__name__}{rest}", i, aid, b)
+        err.__cause__ = e
+        return err
+
+    def _root_cause(self, e: BaseException) -> BaseException:
+        """After the clean-up let every receive call end: a receiver that died is the
+        cause of what the others saw (a READ from it that failed, a successor that
+        starved), so the first one to die in chain order is named instead."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        if isinstance(e, ReceiverError) and not e.stalled:
+            return e
+        for i in self.chain:
+            ref = self.calls[i]
+            if ref is None or not _ended([ref]):
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError as dead:
+                return self._died(i, dead)
+            except Exception:
+                pass
+        return e
+
+    def _stalled(self, what: str) -> WeightSyncError:
+        """The receiver the stream waits for: in a chain, the first one behind what its
+        predecessor (or the trainer) gave it; else every receiver behind the others."""
+        sent = self.k - 1
+        if self.relay is None:
+            need = min(self.out[0].k if self.out else sent, sent)
+            late = [i for i in self.first if not self.hello[i] or self.done[i] < need]
+            self.stuck = late[0] if late else None
+            who = "; ".join(self._where(i) + (", whose receive call never started"
+                                              if not self.hello[i] else
+                                              f", done up to bucket {self.done[i]}")
+                            for i in late)
+            return WeightSyncTimeoutError(
+                f"{what}: nothing moved for {self.timeout_s}s; waiting for "
+                f"{who or 'the trainer pool'}; no receiver committed version "
+                f"{self.version}")
+        supply = sent
+        i = self.chain[0]
+        for i in self.chain:
+            if not self.hello[i] or self.done[i] < supply:
+                break
+            supply = self.done[i]
+        self.stuck = i
+        b = self.done[i] + 1
+        return RelayReceiverError(
+            f"{what}: {self._where(i)} did not finish bucket {b} within {self.timeout_s}s; "
+            f"no receiver committed version {self.version}, the others keep their "
+            "previous version", i, self.receivers[i]._actor_id.hex(), b, stalled=True)
+
+    # -- failure --
 
     def _clean_up(self) -> None:
-        """After a failure: let the receivers finish (or fail) what they hold so every
-        ref drains, then have every receiver that began drop the stream (and any bucket
-        it holds out of order: one that was refused, or that failed, holds nothing to
-        drop), then free the buckets."""
-        import ray
-
-        pending = [a for f in self.inflight for a in f.acks] + self.begins + self.finishes
-        if pending:
-            _wait_quietly(pending, self.timeout_s)
-            for f in self.inflight:
-                for i, a in enumerate(f.acks):
-                    try:
-                        self.acked[i].extend(ray.get(a, timeout=0))
-                    except Exception:  # the error that counts is the stream's
-                        pass
+        """After a failure: signal ABORT to every receiver (a receive call that has not
+        started finds it waiting and reads nothing), let the receive calls end (not a
+        stalled receiver's: it may never answer), have every receiver that began drop
+        the stream, then free the buckets: at once those no receive call may still read,
+        the others once their calls end."""
+        self._beat_quietly()  # the driver's wait: the clean-up is progress too
+        if self.link is not None:
+            self.link.tell([n for n in self.names if n], ABORT, 0,
+                           f"the trainer gave up: {type(self.failed).__name__}")
+        ending = [c for i, c in enumerate(self.calls) if c is not None and i != self.stuck]
+        _wait_quietly([*ending, *self.begins, *self.finishes], min(self.timeout_s, 10.0))
+        self._beat_quietly()
+        self._take_done()
         aborts = [r.__ray_call__.remote(_remote_abort, self.attr, self.session)
                   for r in self.receivers]
-        _wait_quietly(aborts, min(self.timeout_s, 30.0))
-        # Only now: a receiver still loading a bucket reads its pool block (or the
-        # source's kept tensors). One whose call has not ended even so (a plain actor
-        # runs the bucket calls queued before the abort; a stuck receiver) may still
-        # read it: such buckets are let go only once that call ends.
-        self._release_inflight()
-        self.gathered = _Run()
+        self.ray_calls += len(aborts)
+        live = [a for i, a in enumerate(aborts)
+                if self.calls[i] is None or _ended([self.calls[i]])]
+        _wait_quietly(live, min(self.timeout_s, 10.0))
+        self._release_out()
+
+    def _take_done(self) -> None:
+        """Take in the DONE signals that came before the receive calls ended (what
+        every receiver loaded, for the error)."""
+        if self.link is None:
+            return
+        msg = self.link.get(0.0)
+        while msg is not None:
+            i = self.index.get(msg.sender)
+            if i is not None and msg.kind == DONE:
+                self.done[i] = max(self.done[i], msg.item)
+            msg = self.link.get(0.0)
+
+    def _beat_quietly(self) -> None:
+        try:
+            self.beat.tick()
+        except Exception:  # cancelled: the clean-up goes on all the same
+            pass
+
+    def _release_out(self) -> None:
+        """Free the buckets out whose readers' calls have all ended; those a call may
+        still read go to the late list, freed when those calls end."""
+        late = [o.held for o in self.out if o.held.acks and not _ended(o.held.acks)]
+        gone = {id(h) for h in late}
+        for o in self.out:
+            if id(o.held) not in gone:
+                if o.held.kept is not None:
+                    o.held.kept.clear()
+                _free_owned(o.held.owned)
+        _free_owned([self.owned])
+        if late:
+            _LATE.add(late, self.session)
+        self.out.clear()
 
     def report(self, t0: float) -> StreamReport:
         """The stream as the sender saw it, from ``t0`` (``time.perf_counter()``) on."""
@@ -430,4 +746,4 @@ class StreamSession:
             peak_pool_used=max(self.samples, default=0), pool_used_samples=tuple(self.samples),
             fallbacks=int(_stats().fallbacks - self.fallbacks0), pool_wait_seconds=self.wait_s,
             loads=loads, source_read_buckets=self.direct_buckets,
-            reference_buckets=self.ref_buckets)
+            reference_buckets=self.ref_buckets, ray_calls=self.ray_calls)

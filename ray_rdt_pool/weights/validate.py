@@ -426,7 +426,7 @@ def _raise(problems: list[tuple[str, str, str]], written: str = "nothing was wri
            ) -> None:
     if problems:
         kinds = {p[0] for p in problems}
-        cls = next(c for c in _ERROR_ORDER if c.kind in kinds)
+        cls = next((c for c in _ERROR_ORDER if c.kind in kinds), ManifestMismatchError)
         shown = "\n  ".join(f"[{k}] {d}" for k, _n, d in problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise cls(f"the weight manifest does not match the destination ({len(problems)} "

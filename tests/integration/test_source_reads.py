@@ -28,6 +28,7 @@ from ray import cloudpickle
 
 import ray_rdt_pool
 from ray_rdt_pool.weights import (
+    ReceiverError,
     WeightReceiver,
     WeightSender,
     plan_layout,
@@ -289,9 +290,10 @@ def _stream_to(node: Any, receivers: list[Any]) -> Any:
 @pytest.mark.ray
 @pytest.mark.parametrize("path", ["in place", "by reference", "packed"])
 def test_receiver_killed_during_a_stream(actors: dict[str, Any], path: str) -> None:
-    """The trainer's stream fails with Ray's error, holds nothing afterwards (no pool
-    object, no kept tensors, no use of a registration), and streams again to a live
-    receiver: for buckets read in place, by reference over NIXL, or packed."""
+    """The trainer's stream fails with a ReceiverError naming the dead receiver (and
+    Ray's error), holds nothing afterwards (no pool object, no kept tensors, no use
+    of a registration), and streams again to a live receiver: for buckets read in place,
+    by reference over NIXL, or packed."""
     import ray
 
     tr, r1 = actors["trainer"], actors["r1"]
@@ -305,7 +307,10 @@ def test_receiver_killed_during_a_stream(actors: dict[str, Any], path: str) -> N
     ray.kill(victim)
     with pytest.raises(ray.exceptions.RayTaskError) as err:  # not a timeout: a failure
         ray.get(ref, timeout=120)
-    assert isinstance(err.value.cause, ray.exceptions.RayActorError), err.value
+    assert isinstance(err.value.cause, ReceiverError), err.value
+    assert err.value.cause.receiver == 0 and not err.value.cause.stalled
+    assert err.value.cause.actor_id == victim._actor_id.hex()
+    assert "ActorDiedError" in str(err.value.cause)
     st = call(tr, _stats)
     assert st.pool_used == 0 and st.live_objects == 0, st
     packed = st.bytes_packed > before.bytes_packed

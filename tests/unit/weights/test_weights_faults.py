@@ -1,11 +1,11 @@
 """Weight sync under races and partial failures, in process (no cluster).
 
 A :class:`WeightSender`'s ``stream()`` and real :class:`WeightReceiver` s run in this
-process: a stand-in for Ray runs each ``__ray_call__`` at once, in the order the calls
-are made (as a plain actor runs one caller's calls), and the transport is a ``Runtime``
-over the fake NIXL of ray_rdt_pool.testing (``same_node="off"``: every bucket is READ). Each
-test stages one interleaving or failure that real Ray makes hard to hit on demand; the
-real-Ray counterparts are in test_weights.py and test_weights_engine.py.
+process: a stand-in for Ray (tests/support/fakeray.py) runs each actor's calls on its
+own thread, in order, as a plain actor does, and the transport is a ``Runtime`` over the
+fake NIXL of ray_rdt_pool.testing (``same_node="off"``: every bucket is READ). Each test
+stages one interleaving or failure that real Ray makes hard to hit on demand; the
+real-Ray counterparts are in tests/integration/test_weights*.py.
 """
 
 from __future__ import annotations
@@ -19,12 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-import ray_rdt_pool._ray.runtime as T
 from ray_rdt_pool._ray.owned import free_owned, put_owned
 from ray_rdt_pool._ray.runtime import Runtime
-from ray_rdt_pool.config import PoolConfig
 from ray_rdt_pool.errors import InvalidInputError, PoolExhaustedError
-from ray_rdt_pool.testing import World
 from ray_rdt_pool.weights import (
     BucketLayout,
     DuplicateTargetError,
@@ -36,95 +33,20 @@ from ray_rdt_pool.weights import (
     WeightReceiver,
     WeightSender,
     WeightSyncError,
+    WeightSyncTimeoutError,
     plan_layout,
     sync,
 )
+from tests.support.fakeray import Actor, Handle, _get, make_runtime, receiver_node
 
 # ---------------------------------------------------------------------------------------
-# The stand-in for Ray
+# The stand-in for Ray: tests/support/fakeray.py
 # ---------------------------------------------------------------------------------------
-
-
-class _Ref:
-    """A finished call: its value or its error."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.value: Any = None
-        self.error: BaseException | None = None
-        try:
-            self.value = fn()
-        except BaseException as e:
-            self.error = e
-
-
-def _get(ref: Any, timeout: float | None = None) -> Any:
-    if isinstance(ref, list):
-        return [_get(r) for r in ref]
-    if not isinstance(ref, _Ref):
-        return ref  # a manifest bucket's "ref" is its tensor list
-    if ref.error is not None:
-        raise ref.error
-    return ref.value
-
-
-class Actor:
-    """An actor instance: holds a ``weight_receiver``."""
-
-    weight_receiver: WeightReceiver
-
-
-class Handle:
-    """An actor handle: ``__ray_call__.remote(fn, *args)`` runs ``fn(actor, *args)`` now."""
-
-    _count = 0
-
-    def __init__(self, actor: Actor) -> None:
-        Handle._count += 1
-        n = Handle._count
-        self._actor_id = type("Id", (), {"hex": lambda self: f"{n:032x}"})()
-        self.actor = actor
-        handle = self
-
-        class Call:
-            @staticmethod
-            def remote(fn: Callable[..., Any], *args: Any) -> _Ref:
-                # Ray pickles a task's arguments: the receiver gets its own lists.
-                copied = tuple(list(a) if isinstance(a, list) else a for a in args)
-                return _Ref(lambda: fn(handle.actor, *copied))
-
-        self.__ray_call__ = Call
 
 
 @pytest.fixture()
 def runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Runtime]]:
-    """``make(**config)``: this process's transport, over the fake NIXL, with Ray's
-    ``get`` and ``wait`` standing in for finished calls."""
-    import ray
-
-    monkeypatch.setattr(ray, "get", _get)
-    monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (refs, []))
-    made: list[Runtime] = []
-
-    def make(**cfg: Any) -> Runtime:
-        cfg.setdefault("pool_bytes", 1 << 20)
-        cfg.setdefault("arena_bytes", 1 << 20)
-        world = World()
-        rt = Runtime(PoolConfig(metrics=False, same_node="off", **cfg),
-                     backend_factory=world.factory, directory=world, node_id=lambda: "n1")
-        monkeypatch.setattr(T, "_runtime", rt)
-        made.append(rt)
-        return rt
-
-    yield make
-    for rt in made:
-        rt.shutdown()
-
-
-def receiver_node(dest: Any, cls: type[WeightReceiver] = WeightReceiver, **opts: Any
-                  ) -> tuple[Actor, Handle]:
-    a = Actor()
-    a.weight_receiver = cls(dest, **opts)
-    return a, Handle(a)
+    yield from make_runtime(monkeypatch)
 
 
 def filled(value: float, n: int = 6) -> dict[str, torch.Tensor]:
@@ -826,6 +748,9 @@ def test_a_failed_stream_cleans_up_even_if_its_waits_raise(
         sender.stream([h], max_inflight=2)
     st = rt.stats()
     assert (st.live_objects, st.pool_used) == (0, 0)
+    deadline = time.monotonic() + 10  # the actor's thread runs the abort it was sent
+    while r.weight_receiver._stream is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert r.weight_receiver._stream is None  # told to drop it
     r.weight_receiver.fail_at = None  # type: ignore[attr-defined]
     assert r.weight_receiver.load(manifest(1, filled(1, 4))[2]).version == 1
@@ -845,143 +770,103 @@ def test_the_default_version_is_past_every_version_published(
     assert sender.publish().version == 3
 
 
-class _Queued:
-    """A call queued on a plain actor busy with something else: it runs on ``run()``."""
+class GatedReceiver(WeightReceiver):
+    """Holds bucket 0 on ``entered`` until ``go``: a read the sender gives up on."""
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn, self.ref = fn, None
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.entered, self.go = threading.Event(), threading.Event()
 
-    def run(self) -> None:
-        self.ref = _Ref(self.fn)  # type: ignore[assignment]
-
-
-class LaggingHandle(Handle):
-    """From its first bucket call on, every call (the abort too) queues, in order, until
-    :meth:`run_queued`: a plain actor stuck past the sender's ``timeout_s``."""
-
-    def __init__(self, actor: Actor) -> None:
-        super().__init__(actor)
-        self.queue: list[_Queued] = []
-        handle = self
-
-        class Call:
-            @staticmethod
-            def remote(fn: Callable[..., Any], *args: Any) -> Any:
-                copied = tuple(list(a) if isinstance(a, list) else a for a in args)
-                call = _Queued(lambda: fn(handle.actor, *copied))
-                if fn.__name__ in ("_remote_bucket", "_remote_run") or handle.queue:
-                    handle.queue.append(call)
-                else:
-                    call.run()
-                return call
-
-        self.__ray_call__ = Call
-
-    def run_queued(self) -> None:
-        for call in self.queue:
-            call.run()
+    def _load_bucket(self, plan: Any, *rest: Any) -> Any:
+        if plan.index == 0:
+            self.entered.set()
+            assert self.go.wait(10)
+        return super()._load_bucket(plan, *rest)
 
 
-def queued_calls_pend(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ray's get and wait for :class:`LaggingHandle` calls: a queued call is not ready
-    (its get times out) until it has run. Late buckets are polled every 50 ms."""
-    import ray
-    from ray.exceptions import GetTimeoutError
-
+def _late_freed(rt: Runtime, live: int) -> None:
     import ray_rdt_pool.weights.late as L
 
-    def ready(ref: Any) -> bool:
-        return not isinstance(ref, _Queued) or ref.ref is not None
-
-    def get(ref: Any, timeout: float | None = None) -> Any:
-        if isinstance(ref, list):
-            return [get(r, timeout) for r in ref]
-        if isinstance(ref, _Queued):
-            if ref.ref is None:
-                raise GetTimeoutError("still queued")
-            return _get(ref.ref)
-        return _get(ref)
-
-    monkeypatch.setattr(ray, "get", get)
-    monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (
-        [r for r in refs if ready(r)], [r for r in refs if not ready(r)]))
-    monkeypatch.setattr(L._LateBuckets, "POLL_S", 0.05)
+    deadline = time.monotonic() + 10
+    while L._LATE.held() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert L._LATE.held() == 0 and rt.stats().live_objects == live
 
 
 def test_a_bucket_a_receiver_still_reads_after_a_timeout_is_not_freed_under_it(
         runtime: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sender gave up (timeout_s) while a plain actor had the bucket call queued; its
-    clean-up freed the bucket's pool block, another object took it, and the queued call
-    then READ that object's bytes into the receiver's weights. The block is now freed only
-    once the receiver's call ends."""
+    """The sender gives up (timeout_s) while a receiver reads bucket 0: freed then, the
+    bucket's block would go to another object, whose bytes the read would load into the
+    receiver's weights. It is freed only once the receiver's call ends."""
     import ray
 
     import ray_rdt_pool.weights as W
     import ray_rdt_pool.weights.late as L
 
     rt = runtime()
-    queued_calls_pend(monkeypatch)
     monkeypatch.setattr(ray, "is_initialized", lambda: True)  # no ray.shutdown() here
-    actor = Actor()
-    actor.weight_receiver = WeightReceiver(filled(0, 4), direct=False)
-    h = LaggingHandle(actor)
+    monkeypatch.setattr(L._LateBuckets, "POLL_S", 0.05)
+    r, h = receiver_node(filled(0, 4), GatedReceiver, direct=False)
+    rec = r.weight_receiver
     sender = WeightSender(filled(6, 4), bucket_bytes=4096, source_reads=False)
-    with pytest.raises(W.WeightSyncTimeoutError):
-        sender.stream([h], max_inflight=1, timeout_s=0.1)
-    held = rt.stats().live_objects  # bucket 0: the receiver has not read it yet
+    with pytest.raises(W.WeightSyncTimeoutError, match="receiver 0"):
+        sender.stream([h], max_inflight=1, timeout_s=0.2)
+    assert rec.entered.is_set()  # type: ignore[attr-defined]
+    assert rt.stats().live_objects == 1  # bucket 0: the receiver reads it still
     other = rt.put("other", [torch.full((32, 32), 99.0)])  # would take its block
     assert other is not None
-    h.run_queued()  # the receiver loads bucket 0, then takes the abort
-    rec = actor.weight_receiver
+    rec.go.set()  # type: ignore[attr-defined]
+    _late_freed(rt, 1)  # "other" alone: the late bucket went once its reader ended
     assert values(rec.dest)[0] == 6.0 and rec.version == 0  # type: ignore[arg-type]
-    assert held == 1
-    deadline = time.monotonic() + 10
-    while L._LATE.held() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert L._LATE.held() == 0
-    st = rt.stats()
-    assert st.live_objects == 1  # "other" alone: the late bucket went once it was read
 
 
-def test_a_bucket_call_that_cannot_be_made_frees_nothing_an_earlier_call_reads(
-        runtime: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The bucket calls of all receivers were made in one expression: when a later
-    receiver's ``.remote()`` raised (Ray going down, an argument it cannot serialize),
-    the bucket was not yet in flight, so the clean-up freed it at once while the first
-    receiver's queued call was still to READ it. It is now in flight before any call."""
-    import ray
-
-    import ray_rdt_pool.weights.late as L
-
+def test_a_receive_call_that_starts_after_the_sender_gave_up_reads_nothing(
+        runtime: Any) -> None:
+    """A receiver that began, then was busy (a long generate) when the buckets came:
+    the sender gives up, and frees at once what no receiver was signalled. When the
+    receiver gets to its queued call, the ABORT waits for it: it reads nothing, and
+    its version and weights stay."""
     rt = runtime()
-    queued_calls_pend(monkeypatch)
-    monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    first = Actor()
-    first.weight_receiver = WeightReceiver(filled(0, 4), direct=False)
-    h1 = LaggingHandle(first)
-    _r2, h2 = receiver_node(filled(0, 4), direct=False)
+    r, h = receiver_node(filled(0, 4), direct=False)
+    h.busy(lambda name: name == "_remote_receive")
+    sender = WeightSender(filled(6, 4), bucket_bytes=4096, source_reads=False)
+    with pytest.raises(WeightSyncTimeoutError, match="never started"):
+        sender.stream([h], max_inflight=1, timeout_s=0.2)
+    assert rt.stats().live_objects == 0  # bucket 0 was signalled to nobody
+    h.free()
+    deadline = time.monotonic() + 10
+    while r.weight_receiver._stream is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert r.weight_receiver._stream is None
+    assert values(r.weight_receiver.dest) == [0.0] * 4  # type: ignore[arg-type]
+    assert r.weight_receiver.version == 0
+
+
+def test_a_receive_call_that_cannot_be_made_leaves_nothing_behind(runtime: Any) -> None:
+    """The receive calls go out one per receiver: when a later receiver's ``.remote()``
+    raises (Ray going down, an argument it cannot serialize), the receivers whose calls
+    went out are told to stop, nothing is put, and every receiver keeps its version."""
+    rt = runtime()
+    r1, h1 = receiver_node(filled(0, 4), direct=False)
+    r2, h2 = receiver_node(filled(0, 4), direct=False)
     real = h2.__ray_call__
 
     class Refusing:
         @staticmethod
         def remote(fn: Callable[..., Any], *args: Any) -> Any:
-            if fn.__name__ == "_remote_bucket":
+            if fn.__name__ == "_remote_receive":
                 raise RuntimeError("the call cannot be submitted")
             return real.remote(fn, *args)
 
     h2.__ray_call__ = Refusing  # type: ignore[assignment]
     sender = WeightSender(filled(6, 4), bucket_bytes=4096, source_reads=False)
     with pytest.raises(RuntimeError, match="cannot be submitted"):
-        sender.stream([h1, h2], max_inflight=1, timeout_s=0.2)
-    assert rt.stats().live_objects == 1  # bucket 0, which h1's queued call still reads
-    other = rt.put("other", [torch.full((32, 32), 99.0)])  # would take its block
-    assert other is not None
-    h1.run_queued()
-    assert values(first.weight_receiver.dest)[0] == 6.0  # type: ignore[arg-type]
-    deadline = time.monotonic() + 10
-    while L._LATE.held() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert L._LATE.held() == 0 and rt.stats().live_objects == 1  # "other" alone
+        sender.stream([h1, h2], max_inflight=1, timeout_s=2.0)
+    st = rt.stats()
+    assert st.live_objects == 0 and st.pool_used == 0
+    for r in (r1, r2):
+        assert r.weight_receiver.version == 0
+        assert values(r.weight_receiver.dest) == [0.0] * 4  # type: ignore[arg-type]
 
 
 def test_late_buckets_go_once_ray_is_shut_down(runtime: Any,

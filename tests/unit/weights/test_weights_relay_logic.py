@@ -1,21 +1,26 @@
 """A relayed stream's logic, in process (no cluster): the options ``sync()`` refuses
 before any actor is called (a relay with many trainer ranks among them), the chain's
-order, the error's pickling, and the calls :class:`RelaySession` submits down the chain
-(each receiver reads bucket ``b`` from the one before it, and a receiver holding
-snapshots frees bucket ``b - max_inflight`` only after its successor read it). The
-real-Ray counterparts are in tests/integration/test_weights_relay.py.
+order, the error's pickling, and a chain of four receivers over the fake NIXL (each
+reads every bucket from the one before it, on three Ray calls whatever the bucket
+count, byte-exact). The real-Ray counterparts are in
+tests/integration/test_weights_relay.py.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 
+from ray_rdt_pool._ray.runtime import Runtime
 from ray_rdt_pool.errors import InvalidInputError, RelayReceiverError
-from ray_rdt_pool.weights import sync
-from ray_rdt_pool.weights.relay import RelaySession, _Began, _chain
+from ray_rdt_pool.weights import WeightSender, sync
+from ray_rdt_pool.weights.remote import Began
+from ray_rdt_pool.weights.stream import chain_order
+from tests.support.fakeray import make_runtime, receiver_node
 
 
 class _Reached(Exception):
@@ -73,60 +78,50 @@ def test_sync_refuses_bad_relay_options_before_calling_anyone(kw: dict[str, Any]
 
 
 def test_placement_order_groups_receivers_by_node_this_node_first() -> None:
-    began = [_Began(0, False, node, None, False) for node in "ABAHBH"]
-    assert _chain(began, "caller", "H") == [0, 1, 2, 3, 4, 5]
-    assert _chain(began, "placement", "H") == [3, 5, 0, 2, 1, 4]
-    assert _chain(began, "placement", None) == [0, 2, 1, 4, 3, 5]
+    began = [Began(0, False, node, b"", None, False) for node in "ABAHBH"]
+    assert chain_order(began, "caller", "H") == [0, 1, 2, 3, 4, 5]
+    assert chain_order(began, "placement", "H") == [3, 5, 0, 2, 1, 4]
+    assert chain_order(began, "placement", None) == [0, 2, 1, 4, 3, 5]
 
 
 def test_relay_receiver_error_pickles_with_its_fields() -> None:
-    e = RelayReceiverError("receiver 2 died", 2, "ab" * 16, 5, stalled=True)
+    e = RelayReceiverError("receiver 2 died", 2, "ab" * 16, 5, stalled=True,
+                           committed=(0, 1))
     got = pickle.loads(pickle.dumps(e))
-    assert (type(got), str(got), got.receiver, got.actor_id, got.bucket, got.stalled) == \
-        (RelayReceiverError, "receiver 2 died", 2, "ab" * 16, 5, True)
+    assert (type(got), str(got), got.receiver, got.actor_id, got.bucket, got.stalled,
+            got.committed) == (RelayReceiverError, "receiver 2 died", 2, "ab" * 16, 5, True,
+                               (0, 1))
+
+
+@pytest.fixture()
+def runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Runtime]]:
+    yield from make_runtime(monkeypatch)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3])
-@pytest.mark.parametrize("places", [None, (False,) * 7, (True, False) * 3 + (True,)])
+@pytest.mark.parametrize("direct", [True, False], ids=["in-place", "snapshots"])
+@pytest.mark.parametrize("lazy", [False, True], ids=["mapping", "lazy"])
 def test_every_receiver_reads_each_bucket_from_the_one_before_it(
-        m: int, places: tuple[bool, ...] | None) -> None:
-    """Four receivers, seven buckets; receiver 2 lands buckets per ``places`` (None: a
-    lazy stream, whose buckets are snapshots)."""
-    log: list[tuple[int, tuple[Any, ...]]] = []
-    rs = [_Actor(i, log) for i in range(4)]
-    s = RelaySession(rs, 1, receiver_attr="r", max_inflight=m, timeout_s=5.0,
-                     bucket_bytes=1, wire_dtype=None, source_reads=False,
-                     by_reference=False)
-    s.chain = [2, 0, 3, 1]  # receiver indices, in chain order
-    s.in_place = [places, places, places, places]
-    k = 7
-    for b in range(k):
-        acks: list[Any] = []
-        s._send(acks, [b], [[f"box{b}"]])
-        assert acks == [s.rows[b][0]]
-        # Every receiver's call for the bucket goes at once, each waiting for its
-        # predecessor's ack on the receiver: no round trip through this process.
-        assert all(a is not None for a in s.rows[b]), (b, s.rows[b])
-    s._advance()
-    assert all(all(a is not None for a in row) for row in s.rows)  # every call was made
-    assert len(s.unchecked) == 4 * k
-    calls: dict[int, list[tuple[Any, ...]]] = {}
-    for n, args in log:
-        calls.setdefault(n, []).append(args)
-    for pos, i in enumerate(s.chain):
-        got = calls[i]
-        assert [a[2] for a in got] == list(range(k)), "each receiver's calls in order"
-        for j, (attr, _session, _j, box, prev, _spec, relays, free_upto, after,
-                _t) in enumerate(got):
-            assert attr == "r" and relays == (pos < 3)
-            if pos == 0:
-                assert box == [f"box{j}"] and prev == []
-            else:
-                assert box == [] and prev == [s.rows[j][pos - 1]]
-            snapshot = places is None or not places[j - m] if j >= m else False
-            if pos < 3 and snapshot:
-                # Freed only once the successor read it: at most m snapshots held.
-                assert (free_upto, after) == (j - m, [s.rows[j - m][pos + 1]])
-            else:
-                assert (free_upto, after) == (-1, [])
-    assert all(args[-1] == 5.0 for _n, args in log)
+        runtime: Any, m: int, direct: bool, lazy: bool) -> None:
+    """Four receivers, seven buckets: the trainer signals each bucket to the chain's
+    first receiver only, every other receiver reads it from the one before it (which
+    publishes it: by reference from its weights, or as a snapshot), each receiver costs
+    three Ray calls, and every receiver ends byte-exact with nothing held."""
+    rt = runtime()
+    state = {f"w{i}": torch.full((32, 32), float(i + 1)) for i in range(7)}
+    nodes = [receiver_node({k: torch.zeros_like(v) for k, v in state.items()},
+                           direct=direct) for _ in range(4)]
+    src: Any = (lambda: iter(state.items())) if lazy else state
+    sender = WeightSender(src, bucket_bytes=4096, source_reads=False)
+    put0 = rt.stats().objects_put
+    rep = sender.stream([h for _a, h in nodes], relay="chain", max_inflight=m,
+                        timeout_s=10.0)
+    assert rep.buckets == 7 and rep.ray_calls == 3 * 4
+    for a, _h in nodes:
+        rec = a.weight_receiver
+        assert rec.version == rep.version
+        assert all(torch.equal(rec.dest[k], v) for k, v in state.items())  # type: ignore[index]
+    # The trainer packed 7 buckets; each receiver but the last published 7 for the next.
+    assert rt.stats().objects_put - put0 == 7 + 3 * 7
+    st = rt.stats()
+    assert st.live_objects == 0 and st.pool_used == 0
