@@ -73,8 +73,9 @@ def check_ray_version(installed: str | None = None) -> None:
 # Reads of Ray's private state
 # ---------------------------------------------------------------------------------------
 # Ray 2.60. Why: Ray has no public call for the current session, the serialization
-# context's RDT tensor list, the transports registered in this process, or the RDT
-# object of a ref. Upstream issue: none found. Can go: when Ray exposes these.
+# context's RDT tensor list, the transports registered in this process, the RDT object
+# of a ref, or the actors of the cluster a driver is connected to (its state API picks
+# a cluster of its own). Upstream issue: none found. Can go: when Ray exposes these.
 
 
 def ray_session() -> object:
@@ -121,6 +122,23 @@ def lookup_rdt_object(obj_id: str, wait_s: float) -> tuple[list[Any] | None, Any
     if tmeta is None:
         tmeta = mgr.wait_for_tensor_transport_metadata(obj_id, wait_s)
     return None, tmeta
+
+
+def alive_actors() -> list[dict[str, Any]]:
+    """The alive actors of the cluster this process is connected to, from its GCS:
+    ``actor_id``, ``class_name``, ``name``, ``namespace``. Not Ray's state API
+    (``ray.util.state.list_actors``), which picks its own cluster (``RAY_ADDRESS``, the
+    newest ``ray start``) and so may list another one's."""
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+
+    accessor = state._connect_and_get_accessor()
+    out = []
+    for raw in accessor.get_actor_table(None, "ALIVE"):
+        a = gcs_pb2.ActorTableData.FromString(raw)
+        out.append({"actor_id": a.actor_id.hex(), "class_name": a.class_name,
+                    "name": a.name, "namespace": a.ray_namespace or None})
+    return out
 
 
 # ---------------------------------------------------------------------------------------

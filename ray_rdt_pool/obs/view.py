@@ -237,20 +237,11 @@ def rows_from_prometheus(samples: Sequence[tuple[str, dict[str, str], float]]
 
 
 def _alive_actors() -> list[dict[str, Any]]:
-    """Alive actors as dicts with actor_id, class_name, name, namespace."""
-    try:
-        from ray.util.state import list_actors
+    """Alive actors of the connected cluster, as dicts with actor_id, class_name, name,
+    namespace (read from its GCS: never another cluster's)."""
+    from ray_rdt_pool._ray.patches import alive_actors
 
-        return [{"actor_id": a.actor_id, "class_name": a.class_name, "name": a.name,
-                 "namespace": a.ray_namespace}
-                for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000,
-                                     raise_on_missing_output=False)]
-    except Exception:  # no dashboard: read the GCS actor table (no namespaces there)
-        from ray._private.state import actors as actor_table
-
-        return [{"actor_id": aid, "class_name": info.get("ActorClassName", ""),
-                 "name": info.get("Name", ""), "namespace": None}
-                for aid, info in (actor_table(actor_state_name="ALIVE") or {}).items()]
+    return alive_actors()
 
 
 def _reachable_handles(alive: Sequence[dict[str, Any]], namespace: str | None

@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -220,6 +221,75 @@ def test_stats_shows_a_named_actor_of_the_cluster(cluster: str) -> None:
     finally:
         subprocess.run([sys.executable, "-c", "import ray; ray.init(namespace='clitest'); "
                         "ray.kill(ray.get_actor('holder'))"], env=_env(RAY_ADDRESS=cluster),
+                       capture_output=True, timeout=120)
+
+
+class _OtherDashboard:
+    """An HTTP server that answers Ray's state API as another cluster's dashboard would,
+    with no actor alive there (what ``RAY_ADDRESS`` names in a shell that ran Ray's Jobs
+    guide)."""
+
+    def __enter__(self) -> str:
+        import http.server
+        import threading
+
+        body = json.dumps({"result": True, "msg": "", "data": {"result": {
+            "result": [], "total": 0, "num_after_truncation": 0, "num_filtered": 0,
+            "partial_failure_warning": "", "warnings": None}}}).encode()
+        self.asked: list[str] = []
+        asked = self.asked
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                asked.append(self.path)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.shutdown()
+
+
+def test_stats_reads_the_cluster_it_names_whatever_ray_address_says(cluster: str) -> None:
+    """``stats --address B`` with ``RAY_ADDRESS`` naming another cluster's dashboard
+    listed that cluster's actors (Ray's state API picks its own target): B's named actor
+    was missing. It reads B's own actor table."""
+    driver = (
+        "import ray, torch, ray_rdt_pool\n"
+        "ray.init(namespace='clitest2')\n"
+        "ray_rdt_pool.register()\n"
+        "@ray.remote(num_cpus=0, enable_tensor_transport=True)\n"
+        "class Holder:\n"
+        "    def __init__(self):\n"
+        "        ray_rdt_pool.register()\n"
+        "        self.t = torch.ones(1 << 18)\n"
+        "        self.ref = ray.put([self.t], _tensor_transport='nixl_pool')\n"
+        "    def ready(self):\n"
+        "        return True\n"
+        "h = Holder.options(name='holder2', lifetime='detached').remote()\n"
+        "ray.get(h.ready.remote())\n")
+    up = subprocess.run([sys.executable, "-c", driver], env=_env(RAY_ADDRESS=cluster),
+                        capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert up.returncode == 0, up.stderr[-2000:]
+    try:
+        with _OtherDashboard() as other:
+            proc = _run(["stats", "--address", cluster, "--namespace", "clitest2", "--json"],
+                        timeout=120, RAY_ADDRESS=other)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rows = json.loads(proc.stdout)
+        assert [r["live_objects"] for r in rows if r["actor"].startswith("Holder")] == [1], \
+            rows
+    finally:
+        subprocess.run([sys.executable, "-c", "import ray; ray.init(namespace='clitest2'); "
+                        "ray.kill(ray.get_actor('holder2'))"], env=_env(RAY_ADDRESS=cluster),
                        capture_output=True, timeout=120)
 
 
