@@ -135,7 +135,7 @@ def alive_actors() -> list[dict[str, Any]]:
     accessor = state._connect_and_get_accessor()
     out = []
     for raw in accessor.get_actor_table(None, "ALIVE"):
-        a = gcs_pb2.ActorTableData.FromString(raw)
+        a = gcs_pb2.ActorTableData.FromString(raw)  # type: ignore[attr-defined]
         out.append({"actor_id": a.actor_id.hex(), "class_name": a.class_name,
                     "name": a.name, "namespace": a.ray_namespace or None})
     return out

@@ -151,6 +151,10 @@ class Runtime:
                 self._backend = b
             return self._backend
 
+    def current_mailbox(self) -> Mailbox | None:
+        """The mailbox if one was made; creates nothing."""
+        return self._mailbox
+
     def mailbox(self) -> Mailbox:
         """The process's signal endpoint (its own NIXL agent) and the mailbox that sorts
         its messages, created on first use (a weight sync's)."""
@@ -167,7 +171,8 @@ class Runtime:
                     from ray_rdt_pool.nixl.signals import NixlSignals
 
                     make = NixlSignals
-                self._mailbox = Mailbox(make(_nixl.new_agent_name() + "-sig"), self.clock)
+                self._mailbox = Mailbox(make(_nixl.new_agent_name() + "-sig"), self.clock,
+                                        lambda: self.events.add("signals_sent"))
             return self._mailbox
 
     def _gone(self) -> RdtPoolError:

@@ -29,6 +29,7 @@ def collect(rt: Runtime) -> TransportStats:
         arenas = [a.alloc.stats() for a in r.arenas.values()]
     entries, cached = rt.registry.cached()
     c = rt.events.snapshot()
+    box = rt.current_mailbox()
     return TransportStats(
         pool_device=rt.config.device,
         pool_capacity=p.capacity if p else 0,
@@ -78,4 +79,8 @@ def collect(rt: Runtime) -> TransportStats:
         mapped_bytes=rc["mapped_bytes"],
         leased_objects=l_objs,
         leased_bytes=l_bytes,
+        weight_sync_ray_calls=c["weight_sync_ray_calls"],
+        signals_sent=c["signals_sent"],
+        signal_sessions=box.sessions() if box is not None else 0,
+        signals_waiting=box.pending() if box is not None else 0,
     )

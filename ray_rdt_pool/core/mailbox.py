@@ -86,8 +86,10 @@ class Inbox:
 class Mailbox:
     """One process's endpoint, its messages sorted by topic (see the module)."""
 
-    def __init__(self, endpoint: Any, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, endpoint: Any, clock: Clock = SYSTEM_CLOCK,
+                 on_send: Callable[[], None] | None = None) -> None:
         self.endpoint = endpoint
+        self._on_send = on_send
         self.name: str = endpoint.name
         self.clock = clock
         self._lock = threading.Lock()
@@ -118,6 +120,8 @@ class Mailbox:
              body: Any = None) -> None:
         """Send one message to a connected peer (raises what the endpoint raises)."""
         self.endpoint.send(peer, encode(topic, kind, item, body))
+        if self._on_send is not None:
+            self._on_send()
 
     # -- receiving --
 
@@ -166,9 +170,14 @@ class Mailbox:
         return len(got)
 
     def pending(self) -> int:
-        """Messages waiting for a topic to open (for tests and diagnosis)."""
+        """Messages waiting for a topic to open."""
         with self._lock:
             return sum(len(q) for q in self._pending.values())
+
+    def sessions(self) -> int:
+        """Topics open now."""
+        with self._lock:
+            return len(self._inboxes)
 
     def wait(self, box: Inbox, timeout_s: float,
              stop: Callable[[], bool] | None = None) -> Message | None:

@@ -29,7 +29,7 @@ COUNTER_NAMES = (
     "objects_freed", "bytes_packed", "zero_copy_tensors", "fallbacks", "objects_received",
     "bytes_received", "receive_fallbacks", "transfer_errors", "metadata_loads", "in_flight",
     "peers_removed", "transfers_cut", "late_completions", "mapped_gets", "reads_posted",
-    "split_reads", "source_reads",
+    "split_reads", "source_reads", "weight_sync_ray_calls", "signals_sent",
 )
 
 

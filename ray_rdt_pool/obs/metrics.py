@@ -127,6 +127,10 @@ GAUGES: tuple[tuple[str, str, Callable[[TransportStats], float]], ...] = (
      lambda s: s.leased_bytes),
     ("mapped_bytes", "Bytes of same-node senders' pools mapped here by live received views.",
      lambda s: s.mapped_bytes),
+    ("signal_sessions", "Weight syncs with an open signal inbox in this process.",
+     lambda s: s.signal_sessions),
+    ("signals_waiting", "Weight-sync signals waiting for a sync that has not started here.",
+     lambda s: s.signals_waiting),
 )
 
 #: Counters: (name without prefix, description, TransportStats field). Prometheus shows
@@ -166,6 +170,10 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
      "split_reads"),
     ("source_reads", "Weight-stream buckets copied straight out of a same-node sender's memory.",
      "source_reads"),
+    ("weight_sync_ray_calls", "Ray task calls this process made for weight syncs (a few "
+     "per receiver and sync, whatever the bucket count).", "weight_sync_ray_calls"),
+    ("signals_sent", "Weight-sync data-plane signals (NIXL notifications) sent.",
+     "signals_sent"),
 )
 
 #: Histograms: (name without prefix, description), all with :data:`LATENCY_BUCKETS_S`.

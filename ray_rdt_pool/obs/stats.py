@@ -100,6 +100,14 @@ class TransportStats:
     #: sender: objects Ray freed whose blocks wait for same-node receivers' leases
     leased_objects: int = 0
     leased_bytes: int = 0
+    #: weight syncs: Ray task calls this process made for them (a few per receiver and
+    #: per sync, whatever the bucket count), and the data-plane signals it sent
+    weight_sync_ray_calls: int = 0
+    signals_sent: int = 0
+    #: weight syncs: sessions with an open signal inbox here now, and signals waiting for
+    #: a session that has not opened (both 0 between syncs)
+    signal_sessions: int = 0
+    signals_waiting: int = 0
 
     @property
     def pool_fragmentation(self) -> float:

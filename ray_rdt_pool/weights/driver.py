@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ray_rdt_pool.errors import InvalidInputError
 from ray_rdt_pool.weights.manifest import Manifest
+from ray_rdt_pool.weights.pool import count_ray_calls
 from ray_rdt_pool.weights.remote import (
     RECEIVER_ATTR,
     SENDER_ATTR,
@@ -120,6 +121,7 @@ def sync(trainer: ActorHandle | Sequence[ActorHandle], receivers: Sequence[Actor
 
     t0 = time.perf_counter()
     if mode == "stream":
+        count_ray_calls(1)
         key = new_key()
         rep: StreamReport = _wait_moving(
             [trainer.__ray_call__.remote(_remote_stream, sender_attr, receivers,
@@ -130,6 +132,7 @@ def sync(trainer: ActorHandle | Sequence[ActorHandle], receivers: Sequence[Actor
         return SyncReport("stream", rep.version, time.perf_counter() - t0, rep.nbytes,
                           rep.buckets, rep.loads, rep, rep.peak_pool_used,
                           ray_calls=rep.ray_calls + 1)
+    count_ray_calls(1 + len(receivers))
     published = [trainer.__ray_call__.remote(_remote_publish, sender_attr, version)]
     try:
         manifest: Manifest = _get_all(

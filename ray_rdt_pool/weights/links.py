@@ -60,7 +60,7 @@ def mailbox() -> Mailbox:
     this thread was bound to (:func:`bind`)."""
     bound = getattr(_THREAD, "mailbox", None)
     if bound is not None:
-        return bound  # type: ignore[no-any-return]
+        return bound
     from ray_rdt_pool._ray.runtime import runtime
 
     return runtime().mailbox()

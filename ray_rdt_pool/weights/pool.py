@@ -28,6 +28,13 @@ def _stats() -> Any:
     return stats()
 
 
+def count_ray_calls(n: int) -> None:
+    """Count ``n`` Ray task calls this process made for a weight sync (``stats()``)."""
+    from ray_rdt_pool._ray.runtime import runtime
+
+    runtime().events.add("weight_sync_ray_calls", n)
+
+
 def _pool_capacity() -> int:
     s = _stats()
     if s.pool_capacity:

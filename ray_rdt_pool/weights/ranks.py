@@ -35,6 +35,7 @@ from ray_rdt_pool.errors import (
     WeightSyncTimeoutError,
 )
 from ray_rdt_pool.weights.manifest import Bucket, TensorEntry, WeightLayout
+from ray_rdt_pool.weights.pool import count_ray_calls
 from ray_rdt_pool.weights.rank_load import _RankedLoad, _remote_load_ranks, _Sharded
 from ray_rdt_pool.weights.rank_offer import (
     _Offer,
@@ -257,6 +258,7 @@ def sync_ranks(trainers: Sequence[ActorHandle], receivers: list[ActorHandle], *,
             first.args = (f"{first.args[0]} (at the commit: receiver(s) {committed} "
                           "committed it)",)
         raise first
+    count_ray_calls(ray_calls)
     return SyncReport(mode, v, time.perf_counter() - t0, merged.total_bytes, count,
                       tuple(results), None, max(o.pool_used for o in ok),
                       ray_calls=ray_calls)

@@ -76,6 +76,7 @@ from ray_rdt_pool.weights.pool import (
     _stats,
     _too_big,
     _wait_for_pool,
+    count_ray_calls,
 )
 from ray_rdt_pool.weights.remote import (
     Began,
@@ -288,6 +289,7 @@ class StreamSession:
             raise e from None
         finally:
             link.close()
+            count_ray_calls(self.ray_calls)
 
     def _negotiate(self) -> None:
         """Wait for every receiver to begin, connect to their signal endpoints, order the

@@ -13,10 +13,7 @@ PRIVATE = ("ray._private", "ray._raylet", "ray.experimental.rdt")
 
 #: Files outside _ray that still touch a private Ray module, and why; the lead removes
 #: an entry once its file goes through ray_rdt_pool._ray.
-ALLOWED = {
-    "obs/view.py": "lists alive actors from Ray's GCS actor table (ray._private.state) "
-                   "when the state API has no dashboard; to be routed through _ray",
-}
+ALLOWED: dict[str, str] = {}
 
 
 def _is_private(name: str) -> bool:
