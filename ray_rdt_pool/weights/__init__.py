@@ -124,8 +124,8 @@ __all__ = [
 # The public constants are documented here (tools/gen_docs.py reads these comments).
 
 #: 32 MiB: small enough that two buckets (double buffering) fit a modest sender pool
-#: and a receive arena, large enough that per-bucket costs (a few Ray task round trips,
-#: one READ) are small next to the copy.
+#: and a receive arena, large enough that per-bucket costs (a signal each way, one READ)
+#: are small next to the copy.
 DEFAULT_BUCKET_BYTES = _manifest.DEFAULT_BUCKET_BYTES
 
 #: Attribute names :func:`sync` looks up on the trainer and inference actors.
