@@ -322,8 +322,11 @@ class WireDtypeError(WeightSyncError, ValueError):
 
 
 class WeightSyncTimeoutError(WeightSyncError, TimeoutError):
-    """A wait of the weights API outlasted ``timeout_s``: for pool space, receiver acks,
-    or (``sync()``) the trainer's publish or stream; the message names which."""
+    """Nothing moved for ``timeout_s``; the message names what was waited for.
+
+    A sync's receivers, the sender pool's room, or (``sync()``) the trainer's publish or
+    stream: every wait of the weights API applies ``timeout_s`` as "no progress for this
+    long", not as a bound on the whole sync."""
 
 
 class StaleVersionError(WeightSyncError, ValueError):
@@ -409,9 +412,9 @@ class LoaderError(WeightSyncError):
 
 
 class RankLayoutError(WeightSyncError, ValueError):
-    """The trainer ranks of a many-rank :func:`~ray_rdt_pool.weights.sync` do not add up
-    to one model; raised on the driver before any receiver is called, so nothing was
-    read or written.
+    """The trainer ranks of a many-rank sync do not add up to one model.
+
+    Raised on the driver before any receiver is called, so nothing was read or written.
 
     ``name`` is the tensor, ``ranks`` the trainer ranks (positions in the list passed to
     ``sync``) involved.
@@ -427,17 +430,19 @@ class RankLayoutError(WeightSyncError, ValueError):
 
 
 class RankOverlapError(RankLayoutError):
-    """Several trainer ranks hold the same tensor name, and not as dim-0 shards (every one
-    of them a ``WeightSender(..., shard=(rank, world))``), or their shards do not fit
-    together (another dtype or other trailing dimensions). Fix: give each name to one
-    rank, or declare the shards."""
+    """Several trainer ranks hold one name, and not as dim-0 shards that fit together.
+
+    Either some of them are not ``WeightSender(..., shard=(rank, world))``, or their
+    shards differ in dtype or trailing dimensions. Fix: give each name to one rank, or
+    declare the shards."""
 
 
 class RankMissingError(RankLayoutError):
-    """A tensor that some sharded trainer ranks hold is missing on others (every rank of
-    the world must hold its dim-0 shard, empty or not), or the ranks passed to ``sync``
-    are not the world their ``shard=(rank, world)`` declares. Fix: pass every rank, in
-    rank order, and have each hold its shard of each sharded name."""
+    """A sharded name lacks a rank's shard, or the ranks are not the declared world.
+
+    Every rank of the world must hold its dim-0 shard of a sharded name (empty or not),
+    and ``sync`` must get the ranks that ``shard=(rank, world)`` declares, in rank order.
+    Fix: pass every rank, in rank order, and have each hold its shard."""
 
 
 class TrainerRankError(WeightSyncError):
@@ -492,6 +497,7 @@ class ReceiverError(WeightSyncError):
 
 
 class RelayReceiverError(ReceiverError):
-    """A :class:`ReceiverError` in a relayed stream (``relay="chain"``): the receiver the
-    chain broke at. A stalled receiver in a chain holds up every receiver after it, so
-    the one named is the first that did not pass on what it was given."""
+    """A :class:`ReceiverError` of a relayed stream: the receiver the chain broke at.
+
+    A stalled receiver in a chain holds up every receiver after it, so the one named is
+    the first that did not pass on what it was given."""

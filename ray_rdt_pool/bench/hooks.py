@@ -131,7 +131,7 @@ def timed_weight_receiver(dest: dict[str, Any]) -> Any:
     """A ``ray_rdt_pool.weights.WeightReceiver`` for ``dest`` that also records, per
     stream, the seconds spent in its bucket loads and when the last bucket landed.
 
-    The subclass only wraps :meth:`load_stream_bucket` (what ``WeightSender.stream``
+    The subclass only wraps :meth:`_load_stream_bucket` (what ``WeightSender.stream``
     calls on the receiver for each bucket, through ``__ray_call__``); it is made on
     first use so that importing this module never imports our package.
     """
@@ -143,10 +143,10 @@ def timed_weight_receiver(dest: dict[str, Any]) -> Any:
             fetch_s = 0.0
             last_loaded: float | None = None
 
-            def load_stream_bucket(self, session: str, k: int, box: list[Any],
+            def _load_stream_bucket(self, session: str, k: int, box: list[Any],
                                    spec: Any = None) -> Any:
                 t = time.monotonic()
-                reports = super().load_stream_bucket(session, k, box, spec)
+                reports = super()._load_stream_bucket(session, k, box, spec)
                 now = time.monotonic()
                 self.fetch_s += now - t
                 if reports:  # [] when the bucket waits for an earlier one

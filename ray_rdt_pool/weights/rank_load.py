@@ -177,7 +177,7 @@ def load_ranks(rec: WeightReceiver, job: _RankedLoad) -> LoadReport:
             except ManifestMismatchError as e:
                 raise type(e)(f"{e} (the model is the union of {job.ranks} trainer ranks)",
                               e.problems) from None
-            readable = {r: src is not None and rec.can_read_source(src)
+            readable = {r: src is not None and rec._can_read_source(src)
                         for r, src in enumerate(job.sources)}
             # Per rank, its buckets this receiver needs, in order (a bucket it needs
             # nothing of is not read).
@@ -199,7 +199,7 @@ def load_ranks(rec: WeightReceiver, job: _RankedLoad) -> LoadReport:
         link.tell(ranks, BYE, job.index)
     except BaseException as e:
         link.tell(ranks, FAIL, job.index, f"{type(e).__name__}: {e}"[:2000])
-        rec.abort_stream(job.group)
+        rec._abort_stream(job.group)
         raise
     finally:
         link.close()

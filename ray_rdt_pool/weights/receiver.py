@@ -274,11 +274,11 @@ class WeightReceiver:
         # One method for every bucket a load or stream writes: a subclass may wrap it.
         return load_bucket(plan, ref, source, self.load_weights, relay)
 
-    def accept_source(self, session: str, source: SourceProcess) -> bool:
+    def _accept_source(self, session: str, source: SourceProcess) -> bool:
         """For stream ``session`` (just begun): accept buckets read straight out of
-        ``source`` if :meth:`can_read_source`; buckets naming any other process are
+        ``source`` if :meth:`_can_read_source`; buckets naming any other process are
         refused."""
-        ok = self.can_read_source(source)
+        ok = self._can_read_source(source)
         with self._lock:
             st = self._stream
             if st is None or st.session != session:
@@ -286,7 +286,7 @@ class WeightReceiver:
             st.source = source if ok else None
         return ok
 
-    def can_read_source(self, source: SourceProcess) -> bool:
+    def _can_read_source(self, source: SourceProcess) -> bool:
         """Whether this receiver can copy stream buckets straight out of ``source`` (the
         sender's process): same Ray node, ``same_node`` not ``"off"`` here, and the
         kernel lets it read that process (see docs/weight-sync.md)."""
@@ -370,7 +370,7 @@ class WeightReceiver:
 
     # -- streaming (called through __ray_call__ by WeightSender.stream) --
 
-    def begin_stream(self, session: str, layout: WeightLayout | None, version: int) -> int:
+    def _begin_stream(self, session: str, layout: WeightLayout | None, version: int) -> int:
         """Validate a streamed layout and get ready for its buckets.
 
         ``layout=None`` starts a lazy stream, whose buckets each bring their own
@@ -378,7 +378,7 @@ class WeightReceiver:
         newer than :attr:`version`, or than a load or stream in progress. A stream in
         progress of an older version (its sender gave up, or died) is superseded: its
         later buckets and its commit are refused. Returns the number of manifest tensors
-        this receiver will skip (0 for a lazy stream; :meth:`finish_stream` returns its
+        this receiver will skip (0 for a lazy stream; :meth:`_finish_stream` returns its
         count).
         """
         self._reserve(version, "stream")
@@ -441,7 +441,7 @@ class WeightReceiver:
             st.relay = hook
             return st.plan
 
-    def abort_stream(self, session: str | None = None) -> None:
+    def _abort_stream(self, session: str | None = None) -> None:
         """Drop the stream in progress (``session``, or any) and the buckets it holds.
         It never commits; a bucket being written now finishes, and is the last."""
         with self._lock:
@@ -450,7 +450,7 @@ class WeightReceiver:
                 return
             self._drop_locked(st, "the stream was aborted")
 
-    def load_stream_bucket(self, session: str, k: int,
+    def _load_stream_bucket(self, session: str, k: int,
                            box: list[ObjectRef] | list[PoolBucket | SourceBucket],
                            spec: BucketLayout | None = None) -> list[BucketReport]:
         """Load bucket ``k`` of the current stream; returns the buckets loaded by this call.
@@ -459,7 +459,7 @@ class WeightReceiver:
         may run the calls out of order) is kept and loaded, by the call that loads its
         predecessor, right after it; such a call returns ``[]``. After a failure the
         stream's later buckets are refused. Nothing is committed here: the version is
-        committed by :meth:`finish_stream`, which the sender calls once every receiver
+        committed by :meth:`_finish_stream`, which the sender calls once every receiver
         acknowledged every bucket.
         """
         with self._lock:
@@ -551,7 +551,7 @@ class WeightReceiver:
         st.claimed, st.mem, st.skipped = claimed, mem, st.skipped + skipped
         return rep
 
-    def finish_stream(self, session: str, buckets: int) -> int:
+    def _finish_stream(self, session: str, buckets: int) -> int:
         """Commit a stream after its ``buckets`` buckets: the sender calls it once every
         receiver acknowledged every bucket. Checks for destination tensors that received
         nothing (``strict``; a lazy stream's only chance to), then commits the version.

@@ -149,7 +149,7 @@ def _loop(rec: WeightReceiver, session: str, role: Role, link: Link, up: str, co
                               or len(relayed.snapshots) < role.max_inflight):
             body, spec = ready.pop(k)
             box = body_box(body, source)
-            reports.extend(rec.load_stream_bucket(session, k, [box], body_spec(spec)))
+            reports.extend(rec._load_stream_bucket(session, k, [box], body_spec(spec)))
             link.send(up, DONE, k)
             if coord != up:
                 link.send(coord, DONE, k)

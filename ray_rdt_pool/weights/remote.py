@@ -210,8 +210,8 @@ def _remote_begin(actor: Any, attr: str, session: str, layout: WeightLayout | No
 
     rec = _find(actor, attr, WeightReceiver)
     md = mailbox().metadata()  # before the stream holds the receiver: this may fail
-    skipped = rec.begin_stream(session, layout, version)
-    ok = source is not None and rec.accept_source(session, source)
+    skipped = rec._begin_stream(session, layout, version)
+    ok = source is not None and rec._accept_source(session, source)
     plan = rec._stream_plan(session)
     in_place = None if plan is None else tuple(
         b.targets is not None and b.select is None for b in plan.buckets)
@@ -227,13 +227,13 @@ def _remote_receive(actor: Any, attr: str, session: str, role: Role) -> list[Buc
 
 
 def _remote_finish(actor: Any, attr: str, session: str, buckets: int) -> int:
-    return _find(actor, attr, WeightReceiver).finish_stream(session, buckets)
+    return _find(actor, attr, WeightReceiver)._finish_stream(session, buckets)
 
 
 def _remote_abort(actor: Any, attr: str, session: str) -> None:
     rec = getattr(actor, attr, None)
     if isinstance(rec, WeightReceiver):
-        rec.abort_stream(session)
+        rec._abort_stream(session)
 
 
 def _remote_load(actor: Any, attr: str, manifest: Manifest, beat_key: str | None = None,

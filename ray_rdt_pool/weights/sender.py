@@ -312,7 +312,7 @@ class WeightSender:
         above.
 
         Once every receiver has every bucket, the sender tells each to commit
-        (:meth:`WeightReceiver.finish_stream`) and waits for it: a receiver never
+        (:meth:`WeightReceiver._finish_stream`) and waits for it: a receiver never
         commits a stream this sender gave up on, and when ``stream()`` returns every
         receiver's ``version`` is the new one.
 

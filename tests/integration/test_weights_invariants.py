@@ -65,10 +65,10 @@ class _Slow(WeightReceiver):
             time.sleep(self.delay)
         return super()._load_bucket(plan, ref, *rest)
 
-    def finish_stream(self, *args: Any, **kw: Any) -> Any:
+    def _finish_stream(self, *args: Any, **kw: Any) -> Any:
         if self.die_at_commit:
             os._exit(1)
-        return super().finish_stream(*args, **kw)
+        return super()._finish_stream(*args, **kw)
 
 
 # -- inside the actors ---------------------------------------------------------------

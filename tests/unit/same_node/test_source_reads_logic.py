@@ -207,25 +207,25 @@ def test_receiver_reads_only_the_source_it_accepted(monkeypatch: pytest.MonkeyPa
     layout, _groups = plan_layout(src, 1 << 20)
     sb = SourceBucket(me, tuple(src[e.name].data_ptr() for e in layout.entries))
 
-    rec.begin_stream("s1", layout, 1)  # nobody accepted a source for s1
+    rec._begin_stream("s1", layout, 1)  # nobody accepted a source for s1
     with pytest.raises(WeightSyncError, match="did not accept"):
-        rec.load_stream_bucket("s1", 0, [sb])
+        rec._load_stream_bucket("s1", 0, [sb])
     assert all(not d.any() for d in dest.values())
 
-    monkeypatch.setattr(WeightReceiver, "can_read_source", lambda self, s: True)
-    rec.begin_stream("s2", layout, 1)
-    assert not rec.accept_source("s1", me)  # not the stream in progress
-    assert rec.accept_source("s2", me)
+    monkeypatch.setattr(WeightReceiver, "_can_read_source", lambda self, s: True)
+    rec._begin_stream("s2", layout, 1)
+    assert not rec._accept_source("s1", me)  # not the stream in progress
+    assert rec._accept_source("s2", me)
     other = SourceProcess(me.node, me.pid, me.start, me.probe_addr + 1, me.probe)
     with pytest.raises(WeightSyncError, match="did not accept"):
-        rec.load_stream_bucket("s2", 0, [SourceBucket(other, sb.addrs)])
+        rec._load_stream_bucket("s2", 0, [SourceBucket(other, sb.addrs)])
     assert all(not d.any() for d in dest.values())
 
-    rec.begin_stream("s3", layout, 1)
-    assert rec.accept_source("s3", me)
-    reports = rec.load_stream_bucket("s3", 0, [sb])
+    rec._begin_stream("s3", layout, 1)
+    assert rec._accept_source("s3", me)
+    reports = rec._load_stream_bucket("s3", 0, [sb])
     assert [r.direct for r in reports] == [True] and rec.version == 0
-    rec.finish_stream("s3", 1)
+    rec._finish_stream("s3", 1)
     assert rec.version == 1
     assert all(torch.equal(dest[k], v) for k, v in src.items())
 

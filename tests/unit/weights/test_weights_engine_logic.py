@@ -198,37 +198,37 @@ def test_stream_protocol_out_of_order_lazy_and_missing(no_ray_get: None) -> None
     # Whole layout; buckets arrive out of order: early ones are held, then loaded in order.
     dest = make_state(2)
     rec = WeightReceiver(dest, direct=False)
-    rec.begin_stream("s1", layout, 3)
+    rec._begin_stream("s1", layout, 3)
     order = [1, 2, 0, 4, 3, 5]
-    loaded = [[r.bucket for r in rec.load_stream_bucket("s1", k, [list(groups[k])])]
+    loaded = [[r.bucket for r in rec._load_stream_bucket("s1", k, [list(groups[k])])]
               for k in order]
     assert loaded == [[], [], [0, 1, 2], [], [3, 4], [5]]
     assert all(torch.equal(dest[k], src[k]) for k in src)
     assert rec.version == 0  # every bucket is in, but only the sender's finish commits
-    assert rec.finish_stream("s1", n) == 0 and rec.version == 3
+    assert rec._finish_stream("s1", n) == 0 and rec.version == 3
     with pytest.raises(StaleVersionError):
-        rec.begin_stream("s2", layout, 3)
+        rec._begin_stream("s2", layout, 3)
     # Lazy: each bucket brings its layout; a mismatch stops at that bucket.
     dest = make_state(2)
     dest["w3"] = torch.zeros(31, 32)
     rec = WeightReceiver(dest, direct=False)
-    rec.begin_stream("s3", None, 1)
+    rec._begin_stream("s3", None, 1)
     for k in range(3):
-        rec.load_stream_bucket("s3", k, [list(groups[k])], _spec(layout, k))
+        rec._load_stream_bucket("s3", k, [list(groups[k])], _spec(layout, k))
     with pytest.raises(ShapeMismatchError, match=r"bucket 3 was not written; bucket\(s\) 0-2"):
-        rec.load_stream_bucket("s3", 3, [list(groups[3])], _spec(layout, 3))
+        rec._load_stream_bucket("s3", 3, [list(groups[3])], _spec(layout, 3))
     with pytest.raises(WeightSyncError, match="skipped"):
-        rec.load_stream_bucket("s3", 4, [list(groups[4])], _spec(layout, 4))
+        rec._load_stream_bucket("s3", 4, [list(groups[4])], _spec(layout, 4))
     assert rec.version == 0
     # Lazy, strict: a destination tensor nobody sent is found at the end.
     dest = make_state(2)
     dest["extra"] = torch.zeros(2)
     rec = WeightReceiver(dest, direct=False)
-    rec.begin_stream("s4", None, 1)
+    rec._begin_stream("s4", None, 1)
     for k in range(n):
-        rec.load_stream_bucket("s4", k, [list(groups[k])], _spec(layout, k))
+        rec._load_stream_bucket("s4", k, [list(groups[k])], _spec(layout, k))
     with pytest.raises(MissingWeightsError, match="'extra'"):
-        rec.finish_stream("s4", n)
+        rec._finish_stream("s4", n)
     assert rec.version == 0
 
 

@@ -145,14 +145,14 @@ def test_a_newer_load_supersedes_a_stream_in_progress(runtime: Any) -> None:
     dest = filled(0)
     rec = WeightReceiver(dest, direct=False)
     lay5, g5, _m = manifest(5, filled(5))
-    rec.begin_stream("s5", lay5, 5)
+    rec._begin_stream("s5", lay5, 5)
     for k in range(3):
-        rec.load_stream_bucket("s5", k, [list(g5[k])])
+        rec._load_stream_bucket("s5", k, [list(g5[k])])
     assert rec.load(manifest(6, filled(6))[2]).version == 6
     with pytest.raises(WeightSyncError, match="not in that stream"):
-        rec.load_stream_bucket("s5", 3, [list(g5[3])])
+        rec._load_stream_bucket("s5", 3, [list(g5[3])])
     with pytest.raises(WeightSyncError, match="not in that stream"):
-        rec.finish_stream("s5", 6)
+        rec._finish_stream("s5", 6)
     assert rec.version == 6 and values(dest) == [6.0] * 6
     with pytest.raises(StaleVersionError, match="version 6"):
         rec.load(manifest(6, filled(6), "another")[2])
@@ -181,8 +181,8 @@ def test_a_load_waits_for_the_stream_bucket_being_written(runtime: Any) -> None:
     dest = filled(0)
     rec = SlowReceiver(dest, direct=False)
     lay5, g5, _m = manifest(5, filled(5))
-    rec.begin_stream("s5", lay5, 5)
-    bucket = threading.Thread(target=rec.load_stream_bucket, args=("s5", 0, [list(g5[0])]))
+    rec._begin_stream("s5", lay5, 5)
+    bucket = threading.Thread(target=rec._load_stream_bucket, args=("s5", 0, [list(g5[0])]))
     bucket.start()
     assert rec.entered.wait(10)
     out: list[Any] = []
@@ -194,7 +194,7 @@ def test_a_load_waits_for_the_stream_bucket_being_written(runtime: Any) -> None:
     load.join(10)
     assert out[0].version == 6 and rec.version == 6 and values(dest) == [6.0] * 6
     with pytest.raises(WeightSyncError, match="not in that stream"):
-        rec.load_stream_bucket("s5", 1, [list(g5[1])])
+        rec._load_stream_bucket("s5", 1, [list(g5[1])])
 
 
 def test_an_older_writer_is_refused_while_a_newer_stream_runs(runtime: Any) -> None:
@@ -204,21 +204,21 @@ def test_an_older_writer_is_refused_while_a_newer_stream_runs(runtime: Any) -> N
     dest = filled(0)
     rec = WeightReceiver(dest, direct=False)
     lay, g8, _m = manifest(8, filled(8))
-    rec.begin_stream("s8", lay, 8)
-    rec.load_stream_bucket("s8", 0, [list(g8[0])])
+    rec._begin_stream("s8", lay, 8)
+    rec._load_stream_bucket("s8", 0, [list(g8[0])])
     with pytest.raises(StaleVersionError, match="loading now") as info:
-        rec.begin_stream("s7", lay, 7)
+        rec._begin_stream("s7", lay, 7)
     assert info.value.loading and info.value.current == 8
     with pytest.raises(StaleVersionError, match="loading now"):
         rec.load(manifest(7, filled(7))[2])
-    rec.load_stream_bucket("s8", 1, [list(g8[1])])  # s8 still holds the receiver
+    rec._load_stream_bucket("s8", 1, [list(g8[1])])  # s8 still holds the receiver
     _l, g9, _m = manifest(9, filled(9))
-    rec.begin_stream("s9", lay, 9)
+    rec._begin_stream("s9", lay, 9)
     with pytest.raises(WeightSyncError, match="not in that stream"):
-        rec.load_stream_bucket("s8", 2, [list(g8[2])])
+        rec._load_stream_bucket("s8", 2, [list(g8[2])])
     for k in range(6):
-        rec.load_stream_bucket("s9", k, [list(g9[k])])
-    assert rec.finish_stream("s9", 6) == 0
+        rec._load_stream_bucket("s9", k, [list(g9[k])])
+    assert rec._finish_stream("s9", 6) == 0
     assert rec.version == 9 and values(dest) == [9.0] * 6
 
 
@@ -245,21 +245,21 @@ def test_an_aborted_stream_never_commits_even_if_its_last_bucket_finishes() -> N
                     assert go.wait(10)
 
         rec = WeightReceiver(load_weights=loader)
-        rec.begin_stream("s1", layout, 9)
-        rec.load_stream_bucket("s1", 0, [list(groups[0])])
-        rec.load_stream_bucket("s1", 1, [list(groups[1])])
+        rec._begin_stream("s1", layout, 9)
+        rec._load_stream_bucket("s1", 0, [list(groups[0])])
+        rec._load_stream_bucket("s1", 1, [list(groups[1])])
         out: list[Any] = []
         t = threading.Thread(
-            target=lambda: out.append(rec.load_stream_bucket("s1", 2, [list(groups[2])])))
+            target=lambda: out.append(rec._load_stream_bucket("s1", 2, [list(groups[2])])))
         t.start()
         assert loading.wait(10)
-        rec.abort_stream("s1")
+        rec._abort_stream("s1")
         go.set()
         t.join(10)
         assert [r.bucket for r in out[0]] == [2]
         assert rec.version == 0
         with pytest.raises(WeightSyncError, match="not in that stream"):
-            rec.finish_stream("s1", 3)
+            rec._finish_stream("s1", 3)
         assert rec.version == 0
     finally:
         ray.get = get
@@ -514,22 +514,22 @@ def test_a_tie_a_lazy_source_sends_twice_is_compared_not_rewritten(runtime: Any)
     heads = [k for k, s in enumerate(specs) if "head.weight" in s.bucket.names]
     assert heads and heads[0] > 0 and "embed.weight" in specs[0].bucket.names
     rec = WeightReceiver(engine, direct=False)
-    rec.begin_stream("s", None, 1)
+    rec._begin_stream("s", None, 1)
     for k, (g, spec) in enumerate(zip(groups, specs)):
-        rec.load_stream_bucket("s", k, [g], spec)
-    rec.finish_stream("s", len(groups))
+        rec._load_stream_bucket("s", k, [g], spec)
+    rec._finish_stream("s", len(groups))
     assert rec.version == 1 and torch.equal(engine.embed.weight, trainer.embed.weight)
 
     untied = dict(Tied(4, tied=False).state_dict())
     _layout, groups, specs = _lazy_buckets(untied, 600)
     engine = Tied(5)
     rec = WeightReceiver(engine, direct=False)
-    rec.begin_stream("s", None, 1)
+    rec._begin_stream("s", None, 1)
     h = next(k for k, s in enumerate(specs) if "head.weight" in s.bucket.names)
     for k in range(h):
-        rec.load_stream_bucket("s", k, [groups[k]], specs[k])
+        rec._load_stream_bucket("s", k, [groups[k]], specs[k])
     with pytest.raises(DuplicateTargetError, match=f"bucket {h} was not written"):
-        rec.load_stream_bucket("s", h, [groups[h]], specs[h])
+        rec._load_stream_bucket("s", h, [groups[h]], specs[h])
     assert torch.equal(engine.embed.weight, untied["embed.weight"])  # the earlier bucket's
     assert rec.version == 0
 
@@ -590,10 +590,10 @@ def test_a_failed_stream_gives_its_reservation_back_once() -> None:
         rec = FailingReceiver(dest, direct=False)
         assert rec.load(manifest(4, filled(4))[2]).version == 4
         layout, groups, _m = manifest(5, filled(5))
-        rec.begin_stream("s5", layout, 5)
+        rec._begin_stream("s5", layout, 5)
         rec.fail_at = 0
         with pytest.raises(RuntimeError, match="injected"):
-            rec.load_stream_bucket("s5", 0, [list(groups[0])])
+            rec._load_stream_bucket("s5", 0, [list(groups[0])])
         rec.fail_at = None
         writing, go = threading.Event(), threading.Event()
         real = rec._load_bucket
@@ -613,7 +613,7 @@ def test_a_failed_stream_gives_its_reservation_back_once() -> None:
             assert writing.wait(10)
             other, _g, _m2 = manifest(5, filled(55.0))
             with pytest.raises(StaleVersionError, match="loading now"):
-                rec.begin_stream("s5b", other, 5)
+                rec._begin_stream("s5b", other, 5)
         finally:
             go.set()
             t.join(10)
@@ -634,14 +634,14 @@ def test_a_refused_load_does_not_supersede_the_stream_in_progress() -> None:
         dest = filled(0)
         rec = WeightReceiver(dest, direct=False)
         layout, groups, _m = manifest(5, filled(5))
-        rec.begin_stream("s5", layout, 5)
-        rec.load_stream_bucket("s5", 0, [list(groups[0])])
+        rec._begin_stream("s5", layout, 5)
+        rec._load_stream_bucket("s5", 0, [list(groups[0])])
         wrong = {f"w{i}": torch.zeros(3) for i in range(6)}
         with pytest.raises(ManifestMismatchError):
             rec.load(manifest(6, wrong)[2])
         for k in range(1, len(groups)):
-            rec.load_stream_bucket("s5", k, [list(groups[k])])
-        rec.finish_stream("s5", len(groups))
+            rec._load_stream_bucket("s5", k, [list(groups[k])])
+        rec._finish_stream("s5", len(groups))
     finally:
         ray.get = get
     assert rec.version == 5 and values(dest) == [5.0] * 6
@@ -1061,18 +1061,18 @@ def _stream_direct(layout: WeightLayout | None, objects: list[list[torch.Tensor]
     from ray_rdt_pool.weights import PoolBucket
 
     recv = WeightReceiver(dest, **opts)
-    recv.begin_stream("s", layout, 1)
+    recv._begin_stream("s", layout, 1)
     try:
         for k, tensors in enumerate(objects):
             wire, dev = put_owned(f"b{k}", tensors)
             try:
-                recv.load_stream_bucket("s", k, [PoolBucket(f"b{k}", wire, dev)],
+                recv._load_stream_bucket("s", k, [PoolBucket(f"b{k}", wire, dev)],
                                         specs[k] if specs is not None else None)
             finally:
                 free_owned(f"b{k}")
-        recv.finish_stream("s", len(objects))
+        recv._finish_stream("s", len(objects))
     finally:
-        recv.abort_stream("s")
+        recv._abort_stream("s")
     return recv
 
 

@@ -223,10 +223,10 @@ def test_select_in_a_lazy_stream(in_process: list[Any]) -> None:
     eng = EngineModel(CFG, 1, TP)
     rec = WeightReceiver(load_weights=functools.partial(eng.load_weights, presharded=True),
                          select=tp_select(1, TP))
-    rec.begin_stream("s", None, 1)
+    rec._begin_stream("s", None, 1)
     for k, g in enumerate(groups):
         spec = BucketLayout(layout.buckets[k], tuple(e for e in layout.entries if e.bucket == k))
-        rec.load_stream_bucket("s", k, [list(g)], spec)
-    rec.finish_stream("s", len(groups))
+        rec._load_stream_bucket("s", k, [list(g)], spec)
+    rec._finish_stream("s", len(groups))
     assert rec.version == 1
     assert_equal(eng.params(), reference(st, 1, TP))
