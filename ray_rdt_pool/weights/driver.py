@@ -84,12 +84,18 @@ def sync(trainer: ActorHandle | Sequence[ActorHandle], receivers: Sequence[Actor
     version on every receiver once every receiver has every byte
     (:mod:`ray_rdt_pool.weights.ranks`; ``max_inflight`` does not apply).
 
-    ``relay="chain"`` (stream only, one trainer): the trainer sends each bucket once and
-    each receiver reads it from the one before it; ``relay_order`` is ``"caller"`` or
-    ``"placement"`` (see :meth:`WeightSender.stream`).
+    ``relay="chain"`` (stream only): the trainer sends each bucket once and each receiver
+    reads it from the one before it; ``relay_order`` is ``"caller"`` or ``"placement"``
+    (see :meth:`WeightSender.stream`). With trainer ranks, each rank's part travels its
+    own chain, each chain starting at another receiver (in the order given), so each
+    rank sends its part once and no receiver's link carries more than the model.
     """
     timeout_s = _timeout(timeout_s)
     check_relay(relay, relay_order)
+    if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
+        raise InvalidInputError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
+    if relay is not None and mode != "stream":
+        raise InvalidInputError(f"relay={relay!r} needs mode='stream', got mode={mode!r}")
     if (not _is_actor(trainer) and isinstance(trainer, Sequence)
             and not isinstance(trainer, (str, bytes))):
         from ray_rdt_pool.weights.ranks import sync_ranks
@@ -100,23 +106,21 @@ def sync(trainer: ActorHandle | Sequence[ActorHandle], receivers: Sequence[Actor
             raise InvalidInputError(f"mode must be 'stream' or 'publish', got {mode!r}")
         if len(ranks) == 1:
             trainer = ranks[0]
-        elif relay is not None:
-            raise InvalidInputError(
-                f"relay={relay!r} takes one trainer, got {len(ranks)} trainer ranks: drop "
-                "relay= (every receiver then reads each rank's part from that rank), or "
-                "sync from one trainer")
         else:
+            if relay is not None and relay_order != "caller":
+                raise InvalidInputError(
+                    f"relay_order={relay_order!r} takes one trainer; with {len(ranks)} "
+                    "trainer ranks each rank's chain starts at another receiver, in the "
+                    "order given (relay_order='caller')")
             return sync_ranks(ranks, receivers, mode=mode, sender_attr=sender_attr,
                               receiver_attr=receiver_attr, timeout_s=timeout_s,
-                              version=version)
+                              version=version, relay=relay, max_inflight=max_inflight)
     if not _is_actor(trainer) or isinstance(trainer, Sequence):
         raise InvalidInputError(f"sync() takes the trainer's actor handle first, got "
                                 f"{type(trainer).__name__}")
     receivers = _actor_handles(receivers, "sync()")
     if mode not in ("stream", "publish"):
         raise InvalidInputError(f"mode must be 'stream' or 'publish', got {mode!r}")
-    if relay is not None and mode != "stream":
-        raise InvalidInputError(f"relay={relay!r} needs mode='stream', got mode={mode!r}")
     from ray_rdt_pool._ray.beats import new_key
 
     t0 = time.perf_counter()

@@ -8,6 +8,7 @@ every byte landed. Runs on the receiver actor's task thread, holding its write l
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,15 +17,28 @@ import torch
 
 from ray_rdt_pool.core.selection import Slices
 from ray_rdt_pool.errors import (
+    InvalidInputError,
     ManifestMismatchError,
     TrainerRankError,
     WeightSyncError,
     WeightSyncTimeoutError,
 )
-from ray_rdt_pool.weights.links import ABORT, BYE, DONE, FAIL, GO, HELLO, Link
+from ray_rdt_pool.weights.links import (
+    ABORT,
+    BYE,
+    DONE,
+    FAIL,
+    GO,
+    HELLO,
+    READY,
+    Link,
+    body_box,
+    box_body,
+)
 from ray_rdt_pool.weights.loadplan import BucketPlan, plan_load
-from ray_rdt_pool.weights.manifest import SourceBucket, WeightLayout
+from ray_rdt_pool.weights.manifest import PoolBucket, SourceBucket, WeightLayout
 from ray_rdt_pool.weights.rank_offer import _piece_name
+from ray_rdt_pool.weights.receiving import Relayed
 from ray_rdt_pool.weights.reports import BucketReport, LoadReport, _summarise
 from ray_rdt_pool.weights.validate import ReceiverOptions, _dests, _mapper, _normalize_select
 
@@ -57,8 +71,118 @@ class _RankedLoad:
     sources: tuple[SourceProcess | None, ...]  #: per rank
     sharded: Mapping[str, _Sharded]
     ranks: int
+    counts: tuple[int, ...]  #: per rank, its bucket count
     mds: tuple[bytes, ...]  #: per rank, its signal endpoint
     timeout_s: float
+    #: per rank, this receiver's place in that rank's relay chain (None: no relay)
+    chains: tuple[_Chain | None, ...] = ()
+    max_inflight: int = 2  #: snapshots a relaying receiver holds at once, per chain
+
+
+@dataclass(frozen=True)
+class _Chain:
+    """This receiver's place in one rank's relay chain: the receivers before and after
+    it (signal endpoints; ``up`` None: it reads from the rank itself)."""
+
+    up: bytes | None
+    down: bytes | None
+
+
+class _Feed:
+    """One rank's buckets as this receiver reads them in a relayed many-rank sync: from
+    the rank's offer (the chain's first receiver), or from the receiver before it in
+    that rank's chain once it signals each bucket READY; and, unless it is last,
+    published as they arrived and signalled READY to the receiver after it, which says
+    HELLO first (a late one gets nothing). Lives for one load; one thread reads it."""
+
+    def __init__(self, job: _RankedLoad, r: int, chain: _Chain) -> None:
+        self.topic = f"{job.group}/{r}"
+        self.link = Link(self.topic)
+        self.up = self.link.connect(chain.up) if chain.up is not None else None
+        self.down = self.link.connect(chain.down) if chain.down is not None else None
+        self.relayed = Relayed(self.topic, self.link.name) if self.down else None
+        self.timeout = job.timeout_s + min(job.timeout_s, 30.0)
+        self.max_inflight = job.max_inflight
+        self.ready: dict[int, Any] = {}
+        self.down_hello = False
+        self.queued: list[int] = []  # buckets to signal READY once the next says HELLO
+        self.down_done = -1
+
+    def start(self) -> None:
+        if self.up is not None:
+            self.link.send(self.up, HELLO, 0, self.link.md)
+
+    def _take(self, left: float) -> None:
+        msg = self.link.get(left)
+        while msg is not None:
+            if msg.kind == ABORT:
+                raise WeightSyncError(f"the relayed sync was given up ({msg.body})")
+            if msg.sender == self.up and msg.kind == READY:
+                self.ready[msg.item] = msg.body
+            elif msg.sender == self.down and msg.kind == HELLO:
+                self.down_hello = True
+                for k in self.queued:
+                    self._forward(k)
+                self.queued.clear()
+            elif msg.sender == self.down and msg.kind == DONE:
+                self.down_done = max(self.down_done, msg.item)
+                assert self.relayed is not None
+                self.relayed.free(self.down_done)
+            msg = self.link.get(0.0)
+
+    def _until(self, done: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WeightSyncTimeoutError(f"nothing moved for {self.timeout}s: waiting "
+                                             f"until {what} ({self.topic})")
+            moved = (len(self.ready), self.down_done, self.down_hello)
+            self._take(min(left, 0.05))
+            if (len(self.ready), self.down_done, self.down_hello) != moved:
+                deadline = time.monotonic() + self.timeout
+
+    def box(self, k: int) -> PoolBucket:
+        """Bucket ``k`` as the receiver before this one signalled it."""
+        self._until(lambda: k in self.ready, f"the receiver before this one relays bucket {k}")
+        return body_box(self.ready.pop(k)[0], None)  # type: ignore[return-value]
+
+    def room(self) -> None:
+        """Before a bucket that may become a snapshot: at most ``max_inflight`` held."""
+        if self.relayed is not None:
+            relayed = self.relayed
+            self._until(lambda: len(relayed.snapshots) < self.max_inflight,
+                        "the receiver after this one reads a relayed bucket")
+
+    def after(self, k: int) -> None:
+        """Bucket ``k`` is written here: tell the one before, signal the one after."""
+        if self.up is not None:
+            self.link.send(self.up, DONE, k)
+        if self.down is not None:
+            if self.down_hello:
+                self._forward(k)
+            else:
+                self.queued.append(k)
+        self._take(0.0)
+
+    def _forward(self, k: int) -> None:
+        assert self.relayed is not None and self.down is not None
+        with self.relayed.lock:
+            mine = self.relayed.held[k]
+        self.link.send(self.down, READY, k, [box_body(mine), None])
+
+    def finish(self, count: int) -> None:
+        """Wait until the receiver after this one read every bucket relayed to it."""
+        if self.down is not None:
+            self._until(lambda: self.down_done >= count - 1,
+                        "the receiver after this one read every relayed bucket")
+
+    def close(self) -> None:
+        if self.relayed is not None:
+            self.relayed.free()
+        self.link.close()
+
+
 
 
 class _RankOptions(ReceiverOptions):
@@ -185,18 +309,35 @@ def load_ranks(rec: WeightReceiver, job: _RankedLoad) -> LoadReport:
             for bp in plan.buckets:
                 if not (bp.select is not None and bp.nbytes == 0 and not bp.loads):
                     todo.setdefault(job.rank_of[bp.index], []).append(bp)
-            _hello(link, ranks, job)
-            with rec._writing:
-                with rec._lock:
-                    rec._take_over_locked(v, what)
-                    rec._hold_locked(job.group, v, plan)
-                reports = _read_ranks(rec, job, todo, readable,
-                                      lambda r, k: link.send(ranks[r], DONE, k))
-                rec._all_loaded(job.group, len(plan.buckets))
+            heads = [ranks[r] for r in range(job.ranks)
+                     if not job.chains or (job.chains[r] is not None
+                                           and job.chains[r].up is None)]  # type: ignore[union-attr]
+            if job.chains and any(bp.select is not None for bp in plan.buckets):
+                raise InvalidInputError(
+                    "a relayed many-rank sync has every receiver relay some rank's part "
+                    "to the next, so none may read only part of it (select=); sync "
+                    "receivers with a select without relay")
+            feeds = {r: _Feed(job, r, c) for r, c in enumerate(job.chains) if c is not None}
+            try:
+                _hello(link, heads, job)
+                for feed in feeds.values():
+                    feed.start()
+                with rec._writing:
+                    with rec._lock:
+                        rec._take_over_locked(v, what)
+                        rec._hold_locked(job.group, v, plan)
+                    reports = _read_ranks(rec, job, todo, readable,
+                                          lambda r, k: link.send(ranks[r], DONE, k), feeds)
+                    for r, feed in feeds.items():
+                        feed.finish(job.counts[r])
+                    rec._all_loaded(job.group, len(plan.buckets))
+            finally:
+                for feed in feeds.values():
+                    feed.close()
         except BaseException:
             rec._unreserve_unheld(job.group, v)
             raise
-        link.tell(ranks, BYE, job.index)
+        link.tell(heads, BYE, job.index)
     except BaseException as e:
         link.tell(ranks, FAIL, job.index, f"{type(e).__name__}: {e}"[:2000])
         rec._abort_stream(job.group)
@@ -235,8 +376,8 @@ def _hello(link: Link, ranks: list[str], job: _RankedLoad) -> None:
 
 
 def _read_ranks(rec: WeightReceiver, job: _RankedLoad, todo: Mapping[int, list[BucketPlan]],
-                readable: Mapping[int, bool], done: Callable[[int, int], None]
-                ) -> list[BucketReport]:
+                readable: Mapping[int, bool], done: Callable[[int, int], None],
+                feeds: Mapping[int, _Feed]) -> list[BucketReport]:
     """Load every bucket of ``todo``: one thread per rank (at most
     :data:`MAX_RANK_READS`), each reading its rank's buckets in order, so a receiver
     reads from several ranks at once and no rank's link waits for another's. Buckets
@@ -251,26 +392,43 @@ def _read_ranks(rec: WeightReceiver, job: _RankedLoad, todo: Mapping[int, list[B
 
     def one(bp: BucketPlan) -> BucketReport:
         g = bp.index
-        r = job.rank_of[g]
+        r, k = job.rank_of[g], job.local[g]
+        feed = feeds.get(r)
         addrs = job.addrs[g]
         ref: Any = job.boxes[g]
         source = None
-        if readable[r] and addrs is not None:
+        if feed is not None and feed.up is not None:
+            ref = feed.box(k)  # from the receiver before this one in rank r's chain
+        elif readable[r] and addrs is not None:
             source = job.sources[r]
             ref = SourceBucket(source, addrs)  # type: ignore[arg-type]
         if isinstance(ref, list):
             ref = ref[0]
+        relay = None
+        if feed is not None and feed.relayed is not None:
+            feed.room()
+            relayed = feed.relayed
+
+            def relay(plan: BucketPlan, src: Any) -> None:
+                relayed.publish(plan, src, k)  # as bucket k of rank r's chain
         try:
             if bp.loads:
                 with loader:
-                    out = rec._load_bucket(bp, ref, source)
+                    out = rec._load_bucket(bp, ref, source, relay)
             else:
-                out = rec._load_bucket(bp, ref, source)
-            done(r, job.local[g])
+                out = rec._load_bucket(bp, ref, source, relay)
+            if feed is None or feed.up is None:
+                done(r, k)
+            if feed is not None:
+                feed.after(k)
             return out
         except WeightSyncError:
             raise
         except Exception as e:
+            if feed is not None and feed.up is not None:
+                raise WeightSyncError(
+                    f"reading bucket {k} of trainer rank {r} from the receiver before "
+                    f"this one in its relay chain failed ({type(e).__name__}: {e})") from e
             raise TrainerRankError(
                 f"reading bucket {job.local[g]} of trainer rank {r} failed "
                 f"({type(e).__name__}: {e}); this receiver keeps version {rec.version}",

@@ -206,10 +206,11 @@ def _remote_release(actor: Any, attr: str, group: str) -> None:
         held.release()
 
 
-def _remote_serve(actor: Any, attr: str, group: str, calls: list[list[Any]], n: int,
-                  timeout_s: float) -> None:
-    """On a trainer rank: serve its offer to the ``n`` receivers of sync ``group``
-    (``calls[0]``: their load calls, in receiver order), then free it (see module)."""
+def _remote_serve(actor: Any, attr: str, group: str, calls: list[list[Any]],
+                  expect: list[int], timeout_s: float) -> None:
+    """On a trainer rank: serve its offer to the receivers ``expect`` of sync ``group``
+    (``calls[0]``: every receiver's load call, in receiver order; a relay's chain reads
+    from its first receiver only), then free it (see module)."""
     from ray_rdt_pool.weights.pool import _forget_registrations
     from ray_rdt_pool.weights.remote import _find
     from ray_rdt_pool.weights.sender import WeightSender
@@ -221,7 +222,7 @@ def _remote_serve(actor: Any, attr: str, group: str, calls: list[list[Any]], n: 
             f"the offer of many-rank sync {group} is gone from this rank: it waited more "
             f"than {2 * timeout_s}s for the driver to serve it, or was released")
     held.serving = True
-    serve = _Serve(group, calls[0], n, timeout_s)
+    serve = _Serve(group, calls[0], expect, timeout_s)
     try:
         serve.run()
     except BaseException:
@@ -243,10 +244,11 @@ def _remote_serve(actor: Any, attr: str, group: str, calls: list[list[Any]], n: 
 class _Serve:
     """One serve's bookkeeping: who said HELLO (and got GO), who is done (BYE)."""
 
-    def __init__(self, group: str, calls: list[Any], n: int, timeout_s: float) -> None:
+    def __init__(self, group: str, calls: list[Any], expect: list[int],
+                 timeout_s: float) -> None:
         self.link = Link(group)
         self.calls = calls
-        self.n = n
+        self.expect = set(expect)
         self.timeout_s = timeout_s
         self.names: dict[int, str] = {}  # receiver -> its endpoint, once it said HELLO
         self.bye: set[int] = set()
@@ -254,7 +256,7 @@ class _Serve:
     def run(self) -> None:
         deadline = time.monotonic() + self.timeout_s
         next_check = 0.0
-        while len(self.bye) < self.n:
+        while not self.expect <= self.bye:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise self._stalled()
@@ -266,7 +268,7 @@ class _Serve:
             if msg is None:
                 continue
             j = msg.item
-            if msg.kind == HELLO and 0 <= j < self.n and j not in self.names:
+            if msg.kind == HELLO and j in self.expect and j not in self.names:
                 self.names[j] = self.link.connect(bytes(msg.body))
                 self.link.send(self.names[j], GO, j)
             elif msg.kind == BYE:
@@ -284,7 +286,7 @@ class _Serve:
         ready, _rest = ray.wait(self.calls, num_returns=len(self.calls), timeout=0)
         for ref in ready:
             j = self.calls.index(ref)
-            if j in self.bye:
+            if j in self.bye or j not in self.expect:
                 continue
             try:
                 ray.get(ref, timeout=0)
@@ -293,7 +295,7 @@ class _Serve:
             self.bye.add(j)  # it said BYE before it returned; the signal is on its way
 
     def _stalled(self) -> WeightSyncTimeoutError:
-        quiet = [j for j in range(self.n) if j not in self.names]
+        quiet = sorted(j for j in self.expect if j not in self.names)
         slow = [j for j in self.names if j not in self.bye]
         return WeightSyncTimeoutError(
             f"serving a many-rank sync: nothing moved for {self.timeout_s}s; receiver(s) "

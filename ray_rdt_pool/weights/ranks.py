@@ -36,7 +36,7 @@ from ray_rdt_pool.errors import (
 )
 from ray_rdt_pool.weights.manifest import Bucket, TensorEntry, WeightLayout
 from ray_rdt_pool.weights.pool import count_ray_calls
-from ray_rdt_pool.weights.rank_load import _RankedLoad, _remote_load_ranks, _Sharded
+from ray_rdt_pool.weights.rank_load import _Chain, _RankedLoad, _remote_load_ranks, _Sharded
 from ray_rdt_pool.weights.rank_offer import (
     _Offer,
     _piece_name,
@@ -44,7 +44,13 @@ from ray_rdt_pool.weights.rank_offer import (
     _remote_release,
     _remote_serve,
 )
-from ray_rdt_pool.weights.remote import _remote_abort, _remote_finish, _wait_quietly
+from ray_rdt_pool.weights.remote import (
+    _get_all,
+    _remote_abort,
+    _remote_finish,
+    _remote_md,
+    _wait_quietly,
+)
 from ray_rdt_pool.weights.reports import LoadReport, SyncReport
 
 if TYPE_CHECKING:
@@ -149,8 +155,16 @@ def _order(counts: Sequence[int], j: int) -> list[tuple[int, int]]:
     return out
 
 
+def chains(m: int, n: int) -> list[list[int]]:
+    """Per rank of ``m``, the order of the ``n`` receivers in its relay chain: each chain
+    starts at another receiver (rank ``r`` at ``r * n // m``), so no receiver's link
+    carries the start of more chains than its share, and each rank sends its part once."""
+    return [[(r * n // m + p) % n for p in range(n)] for r in range(m)]
+
+
 def _receiver_load(merged: _Merged, offers: Sequence[_Offer], version: int, j: int,
-                   bucket_bytes: int, group: str, timeout_s: float) -> _RankedLoad:
+                   bucket_bytes: int, group: str, timeout_s: float,
+                   roles: tuple[_Chain | None, ...], max_inflight: int) -> _RankedLoad:
     counts = [len(o.layout.buckets) for o in offers]
     order = _order(counts, j)
     entries: list[TensorEntry] = []
@@ -166,7 +180,8 @@ def _receiver_load(merged: _Merged, offers: Sequence[_Offer], version: int, j: i
                        tuple(offers[r].addrs[k] for r, k in order),
                        tuple(r for r, _k in order), tuple(k for _r, k in order),
                        tuple(o.source for o in offers), dict(merged.sharded), len(offers),
-                       tuple(o.md for o in offers), timeout_s)
+                       tuple(counts), tuple(o.md for o in offers), timeout_s, roles,
+                       max_inflight)
 
 
 def _rank_error(r: int, cause: BaseException, version: int, n: int) -> TrainerRankError:
@@ -188,7 +203,8 @@ def _receiver_died(j: int, actor: Any, cause: BaseException, version: int) -> Re
 
 def sync_ranks(trainers: Sequence[ActorHandle], receivers: list[ActorHandle], *,
                mode: Literal["stream", "publish"], sender_attr: str, receiver_attr: str,
-               timeout_s: float, version: int | None) -> SyncReport:
+               timeout_s: float, version: int | None, relay: str | None = None,
+               max_inflight: int = 2) -> SyncReport:
     """:func:`~ray_rdt_pool.weights.sync` for a list of trainer ranks (see module)."""
     import ray
     from ray.exceptions import RayActorError
@@ -229,12 +245,31 @@ def sync_ranks(trainers: Sequence[ActorHandle], receivers: list[ActorHandle], *,
                        for _r, t in offered], min(timeout_s, 30.0))
         raise
     bb = max(o.layout.bucket_bytes for o in ok)
-    loads = [rec.__ray_call__.remote(_remote_load_ranks, receiver_attr,
-                                     _receiver_load(merged, ok, v, j, bb, group, timeout_s))
-             for j, rec in enumerate(receivers)]
-    serves = [t.__ray_call__.remote(_remote_serve, sender_attr, group, [loads],
-                                    len(receivers), timeout_s)
-              for t in trainers]
+    n, m = len(receivers), len(ok)
+    roles: list[list[_Chain | None]] = [[None] * m for _ in receivers]
+    expect = [list(range(n)) for _ in ok]
+    if relay is not None:
+        try:
+            mds = _get_all([r.__ray_call__.remote(_remote_md) for r in receivers],
+                           timeout_s, "asking the receivers for their signal endpoints")
+        except BaseException:
+            _wait_quietly([t.__ray_call__.remote(_remote_release, sender_attr, group)
+                           for _r, t in offered], min(timeout_s, 30.0))
+            raise
+        ray_calls += n
+        for r, chain in enumerate(chains(m, n)):
+            expect[r] = chain[:1]
+            for p, j in enumerate(chain):
+                roles[j][r] = _Chain(mds[chain[p - 1]] if p else None,
+                                     mds[chain[p + 1]] if p < n - 1 else None)
+    loads = [rec.__ray_call__.remote(
+        _remote_load_ranks, receiver_attr,
+        _receiver_load(merged, ok, v, j, bb, group, timeout_s,
+                       tuple(roles[j]) if relay is not None else (), max_inflight))
+        for j, rec in enumerate(receivers)]
+    serves = [t.__ray_call__.remote(_remote_serve, sender_attr, group, [loads], expect[r],
+                                    timeout_s)
+              for r, t in enumerate(trainers)]
     ray_calls += len(loads) + len(serves)
     results = _await(trainers, receivers, loads, serves, v, timeout_s, receiver_attr, group)
     count = sum(len(o.layout.buckets) for o in ok)

@@ -66,8 +66,10 @@ class Relayed:
     peak: int = 0  # the most snapshots held at once
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def publish(self, plan: BucketPlan, src: Sequence[torch.Tensor]) -> None:
-        """The relay hook: publish bucket ``plan.index`` as it lies here, once written."""
+    def publish(self, plan: BucketPlan, src: Sequence[torch.Tensor],
+                key: int | None = None) -> None:
+        """The relay hook: publish bucket ``plan.index`` as it lies here, once written,
+        as bucket ``key`` (default: ``plan.index``) of what this receiver relays."""
         from ray_rdt_pool._ray.owned import put_owned
 
         if plan.select is not None:
@@ -75,15 +77,16 @@ class Relayed:
                 f"bucket {plan.index} was read in part (select=), so this receiver cannot "
                 "relay it; put receivers with a select last in the chain, or sync them "
                 "without relay")
-        oid = f"wr:{self.session}/{self.me}/{plan.index}"
+        k = plan.index if key is None else key
+        oid = f"wr:{self.session}/{self.me}/{k}"
         # Landed in the destination: its bytes are the bucket's, as sent (no copy).
         in_place = plan.targets is not None
         tensors = list(plan.targets if plan.targets is not None else src)
         wire, device = put_owned(oid, tensors, by_reference=in_place)
         with self.lock:
-            self.held[plan.index] = PoolBucket(oid, wire, device)
+            self.held[k] = PoolBucket(oid, wire, device)
             if not in_place:
-                self.snapshots.add(plan.index)
+                self.snapshots.add(k)
                 self.peak = max(self.peak, len(self.snapshots))
 
     def free(self, upto: int | None = None) -> None:

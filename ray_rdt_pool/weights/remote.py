@@ -219,6 +219,13 @@ def _remote_begin(actor: Any, attr: str, session: str, layout: WeightLayout | No
     return Began(skipped, ok, ray.get_runtime_context().get_node_id(), md, in_place, partial)
 
 
+def _remote_md(actor: Any) -> bytes:
+    """This actor's signal endpoint (a relayed many-rank sync chains its receivers)."""
+    from ray_rdt_pool.weights.links import mailbox
+
+    return mailbox().metadata()
+
+
 def _remote_receive(actor: Any, attr: str, session: str, role: Role) -> list[BucketReport]:
     """A receiver's one call of a stream's buckets (see :mod:`.receiving`)."""
     from ray_rdt_pool.weights.receiving import receive

@@ -275,3 +275,35 @@ def test_killed_rank_mid_sync_commits_nothing(nodes: dict[str, Any]) -> None:
     for e in recs:
         assert call(e, _version) == v2
         _assert_exact(call(e, _dest), _full(6, 0))
+
+
+@pytest.mark.parametrize("how", ["names", "shards"])
+def test_relayed_ranks_each_send_their_part_once_down_their_own_chain(
+        nodes: dict[str, Any], how: str) -> None:
+    """Two trainer ranks, three receivers, ``relay="chain"``: rank r's part goes to the
+    receiver its chain starts at, which relays it on; every receiver ends byte-exact
+    over versions, having read the whole model once, on a fixed number of Ray calls."""
+    ranks, recs = [nodes["t0"], nodes["t1"]], [nodes["e0"], nodes["e1"], nodes["t2"]]
+    for r, t in enumerate(ranks):
+        call(t, _set_rank, 17, r, 2, how)
+    for e in recs:
+        call(e, _set_receiver)
+    for step in range(2):
+        if step:
+            for t in ranks:
+                call(t, _step)
+        before = [call(e, _received) for e in recs]
+        v = next(VERSION)
+        rep = sync(ranks, recs, relay="chain", version=v, timeout_s=60)
+        want = _full(17, step)
+        total = sum(t.nbytes for t in want.values())
+        for e, b in zip(recs, before):
+            _assert_exact(call(e, _dest), want)
+            assert call(e, _version) == v
+            assert call(e, _received) - b == total  # the whole model, once
+        # offers 2, signal endpoints 3, loads 3, serves 2, commits 3
+        assert rep.ray_calls == 13, rep.ray_calls
+    for t in ranks:
+        wait_for(lambda t=t: call(t, _drained), timeout=30)
+    for e in recs:
+        wait_for(lambda e=e: call(e, _drained), timeout=30)

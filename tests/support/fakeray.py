@@ -76,6 +76,7 @@ def receiver_node(dest: Any, cls: type[WeightReceiver] = WeightReceiver, **opts:
 
 
 _WORLD: list[World] = []  # the fake NIXL world of the test running now
+_HANDLES: list[Handle] = []  # the actors of the test running now
 
 
 class Handle:
@@ -99,6 +100,7 @@ class Handle:
         self._free.set()
         self.hold: Callable[[str], bool] = lambda name: False  # calls that wait for free()
         threading.Thread(target=self._serve, daemon=True, name=f"actor-{n}").start()
+        _HANDLES.append(self)
         handle = self
 
         class Call:
@@ -120,10 +122,18 @@ class Handle:
     def free(self) -> None:
         self._free.set()
 
+    def stop(self) -> None:
+        """End the actor's thread once its queued calls ran."""
+        self._free.set()
+        self._jobs.put(None)
+
     def _serve(self) -> None:
         links.bind(self.mailbox)
         while True:
-            fn, args, ref = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args, ref = job
             if self.hold(fn.__name__):
                 self._free.wait()
             try:
@@ -158,6 +168,8 @@ def make_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Runt
         return rt
 
     yield make
+    while _HANDLES:
+        _HANDLES.pop().stop()
     for rt in made:
         rt.shutdown()
     _WORLD.clear()

@@ -52,16 +52,33 @@ class _Actor:
         return object()
 
 
-def test_sync_refuses_a_relay_with_many_trainer_ranks_before_calling_anyone() -> None:
+def test_sync_checks_a_relay_of_many_trainer_ranks_before_calling_anyone() -> None:
     ranks, engines = [_Actor(1), _Actor(2)], [_Actor(10), _Actor(11)]
-    with pytest.raises(InvalidInputError, match=r"relay='chain' takes one trainer, got 2 "
-                                                r"trainer ranks: drop relay="):
-        sync(ranks, engines, relay="chain")
-    # One rank in a list is the single trainer: a relay goes ahead.
+    with pytest.raises(InvalidInputError, match=r"relay_order='placement' takes one "
+                                                r"trainer; with 2 trainer ranks"):
+        sync(ranks, engines, relay="chain", relay_order="placement")
+    with pytest.raises(InvalidInputError, match="max_inflight must be an int >= 1"):
+        sync(ranks, engines, relay="chain", max_inflight=0)
+    # Relayed ranks go ahead (each rank's part down its own chain), and so does one rank
+    # in a list, which is the single trainer.
+    with pytest.raises(_Reached):
+        sync([_Actor(1, reach=True), _Actor(2, reach=True)], engines, relay="chain")
     with pytest.raises(_Reached):
         sync([_Actor(1, reach=True)], engines, relay="chain")
     with pytest.raises(_Reached):
         sync(_Actor(1, reach=True), engines, relay="chain", relay_order="placement")
+
+
+def test_each_ranks_chain_starts_at_another_receiver() -> None:
+    from ray_rdt_pool.weights.ranks import chains
+
+    assert chains(2, 6) == [[0, 1, 2, 3, 4, 5], [3, 4, 5, 0, 1, 2]]
+    assert chains(3, 3) == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
+    for m, n in ((2, 6), (8, 64), (4, 4), (3, 7)):
+        got = chains(m, n)
+        assert all(sorted(c) == list(range(n)) for c in got)  # every receiver, once
+        heads = [c[0] for c in got]
+        assert len(set(heads)) == min(m, n)  # no receiver heads two chains
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -73,7 +90,7 @@ def test_sync_refuses_bad_relay_options_before_calling_anyone(kw: dict[str, Any]
                                                                match: str) -> None:
     with pytest.raises(InvalidInputError, match=match):
         sync(_Actor(1), [_Actor(10)], **kw)
-    with pytest.raises(InvalidInputError, match=f"{match}|takes one trainer"):
+    with pytest.raises(InvalidInputError, match=match):
         sync([_Actor(1), _Actor(2)], [_Actor(10)], **kw)
 
 
