@@ -26,14 +26,19 @@ engines on the nodes after them), and syncs with ``sync([rank_0, ..., rank_M-1],
 engines)``; one rank is the single trainer above. Each (M, N) pair is measured; the
 floor is then max(N / M, 1) * size / rate (a rank's egress carries its share to every
 engine, an engine's ingress the whole model). ``--ranks`` and ``--relay`` combine in one
-loop, one table row per (M, N, relay); a chain takes one trainer, so it runs at M = 1 only.
+loop, one table row per (M, N, relay); with M ranks a chain runs per rank, each starting
+at another engine (its floor is shown as one trainer's chain: a lower bound).
 ``--rank-engines`` gives the engine counts for M > 1 (default: ``--engines``).
+
+``--floors tcp,nixl`` then measures, on the same links, a plain TCP chain and a chain of
+NIXL READs and notifications between bare agents (:mod:`ray_rdt_pool.bench.chains`, no
+Ray) for each engine count: what the links allow, what UCX allows, and ours.
 
     python -m ray_rdt_pool.bench.testbed_sync --ranks 1,4 --rank-engines 4 --relay none,chain
 
-``--trace`` times each engine's relay calls and bucket loads in the last timed sync of
-each row (host clock, shared by the namespaces) and prints the medians: where a chain's
-time above its floor goes.
+``--trace`` times each engine's bucket loads in the last timed sync of each row (host
+clock, shared by the namespaces) and prints the medians: where a chain's time above its
+floor goes.
 
 Adding a parameter: add the option in :func:`parse_args` (it reaches the driver as is,
 since the driver gets the same argument list) and read it in :func:`measure`.
@@ -84,8 +89,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="comma-separated sync(relay=) values to compare in one run: "
                          "none, chain (e.g. none,chain); each sync round runs every one")
     ap.add_argument("--trace", action="store_true",
-                    help="time each engine's bucket calls and loads (the last timed sync "
-                         "of each row) and summarise where a chain's time goes")
+                    help="time each engine's bucket loads (the last timed sync of each "
+                         "row) and summarise where a chain's time goes")
+    ap.add_argument("--floors", default="",
+                    help="comma-separated chains to measure on the same links after ours, "
+                         "for each engine count: tcp (a plain TCP chain), nixl (NIXL READs "
+                         "and notifications between bare agents, no Ray)")
     ap.add_argument("--pool-mib", type=int, default=32, help="each actor's nixl_pool, MiB")
     ap.add_argument("--out", default=None, help="folder for testbed_sync.json")
     ap.add_argument("--timeout", type=float, default=1800.0, help="driver timeout, seconds")
@@ -106,6 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.nodes_needed = max(m + n for m in args.rank_counts
                             for n in (args.engine_counts if m == 1
                                       else args.rank_engine_counts))
+    args.floor_kinds = [x.strip() for x in str(args.floors).split(",") if x.strip()]
+    if set(args.floor_kinds) - {"tcp", "nixl"}:
+        ap.error(f"--floors takes tcp and nixl, got {args.floors!r}")
     args.relays = [x.strip() for x in str(args.relay).split(",") if x.strip()]
     if not args.relays or set(args.relays) - {"none", "chain"}:
         ap.error(f"--relay must list none and/or chain, got {args.relay!r}")
@@ -269,8 +281,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         trainer_ip = trainer_ip or rank_ips[0]
         # One rank is the single trainer of today's sync(trainer, engines).
         source: Any = ranks[0] if m == 1 else ranks
-        # A relay takes one trainer: sync() refuses it with many ranks.
-        relays = [r for r in args.relays if m == 1 or r == "none"]
+        relays = list(args.relays)
         for n in args.engine_counts if m == 1 else args.rank_engine_counts:
             if not relays:
                 continue
@@ -365,6 +376,7 @@ def _git_commit() -> str | None:
 def table(report: dict[str, Any]) -> str:
     rate = report["rate"] or "unlimited"
     many = any(r.get("ranks", 1) > 1 for r in report["results"])
+    kinds = [k for k in ("tcp", "nixl") if k in report.get("floors", {})]
     where = "trainer ranks on nodes 0 to M-1" if many else "trainer on node 0"
     lines = [f"sync(mode={report['mode']!r}) of {report['size_mib']} MiB in "
              f"{report['tensors']} tensors, {report['bucket_mib']:g} MiB buckets, {where}, "
@@ -372,8 +384,10 @@ def table(report: dict[str, Any]) -> str:
              f"{report['host']['cpu']}, {report['host']['cores']} cores)",
              f"| {'ranks | ' if many else ''}engines | relay | median of {report['syncs']} "
              f"| all times | vs 1 {'trainer to 1 ' if many else ''}engine | link floor | "
-             "floor vs 1 engine |",
-             "|---|---|---|---|---|---|---|" + ("---|" if many else "")]
+             "floor vs 1 engine |" + "".join(f" {k} chain, no Ray | ours vs it |"
+                                               for k in kinds),
+             "|---|---|---|---|---|---|---|" + ("---|" if many else "")
+             + "---|---|" * len(kinds)]
     # The ratio's base: one trainer to one engine without relay (a chain of one is the
     # same sync).
     ones = [r for r in report["results"] if r["engines"] == 1 and r.get("ranks", 1) == 1]
@@ -385,9 +399,13 @@ def table(report: dict[str, Any]) -> str:
         ratio = f"{r['median_s'] / base:.2f}x" if base else "-"
         floor = f"{r['floor_s']:.2f} s" if r["floor_s"] is not None else "-"
         fratio = f"{r['floor_s'] / one_floor:.2f}x" if r["floor_s"] and one_floor else "-"
+        extra = ""
+        for k in kinds:
+            c = r.get(f"{k}_chain_s")
+            extra += (f" {c:.2f} s | {r['median_s'] / c:.2f}x |" if c else " - | - |")
         lines.append(f"| {str(r.get('ranks', 1)) + ' | ' if many else ''}{r['engines']} | "
                      f"{r.get('relay', 'none')} | {r['median_s']:.2f} s | {times} | {ratio} "
-                     f"| {floor} | {fratio} |")
+                     f"| {floor} | {fratio} |{extra}")
     return "\n".join(lines)
 
 
@@ -413,10 +431,20 @@ def main(argv: list[str] | None = None) -> int:
     env = {"PYTHONPATH": pypath, "RAY_RDT_POOL_METRICS": "0", "RAY_DEDUP_LOGS": "0"}
     bed = bed_from_args(args, nodes, env=env)
     load_before = list(os.getloadavg())
+    floors: dict[str, dict[int, list[float]]] = {k: {} for k in args.floor_kinds}
     with bed:
         out = bed.run_driver(_DRIVER, [*(argv if argv is not None else sys.argv[1:]),
                                         "--driver"], timeout=args.timeout,
                              echo_stderr=True)
+        # The floors, on the same links, once Ray's actors are gone.
+        from ray_rdt_pool.bench.chains import run_chain
+
+        for kind in args.floor_kinds:
+            for n in args.engine_counts:
+                floors[kind][n] = run_chain(bed, kind, n, args.size_mib * MIB,
+                                            int(args.bucket_mib * MIB), args.syncs + 1)
+                print(f"{kind} chain, {n} hop(s): {floors[kind][n]}", file=sys.stderr,
+                      flush=True)
     lines = [ln for ln in out.splitlines() if ln.startswith(RESULT_TAG)]
     if not lines:
         print(f"the driver printed no result:\n{out[-3000:]}", file=sys.stderr)
@@ -434,12 +462,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sent = max(r["engines"] / r.get("ranks", 1), 1.0) * size
         r["floor_s"] = sent * 8 / rate_bps if rate_bps else None
+        for kind, per_n in floors.items():
+            if r.get("relay") == "chain" and r.get("ranks", 1) == 1 and r["engines"] in per_n:
+                r[f"{kind}_chain_s"] = statistics.median(per_n[r["engines"]])
     report = {
         "what": "testbed_sync", "mode": args.mode, "relays": args.relays,
         "size_mib": args.size_mib,
         "tensors": args.tensors, "bucket_mib": args.bucket_mib, "syncs": args.syncs,
         "ranks": args.rank_counts,
         "max_inflight": args.max_inflight, "rate": bed.rate, "burst": bed.burst,
+        "floors": {k: {str(n): ts for n, ts in v.items()} for k, v in floors.items()},
         "nodes": nodes, "results": got["results"],
         "bring_up_s": bed.timings.get("bring_up"), "teardown_s": bed.timings.get("teardown"),
         "host": {"cpu": cpu_model(), "cores": os.cpu_count(), "loadavg_before": load_before,
