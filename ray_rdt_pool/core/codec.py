@@ -33,6 +33,7 @@ encode, decode or share one.
 
 from __future__ import annotations
 
+import functools
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -198,6 +199,10 @@ def encode(meta: WireMeta) -> bytes:
 def decode(data: bytes) -> WireMeta:
     """Parse and validate metadata produced by :func:`encode` on the sender.
 
+    The last :data:`DECODED_KEPT` results are kept by their bytes (a WireMeta is
+    immutable): a weight sync decodes each bucket's wire twice (its check, then its
+    fetch), and the same model's by-reference buckets carry the same wire every sync.
+
     Raises:
         WireFormatError: for anything but a valid message of this WIRE_VERSION.
     """
@@ -205,6 +210,21 @@ def decode(data: bytes) -> WireMeta:
         raise WireFormatError(
             f"object metadata must be bytes, got {type(data).__name__}"
         )
+    if isinstance(data, bytes) and len(data) <= 4096:
+        return _decode_kept(data)
+    return _decode(data)
+
+
+#: Decoded metadata kept by :func:`decode`.
+DECODED_KEPT = 256
+
+
+@functools.lru_cache(maxsize=DECODED_KEPT)
+def _decode_kept(data: bytes) -> WireMeta:
+    return _decode(data)
+
+
+def _decode(data: bytes | bytearray | memoryview) -> WireMeta:
     try:
         raw = msgpack.unpackb(
             data,

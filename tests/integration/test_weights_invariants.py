@@ -618,3 +618,43 @@ def test_a_failed_many_rank_publish_does_not_advance_the_ranks_version(
         _drained([t0, t1])
     finally:
         _kill(t0, t1, e)
+
+
+# ---------------------------------------------------------------------------------------
+# A sync is a few Ray calls, whatever its bucket count
+# ---------------------------------------------------------------------------------------
+
+
+def _trainer_buckets(actor: Any, n: int, bucket: int) -> None:
+    actor.state = _model(5, n)
+    actor.weight_sender = WeightSender(actor.state, bucket_bytes=bucket)
+
+
+@pytest.mark.parametrize("relay", [None, "chain"], ids=["fan-out", "relay"])
+def test_the_ray_calls_of_a_sync_do_not_grow_with_its_buckets(cluster: None,
+                                                              relay: str | None) -> None:
+    n = 16
+    trainer, *rs = _nodes(3)
+    try:
+        for r in rs:
+            call(r, _receiver, n)
+        calls = {}
+        version = 0
+        for per_bucket in (4, 1):  # 4 and 16 buckets of the same model
+            call(trainer, _trainer_buckets, n, per_bucket * BUCKET)
+            version += 1
+            before = [call(a, _ray_calls) for a in (trainer, *rs)]
+            rep = sync(trainer, rs, relay=relay, version=version, timeout_s=60)
+            after = [call(a, _ray_calls) for a in (trainer, *rs)]
+            assert rep.buckets == n // per_bucket
+            assert call(rs[-1], _digests) == call(trainer, _sender_digests)
+            calls[rep.buckets] = (rep.ray_calls, [b - a for a, b in zip(before, after)])
+        # The driver's one call, then begin, receive and commit per receiver; receivers
+        # make no Ray call of their own.
+        assert calls[4] == calls[16] == (1 + 3 * 2, [3 * 2, 0, 0]), calls
+    finally:
+        _kill(trainer, *rs)
+
+
+def _ray_calls(actor: Any) -> int:
+    return int(ray_rdt_pool.stats().weight_sync_ray_calls)
