@@ -57,6 +57,7 @@ from ray_rdt_pool.errors import (
 )
 from ray_rdt_pool.weights import manifest as _manifest
 from ray_rdt_pool.weights import remote as _remote
+from ray_rdt_pool.weights.catchup import catch_up
 from ray_rdt_pool.weights.driver import sync
 from ray_rdt_pool.weights.loadplan import BucketPlan, LoadPlan
 from ray_rdt_pool.weights.manifest import (
@@ -115,6 +116,7 @@ __all__ = [
     "WeightSyncTimeoutError",
     "WireDtypeError",
     "can_cast",
+    "catch_up",
     "load_manifest",
     "named_tensors",
     "plan_layout",

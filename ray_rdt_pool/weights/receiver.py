@@ -22,6 +22,7 @@ import torch
 
 from ray_rdt_pool.errors import (
     InvalidInputError,
+    ManifestMismatchError,
     ManifestReleasedError,
     StaleVersionError,
     WeightSyncError,
@@ -370,7 +371,8 @@ class WeightReceiver:
 
     # -- streaming (called through __ray_call__ by WeightSender.stream) --
 
-    def _begin_stream(self, session: str, layout: WeightLayout | None, version: int) -> int:
+    def _begin_stream(self, session: str, layout: WeightLayout | None, version: int,
+                      peer: bool = False) -> int:
         """Validate a streamed layout and get ready for its buckets.
 
         ``layout=None`` starts a lazy stream, whose buckets each bring their own
@@ -379,11 +381,17 @@ class WeightReceiver:
         progress of an older version (its sender gave up, or died) is superseded: its
         later buckets and its commit are refused. Returns the number of manifest tensors
         this receiver will skip (0 for a lazy stream; :meth:`_finish_stream` returns its
-        count).
+        count). ``peer``: the stream comes from another engine's receiver
+        (:func:`~ray_rdt_pool.weights.catch_up`), whose names are destination names.
         """
-        self._reserve(version, "stream")
+        self._reserve(version, "peer stream" if peer else "stream")
         try:
-            plan = self.check(layout) if layout is not None else None
+            if layout is None:
+                plan = None
+            elif peer:
+                plan = self._peer_plan(layout)
+            else:
+                plan = self.check(layout)
             with self._lock:
                 self._take_over_locked(version, "stream")
                 self._stream = _Stream(session, version, plan)
@@ -391,6 +399,20 @@ class WeightReceiver:
             self._unreserve(version)
             raise
         return plan.skipped if plan is not None else 0
+
+    def _peer_plan(self, layout: WeightLayout) -> LoadPlan:
+        """The plan of a peer's stream: its names are destination names (no
+        ``name_map``), and each lands in the destination tensor of that name, of the
+        same dtype (no ``load_weights``, no ``select``: the peer sends what it holds)."""
+        if self.dest is None:
+            raise WeightSyncError(
+                "this receiver has no destination tensors (load_weights only), so it "
+                "cannot take an engine's weights by name; catch it up from the trainer")
+        try:
+            return plan_load(_PeerView(self), layout)
+        except ManifestMismatchError as e:
+            raise type(e)(f"{e} (from a peer engine, which sends the tensors it holds: "
+                          "an engine with select= holds its shard only)", e.problems) from None
 
     def _current(self, session: str) -> _Stream:
         """Stream ``session`` if it holds this receiver and has not failed (call with
@@ -582,6 +604,19 @@ class WeightReceiver:
             finally:
                 self._drop_locked(st, "it was committed")  # or lost to a newer version
         return st.plan.skipped if st.plan is not None else st.skipped
+
+
+class _PeerView:
+    """A receiver's options as a peer's stream sees them (see ``_peer_plan``)."""
+
+    def __init__(self, rec: WeightReceiver) -> None:
+        self.dest: StateLike | None = rec.dest
+        self.load_weights: LoadWeights | None = None
+        self.name_map: NameMap = None
+        self.casting: Casting = "no"
+        self.strict = rec.strict
+        self.direct = rec.direct
+        self.select: Select | None = None
 
 
 def load_manifest(manifest: Manifest, dest: StateLike | None = None, *,

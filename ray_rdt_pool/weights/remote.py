@@ -202,15 +202,16 @@ class Role(NamedTuple):
 
 def _remote_begin(actor: Any, attr: str, session: str, layout: WeightLayout | None,
                   version: int, source: SourceProcess | None = None,
-                  relay: bool = False) -> Began:
-    """Begin a stream on a receiver (see :class:`Began`)."""
+                  relay: bool = False, peer: bool = False) -> Began:
+    """Begin a stream on a receiver (see :class:`Began`); ``peer``: from another
+    engine's receiver, whose names are destination names."""
     import ray
 
     from ray_rdt_pool.weights.links import mailbox
 
     rec = _find(actor, attr, WeightReceiver)
     md = mailbox().metadata()  # before the stream holds the receiver: this may fail
-    skipped = rec._begin_stream(session, layout, version)
+    skipped = rec._begin_stream(session, layout, version, peer)
     ok = source is not None and rec._accept_source(session, source)
     plan = rec._stream_plan(session)
     in_place = None if plan is None else tuple(

@@ -346,7 +346,8 @@ class WeightSender:
     def _stream(self, receivers: Sequence[ActorHandle], state: SourceLike | None = None, *,
                 version: int | None = None, receiver_attr: str = RECEIVER_ATTR,
                 max_inflight: int = 2, timeout_s: float = 300.0, relay: str | None = None,
-                relay_order: str = "caller", beat: Beat | None = None) -> StreamReport:
+                relay_order: str = "caller", beat: Beat | None = None,
+                peer: bool = False) -> StreamReport:
         """:meth:`stream`; ``beat``: the driver's wait, told of progress (and able to
         cancel the stream before it commits)."""
         receivers = _actor_handles(receivers, "stream()")
@@ -364,7 +365,7 @@ class WeightSender:
             timeout_s=deadline_s, bucket_bytes=self.bucket_bytes, wire_dtype=self.wire_dtype,
             source_reads=self.source_reads,
             by_reference=state is None and isinstance(self.source, (torch.nn.Module, Mapping)),
-            relay=relay, order=relay_order, beat=beat)
+            relay=relay, order=relay_order, beat=beat, peer=peer)
         session.plan(eager, pairs, self._layouts)
         # From here on ``v`` may be committed by some receiver, even if the stream fails:
         # the next default version is past it.

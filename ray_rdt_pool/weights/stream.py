@@ -159,7 +159,7 @@ class StreamSession:
                  max_inflight: int, timeout_s: float, bucket_bytes: int,
                  wire_dtype: WireDtype, source_reads: bool, by_reference: bool,
                  relay: str | None = None, order: str = "caller",
-                 beat: Beat | None = None) -> None:
+                 beat: Beat | None = None, peer: bool = False) -> None:
         self.receivers = receivers
         self.version = version
         self.attr = receiver_attr
@@ -173,6 +173,7 @@ class StreamSession:
         self.by_reference = by_reference
         self.relay = relay
         self.order = order
+        self.peer = peer  # an engine's receiver serves its weights (catch_up)
         # The driver's wait: progress is told to it, and it may cancel (no commit then).
         self.beat = beat if beat is not None else Beat(None, 1.0)
         self.session = ""  # the id receivers know this stream by (set by plan)
@@ -265,7 +266,7 @@ class StreamSession:
             relay = self.relay is not None
             self.begins = [r.__ray_call__.remote(_remote_begin, self.attr, self.session,
                                                  self.layout, self.version, self.src_proc,
-                                                 relay)
+                                                 relay, self.peer)
                            for r in self.receivers]
             self.ray_calls += len(self.begins)
             self._negotiate()

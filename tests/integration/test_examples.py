@@ -112,6 +112,20 @@ def test_weight_sync_hf(address: str) -> None:
     assert len({trainer0, *(w[0] for w in weights)}) == 4, out  # every step trained
 
 
+def test_rejoin_catches_a_new_engine_up_from_a_peer(address: str) -> None:
+    out = run_example("rejoin.py", address=address)
+    (caught,) = lines_matching(out, r"caught up: version (\d+), ([\d,]+) bytes in \d+ ms; "
+                                    r"versions \[(\d+), (\d+), (\d+)\], weights (\[.*\])")
+    # The replacement has the running engines' version 2 (not the trainer's step 3).
+    assert caught[:1] + caught[2:5] == ("2", "2", "2", "2"), out
+    assert int(caught[1].replace(",", "")) == 8 * (256 * 256 + 256) * 4, out
+    assert len(set(hexes(caught[5]))) == 1, out  # its weights are the peer's
+    (after,) = lines_matching(out, r"after the next sync: versions \[(\d+), (\d+), "
+                                   r"(\d+)\], weights (\[.*\])")
+    assert after[:3] == ("3", "3", "3") and len(set(hexes(after[3]))) == 1, out
+    assert hexes(after[3])[0] != hexes(caught[5])[0], out  # the trainer had moved on
+
+
 def tp_rank_expected(state: dict[str, torch.Tensor], rank: int, tp: int = 2) -> tuple[int, str]:
     """What TP rank ``rank`` of a vLLM-style engine holds, built here from the trainer's
     full state: the bytes of its parts and the digest the example prints of its fused

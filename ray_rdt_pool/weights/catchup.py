@@ -1,0 +1,123 @@
+"""Catch-up from a peer engine: :func:`catch_up`, a sync whose source is another engine.
+
+An engine that restarted, or joined late, gets the weights of a running engine at its
+version, without the trainer (which may be busy, or dead). The peer's receiver serves
+its destination tensors by their names, as a stream (:class:`~.stream.StreamSession`,
+plain or relayed) of the peer's version: a receiver refuses a version that is not
+newer than its own (:class:`~ray_rdt_pool.errors.StaleVersionError`), and writes each
+tensor into its own destination tensor of that name (no ``name_map``, no
+``load_weights``: the names are the engines' own).
+
+While it serves, the peer holds its receiver's write lock: its weights do not change
+under the peers' reads, and a trainer's sync into it waits for the catch-up to end (up
+to that sync's ``timeout_s``). Stateless; :func:`catch_up` runs on the driver's thread,
+:func:`_remote_serve_peer` on the peer actor's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ray_rdt_pool.errors import InvalidInputError, WeightSyncError
+from ray_rdt_pool.weights.manifest import DEFAULT_BUCKET_BYTES
+from ray_rdt_pool.weights.remote import (
+    RECEIVER_ATTR,
+    _actor_handles,
+    _find,
+    _is_actor,
+    _timeout,
+    _wait_moving,
+)
+from ray_rdt_pool.weights.reports import StreamReport, SyncReport
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+
+def _remote_serve_peer(actor: Any, attr: str, receivers: list[Any], max_inflight: int,
+                       timeout_s: float, relay: str | None, relay_order: str,
+                       bucket_bytes: int, beat_key: str | None) -> StreamReport:
+    """On the peer: stream its receiver's destination at its version (see module)."""
+    from ray_rdt_pool._ray.beats import Beat
+    from ray_rdt_pool.weights.receiver import WeightReceiver
+    from ray_rdt_pool.weights.sender import WeightSender
+
+    rec = _find(actor, attr, WeightReceiver)
+    if rec.dest is None:
+        raise WeightSyncError(
+            "the peer engine's receiver has no destination tensors (load_weights only): "
+            "it holds no weights by name to serve; catch up from an engine with a dest, "
+            "or from the trainer")
+    beat = Beat(beat_key, timeout_s / 4)
+    try:
+        # Its weights must not change while the others read them: a load or stream into
+        # this receiver waits until the catch-up has ended.
+        with rec._writing:
+            if not rec._loaded:
+                raise WeightSyncError("the peer engine has loaded no version yet: it has "
+                                      "nothing to serve")
+            sender = WeightSender(rec.dest, bucket_bytes=bucket_bytes)
+            try:
+                return sender._stream(receivers, version=rec.version, receiver_attr=attr,
+                                      max_inflight=max_inflight, timeout_s=timeout_s,
+                                      relay=relay, relay_order=relay_order, beat=beat,
+                                      peer=True)
+            finally:
+                sender.close()  # a one-off: its registrations need not stay
+    finally:
+        beat.close()
+
+
+def catch_up(peer: ActorHandle, receivers: Sequence[ActorHandle], *,
+             receiver_attr: str = RECEIVER_ATTR, timeout_s: float = 300.0,
+             max_inflight: int = 2, relay: str | None = None, relay_order: str = "caller",
+             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncReport:
+    """Driver-side: bring ``receivers`` to the version of engine ``peer``, from its
+    weights, without the trainer.
+
+    ``peer`` is an engine actor whose :class:`WeightReceiver` (at ``receiver_attr``,
+    with destination tensors) holds a version; each receiver's engine holds a receiver
+    with destination tensors of the same names, shapes and dtypes (an engine of the same
+    kind). The peer streams its destination at its version: bucket by bucket, a few Ray
+    calls per receiver, ``relay="chain"`` as for :func:`sync`. A receiver whose version
+    is not older refuses it (:class:`StaleVersionError`, nothing written); the others
+    commit the peer's version, byte for byte its weights. The trainer takes no part: it
+    may be busy or dead.
+
+    While it serves, the peer's weights do not change: a trainer's sync into the peer
+    waits for the catch-up to end (within its own ``timeout_s``). A peer that loads
+    through ``load_weights`` only holds no tensors by name and cannot serve
+    (:class:`WeightSyncError`); a peer with ``select=`` serves its shard, which only a
+    receiver that selects the same shard takes (:class:`ShapeMismatchError` otherwise).
+    ``timeout_s`` is "no progress for this long", as for :func:`sync`.
+    """
+    from ray_rdt_pool._ray.beats import new_key
+    from ray_rdt_pool.weights.pool import count_ray_calls
+    from ray_rdt_pool.weights.stream import check_relay
+
+    timeout_s = _timeout(timeout_s)
+    check_relay(relay, relay_order)
+    if not _is_actor(peer):
+        raise InvalidInputError(f"catch_up() takes the peer engine's actor handle first, "
+                                f"got {type(peer).__name__}")
+    receivers = _actor_handles(receivers, "catch_up()")
+    if any(r._actor_id.hex() == peer._actor_id.hex() for r in receivers):
+        raise InvalidInputError("catch_up() got the peer among its receivers: an engine "
+                                "cannot catch up from itself")
+    if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
+        raise InvalidInputError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
+    import time
+
+    t0 = time.perf_counter()
+    key = new_key()
+    count_ray_calls(1)
+    rep: StreamReport = _wait_moving(
+        [peer.__ray_call__.remote(_remote_serve_peer, receiver_attr, list(receivers),
+                                  max_inflight, timeout_s, relay, relay_order,
+                                  bucket_bytes, key)],
+        [key], timeout_s, f"the catch-up from the peer engine (its WeightReceiver at "
+                          f"{receiver_attr!r})")[0]
+    return SyncReport("stream", rep.version, time.perf_counter() - t0, rep.nbytes,
+                      rep.buckets, rep.loads, rep, rep.peak_pool_used,
+                      ray_calls=rep.ray_calls + 1)

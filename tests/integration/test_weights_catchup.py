@@ -1,0 +1,219 @@
+"""Catch-up from a peer engine (``catch_up(peer, receivers)``) on a real one-host Ray
+cluster with real NIXL: an engine killed and restarted reaches the running engines'
+version from one of them with the trainer dead, byte-exact; down a relay chain; an
+older or equal version is refused; a peer that cannot serve, a receiver that needs
+another shard, and bad arguments are typed errors; a trainer's sync into the peer waits
+for the catch-up instead of changing its weights under the reads.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from ray import cloudpickle
+
+import ray_rdt_pool
+from ray_rdt_pool.errors import InvalidInputError
+from ray_rdt_pool.weights import (
+    ShapeMismatchError,
+    StaleVersionError,
+    WeightReceiver,
+    WeightSender,
+    WeightSyncError,
+    catch_up,
+    sync,
+)
+from tests.support.raycluster import call, digest, node_class, start_ray, wait_for
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+N, SHAPE, BUCKET = 8, (64, 64), 64 * 64 * 4
+
+
+def _model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.weight": torch.randn(SHAPE, generator=g) for i in range(N)}
+
+
+def _trainer(actor: Any) -> None:
+    actor.state = _model(1)
+    actor.weight_sender = WeightSender(actor.state, bucket_bytes=BUCKET)
+
+
+def _step(actor: Any) -> None:
+    with torch.no_grad():
+        for t in actor.state.values():
+            t.view(torch.int32).add_(3)
+
+
+def _engine(actor: Any, rows: int | None = None, slow: float = 0.0) -> None:
+    """An engine: its weights under the trainer's names mapped to its own (``name_map``),
+    as an engine that renames does; ``rows``: a TP shard of that many rows."""
+
+    def select(name: str, shape: tuple[int, ...]) -> Any:
+        return None if rows is None else (slice(0, rows),)
+
+    class Slow(WeightReceiver):
+        def _load_bucket(self, *a: Any) -> Any:
+            time.sleep(slow)
+            return super()._load_bucket(*a)
+
+    shape = SHAPE if rows is None else (rows, SHAPE[1])
+    actor.dest = {f"model.{k}": torch.zeros(shape) for k in _model(0)}
+    actor.weight_receiver = Slow(actor.dest, name_map=lambda n: f"model.{n}",
+                                 select=select if rows is not None else None)
+
+
+def _loader_engine(actor: Any) -> None:
+    actor.weight_receiver = WeightReceiver(load_weights=lambda pairs: None)
+
+
+def _digests(actor: Any) -> list[str]:
+    return digest(list(actor.dest.values()))
+
+
+def _version(actor: Any) -> int:
+    return int(actor.weight_receiver.version)
+
+
+def _trainer_digests(actor: Any) -> list[str]:
+    return digest(list(actor.state.values()))
+
+
+def _drained(actor: Any) -> bool:
+    st = ray_rdt_pool.stats()
+    return bool(st.live_objects == 0 and st.pool_used == 0 and st.signal_sessions == 0
+                and st.signals_waiting == 0)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    import ray
+
+    start_ray({"RAY_RDT_POOL_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "8M"},
+              num_cpus=16)
+    yield
+    ray.shutdown()
+
+
+def _nodes(n: int) -> list[Any]:
+    Node = node_class()
+    nodes = [Node.remote() for _ in range(n)]
+    for a in nodes:
+        call(a, lambda self: None)
+    return nodes
+
+
+def _kill(*actors: Any) -> None:
+    import ray
+
+    for a in actors:
+        try:
+            ray.kill(a)
+        except Exception:
+            pass
+
+
+@pytest.mark.parametrize("relay", [None, "chain"], ids=["fan-out", "relay"])
+def test_a_restarted_engine_catches_up_from_a_peer_with_the_trainer_dead(
+        cluster: None, relay: str | None) -> None:
+    import ray
+
+    trainer, e0, e1, e2 = _nodes(4)
+    try:
+        call(trainer, _trainer)
+        for e in (e0, e1, e2):
+            call(e, _engine)
+        for _step_i in range(2):
+            call(trainer, _step)
+            v = sync(trainer, [e0, e1, e2], timeout_s=60).version
+        want = call(trainer, _trainer_digests)
+        ray.kill(e1)
+        ray.kill(e2)
+        ray.kill(trainer)  # the trainer is gone; the peer alone has the weights
+        e1, e2 = _nodes(2)  # restarted engines: version 0, zeros
+        for e in (e1, e2):
+            call(e, _engine)
+        rep = catch_up(e0, [e1, e2], relay=relay, timeout_s=60)
+        assert rep.version == v and rep.ray_calls == 1 + 3 * 2
+        for e in (e1, e2):
+            assert call(e, _version) == v
+            assert call(e, _digests) == want
+        assert call(e0, _version) == v and call(e0, _digests) == want
+        for e in (e0, e1, e2):
+            wait_for(lambda e=e: call(e, _drained), timeout=30)
+        # A receiver at the peer's version (or newer) refuses it, writing nothing.
+        with pytest.raises(StaleVersionError):
+            catch_up(e1, [e2], timeout_s=60)
+    finally:
+        _kill(trainer, e0, e1, e2)
+
+
+def test_a_peer_that_cannot_serve_and_bad_arguments_are_typed(cluster: None) -> None:
+    trainer, tp0, full, loader = _nodes(4)
+    try:
+        call(trainer, _trainer)
+        call(tp0, _engine, 32)  # TP rank 0: rows 0-31
+        call(full, _engine)
+        call(loader, _loader_engine)
+        sync(trainer, [tp0], timeout_s=60)
+        # A shard cannot fill a full engine: the shapes are named.
+        with pytest.raises(ShapeMismatchError, match=r"shard|\(32, 64\)"):
+            catch_up(tp0, [full], timeout_s=60)
+        assert call(full, _version) == 0
+        # An engine that loads through load_weights holds nothing by name.
+        with pytest.raises(WeightSyncError, match="load_weights only"):
+            catch_up(loader, [full], timeout_s=60)
+        # An engine with no version yet has nothing to serve.
+        with pytest.raises(WeightSyncError, match="no version yet"):
+            catch_up(full, [tp0], timeout_s=60)
+        with pytest.raises(InvalidInputError, match="cannot catch up from itself"):
+            catch_up(tp0, [tp0, full])
+        with pytest.raises(InvalidInputError, match="peer engine's actor handle"):
+            catch_up([tp0], [full])  # type: ignore[arg-type]
+        for e in (tp0, full):
+            wait_for(lambda e=e: call(e, _drained), timeout=30)
+    finally:
+        _kill(trainer, tp0, full, loader)
+
+
+def test_a_trainer_sync_into_the_peer_waits_for_the_catch_up(cluster: None) -> None:
+    """The peer serves a slow receiver; the trainer's next sync into the peer (a plain
+    actor: its calls queue) starts only once the catch-up ended: the late engine gets
+    exactly the peer's old version, and the peer then the new one."""
+    trainer, peer, late = _nodes(3)
+    try:
+        call(trainer, _trainer)
+        call(peer, _engine)
+        call(late, _engine, None, 0.3)  # 8 buckets x 0.3 s
+        v1 = sync(trainer, [peer], timeout_s=60).version
+        old = call(peer, _digests)
+        call(trainer, _step)
+        out: dict[str, Any] = {}
+
+        def trainer_sync() -> None:
+            out["v2"] = sync(trainer, [peer], timeout_s=60).version
+
+        th = threading.Thread(target=trainer_sync)
+        rep_box: list[Any] = []
+        cu = threading.Thread(target=lambda: rep_box.append(
+            catch_up(peer, [late], timeout_s=60)))
+        cu.start()
+        time.sleep(0.5)
+        th.start()
+        cu.join(120)
+        th.join(120)
+        assert rep_box and rep_box[0].version == v1
+        assert call(late, _digests) == old and call(late, _version) == v1
+        assert out["v2"] > v1 and call(peer, _version) == out["v2"]
+        assert call(peer, _digests) == call(trainer, _trainer_digests)
+    finally:
+        _kill(trainer, peer, late)
