@@ -124,6 +124,15 @@ def lookup_rdt_object(obj_id: str, wait_s: float) -> tuple[list[Any] | None, Any
     return None, tmeta
 
 
+def actor_is_asyncio() -> bool:
+    """Whether this process is an async actor (its methods run on an event loop)."""
+    try:
+        worker: Any = ray._private.worker.global_worker
+        return bool(worker.core_worker.current_actor_is_asyncio())
+    except Exception:
+        return False
+
+
 def alive_actors() -> list[dict[str, Any]]:
     """The alive actors of the cluster this process is connected to, from its GCS:
     ``actor_id``, ``class_name``, ``name``, ``namespace``. Not Ray's state API

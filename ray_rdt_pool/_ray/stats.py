@@ -83,4 +83,5 @@ def collect(rt: Runtime) -> TransportStats:
         signals_sent=c["signals_sent"],
         signal_sessions=box.sessions() if box is not None else 0,
         signals_waiting=box.pending() if box is not None else 0,
+        weight_staging_bytes=c["staging_bytes"],
     )

@@ -23,13 +23,14 @@ __all__ = ["COUNTER_NAMES", "Events", "Observer"]
 
 logger = logging.getLogger(__name__)
 
-#: Every counter; all start at 0 and only grow, except ``in_flight``.
+#: Every counter; all start at 0 and only grow, except ``in_flight`` and
+#: ``staging_bytes``.
 COUNTER_NAMES = (
     "registrations", "deregistrations", "registration_evictions", "objects_put",
     "objects_freed", "bytes_packed", "zero_copy_tensors", "fallbacks", "objects_received",
     "bytes_received", "receive_fallbacks", "transfer_errors", "metadata_loads", "in_flight",
     "peers_removed", "transfers_cut", "late_completions", "mapped_gets", "reads_posted",
-    "split_reads", "source_reads", "weight_sync_ray_calls", "signals_sent",
+    "split_reads", "source_reads", "weight_sync_ray_calls", "signals_sent", "staging_bytes",
 )
 
 

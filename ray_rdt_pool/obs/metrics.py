@@ -131,6 +131,8 @@ GAUGES: tuple[tuple[str, str, Callable[[TransportStats], float]], ...] = (
      lambda s: s.signal_sessions),
     ("signals_waiting", "Weight-sync signals waiting for a sync that has not started here.",
      lambda s: s.signals_waiting),
+    ("weight_staging_bytes", "Bytes of the staging copies of receivers with "
+     "staging='shadow'.", lambda s: s.weight_staging_bytes),
 )
 
 #: Counters: (name without prefix, description, TransportStats field). Prometheus shows

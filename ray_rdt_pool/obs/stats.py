@@ -108,6 +108,9 @@ class TransportStats:
     #: a session that has not opened (both 0 between syncs)
     signal_sessions: int = 0
     signals_waiting: int = 0
+    #: weight syncs: bytes of the staging copies of this process's receivers with
+    #: ``staging="shadow"`` (one more copy of their weights each)
+    weight_staging_bytes: int = 0
 
     @property
     def pool_fragmentation(self) -> float:

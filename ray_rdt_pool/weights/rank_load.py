@@ -193,12 +193,13 @@ class _RankOptions(ReceiverOptions):
 
     def __init__(self, rec: WeightReceiver, job: _RankedLoad,
                  problems: list[tuple[str, str, str]]) -> None:
-        self.load_weights = rec.load_weights
+        view = rec._view()
+        self.load_weights = view.load_weights
         self.casting = rec.casting
         self.strict = rec.strict
         self.direct = rec.direct
         base = _mapper(rec.name_map)
-        dests = _dests(rec)
+        dests = _dests(view)
         dest: dict[str, torch.Tensor] = dict(dests)
         pieces: dict[str, str | None] = {}
         parts: dict[str, Slices | None] = {}
@@ -326,6 +327,7 @@ def load_ranks(rec: WeightReceiver, job: _RankedLoad) -> LoadReport:
                     with rec._lock:
                         rec._take_over_locked(v, what)
                         rec._hold_locked(job.group, v, plan)
+                    rec._begin_writing()
                     reports = _read_ranks(rec, job, todo, readable,
                                           lambda r, k: link.send(ranks[r], DONE, k), feeds)
                     for r, feed in feeds.items():

@@ -13,6 +13,7 @@ the state, ``_writing`` serialises the writers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from ray_rdt_pool.weights.manifest import (
     WeightLayout,
 )
 from ray_rdt_pool.weights.reports import BucketReport, LoadReport, _ranges, _summarise
+from ray_rdt_pool.weights.staging import STAGINGS, ServingLock, Shadow
 from ray_rdt_pool.weights.state import (
     Casting,
     LoadWeights,
@@ -75,6 +77,7 @@ class _Stream:
     claimed: dict[str, str] = field(default_factory=dict)  # lazy: target name -> manifest name
     skipped: int = 0
     next: int = 0
+    writing: bool = False  # it wrote a bucket (its staging copy was made ready then)
     pending: dict[int, tuple[list[Any], BucketLayout | None]] = field(
         default_factory=dict)
     failed: str | None = None
@@ -123,6 +126,16 @@ class WeightReceiver:
             full shape raises :class:`SelectError` before anything is read. Buckets with
             a selection go through the arena (no direct landing); aliases (tied
             tensors) get their canonical tensor's selection.
+        staging: ``"inplace"`` (default): buckets are written into the destination as
+            they arrive. ``"shadow"``: they land in a staging copy of the destination
+            (one more copy of it: ``staging_bytes``), the engine keeps serving its
+            version meanwhile, and the commit makes the new version live at once: a
+            copy into the destination tensors (and, for ``load_weights``, one call with
+            every tensor the sync brought), under the serving lock (:meth:`serving`).
+            A sync that fails leaves the destination untouched.
+        on_commit: Called with the new version once it is live (under the serving lock:
+            no forward pass runs meanwhile), e.g. to reset a prefix cache. It must not
+            load into this receiver.
 
     ``version`` is the version of the last manifest or stream fully loaded (0 before
     any); it never goes down. A load whose version is not newer raises
@@ -140,7 +153,9 @@ class WeightReceiver:
 
     def __init__(self, dest: StateLike | None = None, *, load_weights: LoadWeights | None = None,
                  name_map: NameMap = None, casting: Casting = "same_kind", strict: bool = True,
-                 direct: bool = True, select: Select | None = None) -> None:
+                 direct: bool = True, select: Select | None = None,
+                 staging: str = "inplace",
+                 on_commit: Callable[[int], Any] | None = None) -> None:
         if select is not None and not callable(select):
             raise InvalidInputError(f"select must be callable (name, full_shape) -> slices | "
                                     f"None, got {type(select).__name__}")
@@ -152,6 +167,11 @@ class WeightReceiver:
         if load_weights is not None and not callable(load_weights):
             raise InvalidInputError(f"load_weights must be callable, got "
                                     f"{type(load_weights).__name__}")
+        if staging not in STAGINGS:
+            raise InvalidInputError(f"staging must be one of {STAGINGS}, got {staging!r}")
+        if on_commit is not None and not callable(on_commit):
+            raise InvalidInputError(f"on_commit must be callable (version) -> None, got "
+                                    f"{type(on_commit).__name__}")
         if dest is not None:
             named_tensors(dest, "destination tensor")  # validate early
         can_cast(torch.float32, torch.float32, casting)
@@ -163,6 +183,11 @@ class WeightReceiver:
         self.strict = strict
         self.direct = direct
         self.select = select
+        self.staging = staging
+        self.on_commit = on_commit
+        # Forward passes read under it; a commit (or an in-place bucket) writes under it.
+        self._serving = ServingLock()
+        self._shadow = Shadow(dest, load_weights is not None) if staging == "shadow" else None
         self._version = 0
         self._loaded = False  # any complete load yet (so any first version is accepted)
         self._last_id = ""  # Manifest.id of the last complete load
@@ -183,6 +208,33 @@ class WeightReceiver:
         """The version of the last complete load (0 before any)."""
         return self._version
 
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of memory the ``"shadow"`` staging holds now (0 ``"inplace"``)."""
+        return self._shadow.nbytes if self._shadow is not None else 0
+
+    def serving(self) -> contextlib.AbstractContextManager[None]:
+        """A read section for the engine's own forward pass::
+
+            with engine.weight_receiver.serving():
+                out = model(batch)
+
+        A commit waits for the sections in progress and holds new ones off while it
+        makes the new version live, so a section never sees two versions with
+        ``staging="shadow"``. With ``"inplace"`` each bucket's write waits for the
+        sections in progress instead (no torn tensor, but a section between two buckets
+        sees part of the new version)."""
+        return self._serving.read()
+
+    def _view(self) -> Any:
+        """What a sync plans against: this receiver, or its staging copy."""
+        return self if self._shadow is None else _ShadowView(self, self._shadow)
+
+    def _begin_writing(self) -> None:
+        """Before a version's first write (under ``_writing``): a staging copy starts
+        from the live tensors."""
+        if self._shadow is not None:
+            self._shadow.begin()
     def _reserve(self, version: int, what: str = "manifest", manifest_id: str = "") -> None:
         """Check that ``version`` is newer than the last complete load and than every load
         in progress, and reserve it, atomically; else raise StaleVersionError.
@@ -232,7 +284,17 @@ class WeightReceiver:
     def _commit_locked(self, version: int, what: str, manifest_id: str = "") -> None:
         self._newer_locked(version, what, manifest_id)  # never lets the version go down
         self._unreserve_locked(version)
-        self._version, self._loaded, self._last_id = version, True, manifest_id
+
+        def live() -> None:
+            self._version, self._loaded, self._last_id = version, True, manifest_id
+            if self.on_commit is not None:
+                self.on_commit(version)
+
+        if self._shadow is not None:
+            self._shadow.commit(self._serving, self.load_weights, live)
+        else:
+            with self._serving.write():
+                live()
 
     # -- validation --
 
@@ -250,7 +312,7 @@ class WeightReceiver:
         memo = self._checked
         if key is not None and memo is not None and memo[0] == key and memo[1] == layout:
             return memo[2]
-        plan = plan_load(self, layout)
+        plan = plan_load(self._view(), layout)
         # Kept only when nothing a check reads can change behind the key (a callable
         # name_map or select may answer otherwise next time).
         self._checked = (key, layout, plan) if key is not None else None
@@ -265,7 +327,7 @@ class WeightReceiver:
             return None
         names = tuple(self.name_map.items()) if self.name_map is not None else None
         return (self.dest is None, self.load_weights is None, names, self.casting,
-                self.strict, self.direct, dest)
+                self.strict, self.direct, self.staging, dest)
 
     # -- loading --
 
@@ -273,7 +335,11 @@ class WeightReceiver:
                      source: SourceProcess | None = None, relay: Relay | None = None
                      ) -> BucketReport:
         # One method for every bucket a load or stream writes: a subclass may wrap it.
-        return load_bucket(plan, ref, source, self.load_weights, relay)
+        if self._shadow is not None:
+            loader = self._shadow.stage if self.load_weights is not None else None
+            return load_bucket(plan, ref, source, loader, relay)
+        with self._serving.write():
+            return load_bucket(plan, ref, source, self.load_weights, relay)
 
     def _accept_source(self, session: str, source: SourceProcess) -> bool:
         """For stream ``session`` (just begun): accept buckets read straight out of
@@ -328,6 +394,7 @@ class WeightReceiver:
             with self._writing:
                 with self._lock:
                     self._take_over_locked(v, "manifest", mid)
+                self._begin_writing()
                 report = self._load(manifest, plan, release, progress)
                 if before_commit is not None:
                     before_commit()
@@ -522,6 +589,9 @@ class WeightReceiver:
                 kbox, kspec = item
                 del item
                 try:
+                    if not st.writing:
+                        st.writing = True
+                        self._begin_writing()
                     reports.append(self._stream_one(st, j, kbox[0], kspec))
                 except BaseException as e:
                     with self._lock:
@@ -563,12 +633,13 @@ class WeightReceiver:
         sources += [(a, by_name[c]) for a, c in spec.aliases if c in by_name]
         problems: list[tuple[str, str, str]] = []
         claimed, mem = dict(st.claimed), st.mem.copy()
-        resolved, skipped, selections = _resolve(self, sources, _dests(self), claimed,
+        view = self._view()
+        resolved, skipped, selections = _resolve(view, sources, _dests(view), claimed,
                                                  problems, mem, lazy=True)
         _raise(problems, f"bucket {k} was not written; bucket(s) {_ranges(range(k))} "
                          f"were, and the version stays {self._version}")
         layout = WeightLayout(spec.entries, (spec.bucket,), spec.aliases)
-        rep = self._load_bucket(_plan_buckets(self, layout, resolved, selections)[0], ref,
+        rep = self._load_bucket(_plan_buckets(view, layout, resolved, selections)[0], ref,
                                 st.source, *extra)
         st.claimed, st.mem, st.skipped = claimed, mem, st.skipped + skipped
         return rep
@@ -593,7 +664,8 @@ class WeightReceiver:
                                       f"this receiver loaded {st.next}")
             problems: list[tuple[str, str, str]] = []
             if st.plan is None:
-                _missing(self, _dests(self), st.claimed, problems, st.mem)
+                view = self._view()
+                _missing(view, _dests(view), st.claimed, problems, st.mem)
             if problems:
                 self._drop_locked(st, "destination tensors received nothing")
             _raise(problems, f"all {buckets} bucket(s) were written, but the version "
@@ -606,11 +678,25 @@ class WeightReceiver:
         return st.plan.skipped if st.plan is not None else st.skipped
 
 
+class _ShadowView:
+    """A receiver's options as a sync into its staging copy plans against them."""
+
+    def __init__(self, rec: WeightReceiver, shadow: Shadow) -> None:
+        self.dest: StateLike | None = shadow.dest()
+        self.load_weights: LoadWeights | None = (shadow.stage if rec.load_weights is not None
+                                                 else None)
+        self.name_map = rec.name_map
+        self.casting = rec.casting
+        self.strict = rec.strict
+        self.direct = rec.direct
+        self.select = rec.select
+
+
 class _PeerView:
     """A receiver's options as a peer's stream sees them (see ``_peer_plan``)."""
 
     def __init__(self, rec: WeightReceiver) -> None:
-        self.dest: StateLike | None = rec.dest
+        self.dest: StateLike | None = rec._view().dest
         self.load_weights: LoadWeights | None = None
         self.name_map: NameMap = None
         self.casting: Casting = "no"

@@ -187,6 +187,9 @@ class Began(NamedTuple):
     #: per bucket, whether it lands in the destination (None: a lazy stream)
     in_place: tuple[bool, ...] | None
     partial: bool  #: it reads only part of some bucket (select=)
+    #: an async actor: its receive call goes off its event loop (the ``_ray_system``
+    #: concurrency group), so the engine keeps serving while it loads
+    asyncio: bool = False
 
 
 class Role(NamedTuple):
@@ -217,7 +220,10 @@ def _remote_begin(actor: Any, attr: str, session: str, layout: WeightLayout | No
     in_place = None if plan is None else tuple(
         b.targets is not None and b.select is None for b in plan.buckets)
     partial = plan is not None and any(b.select is not None for b in plan.buckets)
-    return Began(skipped, ok, ray.get_runtime_context().get_node_id(), md, in_place, partial)
+    from ray_rdt_pool._ray.patches import actor_is_asyncio
+
+    return Began(skipped, ok, ray.get_runtime_context().get_node_id(), md, in_place, partial,
+                 actor_is_asyncio())
 
 
 def _remote_md(actor: Any) -> bytes:

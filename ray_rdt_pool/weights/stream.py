@@ -335,8 +335,15 @@ class StreamSession:
             up = me if not relayed or pos == 0 else self.began[self.chain[pos - 1]].md
             down = self.began[self.chain[pos + 1]].md if relayed and pos < n - 1 else None
             role = Role(up, me, down, self.max_inflight, self.timeout_s)
-            self.calls[i] = self.receivers[i].__ray_call__.remote(
-                _remote_receive, self.attr, self.session, role)
+            call = self.receivers[i].__ray_call__
+            if self.began[i].asyncio:
+                # Off the engine's event loop: it serves while the buckets load (the
+                # begin and the commit are short and run on it).
+                try:
+                    call = call.options(concurrency_group="_ray_system")
+                except Exception:  # an actor without the transport's group
+                    pass
+            self.calls[i] = call.remote(_remote_receive, self.attr, self.session, role)
             self.ray_calls += 1
 
     def _send_all(self) -> None:

@@ -10,6 +10,7 @@ tests/unit/weights/test_weights_engine_logic.py. This module shares one cluster 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -314,9 +315,20 @@ def test_async_receiver_serves_calls_during_load(actors: dict[str, Any]) -> None
     assert outcomes.count(100) == 1
     assert sum(isinstance(o, StaleVersionError) for o in outcomes) == 1
     del m
-    # stream() into an async actor (its buckets run on the actor's event loop)
-    call(ar, _set_receiver, 12)
-    rep = sync(tr, [ar], version=101)
+    # stream() into an async actor: its receive call runs off the actor's event loop,
+    # which keeps serving while the buckets load (0.3 s each)
+    call(ar, _set_loader_receiver, None, 0.3)
+    call(tr, _set_sender, 12)
+    box: list[Any] = []
+    th = threading.Thread(target=lambda: box.append(sync(tr, [ar], version=101)))
+    th.start()
+    time.sleep(0.8)  # begun, a bucket or two into its loads
+    t0 = time.monotonic()
+    assert ray.get(ar.ping.remote(), timeout=30) == "pong"
+    assert time.monotonic() - t0 < 1.0  # not after the ~1.8 s of loads
+    assert th.is_alive()  # the stream still runs
+    th.join(60)
+    rep = box[0]
     assert rep.loads[0].buckets == len(SPEC) and call(ar, _version) == 101
     assert_equal(call(ar, _state), call(tr, _state))
     wait_drained(tr)

@@ -1,0 +1,177 @@
+"""Syncs that overlap serving, in process over the fake NIXL (tests/support/fakeray.py):
+``staging="shadow"`` keeps the live tensors at their version until the commit makes the
+next one live at once; a failed sync leaves them untouched; ``serving()`` sections never
+see two versions; a ``load_weights`` engine gets every tensor in one call at the commit;
+``on_commit`` sees the new version.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from ray_rdt_pool._ray.runtime import Runtime
+from ray_rdt_pool.errors import InvalidInputError
+from ray_rdt_pool.weights import WeightReceiver, WeightSender
+from tests.support.fakeray import make_runtime, receiver_node
+
+
+@pytest.fixture()
+def runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Runtime]]:
+    yield from make_runtime(monkeypatch)
+
+
+def filled(value: float, n: int = 6) -> dict[str, torch.Tensor]:
+    return {f"w{i}": torch.full((32, 32), float(value)) for i in range(n)}
+
+
+def runtime_stats() -> Any:
+    from ray_rdt_pool._ray.runtime import stats
+
+    return stats()
+
+
+def values(dest: dict[str, torch.Tensor]) -> list[float]:
+    return [float(t.flatten()[0]) for t in dest.values()]
+
+
+class Gated(WeightReceiver):
+    """Holds bucket ``hold`` until ``go``; fails at bucket ``fail_at``."""
+
+    hold: int | None = None
+    fail_at: int | None = None
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def _load_bucket(self, plan: Any, *rest: Any) -> Any:
+        if plan.index == self.fail_at:
+            raise RuntimeError(f"injected failure on bucket {plan.index}")
+        if plan.index == self.hold:
+            self.entered.set()
+            assert self.go.wait(10)
+        return super()._load_bucket(plan, *rest)
+
+
+def test_a_shadow_sync_leaves_the_live_tensors_until_its_commit(runtime: Any) -> None:
+    runtime()
+    dest = filled(1)
+    commits: list[int] = []
+    a, h = receiver_node(dest, Gated, staging="shadow", on_commit=commits.append)
+    rec = a.weight_receiver
+    rec.hold = 4  # type: ignore[attr-defined]
+    sender = WeightSender(filled(7), bucket_bytes=4096, source_reads=False)
+    out: list[Any] = []
+    th = threading.Thread(target=lambda: out.append(sender.stream([h], timeout_s=10)))
+    th.start()
+    assert rec.entered.wait(10)  # type: ignore[attr-defined]
+    assert values(dest) == [1.0] * 6  # buckets 0-3 landed in the staging copy only
+    assert rec.version == 0 and rec.staging_bytes == 6 * 32 * 32 * 4
+    assert runtime_stats().weight_staging_bytes >= rec.staging_bytes
+    rec.go.set()  # type: ignore[attr-defined]
+    th.join(10)
+    assert out[0].version == 1 and rec.version == 1 and commits == [1]
+    assert values(dest) == [7.0] * 6  # all of it, at once
+
+
+def test_a_failed_shadow_sync_leaves_the_live_tensors_untouched(runtime: Any) -> None:
+    rt = runtime()
+    dest = filled(1)
+    a, h = receiver_node(dest, Gated, staging="shadow", direct=False)
+    rec = a.weight_receiver
+    rec.fail_at = 3  # type: ignore[attr-defined]
+    sender = WeightSender(filled(7), bucket_bytes=4096, source_reads=False)
+    with pytest.raises(RuntimeError, match="injected failure on bucket 3"):
+        sender.stream([h], timeout_s=10)
+    assert values(dest) == [1.0] * 6 and rec.version == 0  # not a prefix: nothing
+    rec.fail_at = None  # type: ignore[attr-defined]
+    # The next sync writes only some tensors of its own (a mapping of 3): the staging
+    # copy was refreshed from the live tensors, so the others stay 1, not 7.
+    rec.strict = False
+    part = WeightSender({k: v for k, v in list(filled(9).items())[:3]}, bucket_bytes=4096,
+                        source_reads=False)
+    assert part.stream([h], version=5, timeout_s=10).version == 5
+    assert values(dest) == [9.0] * 3 + [1.0] * 3
+    assert rt.stats().pool_used == 0
+
+
+def test_serving_sections_never_see_two_versions(runtime: Any) -> None:
+    """A reader thread sums every tensor under ``serving()`` in a loop while three shadow
+    syncs run: every sum is one version's, never a mix."""
+    runtime()
+    dest = filled(0, 8)
+    a, h = receiver_node(dest, staging="shadow")
+    rec = a.weight_receiver
+    sums: list[float] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            with rec.serving():
+                sums.append(float(sum(t.sum() for t in dest.values())))
+                time.sleep(0.0005)  # a forward pass takes a while
+
+    reader = threading.Thread(target=serve)
+    reader.start()
+    try:
+        for v in (1, 2, 3):
+            sender = WeightSender(filled(v, 8), bucket_bytes=4096, source_reads=False)
+            sender.stream([h], version=v, timeout_s=10)
+    finally:
+        stop.set()
+        reader.join(10)
+    per_version = 8 * 32 * 32
+    assert set(sums) <= {0.0, 1.0 * per_version, 2.0 * per_version, 3.0 * per_version}
+    assert sums == sorted(sums) and sums[-1] == 3.0 * per_version
+    assert rec._shadow is not None and rec._shadow.last_pause_s > 0
+
+
+def test_a_loader_gets_every_tensor_in_one_call_at_the_commit(runtime: Any) -> None:
+    runtime()
+    calls: list[list[str]] = []
+    a, h = receiver_node(None, load_weights=lambda pairs: calls.append([n for n, _t in pairs]),
+                         staging="shadow")
+    sender = WeightSender(filled(5), bucket_bytes=4096, source_reads=False)
+    sender.stream([h], timeout_s=10)
+    assert calls == [[f"w{i}" for i in range(6)]]  # one call, after the last bucket
+    assert a.weight_receiver.staging_bytes == 0  # handed over and let go
+
+
+def test_inplace_buckets_wait_for_the_serving_sections_in_progress(runtime: Any) -> None:
+    runtime()
+    dest = filled(1, 2)
+    a, h = receiver_node(dest)
+    rec = a.weight_receiver
+    entered, release = threading.Event(), threading.Event()
+
+    def section() -> None:
+        with rec.serving():
+            entered.set()
+            release.wait(10)
+
+    th = threading.Thread(target=section)
+    th.start()
+    assert entered.wait(10)
+    sender = WeightSender(filled(4, 2), bucket_bytes=4096, source_reads=False)
+    out: list[Any] = []
+    st = threading.Thread(target=lambda: out.append(sender.stream([h], timeout_s=10)))
+    st.start()
+    time.sleep(0.3)
+    assert values(dest) == [1.0, 1.0] and not out  # the write waits for the section
+    release.set()
+    st.join(10)
+    th.join(10)
+    assert out and values(dest) == [4.0, 4.0]
+
+
+def test_bad_staging_options_are_refused() -> None:
+    with pytest.raises(InvalidInputError, match="staging must be one of"):
+        WeightReceiver(filled(0), staging="double")
+    with pytest.raises(InvalidInputError, match="on_commit must be callable"):
+        WeightReceiver(filled(0), on_commit=3)  # type: ignore[arg-type]
