@@ -208,8 +208,10 @@ def render_api() -> str:
             obj = getattr(module, name)
             if inspect.isclass(obj) and issubclass(obj, BaseException):
                 bases = ", ".join(f"`{b.__name__}`" for b in obj.__bases__)
+                # One sentence: the troubleshooting page has the cause and the fix.
+                first = _doc(obj, first_paragraph=True).split(". ", 1)[0].rstrip(".") + "."
                 errors.append(f"| [`{name}`](troubleshooting.md#{name.lower()}) | {bases} | "
-                              f"{_cell(_doc(obj, first_paragraph=True))} |")
+                              f"{_cell(first)} |")
             elif inspect.isclass(obj):
                 body += _class(name, obj)
             elif callable(obj):

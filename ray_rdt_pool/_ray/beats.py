@@ -23,6 +23,8 @@ __all__ = ["Beat", "cancel", "new_key", "read"]
 
 _NAMESPACE = "ray_rdt_pool"
 _CANCEL = "/cancel"
+#: Least seconds between two reads of a call's cancel mark (each is a GCS round trip).
+CANCEL_CHECK_S = 0.5
 
 
 def new_key() -> str:
@@ -39,14 +41,20 @@ class Beat:
         self.every_s = max(0.2, float(every_s))
         self.count = 0
         self._last = 0.0
+        self._checked = time.monotonic()
         if key is not None:
             self._put()
 
     def tick(self) -> None:
-        """A step of progress; raises CancelledError if the driver gave up (read with
-        each beat written)."""
-        if self.key is not None and time.monotonic() - self._last >= self.every_s:
+        """A step of progress: a beat when one is due; and, at most every
+        :data:`CANCEL_CHECK_S`, WeightSyncTimeoutError if the driver gave up."""
+        if self.key is None:
+            return
+        now = time.monotonic()
+        if now - self._last >= self.every_s:
             self._put()
+        if now - self._checked >= CANCEL_CHECK_S:
+            self._checked = now
             self.check()
 
     def cancelled(self) -> bool:
@@ -71,8 +79,8 @@ class Beat:
             from ray_rdt_pool.errors import WeightSyncTimeoutError
 
             raise WeightSyncTimeoutError(
-                "the driver gave up waiting for this call (it saw no progress for "
-                "longer than timeout_s); nothing was committed")
+                "the driver gave up on this call (it saw no progress for longer than "
+                "timeout_s, or the sync was cancelled); nothing was committed")
 
     def close(self) -> None:
         if self.key is None:

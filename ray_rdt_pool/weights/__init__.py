@@ -58,7 +58,7 @@ from ray_rdt_pool.errors import (
 from ray_rdt_pool.weights import manifest as _manifest
 from ray_rdt_pool.weights import remote as _remote
 from ray_rdt_pool.weights.catchup import catch_up
-from ray_rdt_pool.weights.driver import sync
+from ray_rdt_pool.weights.driver import SyncHandle, sync
 from ray_rdt_pool.weights.loadplan import BucketPlan, LoadPlan
 from ray_rdt_pool.weights.manifest import (
     Bucket,
@@ -105,6 +105,7 @@ __all__ = [
     "SourceExhaustedError",
     "StaleVersionError",
     "StreamReport",
+    "SyncHandle",
     "SyncReport",
     "TensorEntry",
     "TrainerRankError",

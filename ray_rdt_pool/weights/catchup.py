@@ -74,23 +74,14 @@ def catch_up(peer: ActorHandle, receivers: Sequence[ActorHandle], *,
              max_inflight: int = 2, relay: str | None = None, relay_order: str = "caller",
              bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncReport:
     """Driver-side: bring ``receivers`` to the version of engine ``peer``, from its
-    weights, without the trainer.
+    weights, without the trainer (guide: docs/weight-sync.md, "Catch-up from a peer
+    engine").
 
-    ``peer`` is an engine actor whose :class:`WeightReceiver` (at ``receiver_attr``,
-    with destination tensors) holds a version; each receiver's engine holds a receiver
-    with destination tensors of the same names, shapes and dtypes (an engine of the same
-    kind). The peer streams its destination at its version: bucket by bucket, a few Ray
-    calls per receiver, ``relay="chain"`` as for :func:`sync`. A receiver whose version
-    is not older refuses it (:class:`StaleVersionError`, nothing written); the others
-    commit the peer's version, byte for byte its weights. The trainer takes no part: it
-    may be busy or dead.
-
-    While it serves, the peer's weights do not change: a trainer's sync into the peer
-    waits for the catch-up to end (within its own ``timeout_s``). A peer that loads
-    through ``load_weights`` only holds no tensors by name and cannot serve
-    (:class:`WeightSyncError`); a peer with ``select=`` serves its shard, which only a
-    receiver that selects the same shard takes (:class:`ShapeMismatchError` otherwise).
-    ``timeout_s`` is "no progress for this long", as for :func:`sync`.
+    The peer's :class:`WeightReceiver` (at ``receiver_attr``, with destination tensors)
+    streams them by name at its version; each receiver writes them into its destination
+    tensors of the same names and commits that version, or refuses it as not newer
+    (:class:`StaleVersionError`). Options as for :func:`sync`. While it serves, the
+    peer's weights do not change: a trainer's sync into it waits.
     """
     from ray_rdt_pool._ray.beats import new_key
     from ray_rdt_pool.weights.pool import count_ray_calls

@@ -10,11 +10,12 @@ trainer's pool.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from ray_rdt_pool.errors import InvalidInputError
+from ray_rdt_pool.errors import InvalidInputError, WeightSyncError, WeightSyncTimeoutError
 from ray_rdt_pool.weights.manifest import Manifest
 from ray_rdt_pool.weights.pool import count_ray_calls
 from ray_rdt_pool.weights.remote import (
@@ -30,6 +31,7 @@ from ray_rdt_pool.weights.remote import (
 )
 from ray_rdt_pool.weights.reports import StreamReport, SyncReport
 from ray_rdt_pool.weights.sender import WeightSender
+from ray_rdt_pool.weights.state import _check_flag
 from ray_rdt_pool.weights.stream import check_relay
 
 if TYPE_CHECKING:
@@ -56,42 +58,110 @@ def _remote_stream(actor: Any, attr: str, receivers: list[ActorHandle], receiver
         beat.close()
 
 
+class SyncHandle:
+    """A sync running in the background: what ``sync(..., wait=False)`` returns.
+
+    The driver goes on (the next rollout) while the sync runs on a thread of its own.
+    Errors come out of :meth:`result`, typed as :func:`sync` raises them."""
+
+    def __init__(self, run: Callable[[_Control], SyncReport]) -> None:
+        self._control = _Control()
+        self._done = threading.Event()
+        self._report: SyncReport | None = None
+        self._error: BaseException | None = None
+
+        def main() -> None:
+            try:
+                self._report = run(self._control)
+            except BaseException as e:
+                self._error = e
+            finally:
+                self._done.set()
+
+        self._thread = threading.Thread(target=main, daemon=True, name="ray_rdt_pool-sync")
+        self._thread.start()
+
+    def done(self) -> bool:
+        """Whether the sync has ended (well or not)."""
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> SyncReport:
+        """The sync's report, waiting up to ``timeout`` seconds (None: until it ends);
+        raises its error, or :class:`WeightSyncTimeoutError` if it has not ended by
+        then (it goes on; ask again)."""
+        if not self._done.wait(timeout):
+            raise WeightSyncTimeoutError(f"the sync has not ended within {timeout}s; it "
+                                         "goes on (call result() again, or cancel())")
+        if self._error is not None:
+            if self._control.cancelled.is_set():
+                raise WeightSyncError("the sync was cancelled before it committed; every "
+                                      "receiver keeps its version") from self._error
+            raise self._error
+        assert self._report is not None
+        return self._report
+
+    def cancel(self) -> bool:
+        """Ask the sync to stop: it commits nothing if it has not begun to commit (then
+        :meth:`result` raises :class:`WeightSyncError`); False if it had ended."""
+        if self._done.is_set():
+            return False
+        self._control.cancel()
+        return True
+
+
+class _Control:
+    """What a background sync's caller can do to it: cancel it (every call it waits
+    for is told through its heartbeat key, and the driver commits nothing after)."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+        self.keys: list[str] = []
+        self._lock = threading.Lock()
+
+    def watch(self, keys: Sequence[str]) -> None:
+        from ray_rdt_pool._ray.beats import cancel
+
+        with self._lock:
+            self.keys.extend(keys)
+            if self.cancelled.is_set():
+                for k in keys:
+                    cancel(k)
+
+    def cancel(self) -> None:
+        from ray_rdt_pool._ray.beats import cancel
+
+        with self._lock:
+            self.cancelled.set()
+            for k in self.keys:
+                cancel(k)
+
+    def check(self) -> None:
+        if self.cancelled.is_set():
+            raise WeightSyncError("the sync was cancelled")
+
+
 def sync(trainer: ActorHandle | Sequence[ActorHandle], receivers: Sequence[ActorHandle], *,
          mode: Literal["stream", "publish"] = "stream", max_inflight: int = 2,
          sender_attr: str = SENDER_ATTR, receiver_attr: str = RECEIVER_ATTR,
          timeout_s: float = 300.0, version: int | None = None, relay: str | None = None,
-         relay_order: str = "caller") -> SyncReport:
-    """Driver-side: sync the trainer's weights to every receiver and wait for it.
+         relay_order: str = "caller", wait: bool = True) -> Any:
+    """Driver-side: sync the trainer's weights to every receiver (guide:
+    docs/weight-sync.md).
 
-    The trainer actor holds a :class:`WeightSender` at ``sender_attr``; each receiver a
-    :class:`WeightReceiver` at ``receiver_attr``. ``mode="stream"`` runs
-    :meth:`WeightSender.stream` in the trainer (bounded pool memory, pipelined with
-    ``max_inflight >= 2``; a few Ray calls per receiver, the buckets signalled on the
-    data plane). ``mode="publish"`` puts every bucket, hands the manifest to all
-    receivers at once (they load concurrently), then drops the driver's copy, so the
-    sender frees the pool when the last receiver is done. ``version`` is passed to
-    ``publish``/``stream`` (default: one more than the highest version the sender
-    used, successful or not).
-
-    ``timeout_s`` is "no progress for this long", everywhere: a sync may take as long
-    as its buckets need, and raises :class:`WeightSyncTimeoutError` naming what it
-    waited for once nothing moved for ``timeout_s`` (the trainer's and receivers' calls
-    tell the driver they move).
-
-    ``trainer`` may be a list of trainer ranks, each holding part of the model (disjoint
-    names, or dim-0 shards with ``WeightSender(shard=(rank, world))``): every receiver
-    then reads each part from the rank that holds it, and the driver commits the
-    version on every receiver once every receiver has every byte
-    (:mod:`ray_rdt_pool.weights.ranks`; ``max_inflight`` does not apply).
-
-    ``relay="chain"`` (stream only): the trainer sends each bucket once and each receiver
-    reads it from the one before it; ``relay_order`` is ``"caller"`` or ``"placement"``
-    (see :meth:`WeightSender.stream`). With trainer ranks, each rank's part travels its
-    own chain, each chain starting at another receiver (in the order given), so each
-    rank sends its part once and no receiver's link carries more than the model.
+    The trainer actor holds a :class:`WeightSender` at ``sender_attr``, each receiver a
+    :class:`WeightReceiver` at ``receiver_attr``. ``mode="stream"`` streams bucket by
+    bucket with bounded pool memory (``max_inflight`` buckets out); ``"publish"`` puts
+    every bucket, then every receiver loads the manifest. ``version`` defaults to one
+    more than the highest the sender used. ``timeout_s`` is "no progress for this
+    long". ``trainer`` may be a list of trainer ranks, each holding part of the model
+    (disjoint names, or dim-0 shards). ``relay="chain"`` sends each bucket once: each
+    receiver reads it from the one before it (``relay_order``: ``"caller"`` or
+    ``"placement"``; one chain per rank with many ranks). ``wait=False`` returns a
+    :class:`SyncHandle` at once.
     """
     timeout_s = _timeout(timeout_s)
     check_relay(relay, relay_order)
+    _check_flag("wait", wait)
     if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
         raise InvalidInputError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
     if relay is not None and mode != "stream":
@@ -112,21 +182,43 @@ def sync(trainer: ActorHandle | Sequence[ActorHandle], receivers: Sequence[Actor
                     f"relay_order={relay_order!r} takes one trainer; with {len(ranks)} "
                     "trainer ranks each rank's chain starts at another receiver, in the "
                     "order given (relay_order='caller')")
-            return sync_ranks(ranks, receivers, mode=mode, sender_attr=sender_attr,
-                              receiver_attr=receiver_attr, timeout_s=timeout_s,
-                              version=version, relay=relay, max_inflight=max_inflight)
+
+            engines = list(receivers)
+
+            def run_ranks(control: _Control) -> SyncReport:
+                return sync_ranks(ranks, engines, mode=mode, sender_attr=sender_attr,
+                                  receiver_attr=receiver_attr, timeout_s=timeout_s,
+                                  version=version, relay=relay, max_inflight=max_inflight,
+                                  cancelled=control.check)
+
+            return run_ranks(_Control()) if wait else SyncHandle(run_ranks)
     if not _is_actor(trainer) or isinstance(trainer, Sequence):
         raise InvalidInputError(f"sync() takes the trainer's actor handle first, got "
                                 f"{type(trainer).__name__}")
     receivers = _actor_handles(receivers, "sync()")
     if mode not in ("stream", "publish"):
         raise InvalidInputError(f"mode must be 'stream' or 'publish', got {mode!r}")
+
+    def run(control: _Control) -> SyncReport:
+        return _sync_one(trainer, receivers, mode, max_inflight, sender_attr, receiver_attr,
+                         timeout_s, version, relay, relay_order, control)
+
+    return run(_Control()) if wait else SyncHandle(run)
+
+
+def _sync_one(trainer: ActorHandle, receivers: list[ActorHandle], mode: str,
+              max_inflight: int, sender_attr: str, receiver_attr: str, timeout_s: float,
+              version: int | None, relay: str | None, relay_order: str,
+              control: _Control) -> SyncReport:
+    """:func:`sync` from one trainer, its options checked."""
     from ray_rdt_pool._ray.beats import new_key
 
+    control.check()
     t0 = time.perf_counter()
     if mode == "stream":
         count_ray_calls(1)
         key = new_key()
+        control.watch([key])
         rep: StreamReport = _wait_moving(
             [trainer.__ray_call__.remote(_remote_stream, sender_attr, receivers,
                                          receiver_attr, max_inflight, timeout_s, version,
@@ -148,7 +240,9 @@ def sync(trainer: ActorHandle | Sequence[ActorHandle], receivers: Sequence[Actor
         published.clear()
     layout, version, used = manifest.layout, manifest.version, manifest.sender_pool_used
     try:
+        control.check()
         keys = [new_key() for _ in receivers]
+        control.watch(keys)
         loads = tuple(_wait_moving(
             [r.__ray_call__.remote(_remote_load, receiver_attr, manifest, k, timeout_s / 4)
              for r, k in zip(receivers, keys)], keys, timeout_s,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -204,7 +204,8 @@ def _receiver_died(j: int, actor: Any, cause: BaseException, version: int) -> Re
 def sync_ranks(trainers: Sequence[ActorHandle], receivers: list[ActorHandle], *,
                mode: Literal["stream", "publish"], sender_attr: str, receiver_attr: str,
                timeout_s: float, version: int | None, relay: str | None = None,
-               max_inflight: int = 2) -> SyncReport:
+               max_inflight: int = 2,
+               cancelled: Callable[[], None] | None = None) -> SyncReport:
     """:func:`~ray_rdt_pool.weights.sync` for a list of trainer ranks (see module)."""
     import ray
     from ray.exceptions import RayActorError
@@ -272,6 +273,12 @@ def sync_ranks(trainers: Sequence[ActorHandle], receivers: list[ActorHandle], *,
               for r, t in enumerate(trainers)]
     ray_calls += len(loads) + len(serves)
     results = _await(trainers, receivers, loads, serves, v, timeout_s, receiver_attr, group)
+    if cancelled is not None:
+        try:
+            cancelled()  # a caller who cancelled gets no commit
+        except BaseException:
+            _abort(receivers, serves, receiver_attr, group, timeout_s)
+            raise
     count = sum(len(o.layout.buckets) for o in ok)
     finishes = [rec.__ray_call__.remote(_remote_finish, receiver_attr, group, count)
                 for rec in receivers]

@@ -138,17 +138,10 @@ class WeightReceiver:
             load into this receiver.
 
     ``version`` is the version of the last manifest or stream fully loaded (0 before
-    any); it never goes down. A load whose version is not newer raises
-    :class:`StaleVersionError`. One writer at a time: a load writes the destination
-    under one lock, a stream each bucket; a load or stream checks its version when it
-    starts, again when it takes the receiver over (after any write in progress), and
-    once more when it commits, all under the version lock. So concurrent loads (an
-    actor with ``max_concurrency > 1``, :meth:`load_async`, a driver's publish during a
-    stream) are safe: of two loads of one version exactly one succeeds; an older one
-    that starts writing after a newer one committed raises :class:`StaleVersionError`
-    before it writes; a newer load or stream supersedes a stream in progress (whose
-    later buckets and commit are then refused), and an older one is refused while it
-    runs. A load that fails midway leaves ``version`` as it was.
+    any); it never goes down: a load or stream that is not newer raises
+    :class:`StaleVersionError` before it writes. One writer at a time, whatever the
+    threads: of two loads of one version exactly one succeeds, a newer load or stream
+    supersedes one in progress, and a load that fails leaves ``version`` as it was.
     """
 
     def __init__(self, dest: StateLike | None = None, *, load_weights: LoadWeights | None = None,
