@@ -6,7 +6,7 @@ the installed Ray, applies :mod:`ray_rdt_pool._ray.patches` and registers the cl
 
 Lifetime: Ray makes one instance per process, lazily; it holds only a per-actor cache of
 ``actor_has_tensor_transport``, and all state lives in the runtime. Threads: see the
-class docstring; docs/architecture.md walks through one object's life.
+class docstring; ARCHITECTURE.md walks through one object's life.
 """
 
 from __future__ import annotations

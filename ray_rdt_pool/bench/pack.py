@@ -180,6 +180,30 @@ def measure_pack_gbps(nbytes: int, reps: int = 5) -> dict[str, Any]:
             "gbps": w.nbytes / res["median_s"][name] / 1e9, "same_bytes": same}
 
 
+def measure_fp8_pack_gbps(nbytes: int, reps: int = 5) -> dict[str, Any]:
+    """GB/s of bf16 weights (``nbytes`` of them, 2-D) quantized to FP8 with 128 x 128
+    block scales, as a sender with ``wire_dtype=torch.float8_e4m3fn`` does before its
+    pack, beside a plain copy of the same bf16 bytes: what sending FP8 costs the
+    trainer. A figure, not a floor."""
+    from ray_rdt_pool.weights.fp8 import quantize
+
+    cols = 4096
+    w = torch.randn(max(1, nbytes // 2 // cols), cols).to(torch.bfloat16)
+    out = torch.empty_like(w)
+    times: dict[str, list[float]] = {"fp8": [], "copy": []}
+    for _ in range(max(1, reps)):
+        t0 = time.perf_counter()
+        quantize(w, torch.float8_e4m3fn, (128, 128))
+        times["fp8"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        out.copy_(w)
+        times["copy"].append(time.perf_counter() - t0)
+    n = w.numel() * 2
+    return {"bytes": n, "fp8_gbps": n / statistics.median(times["fp8"]) / 1e9,
+            "copy_gbps": n / statistics.median(times["copy"]) / 1e9,
+            "threads": torch.get_num_threads()}
+
+
 def main(argv: list[str] | None = None) -> int:
     config = Tuning()
     p = argparse.ArgumentParser(prog="python -m ray_rdt_pool.bench.pack", description=__doc__,

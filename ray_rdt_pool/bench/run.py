@@ -227,6 +227,8 @@ def measure_floor(runner: Runner, reps: int = 5) -> dict[str, Any]:
                                       "same_bytes", "gbps", "pack"))
     rate("read_lanes_gbps", lambda: checked(F.measure_nixl_lanes(nbytes, reps),
                                             "checksum_ok", "read_lanes_gbps", "split READ"))
+    rate("fp8_pack_gbps", lambda: float(
+        bench_pack.measure_fp8_pack_gbps(min(nbytes, 64 * _MIB), reps)["fp8_gbps"]))
     return out
 
 

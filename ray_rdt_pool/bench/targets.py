@@ -75,7 +75,8 @@ def format_floors(floor: dict[str, Any], floors: dict[str, Any], summary: dict[s
             f"(ray_rdt_pool.bench.floor, {mib:.0f} MiB, median of {floor.get('reps', '?')}) ==")
     lines = [head]
     for key, what in (("memcpy_gbps", "memcpy, 1 thread, into a pre-faulted buffer (pack)"),
-                      ("read_gbps", "NIXL READ, 2 processes, progress thread off (transfer)")):
+                      ("read_gbps", "NIXL READ, 2 processes, progress thread off (transfer)"),
+                      ("fp8_pack_gbps", "bf16 quantized to FP8, 128x128 scales (wire_dtype)")):
         val = floor.get(key)
         err = floor.get(key.replace("_gbps", "_error"))
         lines.append(f"  {what:<58}" + (f"{val:6.2f} GB/s" if val else f"n/a ({err})"))

@@ -138,7 +138,8 @@ def spec_body(spec: BucketLayout | None) -> list[Any] | None:
         return None
     b = spec.bucket
     return [b.index, list(b.names), b.nbytes,
-            [[e.name, list(e.shape), e.dtype, e.bucket, e.index, e.nbytes]
+            [[e.name, list(e.shape), e.dtype, e.bucket, e.index, e.nbytes,
+              None if e.block is None else list(e.block), e.orig, e.scale_of]
              for e in spec.entries],
             [list(a) for a in spec.aliases]]
 
@@ -149,6 +150,7 @@ def body_spec(body: Any) -> BucketLayout | None:
     index, names, nbytes, entries, aliases = body
     return BucketLayout(
         Bucket(int(index), tuple(names), int(nbytes)),
-        tuple(TensorEntry(n, tuple(s), d, int(bk), int(i), int(nb))
-              for n, s, d, bk, i, nb in entries),
+        tuple(TensorEntry(n, tuple(s), d, int(bk), int(i), int(nb),
+                          None if blk is None else tuple(blk), orig, of)
+              for n, s, d, bk, i, nb, blk, orig, of in entries),
         tuple((str(a), str(c)) for a, c in aliases))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ray_rdt_pool.errors import DuplicateTargetError, LoaderError, WeightSyncError
+from ray_rdt_pool.weights.fp8 import dequantize
 from ray_rdt_pool.weights.loadplan import BucketPlan
 from ray_rdt_pool.weights.manifest import PoolBucket, SourceBucket, _dtype_str
 from ray_rdt_pool.weights.reports import BucketReport
@@ -153,13 +154,18 @@ def load_bucket(plan: BucketPlan, ref: ObjectRef | SourceBucket | PoolBucket,
                 [("duplicate", what, "different bytes into one destination tensor")])
     if plan.copies:
         _copy_all((d, src[idx]) for idx, d in plan.copies)
+    if plan.dequant:
+        _copy_all((d, dequantize(src[i], src[j], block, d.dtype))
+                  for i, j, block, d in plan.dequant)
     if relay is not None:
         # Before the loader: a relay forwards the bytes as they arrived, whatever
         # load_weights does with its views (an engine may scale them in place).
         relay(plan, src)
-    if plan.loads:
+    if plan.loads or plan.dequant_loads:
         assert load_weights is not None
         batch = [(name, src[idx]) for idx, name in plan.loads]
+        batch += [(name, dequantize(src[i], src[j], block, dtype))
+                  for i, j, block, name, dtype in plan.dequant_loads]
         names = [n for n, _t in batch]
         try:
             with torch.no_grad():

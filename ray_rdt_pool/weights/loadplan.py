@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ray_rdt_pool.core.selection import Slices
-from ray_rdt_pool.weights.manifest import TensorEntry, WeightLayout, _itemsize
+from ray_rdt_pool.weights.manifest import TensorEntry, WeightLayout, _dtype_of, _itemsize
 from ray_rdt_pool.weights.state import _identity_key
 from ray_rdt_pool.weights.validate import (
     ReceiverOptions,
@@ -54,6 +54,12 @@ class BucketPlan:
     #: another manifest tensor; compared, not written, before anything of the bucket is
     #: (:class:`_Check`)
     verify: list[tuple[int, torch.Tensor, str]] = field(default_factory=list)
+    #: (idx, scale idx, block, dest): FP8 weights dequantized into their destination
+    dequant: list[tuple[int, int, tuple[int, ...], torch.Tensor]] = field(
+        default_factory=list)
+    #: (idx, scale idx, block, name, dtype): FP8 weights dequantized for load_weights
+    dequant_loads: list[tuple[int, int, tuple[int, ...], str, torch.dtype]] = field(
+        default_factory=list)
 
 
 @dataclass
@@ -88,7 +94,7 @@ def plan_load(opts: ReceiverOptions, layout: WeightLayout) -> LoadPlan:
     _check_layout(layout.entries, layout.buckets)
     dests = _dests(opts)
     by_name = layout.by_name()
-    sources = [(e.name, e) for e in layout.entries]
+    sources = [(e.name, e) for e in layout.entries if e.scale_of is None]
     sources += [(a, by_name[c]) for a, c in layout.aliases if c in by_name]
     problems: list[tuple[str, str, str]] = []
     claimed: dict[str, str] = {}
@@ -130,6 +136,9 @@ def _plan_buckets(opts: ReceiverOptions, layout: WeightLayout, resolved: Mapping
             # Read part of the bucket when a tensor is selected or nobody takes one
             # (an empty dim-0 slice skips it).
             taken = [_taken(e, t, alias_of, resolved) for e, t in zip(entries, targets)]
+            # An FP8 weight's scales are read whenever the weight is.
+            taken = [ok or (e.scale_of is not None and i > 0 and taken[i - 1])
+                     for i, (ok, e) in enumerate(zip(taken, entries))]
             if any(w is not None for w in wanted) or not all(taken):
                 select = [w if ok else _skip(e) for w, ok, e in zip(wanted, taken, entries)]
                 land = False
@@ -141,7 +150,13 @@ def _plan_buckets(opts: ReceiverOptions, layout: WeightLayout, resolved: Mapping
                 math.prod(_selected_shape(sl, e.shape)) * _itemsize(e.torch_dtype)
                 for sl, e in zip(select, entries))
         for e, t in zip(entries, targets):
-            if isinstance(t, _ToLoader):
+            fp8 = e.block is not None
+            if fp8 and isinstance(t, _ToLoader) and not opts.keep_fp8:
+                plan.dequant_loads.append((e.index, e.index + 1, e.block, t.name,  # type: ignore[arg-type]
+                                           _dtype_of(e.orig or "float32")))
+            elif fp8 and isinstance(t, torch.Tensor) and t.dtype != e.torch_dtype:
+                plan.dequant.append((e.index, e.index + 1, e.block, t))  # type: ignore[arg-type]
+            elif isinstance(t, _ToLoader):
                 plan.loads.append((e.index, t.name))
             elif isinstance(t, _Check):
                 plan.verify.append((e.index, t.dest, t.what))
@@ -153,6 +168,8 @@ def _plan_buckets(opts: ReceiverOptions, layout: WeightLayout, resolved: Mapping
                     plan.loads.append((e.index, at.name))
                 elif isinstance(at, _Check):
                     plan.verify.append((e.index, at.dest, at.what))
+                elif fp8 and isinstance(at, torch.Tensor) and at.dtype != e.torch_dtype:
+                    plan.dequant.append((e.index, e.index + 1, e.block, at))  # type: ignore[arg-type]
                 elif at is not None and not (isinstance(t, torch.Tensor)
                                              and _same_memory(at, t)):
                     plan.copies.append((e.index, at))

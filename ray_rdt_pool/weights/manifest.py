@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 #: The default ``bucket_bytes`` (``ray_rdt_pool.weights`` says why this size).
 DEFAULT_BUCKET_BYTES = 32 << 20
+#: The default scale groups of an FP8 wire: the 128 x 128 blocks of vLLM's block-FP8
+#: layers (a tensor that is not 2-D takes one scale).
+DEFAULT_WIRE_SCALE: tuple[int, int] = (128, 128)
 
 
 def _dtype_str(dtype: torch.dtype) -> str:
@@ -54,6 +57,12 @@ class TensorEntry:
     bucket: int
     index: int  #: position in its bucket's object (the list given to ``ray.put``)
     nbytes: int
+    #: an FP8 weight's scale groups (see :mod:`.fp8`); its scale is the next entry
+    block: tuple[int, ...] | None = None
+    #: an FP8 weight's dtype on the sender (what a loader gets it back as)
+    orig: str | None = None
+    #: a scale entry: the name of the FP8 weight it scales
+    scale_of: str | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -10,6 +10,7 @@ bucket being filled. Runs on the sender's thread.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +19,17 @@ import torch
 
 from ray_rdt_pool.core.layout import BLOCK_ALIGN, align_up, packed_offsets
 from ray_rdt_pool.errors import DuplicateNameError, InvalidInputError, WireDtypeError
+from ray_rdt_pool.weights.fp8 import (
+    FP8,
+    SCALE_SUFFIX,
+    WireScale,
+    block_of,
+    quantize,
+    scale_shape,
+)
 from ray_rdt_pool.weights.manifest import (
     DEFAULT_BUCKET_BYTES,
+    DEFAULT_WIRE_SCALE,
     Bucket,
     BucketLayout,
     TensorEntry,
@@ -86,7 +96,7 @@ def _wire_of(wire_dtype: WireDtype, name: str, t: torch.Tensor) -> torch.dtype:
 
 
 def plan_layout(state: StateLike, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                wire_dtype: WireDtype = None
+                wire_dtype: WireDtype = None, wire_scale: WireScale = DEFAULT_WIRE_SCALE
                 ) -> tuple[WeightLayout, list[list[torch.Tensor]]]:
     """Split a state, in order, into buckets of at most ``bucket_bytes`` packed bytes.
 
@@ -95,13 +105,16 @@ def plan_layout(state: StateLike, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     earlier name (same storage, offset, shape, strides and dtype) become aliases.
     ``wire_dtype`` (see :class:`WeightSender`) sets the dtype each tensor is sent as;
     the layout's entries, sizes and buckets are those of the wire dtypes, and the put
-    converts (:func:`_put_bucket`). An alias is sent as its canonical tensor is.
+    converts (:func:`_put_bucket`). An alias is sent as its canonical tensor is. A
+    tensor sent as FP8 takes two entries, the FP8 weight and its scales (``wire_scale``,
+    see :mod:`.fp8`), and appears twice in its bucket's tensors, once for each.
     """
-    layout, tensors, _picks = _plan_layout(state, bucket_bytes, wire_dtype)
+    layout, tensors, _picks = _plan_layout(state, bucket_bytes, wire_dtype, wire_scale)
     return layout, tensors
 
 
-def _plan_layout(state: StateLike, bucket_bytes: int, wire_dtype: WireDtype
+def _plan_layout(state: StateLike, bucket_bytes: int, wire_dtype: WireDtype,
+                 wire_scale: WireScale = DEFAULT_WIRE_SCALE
                  ) -> tuple[WeightLayout, list[list[torch.Tensor]], list[list[int]]]:
     """:func:`plan_layout`, plus each bucket's positions in ``named_tensors(state)``."""
     _check_bucket_bytes(bucket_bytes)
@@ -120,24 +133,24 @@ def _plan_layout(state: StateLike, bucket_bytes: int, wire_dtype: WireDtype
             continue
         seen.setdefault(key, name)
         wire = _wire_of(wire_dtype, name, t)
-        new, end = _place(end, wire, t.numel(), bucket_bytes, bool(cur))
+        new, end = _place(end, _parts(wire, t, wire_scale), bucket_bytes, bool(cur))
         if new:
             groups.append(cur)
             cur = []
         if not cur:
             picks.append([])
         cur.append((name, t, wire))
-        picks[-1].append(i)
+        picks[-1].extend([i, i] if wire in FP8 else [i])  # an FP8 weight's scale too
     if cur:
         groups.append(cur)
     entries: list[TensorEntry] = []
     buckets: list[Bucket] = []
     tensors: list[list[torch.Tensor]] = []
     for k, group in enumerate(groups):
-        spec = _bucket_spec(k, group, [])
+        spec = _bucket_spec(k, group, [], wire_scale)
         entries.extend(spec.entries)
         buckets.append(spec.bucket)
-        tensors.append([t.detach() for _n, t, _w in group])
+        tensors.append(_per_entry(group))
     return (WeightLayout(tuple(entries), tuple(buckets), tuple(aliases), bucket_bytes), tensors,
             picks)
 
@@ -151,7 +164,8 @@ class LayoutMemo:
     def __init__(self) -> None:
         self._last: tuple[tuple[Any, ...], WeightLayout, list[list[int]]] | None = None
 
-    def plan(self, state: StateLike, bucket_bytes: int, wire_dtype: WireDtype
+    def plan(self, state: StateLike, bucket_bytes: int, wire_dtype: WireDtype,
+             wire_scale: WireScale = DEFAULT_WIRE_SCALE
              ) -> tuple[WeightLayout, list[list[torch.Tensor]]]:
         """:func:`plan_layout` of ``state``, the kept layout where nothing changed."""
         key = None
@@ -160,38 +174,98 @@ class LayoutMemo:
             items = named_tensors(state, None)
             facts = _memory_key(items)
             if facts is not None:
-                key = (bucket_bytes, wire_dtype, facts)
+                key = (bucket_bytes, wire_dtype, wire_scale, facts)
             last = self._last
             if key is not None and last is not None and last[0] == key:
                 return last[1], [[items[i][1].detach() for i in p] for p in last[2]]
             del items
-        layout, tensors, picks = _plan_layout(state, bucket_bytes, wire_dtype)
+        layout, tensors, picks = _plan_layout(state, bucket_bytes, wire_dtype, wire_scale)
         self._last = (key, layout, picks) if key is not None else None
         return layout, tensors
 
 
-def _place(end: int, wire: torch.dtype, numel: int, bucket_bytes: int, open_bucket: bool
-           ) -> tuple[bool, int]:
-    """The one bucketing rule, eager and lazy: whether a tensor of ``numel`` elements of
-    ``wire`` starts a new bucket, as adding it to the open bucket (filled to ``end``)
-    would pass ``bucket_bytes``; and where the bucket it joins ends after it."""
-    size = _itemsize(wire)
-    n = numel * size
-    if open_bucket and align_up(align_up(end, size) + n, BLOCK_ALIGN) > bucket_bytes:
-        return True, n
-    return False, align_up(end, size) + n
+def _parts(wire: torch.dtype, t: torch.Tensor, wire_scale: WireScale
+           ) -> list[tuple[int, int]]:
+    """What a tensor sent as ``wire`` puts in its bucket: (item size, elements) of its
+    weight and, sent as FP8, of its scales."""
+    parts = [(_itemsize(wire), t.numel())]
+    if wire in FP8:
+        parts.append((4, math.prod(scale_shape(t.shape, block_of(t.shape, wire_scale)))))
+    return parts
+
+
+def _place(end: int, parts: Sequence[tuple[int, int]], bucket_bytes: int,
+           open_bucket: bool) -> tuple[bool, int]:
+    """The one bucketing rule, eager and lazy: whether a tensor (its ``parts``: item
+    size and elements of each object tensor it puts, see :func:`_parts`) starts a new
+    bucket, as adding it to the open bucket (filled to ``end``) would pass
+    ``bucket_bytes``; and where the bucket it joins ends after it."""
+
+    def after(at: int) -> int:
+        for size, numel in parts:
+            at = align_up(at, size) + numel * size
+        return at
+
+    if open_bucket and align_up(after(end), BLOCK_ALIGN) > bucket_bytes:
+        return True, after(0)
+    return False, after(end)
 
 
 def _bucket_spec(k: int, group: Sequence[tuple[str, torch.Tensor, torch.dtype]],
-                 aliases: Sequence[tuple[str, str]]) -> BucketLayout:
-    """Bucket ``k``'s layout: entries in object order with their wire dtypes and sizes."""
-    items = [_itemsize(w) for _n, _t, w in group]
-    sizes = [t.numel() * i for (_n, t, _w), i in zip(group, items)]
-    _offsets, total = packed_offsets(sizes, items)
-    entries = tuple(TensorEntry(name, tuple(t.shape), _dtype_str(w), k, i, n)
-                    for i, ((name, t, w), n) in enumerate(zip(group, sizes)))
-    return BucketLayout(Bucket(k, tuple(n for n, _t, _w in group), total), entries,
+                 aliases: Sequence[tuple[str, str]],
+                 wire_scale: WireScale = DEFAULT_WIRE_SCALE) -> BucketLayout:
+    """Bucket ``k``'s layout: entries in object order with their wire dtypes and sizes;
+    an FP8 weight's entry is followed by its scales'."""
+    entries: list[TensorEntry] = []
+    for name, t, w in group:
+        shape = tuple(t.shape)
+        if w in FP8:
+            block = block_of(shape, wire_scale)
+            entries.append(TensorEntry(name, shape, _dtype_str(w), k, len(entries),
+                                       t.numel(), block, _dtype_str(t.dtype)))
+            sshape = scale_shape(shape, block)
+            entries.append(TensorEntry(name + SCALE_SUFFIX, sshape, "float32", k,
+                                       len(entries), math.prod(sshape) * 4,
+                                       scale_of=name))
+        else:
+            entries.append(TensorEntry(name, shape, _dtype_str(w), k, len(entries),
+                                       t.numel() * _itemsize(w)))
+    _offsets, total = packed_offsets([e.nbytes for e in entries],
+                                     [_itemsize(e.torch_dtype) for e in entries])
+    return BucketLayout(Bucket(k, tuple(e.name for e in entries), total), tuple(entries),
                         tuple(aliases))
+
+
+def _per_entry(group: Sequence[tuple[str, torch.Tensor, torch.dtype]]) -> list[torch.Tensor]:
+    """A bucket's tensors, one per entry: an FP8 weight's twice (its scales come from
+    it, when the bucket is packed: :func:`quantized`)."""
+    out: list[torch.Tensor] = []
+    for _n, t, w in group:
+        out.extend([t.detach()] * (2 if w in FP8 else 1))
+    return out
+
+
+def quantized(tensors: Sequence[torch.Tensor], entries: Sequence[TensorEntry]
+              ) -> list[torch.Tensor]:
+    """A bucket's tensors as they go on the wire: each FP8 weight and the one after it
+    (the same tensor, standing for its scales) become the quantized weight and its
+    scales (:func:`.fp8.quantize`); the rest as they are."""
+    if not any(e.block is not None for e in entries):
+        return list(tensors)
+    out: list[torch.Tensor] = []
+    i = 0
+    for e in entries:
+        if e.scale_of is not None:
+            continue
+        t = tensors[i]
+        if e.block is not None:
+            q, scale = quantize(t, e.torch_dtype, e.block)
+            out.extend([q, scale])
+            i += 2
+        else:
+            out.append(t)
+            i += 1
+    return out
 
 
 def _conversions(tensors: Sequence[torch.Tensor], entries: Sequence[TensorEntry]
@@ -219,17 +293,19 @@ def _pairs(source: Iterable[Any]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _pack(k: int, cur: list[tuple[str, torch.Tensor, torch.dtype]],
-          aliases: list[tuple[str, str]]) -> _Packed:
+          aliases: list[tuple[str, str]], wire_scale: WireScale = DEFAULT_WIRE_SCALE
+          ) -> _Packed:
     """Make bucket ``k`` of ``cur`` and empty ``cur`` and ``aliases`` (so the caller,
     a suspended generator, keeps no reference to the tensors)."""
-    packed = _Packed(_bucket_spec(k, cur, aliases), [t.detach() for _n, t, _w in cur])
+    packed = _Packed(_bucket_spec(k, cur, aliases, wire_scale), _per_entry(cur))
     cur.clear()
     aliases.clear()
     return packed
 
 
 def _iter_buckets(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                  wire_dtype: WireDtype = None) -> Iterator[_Packed]:
+                  wire_dtype: WireDtype = None, wire_scale: WireScale = DEFAULT_WIRE_SCALE
+                  ) -> Iterator[_Packed]:
     """Bucket ``pairs`` as they arrive, with :func:`plan_layout`'s rule.
 
     Holds at most the bucket being filled (plus the pair that starts the next one).
@@ -259,13 +335,13 @@ def _iter_buckets(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
             aliases.append((name, keys[key]))
             continue
         wire = _wire_of(wire_dtype, name, t)
-        new, end = _place(end, wire, t.numel(), bucket_bytes, bool(cur))
+        new, end = _place(end, _parts(wire, t, wire_scale), bucket_bytes, bool(cur))
         if new:
-            yield _pack(k, cur, aliases)
+            yield _pack(k, cur, aliases, wire_scale)
             k += 1
             keys = {}
         keys.setdefault(key, name)
         cur.append((name, t, wire))
         del t
     if cur:
-        yield _pack(k, cur, aliases)
+        yield _pack(k, cur, aliases, wire_scale)

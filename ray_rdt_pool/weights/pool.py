@@ -19,7 +19,7 @@ import torch
 
 from ray_rdt_pool.errors import PoolExhaustedError, WeightSyncTimeoutError, fmt_bytes
 from ray_rdt_pool.weights.manifest import Bucket, PoolBucket, TensorEntry
-from ray_rdt_pool.weights.planning import _conversions
+from ray_rdt_pool.weights.planning import _conversions, quantized
 
 
 def _stats() -> Any:
@@ -73,6 +73,8 @@ def _owned_bucket(obj_id: str, tensors: list[torch.Tensor], entries: Sequence[Te
     and the sender keeps them, unchanged, until every receiver acknowledged it."""
     from ray_rdt_pool._ray.owned import put_owned
 
+    if not by_reference:
+        tensors = quantized(tensors, entries)
     convert = None if by_reference else _conversions(tensors, entries) or None
     wire, device = put_owned(obj_id, tensors, convert, by_reference=by_reference)
     return PoolBucket(obj_id, wire, device)

@@ -198,6 +198,8 @@ class _RankOptions(ReceiverOptions):
         self.casting = rec.casting
         self.strict = rec.strict
         self.direct = rec.direct
+        self.keep_fp8 = rec.keep_fp8
+        self.scale_name = rec.scale_name
         base = _mapper(rec.name_map)
         dests = _dests(view)
         dest: dict[str, torch.Tensor] = dict(dests)

@@ -144,7 +144,8 @@ def _remote_offer(actor: Any, attr: str, group: str, version: int | None, mode: 
             "a trainer rank of a many-rank sync needs a module or mapping as its source "
             "(the receivers validate the whole model before any byte moves); a lazy "
             "source is bucketed as it goes. Pass WeightSender(model) or a dict")
-    layout, groups = plan_layout(eager, sender.bucket_bytes, sender.wire_dtype)
+    layout, groups = plan_layout(eager, sender.bucket_bytes, sender.wire_dtype,
+                                 sender.wire_scale)
     per_bucket: list[list[TensorEntry]] = [[] for _ in layout.buckets]
     for e in layout.entries:
         per_bucket[e.bucket].append(e)

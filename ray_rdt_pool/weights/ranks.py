@@ -21,6 +21,7 @@ the driver's thread.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ from ray_rdt_pool.errors import (
     TrainerRankError,
     WeightSyncTimeoutError,
 )
+from ray_rdt_pool.weights.fp8 import SCALE_SUFFIX
 from ray_rdt_pool.weights.manifest import Bucket, TensorEntry, WeightLayout
 from ray_rdt_pool.weights.pool import count_ray_calls
 from ray_rdt_pool.weights.rank_load import _Chain, _RankedLoad, _remote_load_ranks, _Sharded
@@ -84,6 +86,8 @@ def _merge(offers: Sequence[_Offer]) -> _Merged:
     for r, o in enumerate(offers):
         by_name = o.layout.by_name()
         for e in o.layout.entries:
+            if e.scale_of is not None:
+                continue  # an FP8 weight's scales go where the weight goes
             holders.setdefault(e.name, []).append(r)
             facts[(e.name, r)] = (e.shape, e.dtype)
         for a, c in o.layout.aliases:
@@ -132,10 +136,13 @@ def _merge(offers: Sequence[_Offer]) -> _Merged:
     for r, o in enumerate(offers):
 
         def rename(n: str, r: int = r) -> str:
+            if n.endswith(SCALE_SUFFIX) and n[:-len(SCALE_SUFFIX)] in sharded:
+                return _piece_name(n[:-len(SCALE_SUFFIX)], r) + SCALE_SUFFIX
             return _piece_name(n, r) if n in sharded else n
 
-        entries.append([TensorEntry(rename(e.name), e.shape, e.dtype, e.bucket, e.index,
-                                    e.nbytes) for e in o.layout.entries])
+        entries.append([dataclasses.replace(
+            e, name=rename(e.name), scale_of=None if e.scale_of is None else rename(e.scale_of))
+            for e in o.layout.entries])
         aliases.append([(rename(a), rename(c)) for a, c in o.layout.aliases])
         total += o.layout.total_bytes
     return _Merged(entries, aliases, sharded, total)
@@ -172,7 +179,7 @@ def _receiver_load(merged: _Merged, offers: Sequence[_Offer], version: int, j: i
     for g, (r, k) in enumerate(order):
         es = sorted((e for e in merged.entries[r] if e.bucket == k), key=lambda e: e.index)
         buckets.append(Bucket(g, tuple(e.name for e in es), offers[r].layout.buckets[k].nbytes))
-        entries.extend(TensorEntry(e.name, e.shape, e.dtype, g, e.index, e.nbytes) for e in es)
+        entries.extend(dataclasses.replace(e, bucket=g) for e in es)
     layout = WeightLayout(tuple(entries), tuple(buckets),
                           tuple(a for al in merged.aliases for a in al), bucket_bytes)
     return _RankedLoad(group, j, version, layout,

@@ -136,6 +136,14 @@ class WeightReceiver:
         on_commit: Called with the new version once it is live (under the serving lock:
             no forward pass runs meanwhile), e.g. to reset a prefix cache. It must not
             load into this receiver.
+        keep_fp8: A weight that arrives as FP8 with scales (the sender's
+            ``wire_dtype``) goes to ``load_weights`` as it is, FP8, with its scales as
+            ``(scale_name(name), scales)``; by default it is dequantized first (into the
+            dtype the sender had). A destination tensor of that FP8 dtype always keeps
+            it, its scales going to destination ``scale_name(name)``; a wider one gets
+            it dequantized.
+        scale_name: The name of an FP8 weight's scales, from the weight's (default
+            ``name + "_scale_inv"``, as vLLM's block-FP8 layers name them).
 
     ``version`` is the version of the last manifest or stream fully loaded (0 before
     any); it never goes down: a load or stream that is not newer raises
@@ -148,12 +156,17 @@ class WeightReceiver:
                  name_map: NameMap = None, casting: Casting = "same_kind", strict: bool = True,
                  direct: bool = True, select: Select | None = None,
                  staging: str = "inplace",
-                 on_commit: Callable[[int], Any] | None = None) -> None:
+                 on_commit: Callable[[int], Any] | None = None, keep_fp8: bool = False,
+                 scale_name: Callable[[str], str] | None = None) -> None:
         if select is not None and not callable(select):
             raise InvalidInputError(f"select must be callable (name, full_shape) -> slices | "
                                     f"None, got {type(select).__name__}")
         _check_flag("strict", strict)
         _check_flag("direct", direct)
+        _check_flag("keep_fp8", keep_fp8)
+        if scale_name is not None and not callable(scale_name):
+            raise InvalidInputError(f"scale_name must be callable (name) -> name, got "
+                                    f"{type(scale_name).__name__}")
         if dest is None and load_weights is None:
             raise InvalidInputError("WeightReceiver needs a dest (module or mapping), a "
                                     "load_weights callable, or both")
@@ -178,6 +191,8 @@ class WeightReceiver:
         self.select = select
         self.staging = staging
         self.on_commit = on_commit
+        self.keep_fp8 = keep_fp8
+        self.scale_name: Callable[[str], str] = scale_name or _default_scale_name
         # Forward passes read under it; a commit (or an in-place bucket) writes under it.
         self._serving = ServingLock()
         self._shadow = Shadow(dest, load_weights is not None) if staging == "shadow" else None
@@ -320,7 +335,7 @@ class WeightReceiver:
             return None
         names = tuple(self.name_map.items()) if self.name_map is not None else None
         return (self.dest is None, self.load_weights is None, names, self.casting,
-                self.strict, self.direct, self.staging, dest)
+                self.strict, self.direct, self.staging, self.keep_fp8, self.scale_name, dest)
 
     # -- loading --
 
@@ -622,7 +637,7 @@ class WeightReceiver:
                                   f"{spec.bucket.index}")
         _check_layout(spec.entries, (spec.bucket,), k)
         by_name = {e.name: e for e in spec.entries}
-        sources = [(e.name, e) for e in spec.entries]
+        sources = [(e.name, e) for e in spec.entries if e.scale_of is None]
         sources += [(a, by_name[c]) for a, c in spec.aliases if c in by_name]
         problems: list[tuple[str, str, str]] = []
         claimed, mem = dict(st.claimed), st.mem.copy()
@@ -683,6 +698,12 @@ class _ShadowView:
         self.strict = rec.strict
         self.direct = rec.direct
         self.select = rec.select
+        self.keep_fp8 = rec.keep_fp8
+        self.scale_name = rec.scale_name
+
+
+def _default_scale_name(name: str) -> str:
+    return name + "_scale_inv"
 
 
 class _PeerView:
@@ -696,6 +717,8 @@ class _PeerView:
         self.strict = rec.strict
         self.direct = rec.direct
         self.select: Select | None = None
+        self.keep_fp8 = True  # an FP8 engine's weights and scales go as they lie
+        self.scale_name = rec.scale_name
 
 
 def load_manifest(manifest: Manifest, dest: StateLike | None = None, *,

@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ray_rdt_pool.errors import DuplicateNameError, InvalidInputError, SourceExhaustedError
+from ray_rdt_pool.weights.fp8 import WireScale, check_wire_scale
 from ray_rdt_pool.weights.manifest import (
     DEFAULT_BUCKET_BYTES,
+    DEFAULT_WIRE_SCALE,
     BucketLayout,
     Manifest,
     TensorEntry,
@@ -34,6 +36,7 @@ from ray_rdt_pool.weights.planning import (
     _iter_buckets,
     _pairs,
     plan_layout,
+    quantized,
 )
 from ray_rdt_pool.weights.pool import _forget_registrations, _stats
 from ray_rdt_pool.weights.remote import RECEIVER_ATTR, _actor_handles, _timeout
@@ -59,6 +62,7 @@ def _put_bucket(tensors: list[torch.Tensor], entries: Sequence[TensorEntry]) -> 
     the pack copy itself (``transport.pack_as``), not by a separate cast."""
     import ray
 
+    tensors = quantized(tensors, entries)
     convert = _conversions(tensors, entries)
     if not convert:
         return ray.put(tensors, _tensor_transport=_transport())
@@ -92,6 +96,12 @@ class WeightSender:
             cast to their destination dtypes. A conversion down the casting order
             (float -> int, complex -> real) raises :class:`WireDtypeError` before the
             bucket is put. A tied tensor is sent once, as its first name decides.
+            ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` sends a tensor as FP8 with
+            scales (``wire_scale``), quantized in the pack (see docs/weight-sync.md,
+            "FP8 on the wire").
+        wire_scale: The scale groups of FP8 tensors: ``"tensor"``, ``"row"`` or a
+            ``(rows, cols)`` block of 2-D tensors (default ``(128, 128)``, the block-FP8
+            layout of vLLM); a tensor that is not 2-D takes one scale.
         source_reads: Let :meth:`stream` skip the pool: when every receiver runs on
             this Ray node and may read this process, each receiver copies the buckets
             straight out of the source tensors; otherwise, for the module or mapping
@@ -120,13 +130,15 @@ class WeightSender:
     def __init__(self, source: Source | None = None, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  wire_dtype: WireDtype = None, source_reads: bool = True,
-                 shard: tuple[int, int] | None = None) -> None:
+                 shard: tuple[int, int] | None = None,
+                 wire_scale: WireScale = DEFAULT_WIRE_SCALE) -> None:
         _check_bucket_bytes(bucket_bytes)
         from ray_rdt_pool.weights.rank_offer import _check_shard
 
         self.shard = _check_shard(shard)
         _check_flag("source_reads", source_reads)
         _check_wire_dtype(wire_dtype)
+        self.wire_scale = check_wire_scale(wire_scale)
         self.source = source
         self.bucket_bytes = bucket_bytes
         self.wire_dtype = wire_dtype
@@ -193,10 +205,11 @@ class WeightSender:
         """
         eager, pairs = self._acquire(state)
         if eager is not None:
-            return plan_layout(eager, self.bucket_bytes, self.wire_dtype)[0]
+            return plan_layout(eager, self.bucket_bytes, self.wire_dtype, self.wire_scale)[0]
         assert pairs is not None
         specs = []
-        for packed in _iter_buckets(pairs, self.bucket_bytes, self.wire_dtype):
+        for packed in _iter_buckets(pairs, self.bucket_bytes, self.wire_dtype,
+                                    self.wire_scale):
             specs.append(packed.spec)
             del packed
         return _layout_of(specs, self.bucket_bytes)
@@ -240,14 +253,16 @@ class WeightSender:
                 fallbacks = now
 
         if eager is not None:
-            layout, groups = plan_layout(eager, self.bucket_bytes, self.wire_dtype)
+            layout, groups = plan_layout(eager, self.bucket_bytes, self.wire_dtype,
+                                         self.wire_scale)
             for k, tensors in enumerate(groups):
                 put(k, tensors, [e for e in layout.entries if e.bucket == k])
         else:
             assert pairs is not None
             specs: list[BucketLayout] = []
             try:
-                for packed in _iter_buckets(pairs, self.bucket_bytes, self.wire_dtype):
+                for packed in _iter_buckets(pairs, self.bucket_bytes, self.wire_dtype,
+                                            self.wire_scale):
                     specs.append(packed.spec)
                     put(packed.spec.bucket.index, packed.tensors, packed.spec.entries)
                     packed.tensors.clear()  # the pool holds the snapshot now
@@ -363,6 +378,7 @@ class WeightSender:
         session = StreamSession(
             receivers, v, receiver_attr=receiver_attr, max_inflight=max_inflight,
             timeout_s=deadline_s, bucket_bytes=self.bucket_bytes, wire_dtype=self.wire_dtype,
+            wire_scale=self.wire_scale,
             source_reads=self.source_reads,
             by_reference=state is None and isinstance(self.source, (torch.nn.Module, Mapping)),
             relay=relay, order=relay_order, beat=beat, peer=peer)

@@ -41,6 +41,7 @@ from ray_rdt_pool.errors import (
     WeightSyncTimeoutError,
 )
 from ray_rdt_pool.registry import storage_key
+from ray_rdt_pool.weights.fp8 import WireScale
 from ray_rdt_pool.weights.late import _LATE, _InFlight
 from ray_rdt_pool.weights.links import (
     ABORT,
@@ -55,6 +56,7 @@ from ray_rdt_pool.weights.links import (
     spec_body,
 )
 from ray_rdt_pool.weights.manifest import (
+    DEFAULT_WIRE_SCALE,
     BucketLayout,
     SourceBucket,
     TensorEntry,
@@ -158,6 +160,7 @@ class StreamSession:
     def __init__(self, receivers: list[ActorHandle], version: int, *, receiver_attr: str,
                  max_inflight: int, timeout_s: float, bucket_bytes: int,
                  wire_dtype: WireDtype, source_reads: bool, by_reference: bool,
+                 wire_scale: WireScale = DEFAULT_WIRE_SCALE,
                  relay: str | None = None, order: str = "caller",
                  beat: Beat | None = None, peer: bool = False) -> None:
         self.receivers = receivers
@@ -167,6 +170,7 @@ class StreamSession:
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
         self.wire_dtype = wire_dtype
+        self.wire_scale = wire_scale
         self.source_reads = source_reads
         # The sender's own module or mapping (not a state= or a callable's state, which
         # may be new memory each sync, registered and kept every time) may go by reference.
@@ -230,8 +234,9 @@ class StreamSession:
         self.capacity = capacity = _pool_capacity()
         bb = self.bucket_bytes
         if state is not None:
-            layout, groups = (memo.plan(state, bb, self.wire_dtype) if memo is not None
-                              else plan_layout(state, bb, self.wire_dtype))
+            layout, groups = (memo.plan(state, bb, self.wire_dtype, self.wire_scale)
+                              if memo is not None
+                              else plan_layout(state, bb, self.wire_dtype, self.wire_scale))
             for b in layout.buckets:
                 if b.nbytes > capacity:
                     raise _too_big(b, capacity)
@@ -245,7 +250,8 @@ class StreamSession:
         else:
             assert pairs is not None
             self.items = ((p.spec.bucket.nbytes, p.tensors, p.spec, p.spec.entries)
-                          for p in _iter_buckets(pairs, bb, self.wire_dtype))
+                          for p in _iter_buckets(pairs, bb, self.wire_dtype,
+                                                 self.wire_scale))
         self.session = f"{os.getpid()}-{self.version}-{uuid.uuid4().hex[:8]}"
         if self.source_reads:
             from ray_rdt_pool._ray.owned import source_process

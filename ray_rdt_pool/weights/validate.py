@@ -28,6 +28,7 @@ from ray_rdt_pool.errors import (
     UnexpectedWeightsError,
     WeightSyncError,
 )
+from ray_rdt_pool.weights.fp8 import SCALE_SUFFIX, scale_selection, scale_shape
 from ray_rdt_pool.weights.manifest import Bucket, TensorEntry, _dtype_of, _dtype_str, _itemsize
 from ray_rdt_pool.weights.state import (
     Casting,
@@ -57,6 +58,8 @@ class ReceiverOptions(Protocol):
     strict: bool
     direct: bool
     select: Select | None
+    keep_fp8: bool
+    scale_name: Callable[[str], str]
 
 
 def can_cast(src: torch.dtype, dst: torch.dtype, casting: Casting = "same_kind") -> bool:
@@ -330,6 +333,9 @@ def _resolve(opts: ReceiverOptions, sources: Sequence[tuple[str, TensorEntry]],
         shape = _selected_shape(selections[e.name], e.shape)
         what = "in the manifest" if shape == e.shape else \
             f"as selected (of {e.shape} in the manifest)"
+        if e.block is not None:
+            _resolve_scale(opts, name, dn, e, d, dests, claimed, resolved, selections,
+                           problems)
         if d is None:
             resolved[name] = _ToLoader(dn)
             continue
@@ -343,6 +349,47 @@ def _resolve(opts: ReceiverOptions, sources: Sequence[tuple[str, TensorEntry]],
         else:
             resolved[name] = _claim(mem, lazy, name, dn, d, e, problems)
     return resolved, skipped, selections
+
+
+def _resolve_scale(opts: ReceiverOptions, name: str, dn: str, e: TensorEntry,
+                   d: torch.Tensor | None, dests: Mapping[str, torch.Tensor],
+                   claimed: dict[str, str], resolved: dict[str, _Target],
+                   selections: dict[str, Slices | None],
+                   problems: list[tuple[str, str, str]]) -> None:
+    """Where the scales of FP8 weight ``name`` (entry ``e``, into ``dn``: ``d``, or the
+    loader) go: nowhere when the receiver dequantizes it; with ``keep_fp8`` (or an FP8
+    destination of its dtype) to destination ``scale_name(dn)`` or the loader. And the
+    part of them a selection of the weight reads."""
+    sname = e.name + SCALE_SUFFIX
+    try:
+        selections[sname] = scale_selection(selections.get(e.name), e.shape, e.block or (),
+                                            e.name)
+    except ValueError as err:
+        problems.append(("select", e.name, str(err)))
+        return
+    keep = d.dtype == e.torch_dtype if d is not None else opts.keep_fp8
+    if not keep:
+        return
+    sdn = opts.scale_name(dn)
+    sd = dests.get(sdn)
+    if sd is None:
+        if opts.load_weights is not None:
+            resolved[sname] = _ToLoader(sdn)
+        else:
+            problems.append(("missing", sdn, (
+                f"{name!r} arrives as FP8 with scales, kept as FP8 in {dn!r}, but its "
+                f"scales' destination {sdn!r} is not in the destination; add it (float32, "
+                f"{scale_shape(e.shape, e.block or ())}), or let the receiver dequantize "
+                "into a wider dtype")))
+        return
+    want = _selected_shape(selections[sname], scale_shape(e.shape, e.block or ()))
+    if tuple(sd.shape) != want or not sd.is_floating_point():
+        problems.append(("shape", sdn, (
+            f"the scales of {name!r} are {want} float32, but {sdn!r} is "
+            f"{tuple(sd.shape)} {_dtype_str(sd.dtype)} in the destination")))
+        return
+    claimed[sdn] = sname
+    resolved[sname] = sd
 
 
 def _claim(mem: _Claims, lazy: bool, name: str, dn: str, d: torch.Tensor, e: TensorEntry,

@@ -307,3 +307,39 @@ def test_relayed_ranks_each_send_their_part_once_down_their_own_chain(
         wait_for(lambda t=t: call(t, _drained), timeout=30)
     for e in recs:
         wait_for(lambda e=e: call(e, _drained), timeout=30)
+
+
+def _set_fp8_rank(node: Any, seed: int, rank: int, world: int) -> None:
+    full = _model(seed)
+    a, b = _rows(world)[rank]
+    node.state = {n: full[n][a:b].clone().to(torch.bfloat16) for n in NAMES}
+    node.weight_sender = WeightSender(node.state, bucket_bytes=BUCKET, shard=(rank, world),
+                                      wire_dtype=torch.float8_e4m3fn, wire_scale=(8, 32))
+
+
+def _set_bf16_receiver(node: Any) -> None:
+    node.dest = {n: torch.zeros(ROWS, COLS, dtype=torch.bfloat16) for n in NAMES}
+    node.weight_receiver = WeightReceiver(node.dest)
+
+
+def test_fp8_shards_from_many_ranks_dequantize_into_their_rows(
+        nodes: dict[str, Any]) -> None:
+    """Each rank quantizes its own rows (its own scale blocks); a receiver dequantizes
+    each rank's piece into its rows, bit for bit as quantizing that piece alone."""
+    from ray_rdt_pool.weights.fp8 import dequantize, quantize
+
+    ranks, recs = [nodes["t0"], nodes["t1"]], [nodes["e0"]]
+    for r, t in enumerate(ranks):
+        call(t, _set_fp8_rank, 23, r, 2)
+    call(recs[0], _set_bf16_receiver)
+    rep = sync(ranks, recs, version=next(VERSION), timeout_s=60)
+    got = call(recs[0], _dest)
+    full = _model(23)
+    for n in NAMES:
+        parts = []
+        for a, b in _rows(2):
+            w = full[n][a:b].to(torch.bfloat16)
+            q, s = quantize(w, torch.float8_e4m3fn, (8, 32))
+            parts.append(dequantize(q, s, (8, 32), torch.bfloat16))
+        assert torch.equal(got[n].view(torch.int16), torch.cat(parts).view(torch.int16)), n
+    assert rep.nbytes < len(NAMES) * ROWS * COLS * 2 * 0.6  # FP8 and scales, not bf16

@@ -1,0 +1,161 @@
+"""FP8 on the wire, in process over the fake NIXL (tests/support/fakeray.py): a bf16 or
+fp32 weight sent as FP8 with tensor, row or block scales arrives dequantized bit for bit
+as the plain-torch reference below computes it; a loader or an FP8 destination keeps
+the FP8 weight and its scales; a TP select reads a block-aligned part and its scales,
+and one that cuts a block is a typed error; the report counts the bytes on the wire.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from ray_rdt_pool._ray.runtime import Runtime
+from ray_rdt_pool.errors import InvalidInputError, SelectError
+from ray_rdt_pool.weights import WeightReceiver, WeightSender
+from tests.support.fakeray import make_runtime, receiver_node
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture()
+def runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Runtime]]:
+    yield from make_runtime(monkeypatch)
+
+
+def reference(w: torch.Tensor, fp8: torch.dtype, groups: tuple[int, int],
+              dtype: torch.dtype) -> torch.Tensor:
+    """The issue's reference, plainly: per scale group, scale = amax / finfo(fp8).max in
+    fp32 (1.0 for a group of zeros), q = (w.float() / scale).to(fp8), and the receiver's
+    q.float() * scale cast to its dtype. ``groups``: (rows, cols) of one group."""
+    out = torch.empty(w.shape, dtype=dtype)
+    bm, bn = groups
+    for i in range(0, w.shape[0], bm):
+        for j in range(0, w.shape[1], bn):
+            g = w[i:i + bm, j:j + bn].float()
+            amax = g.abs().max()
+            scale = amax / torch.finfo(fp8).max if amax != 0 else torch.tensor(1.0)
+            q = (g / scale).to(fp8)
+            out[i:i + bm, j:j + bn] = (q.float() * scale).to(dtype)
+    return out
+
+
+def model(dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "a.weight": torch.randn(300, 200, generator=g) * 0.02,  # edge blocks
+        "b.weight": torch.randn(256, 128, generator=g) * 3.0,
+        "c.weight": torch.zeros(128, 64),  # a group of zeros
+        "norm.weight": torch.ones(200) + torch.randn(200, generator=g) * 0.1,
+    }
+    state["b.weight"][0, 0] = 1000.0  # above FP8's range once unscaled
+    return {k: v.to(dtype) for k, v in state.items()}
+
+
+def groups_of(shape: tuple[int, ...], scale: Any) -> tuple[int, int]:
+    if scale == "tensor":
+        return shape  # type: ignore[return-value]
+    if scale == "row":
+        return (1, shape[1])
+    return scale  # type: ignore[no-any-return]
+
+
+def fp8_but_norms(name: str, t: torch.Tensor) -> torch.dtype | None:
+    return None if "norm" in name else FP8
+
+
+@pytest.mark.parametrize("scale", ["tensor", "row", (128, 128), (64, 32)])
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("lazy", [False, True], ids=["mapping", "lazy"])
+def test_dequantized_weights_match_the_reference_bit_for_bit(
+        runtime: Any, scale: Any, src: torch.dtype, lazy: bool) -> None:
+    rt = runtime(pool_bytes=4 << 20, arena_bytes=4 << 20)
+    state = model(src)
+    dest = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in state.items()}
+    _a, h = receiver_node(dest)
+    source: Any = (lambda: iter(state.items())) if lazy else state
+    sender = WeightSender(source, bucket_bytes=256 << 10, wire_dtype=fp8_but_norms,
+                          wire_scale=scale)
+    rep = sender.stream([h], timeout_s=10)
+    for name, w in state.items():
+        if "norm" in name:
+            assert torch.equal(dest[name], w.to(torch.bfloat16)), name  # excluded: as is
+        else:
+            want = reference(w, FP8, groups_of(tuple(w.shape), scale), torch.bfloat16)
+            assert torch.equal(dest[name].view(torch.int16), want.view(torch.int16)), name
+    # On the wire: one byte per FP8 element, four per scale, the norm in its dtype.
+    scales = sum(math.prod(-(-s // g) for s, g in zip(w.shape, groups_of(tuple(w.shape),
+                                                                         scale)))
+                 for n, w in state.items() if "norm" not in n)
+    fp8 = sum(w.numel() for n, w in state.items() if "norm" not in n)
+    assert rep.nbytes == fp8 + 4 * scales + state["norm.weight"].nbytes
+    assert rt.stats().pool_used == 0
+
+
+def test_a_loader_and_an_fp8_destination_keep_the_weight_and_its_scales(
+        runtime: Any) -> None:
+    runtime(pool_bytes=4 << 20, arena_bytes=4 << 20)
+    state = model()
+    got: dict[str, torch.Tensor] = {}
+
+    def load_weights(pairs: Any) -> None:
+        for name, t in pairs:
+            got[name] = t.clone()
+
+    _a, loader = receiver_node(None, load_weights=load_weights, keep_fp8=True)
+    dest = {"a.weight": torch.zeros(300, 200, dtype=FP8),
+            "a.weight_scale_inv": torch.zeros(3, 2),
+            **{k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in state.items()
+               if k != "a.weight"}}
+    _b, fp8_engine = receiver_node(dest)
+    sender = WeightSender(state, bucket_bytes=256 << 10, wire_dtype=fp8_but_norms)
+    sender.stream([loader, fp8_engine], timeout_s=10)
+    w = state["a.weight"]
+    # The reference's q and scales, per 128 x 128 block.
+    for name in ("a.weight", "b.weight", "c.weight"):
+        assert got[name].dtype == FP8 and got[name + "_scale_inv"].dtype == torch.float32
+        deq = (got[name].float() * got[name + "_scale_inv"].repeat_interleave(128, 0)
+               .repeat_interleave(128, 1)[:got[name].shape[0], :got[name].shape[1]])
+        want = reference(state[name], FP8, (128, 128), torch.float32)
+        assert torch.equal(deq, want), name
+    assert torch.equal(dest["a.weight"].view(torch.uint8), got["a.weight"].view(torch.uint8))
+    assert torch.equal(dest["a.weight_scale_inv"], got["a.weight_scale_inv"])
+    assert torch.equal(dest["b.weight"], reference(state["b.weight"], FP8, (128, 128),
+                                                   torch.bfloat16))
+    assert torch.equal(got["norm.weight"], state["norm.weight"])  # excluded: as sent
+    del w
+
+
+def test_a_tp_select_reads_its_rows_and_their_scales_or_names_the_block(
+        runtime: Any) -> None:
+    runtime(pool_bytes=4 << 20, arena_bytes=4 << 20)
+    state = {"w": (torch.randn(256, 128) * 0.1).to(torch.bfloat16)}
+
+    def rank1(name: str, shape: tuple[int, ...]) -> Any:
+        return (slice(128, 256),)  # block-aligned: rows 128-255
+
+    dest = {"w": torch.zeros(128, 128, dtype=torch.bfloat16)}
+    _a, h = receiver_node(dest, select=rank1)
+    WeightSender(state, bucket_bytes=1 << 20, wire_dtype=FP8).stream([h], timeout_s=10)
+    want = reference(state["w"], FP8, (128, 128), torch.bfloat16)[128:]
+    assert torch.equal(dest["w"].view(torch.int16), want.view(torch.int16))
+
+    def cuts(name: str, shape: tuple[int, ...]) -> Any:
+        return (slice(0, 100),)
+
+    _b, h2 = receiver_node({"w": torch.zeros(100, 128, dtype=torch.bfloat16)}, select=cuts)
+    with pytest.raises(SelectError, match=r"cuts the FP8 scale groups of 128"):
+        WeightSender(state, bucket_bytes=1 << 20, wire_dtype=FP8).stream([h2], timeout_s=10)
+
+
+def test_bad_fp8_options_are_refused() -> None:
+    with pytest.raises(InvalidInputError, match="wire_scale must be"):
+        WeightSender({"w": torch.zeros(4)}, wire_dtype=FP8, wire_scale=(0, 128))
+    with pytest.raises(InvalidInputError, match="wire_scale must be"):
+        WeightSender({"w": torch.zeros(4)}, wire_dtype=FP8, wire_scale="block")
+    with pytest.raises(InvalidInputError, match="keep_fp8 must be True or False"):
+        WeightReceiver({"w": torch.zeros(4)}, keep_fp8="yes")  # type: ignore[arg-type]
