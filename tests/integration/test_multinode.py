@@ -265,3 +265,26 @@ def test_weight_stream_across_nodes_reads_the_trainers_tensors_by_reference(clus
     finally:
         ray.kill(tr)
         ray.kill(en)
+
+
+def test_an_engine_catches_up_from_a_peer_on_the_other_node(cluster):
+    """The trainer syncs an engine on its own node; an engine on the other node gets
+    that version from it, READ by reference across the nodes, with the trainer gone."""
+    from ray_rdt_pool.weights import catch_up, sync
+
+    tr = Trainer.remote()
+    peer = Engine.options(resources={"sender": 1}).remote()
+    late = Engine.remote()
+    try:
+        ray.get(tr.step.remote())
+        v = sync(tr, [peer], timeout_s=60).version
+        want = ray.get(tr.digest.remote())
+        ray.kill(tr)
+        rep = catch_up(peer, [late], timeout_s=60)
+        assert rep.version == v and rep.stream is not None
+        assert rep.stream.source_read_buckets == 0 and rep.stream.reference_buckets > 0
+        assert ray.get(late.digest.remote()) == want
+        assert ray.get(late.__ray_call__.remote(lambda s: s.weight_receiver.version)) == v
+    finally:
+        for a in (tr, peer, late):
+            ray.kill(a)
