@@ -8,6 +8,8 @@ for the rest. Both take ``(destination address, source address, bytes)`` and rel
 GIL (ctypes foreign calls), so the pack threads copy in parallel. :func:`move_batch`
 returns ``rdt_copy_moves``, which runs a whole list of such moves in one call: copies of
 at least :data:`MANY_MOVES` moves use it (:func:`run_batch`, :func:`host_moves`).
+:func:`fp8_quantizer` returns the helper's quantizing copy (``rdt_quantize_fp8``: a
+weight into FP8 with block scales, bit for bit torch's arithmetic), or None without it.
 
 Why: plain stores read each destination line before overwriting it; for a copy larger
 than the caches that is a third more memory traffic. glibc's memmove switches to
@@ -26,8 +28,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["MANY_MOVES", "batch_unit", "copy_for", "host_moves", "move_batch", "run_batch",
-           "stream_copy", "stream_kind", "streams"]
+__all__ = ["MANY_MOVES", "batch_unit", "copy_for", "fp8_quantizer", "host_moves",
+           "move_batch", "run_batch", "stream_copy", "stream_kind", "streams"]
 
 #: What ``rdt_stream_kind()`` returns, by name.
 _KINDS = {0: "memmove", 1: "sse2-stream"}
@@ -36,22 +38,23 @@ _memmove = ctypes.memmove
 #: arrays and one call of the helper; below it numpy's fixed cost is larger.
 MANY_MOVES = 256
 
-# All four set once, under _lock, by the first _load() of the process.
+# All five set once, under _lock, by the first _load() of the process.
 _lock = threading.Lock()
 _loaded = False
 _fn: Callable[[int, int, int], Any] | None = None
 _batch: Callable[[int, int, int], Any] | None = None
+_quantize: Callable[..., int] | None = None
 _kind = "memmove"
 
 
 def _load() -> None:
-    global _loaded, _fn, _batch, _kind
+    global _loaded, _fn, _batch, _quantize, _kind
     with _lock:
         if _loaded:
             return
         from ray_rdt_pool.memory import native
 
-        fn, batch, kind = None, None, "memmove"
+        fn, batch, quantize, kind = None, None, None, "memmove"
         lib = native.load_copy()
         if lib is not None:
             try:
@@ -61,11 +64,16 @@ def _load() -> None:
                 batch = lib.rdt_copy_moves
                 batch.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
                 batch.restype = None
+                quantize = lib.rdt_quantize_fp8
+                quantize.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 5,
+                                     ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+                quantize.restype = ctypes.c_int
                 kind = _KINDS.get(int(lib.rdt_stream_kind()), "memmove")
             except AttributeError:  # a library that is not the helper: memmove
-                fn, batch, kind = None, None, "memmove"
+                fn, batch, quantize, kind = None, None, None, "memmove"
         _fn = fn if kind != "memmove" else None
         _batch = batch
+        _quantize = quantize
         _kind = kind
         _loaded = True
 
@@ -89,6 +97,18 @@ def move_batch() -> Callable[[int, int, int], Any] | None:
     if not _loaded:
         _load()
     return _batch
+
+
+def fp8_quantizer() -> Callable[..., int] | None:
+    """The quantizing copy, or None without the helper: ``(src, bf16, rows, cols, ld,
+    bm, bn, e5m2, q, scales)`` quantizes a row-major bf16 (``bf16`` 1) or fp32 source of
+    ``rows x cols`` (row ``i`` at element ``i * ld``) into FP8 (``e5m2`` 1:
+    float8_e5m2, else float8_e4m3fn) in groups of ``bm x bn``: ``q`` gets the
+    contiguous FP8 bytes, ``scales`` the fp32 scales, ``ceil(rows / bm) x ceil(cols /
+    bn)`` row-major. Returns 0, or -1 for arguments it refuses."""
+    if not _loaded:
+        _load()
+    return _quantize
 
 
 def stream_kind() -> str:

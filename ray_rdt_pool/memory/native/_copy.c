@@ -14,12 +14,15 @@
  * The copy reads four pages at a time, one 64-byte line from each in turn: several
  * independent read streams keep more of the memory system busy than one.
  *
- * Threads: rdt_stream_copy and rdt_copy_moves run on their caller's thread and touch no
- * Python state; ctypes releases the GIL around them, so the pack threads copy in
- * parallel.
+ * It also holds the pack's other copy, rdt_quantize_fp8: a weight quantized into FP8
+ * with block scales on its way into a bucket (see its comment below).
+ *
+ * Threads: every function runs on its caller's thread and touches no Python state;
+ * ctypes releases the GIL around them, so the pack threads copy in parallel.
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -159,4 +162,182 @@ void rdt_copy_moves(const int64_t *moves, size_t count, int stream)
 int rdt_stream_kind(void)
 {
     return RDT_KIND;
+}
+
+/* ---------------------------------------------------------------- FP8 quantizing copy
+ *
+ * Why here: torch's CPU quantizing of a bf16 weight into FP8 with block scales runs as
+ * five passes over temporaries (to fp32, abs, amax, divide, cast) and costs about forty
+ * bf16 copies; this does it in two reads of the source (amax, then quantize) and one
+ * write of the FP8 bytes, with the same arithmetic, so the result is bit for bit
+ * torch's (ray_rdt_pool.weights.fp8.quantize is the reference; a test compares them).
+ */
+
+static inline uint32_t rdt_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float rdt_float(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* The constants of torch's fp32 -> FP8 (c10's fp8e4m3fn_from_fp32_value and
+ * fp8e5m2_from_fp32_value): round to nearest even; for e4m3fn (3 mantissa bits, bias 7)
+ * a finite overflow or inf saturates to 448 (0x7E), for e5m2 (2 bits, bias 15) it is
+ * inf (0x7C); NaN is 0x7F. */
+typedef struct {
+    uint32_t shift;     /* 23 - mantissa bits */
+    uint32_t rebias;    /* (bias - 127) << 23, modulo 2^32 */
+    uint32_t round;     /* half an FP8 ulp less one, in fp32 mantissa units */
+    uint32_t limit;     /* the fp32 bits from which the result is overflow */
+    uint32_t denorm;    /* the magic addend that rounds a subnormal into place */
+    uint32_t min_normal;/* the fp32 bits of the smallest FP8 normal */
+    uint32_t overflow;  /* what a finite overflow becomes */
+    float fmax;         /* torch.finfo(fp8).max */
+} rdt_fp8_t;
+
+static const rdt_fp8_t RDT_E4M3FN = {20, (uint32_t)(7 - 127) << 23, 0x7FFFFu, 1087u << 20,
+                                     141u << 23, 121u << 23, 0x7Eu, 448.0f};
+static const rdt_fp8_t RDT_E5M2 = {21, (uint32_t)(15 - 127) << 23, 0xFFFFFu, 143u << 23,
+                                   134u << 23, 113u << 23, 0x7Cu, 57344.0f};
+
+static inline uint8_t rdt_fp8(const rdt_fp8_t *k, float f)
+{
+    uint32_t u = rdt_bits(f);
+    uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint32_t r;
+    if (u >= k->limit)
+        r = u > 0x7F800000u ? 0x7Fu : k->overflow;
+    else if (u < k->min_normal)
+        r = rdt_bits(rdt_float(u) + rdt_float(k->denorm)) - k->denorm;
+    else
+        r = (u + k->rebias + k->round + ((u >> k->shift) & 1u)) >> k->shift;
+    return (uint8_t)(r | (sign >> 24));
+}
+
+/* Element at of the source, as fp32 (bf16 widens exactly). */
+static inline float rdt_load(const void *src, int bf16, int64_t at)
+{
+    if (bf16)
+        return rdt_float((uint32_t)((const uint16_t *)src)[at] << 16);
+    return ((const float *)src)[at];
+}
+
+#ifdef RDT_X86
+/* Four elements from at, as fp32. */
+static inline __m128 rdt_load4(const void *src, int bf16, int64_t at)
+{
+    if (bf16)
+        return _mm_castsi128_ps(_mm_unpacklo_epi16(
+            _mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)((const uint16_t *)src + at))));
+    return _mm_loadu_ps((const float *)src + at);
+}
+
+static inline __m128i rdt_select(__m128i mask, __m128i a, __m128i b)
+{
+    return _mm_or_si128(_mm_and_si128(mask, a), _mm_andnot_si128(mask, b));
+}
+
+/* rdt_fp8 of four floats, as four int32 of 0 to 255: every path computed, one kept. */
+static inline __m128i rdt_fp8x4(const rdt_fp8_t *k, __m128 f)
+{
+    __m128i u = _mm_castps_si128(f);
+    __m128i sign = _mm_and_si128(u, _mm_set1_epi32((int)0x80000000u));
+    __m128i a = _mm_xor_si128(u, sign);  /* below 2^31: signed compares are exact */
+    __m128i odd = _mm_and_si128(_mm_srli_epi32(a, (int)k->shift), _mm_set1_epi32(1));
+    __m128i normal = _mm_add_epi32(_mm_add_epi32(a, _mm_set1_epi32((int)(k->rebias + k->round))), odd);
+    normal = _mm_srli_epi32(normal, (int)k->shift);
+    __m128i dn = _mm_set1_epi32((int)k->denorm);
+    __m128i denorm = _mm_sub_epi32(
+        _mm_castps_si128(_mm_add_ps(_mm_castsi128_ps(a), _mm_castsi128_ps(dn))), dn);
+    __m128i big = rdt_select(_mm_cmpgt_epi32(a, _mm_set1_epi32(0x7F800000)),
+                             _mm_set1_epi32(0x7F), _mm_set1_epi32((int)k->overflow));
+    __m128i r = rdt_select(_mm_cmplt_epi32(a, _mm_set1_epi32((int)k->min_normal)), denorm, normal);
+    r = rdt_select(_mm_cmpgt_epi32(a, _mm_set1_epi32((int)(k->limit - 1))), big, r);
+    return _mm_and_si128(_mm_or_si128(r, _mm_srli_epi32(sign, 24)), _mm_set1_epi32(0xFF));
+}
+#endif
+
+/* Fold columns [j0, j1) of the row starting at element at into the group's amax m. A
+ * NaN is taken and then kept, as torch's amax propagates it. */
+static float rdt_amax(const void *src, int bf16, int64_t at, int64_t j0, int64_t j1, float m)
+{
+    int64_t j = j0;
+#ifdef RDT_X86
+    if (j1 - j0 >= 4) {
+        __m128 absmask = _mm_castsi128_ps(_mm_set1_epi32(0x7FFFFFFF));
+        __m128 vm = _mm_set1_ps(m), nan = _mm_cmpunord_ps(vm, vm);
+        for (; j + 4 <= j1; j += 4) {
+            __m128 x = _mm_and_ps(rdt_load4(src, bf16, at + j), absmask);
+            vm = _mm_max_ps(vm, x);
+            nan = _mm_or_ps(nan, _mm_cmpunord_ps(x, x));
+        }
+        float lanes[4];
+        _mm_storeu_ps(lanes, vm);
+        m = lanes[0];
+        for (int l = 1; l < 4; l++)
+            m = lanes[l] > m ? lanes[l] : m;
+        if (_mm_movemask_ps(nan))
+            m = NAN;
+    }
+#endif
+    for (; j < j1; j++) {
+        float x = fabsf(rdt_load(src, bf16, at + j));
+        m = (x > m || x != x) ? x : m;
+    }
+    return m;
+}
+
+/* out[j] = fp8(x[j] / sc) for columns [j0, j1) of the row starting at element at. */
+static void rdt_quant(const rdt_fp8_t *k, const void *src, int bf16, int64_t at, int64_t j0,
+                      int64_t j1, float sc, uint8_t *out)
+{
+    int64_t j = j0;
+#ifdef RDT_X86
+    __m128 vs = _mm_set1_ps(sc);
+    for (; j + 16 <= j1; j += 16) {
+        __m128i r0 = rdt_fp8x4(k, _mm_div_ps(rdt_load4(src, bf16, at + j), vs));
+        __m128i r1 = rdt_fp8x4(k, _mm_div_ps(rdt_load4(src, bf16, at + j + 4), vs));
+        __m128i r2 = rdt_fp8x4(k, _mm_div_ps(rdt_load4(src, bf16, at + j + 8), vs));
+        __m128i r3 = rdt_fp8x4(k, _mm_div_ps(rdt_load4(src, bf16, at + j + 12), vs));
+        /* Values are 0 to 255: both saturating packs keep them as they are. */
+        __m128i b = _mm_packus_epi16(_mm_packs_epi32(r0, r1), _mm_packs_epi32(r2, r3));
+        _mm_storeu_si128((__m128i *)(out + j), b);
+    }
+#endif
+    for (; j < j1; j++)
+        out[j] = rdt_fp8(k, rdt_load(src, bf16, at + j) / sc);
+}
+
+int rdt_quantize_fp8(const void *src, int bf16, int64_t rows, int64_t cols, int64_t ld,
+                     int64_t bm, int64_t bn, int fp8, uint8_t *q, float *scales)
+{
+    if (rows < 0 || cols < 0 || ld < cols || bm < 1 || bn < 1 || (fp8 != 0 && fp8 != 1))
+        return -1;
+    const rdt_fp8_t *k = fp8 ? &RDT_E5M2 : &RDT_E4M3FN;
+    int64_t gc = (cols + bn - 1) / bn;
+    for (int64_t r0 = 0; r0 < rows; r0 += bm) {
+        int64_t r1 = r0 + bm < rows ? r0 + bm : rows;
+        float *s = scales + (r0 / bm) * gc;
+        for (int64_t g = 0; g < gc; g++)
+            s[g] = 0.0f;
+        for (int64_t i = r0; i < r1; i++)
+            for (int64_t g = 0; g < gc; g++)
+                s[g] = rdt_amax(src, bf16, i * ld, g * bn,
+                                (g + 1) * bn < cols ? (g + 1) * bn : cols, s[g]);
+        for (int64_t g = 0; g < gc; g++)
+            s[g] = s[g] == 0.0f ? 1.0f : s[g] / k->fmax;
+        for (int64_t i = r0; i < r1; i++)
+            for (int64_t g = 0; g < gc; g++)
+                rdt_quant(k, src, bf16, i * ld, g * bn,
+                          (g + 1) * bn < cols ? (g + 1) * bn : cols, s[g], q + i * cols);
+    }
+    return 0;
 }

@@ -159,3 +159,48 @@ def test_bad_fp8_options_are_refused() -> None:
         WeightSender({"w": torch.zeros(4)}, wire_dtype=FP8, wire_scale="block")
     with pytest.raises(InvalidInputError, match="keep_fp8 must be True or False"):
         WeightReceiver({"w": torch.zeros(4)}, keep_fp8="yes")  # type: ignore[arg-type]
+
+
+def _edge_weight(shape: tuple[int, ...], dtype: torch.dtype, scale: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(shape, generator=g) * scale
+    flat = w.view(-1)
+    flat[:3] = 0.0
+    flat[3] = -0.0
+    flat[4] = 1e-40  # a subnormal fp32 (bf16 keeps some)
+    flat[5] = -scale * 1e-6  # rounds into FP8's subnormals
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
+def test_the_compiled_quantizer_is_torchs_arithmetic_bit_for_bit(
+        fp8: torch.dtype, src: torch.dtype) -> None:
+    """``quantize`` takes the helper's quantizing copy where it is built; its FP8 bytes
+    and scales must equal the plain-torch path's, bit for bit, on edge blocks, groups of
+    zeros, subnormals, values beyond FP8's range, NaN and inf, rows with padding (a
+    column slice) and every scale granularity."""
+    from ray_rdt_pool.memory.fastcopy import fp8_quantizer
+    from ray_rdt_pool.weights.fp8 import _quantize_native, block_of, quantize_torch
+
+    if fp8_quantizer() is None:
+        pytest.skip("the compiled copy helper is not built here "
+                    "(python -m ray_rdt_pool.memory.native build)")
+    cases: list[tuple[torch.Tensor, Any]] = []
+    for mag in (1e-3, 0.02, 1.0, 1e4):
+        for shape, scale in (((300, 257), (128, 128)), ((64, 40), "row"),
+                             ((100, 30), "tensor"), ((7, 9), (2, 3)), ((1, 33), (1, 16))):
+            cases.append((_edge_weight(shape, src, mag), scale))
+    big = _edge_weight((256, 256), src, 1.0)
+    big[0, 0], big[200, 200], big[130, 3] = float("nan"), float("inf"), -1e30
+    big[140:256, 140:256] = 0.0  # a block of zeros
+    cases += [(big, (128, 128)), (big[:, 3:200], (128, 128)),  # padded rows
+              (_edge_weight((4, 5, 6), src, 0.5), "tensor")]  # not 2-D: one scale
+    for w, scale in cases:
+        block = block_of(w.shape, scale)
+        got = _quantize_native(w, fp8, block)
+        assert got is not None, (tuple(w.shape), scale)
+        q, s = got
+        q0, s0 = quantize_torch(w, fp8, block)
+        assert torch.equal(s.view(torch.int32), s0.view(torch.int32)), (tuple(w.shape), scale)
+        assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)), (tuple(w.shape), scale)
