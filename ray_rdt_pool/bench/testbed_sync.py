@@ -88,6 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--relay", default="none",
                     help="comma-separated sync(relay=) values to compare in one run: "
                          "none, chain (e.g. none,chain); each sync round runs every one")
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                    help="the model's dtype (the trainer's and the engines' tensors)")
+    ap.add_argument("--wire", default="none",
+                    help="comma-separated wire dtypes to compare in one run: none (the "
+                         "model's dtype), fp8 (float8_e4m3fn with 128 x 128 block scales); "
+                         "each sync round runs every one")
     ap.add_argument("--trace", action="store_true",
                     help="time each engine's bucket loads (the last timed sync of each "
                          "row) and summarise where a chain's time goes")
@@ -121,10 +127,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.relays = [x.strip() for x in str(args.relay).split(",") if x.strip()]
     if not args.relays or set(args.relays) - {"none", "chain"}:
         ap.error(f"--relay must list none and/or chain, got {args.relay!r}")
+    args.wires = [x.strip() for x in str(args.wire).split(",") if x.strip()]
+    if not args.wires or set(args.wires) - {"none", "fp8"}:
+        ap.error(f"--wire must list none and/or fp8, got {args.wire!r}")
     if args.relays != ["none"] and args.mode != "stream":
         ap.error("--relay chain needs --mode stream")
-    if args.size_mib * MIB % args.tensors or (args.size_mib * MIB // args.tensors) % 4:
-        ap.error("--size-mib must split into --tensors equal fp32 tensors")
+    if args.size_mib * MIB % args.tensors or (args.size_mib * MIB // args.tensors) % 4096:
+        ap.error("--size-mib must split into --tensors equal tensors of whole 4 KiB rows")
     return args
 
 
@@ -139,7 +148,8 @@ def _peer_class() -> Any:
         """The trainer (sender) or an engine (receiver); one process on one node each."""
 
         def __init__(self, role: str, numel: int, tensors: int, bucket_bytes: int,
-                     pool_bytes: int, rank: int = 0, ranks: int = 1) -> None:
+                     pool_bytes: int, rank: int = 0, ranks: int = 1, dtype: str = "fp32",
+                     fp8: bool = False) -> None:
             import torch
 
             import ray_rdt_pool
@@ -149,14 +159,22 @@ def _peer_class() -> Any:
             ray_rdt_pool.configure(pool_bytes=pool_bytes, arena_bytes=pool_bytes)
             torch.set_num_threads(1)
             g = torch.Generator().manual_seed(1234)
-            self.state = {f"layers.{i}.weight": (torch.randn(numel, generator=g)
-                                                 if role == "trainer" else torch.zeros(numel))
+            # 2-D, so that FP8 block scales (128 x 128) apply as to a real layer.
+            shape = (numel // 1024, 1024)
+            dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+            self.state = {f"layers.{i}.weight": (torch.randn(shape, generator=g).to(dt)
+                                                 if role == "trainer"
+                                                 else torch.zeros(shape, dtype=dt))
                           for i in range(tensors)}
             if role == "trainer":  # rank r of M holds the names i with i % M == r
                 self.state = {k: v for i, (k, v) in enumerate(self.state.items())
                               if i % ranks == rank}
             if role == "trainer":
                 self.weight_sender = WeightSender(self.state, bucket_bytes=bucket_bytes)
+                if fp8:
+                    self.weight_sender_fp8 = WeightSender(
+                        self.state, bucket_bytes=bucket_bytes,
+                        wire_dtype=torch.float8_e4m3fn, wire_scale=(128, 128))
             else:
                 self.weight_receiver = WeightReceiver(self.state)
 
@@ -169,11 +187,22 @@ def _peer_class() -> Any:
 
             with torch.no_grad():
                 for t in self.state.values():
-                    t.view(torch.int32).add_(1)
+                    t.view(torch.int16 if t.element_size() == 2 else torch.int32).add_(1)
 
-        def digest(self) -> dict[str, str]:
-            return {k: hashlib.sha256(t.numpy().tobytes()).hexdigest()
-                    for k, t in self.state.items()}
+        def digest(self, wire: str = "none") -> dict[str, str]:
+            """SHA-256 of each tensor; for ``wire="fp8"`` of what an engine must hold
+            after an FP8 sync (the tensor quantized and dequantized)."""
+            import torch
+
+            from ray_rdt_pool.weights.fp8 import dequantize, quantize
+
+            out = {}
+            for k, t in self.state.items():
+                if wire == "fp8":
+                    q, s = quantize(t, torch.float8_e4m3fn, (128, 128))
+                    t = dequantize(q, s, (128, 128), t.dtype)
+                out[k] = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+            return out
 
         def trace(self) -> list[tuple[str, int, float, float]]:
             """Start timing (host clock: every namespace shares it) this engine's bucket
@@ -264,7 +293,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if n_nodes < args.nodes_needed:
         raise SystemExit(f"{n_nodes} Ray nodes, need {args.nodes_needed}")
     size = args.size_mib * MIB
-    numel = size // args.tensors // 4
+    numel = size // args.tensors // (2 if args.dtype == "bf16" else 4)
+    fp8 = "fp8" in args.wires
     bucket = int(args.bucket_mib * MIB)
     pool = args.pool_mib * MIB
     Peer = _peer_class()
@@ -274,29 +304,33 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     results = []
     trainer_ip = None
+    version = 0
     for m in args.rank_counts:
-        ranks = [on(r).remote("trainer", numel, args.tensors, bucket, pool, r, m)
+        ranks = [on(r).remote("trainer", numel, args.tensors, bucket, pool, r, m,
+                              args.dtype, fp8)
                  for r in range(m)]
         rank_ips = ray.get([t.where.remote() for t in ranks])
         trainer_ip = trainer_ip or rank_ips[0]
         # One rank is the single trainer of today's sync(trainer, engines).
         source: Any = ranks[0] if m == 1 else ranks
-        relays = list(args.relays)
+        # A variant is a relay and a wire dtype; results are keyed "relay" or
+        # "relay/wire".
+        variants = [(r, w) for r in args.relays for w in args.wires]
         for n in args.engine_counts if m == 1 else args.rank_engine_counts:
-            if not relays:
-                continue
             # Engines sit on the nodes after the trainer ranks'.
-            engines = [on(m + k).remote("engine", numel, args.tensors, bucket, pool)
+            engines = [on(m + k).remote("engine", numel, args.tensors, bucket, pool, 0, 1,
+                                        args.dtype)
                        for k in range(n)]
             ips = ray.get([e.where.remote() for e in engines])
             if len(set(ips) | set(rank_ips)) != n + m:
                 raise SystemExit(f"trainer ranks {rank_ips} and engines {ips} do not sit "
                                  f"on {n + m} distinct nodes")
-            times: dict[str, list[float]] = {r: [] for r in relays}
-            reported: dict[str, list[float]] = {r: [] for r in relays}
-            loads: dict[str, list[float]] = {r: [] for r in relays}
-            traces: dict[str, dict[str, float]] = {}
-            cold: dict[str, float] = {}
+            times: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
+            reported: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
+            loads: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
+            nbytes: dict[tuple[str, str], int] = {}
+            traces: dict[tuple[str, str], dict[str, float]] = {}
+            cold: dict[tuple[str, str], float] = {}
             idle: dict[str, float] = {}
             if args.trace:  # what the test bed costs with no sync running
                 cpu0 = _cpu_seconds()
@@ -305,57 +339,63 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 idle = {f"idle_cpu_{g}": round((cpu1[g] - cpu0.get(g, 0.0)) / 3.0
                                                / (os.cpu_count() or 1), 3) for g in cpu1}
                 print(f"  idle: {idle}", file=sys.stderr, flush=True)
-            # Each round runs every relay variant, so drift on a shared host hits them
-            # alike.
+            # Each round runs every variant, so drift on a shared host hits them alike.
             for k in range(args.syncs + 1):
-                for relay in relays:
+                for var in variants:
+                    relay, wire = var
+                    version += 1
                     ray.get([t.step.remote() for t in ranks])
                     if args.trace:
                         ray.get([e.trace.remote() for e in engines])
                         cpu0 = _cpu_seconds()
                     t0 = time.perf_counter()
                     rep = sync(source, engines, mode=args.mode,
-                               max_inflight=args.max_inflight,
-                               relay=None if relay == "none" else relay)
+                               max_inflight=args.max_inflight, version=version,
+                               relay=None if relay == "none" else relay,
+                               sender_attr="weight_sender_fp8" if wire == "fp8"
+                               else "weight_sender")
                     wall = time.perf_counter() - t0
                     if args.trace:
                         cpu1 = _cpu_seconds()  # before the digests, which cost CPU too
                     want: dict[str, str] = {}
-                    for d in ray.get([t.digest.remote() for t in ranks]):
+                    for d in ray.get([t.digest.remote(wire) for t in ranks]):
                         want.update(d)
                     got = ray.get([e.digest.remote() for e in engines])
                     bad = [i + 1 for i, d in enumerate(got) if d != want]
                     if bad or len(want) != args.tensors:
-                        raise SystemExit(f"{m} ranks, {n} engines, relay={relay}, sync {k}: "
-                                         f"engines {bad} hold other bytes than the trainer")
+                        raise SystemExit(f"{m} ranks, {n} engines, relay={relay}, "
+                                         f"wire={wire}, sync {k}: engines {bad} hold other "
+                                         "bytes than the trainer")
+                    nbytes[var] = rep.nbytes
                     if k == 0:
-                        cold[relay] = wall
+                        cold[var] = wall
                     else:
-                        times[relay].append(wall)
-                        reported[relay].append(rep.seconds)
-                        loads[relay].append(os.getloadavg()[0])
+                        times[var].append(wall)
+                        reported[var].append(rep.seconds)
+                        loads[var].append(os.getloadavg()[0])
                     if args.trace and k == args.syncs:
-                        traces[relay] = _where_time_goes(
+                        traces[var] = _where_time_goes(
                             ray.get([e.trace.remote() for e in engines]))
                         # The share of the host's cores each group kept busy.
-                        traces[relay].update({
+                        traces[var].update({
                             f"cpu_{g}": round((cpu1[g] - cpu0.get(g, 0.0)) / wall
                                               / (os.cpu_count() or 1), 3)
                             for g in cpu1})
-                        print(f"  where the time goes: {traces[relay]}", file=sys.stderr,
+                        print(f"  where the time goes: {traces[var]}", file=sys.stderr,
                               flush=True)
-                    print(f"ranks={m} engines={n} relay={relay} sync={k} {wall:.3f} s "
-                          "(byte-exact)", file=sys.stderr, flush=True)
+                    print(f"ranks={m} engines={n} relay={relay} wire={wire} sync={k} "
+                          f"{wall:.3f} s (byte-exact)", file=sys.stderr, flush=True)
             for e in engines:
                 ray.kill(e)
             del engines
             time.sleep(1.0)
-            for relay in relays:
-                results.append({"ranks": m, "engines": n, "relay": relay,
-                                "median_s": statistics.median(times[relay]),
-                                "times_s": times[relay], "cold_s": cold[relay],
-                                "sync_report_s": reported[relay], "load1": loads[relay],
-                                "trace": {**traces[relay], **idle} if relay in traces
+            for var in variants:
+                results.append({"ranks": m, "engines": n, "relay": var[0], "wire": var[1],
+                                "median_s": statistics.median(times[var]),
+                                "times_s": times[var], "cold_s": cold[var],
+                                "sync_report_s": reported[var], "load1": loads[var],
+                                "nbytes": nbytes[var],
+                                "trace": {**traces[var], **idle} if var in traces
                                 else None, "byte_exact": True})
         for t in ranks:
             ray.kill(t)
@@ -378,19 +418,23 @@ def table(report: dict[str, Any]) -> str:
     many = any(r.get("ranks", 1) > 1 for r in report["results"])
     kinds = [k for k in ("tcp", "nixl") if k in report.get("floors", {})]
     where = "trainer ranks on nodes 0 to M-1" if many else "trainer on node 0"
+    wires = any(r.get("wire", "none") != "none" for r in report["results"])
     lines = [f"sync(mode={report['mode']!r}) of {report['size_mib']} MiB in "
-             f"{report['tensors']} tensors, {report['bucket_mib']:g} MiB buckets, {where}, "
+             f"{report['tensors']} {report.get('dtype', 'fp32')} tensors, "
+             f"{report['bucket_mib']:g} MiB buckets, {where}, "
              f"one engine per node, {rate} per node (test bed, "
              f"{report['host']['cpu']}, {report['host']['cores']} cores)",
-             f"| {'ranks | ' if many else ''}engines | relay | median of {report['syncs']} "
+             f"| {'ranks | ' if many else ''}engines | relay | {'wire | ' if wires else ''}"
+             f"median of {report['syncs']} "
              f"| all times | vs 1 {'trainer to 1 ' if many else ''}engine | link floor | "
-             "floor vs 1 engine |" + "".join(f" {k} chain, no Ray | ours vs it |"
-                                               for k in kinds),
+             "floor vs 1 engine |" + ("vs the model's dtype |" if wires else "")
+             + "".join(f" {k} chain, no Ray | ours vs it |" for k in kinds),
              "|---|---|---|---|---|---|---|" + ("---|" if many else "")
-             + "---|---|" * len(kinds)]
+             + ("---|---|" if wires else "") + "---|---|" * len(kinds)]
     # The ratio's base: one trainer to one engine without relay (a chain of one is the
     # same sync).
-    ones = [r for r in report["results"] if r["engines"] == 1 and r.get("ranks", 1) == 1]
+    ones = [r for r in report["results"] if r["engines"] == 1 and r.get("ranks", 1) == 1
+            and r.get("wire", "none") == "none"]
     base = min(ones, key=lambda r: r.get("relay", "none") != "none")["median_s"] if ones \
         else None
     one_floor = next((r["floor_s"] for r in ones if r["floor_s"]), None)
@@ -400,11 +444,18 @@ def table(report: dict[str, Any]) -> str:
         floor = f"{r['floor_s']:.2f} s" if r["floor_s"] is not None else "-"
         fratio = f"{r['floor_s'] / one_floor:.2f}x" if r["floor_s"] and one_floor else "-"
         extra = ""
+        if wires:
+            same = next((o for o in report["results"] if o.get("wire", "none") == "none"
+                         and all(o.get(f) == r.get(f) for f in ("ranks", "engines", "relay"))),
+                        None)
+            extra += f" {r['median_s'] / same['median_s']:.2f}x |" if same else " - |"
         for k in kinds:
             c = r.get(f"{k}_chain_s")
             extra += (f" {c:.2f} s | {r['median_s'] / c:.2f}x |" if c else " - | - |")
         lines.append(f"| {str(r.get('ranks', 1)) + ' | ' if many else ''}{r['engines']} | "
-                     f"{r.get('relay', 'none')} | {r['median_s']:.2f} s | {times} | {ratio} "
+                     f"{r.get('relay', 'none')} | "
+                     f"{r.get('wire', 'none') + ' | ' if wires else ''}"
+                     f"{r['median_s']:.2f} s | {times} | {ratio} "
                      f"| {floor} | {fratio} |{extra}")
     return "\n".join(lines)
 
@@ -457,16 +508,21 @@ def main(argv: list[str] | None = None) -> int:
         # Without relay a rank's egress carries its share to every engine and an
         # engine's ingress the whole model; a chain carries each bucket once per link,
         # plus one bucket per hop to fill the pipeline.
+        # An FP8 model is smaller on the wire: its floor counts what the sender sent.
+        model = r["nbytes"] if r.get("wire", "none") != "none" and r.get("ranks", 1) == 1 \
+            else size
         if r.get("relay") == "chain":
-            sent = size + (r["engines"] - 1) * bucket
+            sent = model + (r["engines"] - 1) * bucket
         else:
-            sent = max(r["engines"] / r.get("ranks", 1), 1.0) * size
+            sent = max(r["engines"] / r.get("ranks", 1), 1.0) * model
         r["floor_s"] = sent * 8 / rate_bps if rate_bps else None
         for kind, per_n in floors.items():
-            if r.get("relay") == "chain" and r.get("ranks", 1) == 1 and r["engines"] in per_n:
+            if r.get("relay") == "chain" and r.get("ranks", 1) == 1 \
+                    and r.get("wire", "none") == "none" and r["engines"] in per_n:
                 r[f"{kind}_chain_s"] = statistics.median(per_n[r["engines"]])
     report = {
         "what": "testbed_sync", "mode": args.mode, "relays": args.relays,
+        "dtype": args.dtype, "wires": args.wires,
         "size_mib": args.size_mib,
         "tensors": args.tensors, "bucket_mib": args.bucket_mib, "syncs": args.syncs,
         "ranks": args.rank_counts,
