@@ -80,3 +80,28 @@ def test_netns_nodes_needs_root_and_says_why(monkeypatch: pytest.MonkeyPatch,
         options.parse_config(["--netns-nodes", "1"])
     with pytest.raises(SystemExit):
         options.parse_config(["--netns-nodes", "3", "--address", "h:1"])
+
+
+def test_testbed_sync_tables_every_wire_and_relay_row_with_its_columns() -> None:
+    """A run of bf16 and FP8 wires prints one row per (engines, relay, wire), each with
+    the header's columns and the FP8 row's ratio against the same sync in bf16."""
+    from ray_rdt_pool.bench import testbed_sync as ts
+
+    args = ts.parse_args(["--engines", "1,2", "--relay", "none,chain", "--wire", "none,fp8",
+                          "--dtype", "bf16", "--floors", "tcp"])
+    assert args.wires == ["none", "fp8"] and args.dtype == "bf16"
+    results = [{"ranks": 1, "engines": n, "relay": r, "wire": w,
+                "median_s": (1.0 if w == "none" else 0.5) * n, "times_s": [1.0],
+                "floor_s": 1.0, "tcp_chain_s": 0.9 if r == "chain" else None}
+               for n in (1, 2) for r in ("none", "chain") for w in ("none", "fp8")]
+    report = {"rate": "500mbit", "results": results, "floors": {"tcp": {}}, "mode": "stream",
+              "size_mib": 64, "tensors": 32, "dtype": "bf16", "bucket_mib": 2.0, "syncs": 3,
+              "host": {"cpu": "cpu", "cores": 2}}
+    lines = ts.table(report).splitlines()
+    rows = lines[3:]
+    assert len(rows) == 8
+    assert {ln.count("|") for ln in lines[1:]} == {lines[1].count("|")}
+    fp8_rows = [ln for ln in rows if "| fp8 |" in ln]
+    assert len(fp8_rows) == 4 and all("| 0.50x |" in ln for ln in fp8_rows)
+    with pytest.raises(SystemExit):
+        ts.parse_args(["--wire", "fp16"])
