@@ -32,6 +32,8 @@ import threading
 import time
 from typing import Any
 
+from ray_rdt_pool.core.clock import Backoff
+
 TCP_PORT = 47011
 NIXL_PORT = 47012
 
@@ -180,15 +182,14 @@ def nixl_node(i: int, hops: int, hub: str, size: int, bucket: int, rounds: int) 
             inbox.extend((s, bytes(m)) for m in msgs)
 
     def wait_for(sender: str, msg: bytes) -> None:
-        pause = 20e-6
+        backoff = Backoff()  # the pauses of ours, so that the floor polls alike
         while True:
             for j, (s, m) in enumerate(inbox):
                 if s == sender and m == msg:
                     del inbox[j]
                     return
             poll()
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            time.sleep(backoff.next())
 
     def send(k: int, msg: bytes) -> None:
         while True:

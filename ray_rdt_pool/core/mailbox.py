@@ -7,9 +7,9 @@ Pure (stdlib and msgpack). A :class:`Mailbox` sits on one process's signal endpo
 (the sender ran ahead): it waits, for :data:`PENDING_S` at most. Once an inbox is
 closed, later messages of its topic are dropped.
 
-Nothing wakes a waiter when a notification lands, so a wait polls the endpoint: every
-:data:`FAST_POLL_S` right after a message, backing off to :data:`SLOW_POLL_S` while
-none comes (a sync's hot loop stays fast, an idle wait costs little).
+Nothing wakes a waiter when a notification lands, so a wait polls the endpoint with the
+pauses of a :class:`~ray_rdt_pool.core.clock.Backoff` (a sync's hot loop stays fast, an
+idle wait costs little).
 
 Lifetime: one mailbox per process, made with the endpoint, closed with it. An inbox
 lives for one session on one process. Threads: any; one lock guards the routing, and
@@ -25,14 +25,11 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from ray_rdt_pool.core.clock import SYSTEM_CLOCK, Clock
+from ray_rdt_pool.core.clock import SYSTEM_CLOCK, Backoff, Clock
 
-__all__ = ["FAST_POLL_S", "PENDING_S", "SLOW_POLL_S", "Inbox", "Mailbox", "Message",
+__all__ = ["PENDING_S", "Inbox", "Mailbox", "Message",
            "decode", "encode"]
 
-#: The first pause of a wait that found nothing (seconds), doubled up to SLOW_POLL_S.
-FAST_POLL_S = 20e-6
-SLOW_POLL_S = 1e-3
 #: How long a message waits for its topic's inbox to open.
 PENDING_S = 600.0
 #: Closed topics remembered, so their late messages are dropped rather than kept.
@@ -184,7 +181,7 @@ class Mailbox:
         """The next message of ``box``, polling the endpoint for up to ``timeout_s``."""
         clock = self.clock
         deadline = clock.monotonic() + timeout_s
-        pause = FAST_POLL_S
+        backoff = Backoff(clock)
         while True:
             with self._lock:
                 if not box._queue:
@@ -194,5 +191,4 @@ class Mailbox:
             left = deadline - clock.monotonic()
             if left <= 0 or (stop is not None and stop()):
                 return None
-            clock.sleep(min(pause, left))
-            pause = min(pause * 2, SLOW_POLL_S)
+            clock.sleep(min(backoff.next(), left))

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ray_rdt_pool.core.clock import SYSTEM_CLOCK, Clock
+from ray_rdt_pool.core.clock import SYSTEM_CLOCK, Backoff, Clock
 from ray_rdt_pool.core.descriptors import merge_descriptors
 from ray_rdt_pool.core.selection import SelectionPlan, plan_for_object
 from ray_rdt_pool.errors import ReadStillRunningError, TransferError
@@ -207,7 +207,7 @@ class Receiver:
         own = timeout if timeout is not None and user_limit else float("inf")
         clock = self.clock
         deadline = min(t.started + self.config.fetch_timeout_s, clock.monotonic() + own)
-        delay = 20e-6
+        backoff = Backoff(clock)
         try:
             while True:
                 state = self.transfers.poll(t)
@@ -219,8 +219,7 @@ class Receiver:
                 if clock.monotonic() >= deadline:
                     state = "TIMEOUT"
                     break
-                clock.sleep(delay)
-                delay = min(delay * 2, 1e-3)
+                clock.sleep(backoff.next())
         except BaseException:
             # Interrupted (Ctrl-C in the sleep, a failing poll): nobody will consume this
             # READ, so hand it to reap(), which ends it or cuts it at fetch_timeout_s (a
