@@ -14,3 +14,11 @@ def pytest_collection_modifyitems(config: Any, items: list[pytest.Item]) -> None
              and i.get_closest_marker("ray") is not None]
     if wrong:
         raise pytest.UsageError(f"tests marked ray under tests/unit/: {wrong}")
+
+
+@pytest.fixture()
+def world() -> Any:
+    """A fresh fake NIXL world (ray_rdt_pool.testing): agents, GCS and clock of one process."""
+    from ray_rdt_pool.testing import World
+
+    return World()
