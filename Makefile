@@ -37,12 +37,15 @@ PYTEST := $(VPY) -m pytest -q -rs
 test: $(STAMP)
 	$(VPY) -m ruff check ray_rdt_pool tests microbenchmarks examples
 	$(VPY) -m mypy
-	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests \
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(TEST_PATHS) \
 	    --ignore=tests/stress/test_testbed.py
+
+# What make test runs: the tests, and the microbenchmarks' check of themselves.
+TEST_PATHS := tests microbenchmarks/test_put_phases.py
 
 # The tests that need no Ray cluster (tests/unit/), test by test on UNIT_WORKERS processes.
 test-unit: $(STAMP)
-	$(PYTEST) -n $(UNIT_WORKERS) tests/unit
+	$(PYTEST) -n $(UNIT_WORKERS) tests/unit microbenchmarks/test_put_phases.py
 
 # The chaos run and the multi-node test bed's test.
 test-stress: $(STAMP)
