@@ -57,91 +57,130 @@ _OURS = "RAY_RDT_POOL_"
 # -- scheduling on pytest-xdist workers (`make test`: --dist loadgroup) -------------------
 #
 # A work unit runs on one worker. A module under integration/, stress/ or gpu/ is one
-# unit, so its module-scoped cluster starts once; every other test is a unit of its own.
-# Units are handed out longest first (the costs below, in seconds of one run on two
-# cores; a module not listed costs 1 per test), so that no long unit starts last and
-# leaves the other workers idle at the end.
+# unit, so its module-scoped actors start once; every other test is a unit of its own.
+# The units of modules that run a cluster of their own (marked ``own_cluster``) go
+# first, so that each worker leaves its shared cluster as seldom as possible; then the
+# longest first (the costs below, in seconds of a measured run on two cores; a unit not
+# listed costs 1 per test), so that no long unit starts last and leaves the other
+# workers idle at the end.
 
-#: Modules whose tests start no shared cluster (each test runs its own driver or README
-#: block in a subprocess with a cluster of its own, or needs none): each test is a unit
-#: of its own.
+#: Modules whose tests share no module-scoped actors (each test runs its own driver or
+#: README block in a subprocess, or needs no cluster): each test is a unit of its own.
 _PER_TEST = {
     "integration/test_bench_cli.py",
     "integration/test_lifecycle.py",
     "integration/test_readme_blocks.py",
 }
 
-#: Long modules split into this many units: each starts its own cluster, in parallel.
+#: Long modules split into this many units: each starts its own actors, in parallel.
 _SPLIT = {
     "integration/test_transport.py": 2,
 }
 
 #: Measured cost of the long units (a module, or module::test for a per-test module).
+# BEGIN COSTS (written by tools/test_costs.py from a measured run: make test-costs)
 _COST = {
-    "integration/test_bench_cli.py::test_cli_smallest_run_writes_complete_json": 235,
-    "integration/test_examples.py": 200,
-    "integration/test_cli.py": 200,
-    "integration/test_weights_ranks.py": 60,
-    "integration/test_weights_relay.py": 120,
-    "integration/test_transport.py": 400,
-    "integration/test_reliability.py": 260,
-    "integration/test_same_node.py": 200,
-    "integration/test_async_after_faults.py": 110,
-    "integration/test_same_node_kept.py": 90,
-    "integration/test_observability.py": 90,
-    "stress/test_chaos.py": 80,
-    "stress/test_testbed.py": 70,
-    "integration/test_weights.py": 80,
-    "integration/test_multinode.py": 60,
-    "integration/test_weights_memory.py": 50,
-    "integration/test_lifecycle.py::test_driver_that_received_objects_exits_cleanly": 55,
-    "integration/test_lifecycle.py::test_driver_sends_again_after_a_ray_restart": 40,
-    "integration/test_lifecycle.py::"
-    "test_same_node_receivers_map_the_drivers_objects_after_a_ray_restart": 40,
-    "integration/test_lifecycle.py::test_shutdown_stops_the_thread_and_removes_the_agent_key":
-        30,
-    "integration/test_lifecycle.py::"
-    "test_driver_exits_quietly_while_an_overflow_region_lingers": 25,
-    "integration/test_readme_blocks.py": 35,
-    "integration/test_native_build.py": 40,
-    "integration/test_weights_tp.py": 40,
-    "integration/test_source_reads.py": 40,
-    "integration/test_weights_engine.py": 30,
-    "unit/core/test_allocator.py::test_allocator_state_machine_runs_10k_operations": 15,
+    'integration/test_transport.py': 224,
+    'integration/test_reliability.py': 174,
+    'integration/test_weights_relay.py': 131,
+    'integration/test_examples.py': 125,
+    'integration/test_source_reads.py': 88,
+    'integration/test_same_node_kept.py': 84,
+    'integration/test_bench_cli.py::test_cli_smallest_run_writes_complete_json': 83,
+    'integration/test_async_after_faults.py': 82,
+    'integration/test_cli.py': 81,
+    'integration/test_same_node.py': 73,
+    'integration/test_multinode.py': 71,
+    'stress/test_chaos.py': 67,
+    'integration/test_weights.py': 63,
+    'integration/test_weights_ranks.py': 56,
+    'integration/test_weights_memory.py': 44,
+    'integration/test_weights_engine.py': 40,
+    'integration/test_observability.py': 38,
+    'integration/test_weights_tp.py': 36,
+    'integration/test_lifecycle.py::test_driver_that_received_objects_exits_cleanly': 36,
+    'integration/test_lifecycle.py::'
+    'test_same_node_receivers_map_the_drivers_objects_after_a_ray_restart': 33,
+    'integration/test_native_build.py': 28,
+    'integration/test_lifecycle.py::test_driver_sends_again_after_a_ray_restart': 26,
+    'integration/test_readme_blocks.py::test_readme_python_block_runs': 20,
+    'integration/test_lifecycle.py::test_driver_exits_quietly_while_an_overflow_region_lingers': 17,
+    'integration/test_lifecycle.py::test_shutdown_stops_the_thread_and_removes_the_agent_key': 16,
+    'unit/core/test_allocator.py::test_allocator_state_machine_runs_10k_operations': 6,
+    'unit/nixl/test_read_lanes.py::test_progress_is_fast_after_a_put_and_slow_when_idle': 6,
+    'integration/test_bench_cli.py::test_floor_lanes_check_each_variants_bytes': 5,
 }
+# END COSTS
 
 
-def _unit_of(item: Any, index_in_module: int, module_size: int) -> tuple[str, float]:
-    """The work unit of ``item`` (its xdist group) and the unit's cost."""
-    path, _, name = item.nodeid.partition("::")
+def _unit_of(nodeid: str, index_in_module: int, module_size: int) -> tuple[str, float]:
+    """The work unit of test ``nodeid`` (the ``index_in_module``-th of its module's
+    ``module_size``) and the unit's cost."""
+    path, _, name = nodeid.partition("::")
     rel = path.split("tests/", 1)[-1]
     test = f"{rel}::{name.split('[', 1)[0]}"
     if rel.split("/", 1)[0] not in ("integration", "stress", "gpu") or rel in _PER_TEST:
-        return item.nodeid, _COST.get(test, _COST.get(rel, 1.0))
+        return nodeid, _COST.get(test, _COST.get(rel, 1.0))
     parts = _SPLIT.get(rel, 1)
     part = index_in_module * parts // max(module_size, 1)
     return f"{rel}#{part}", _COST.get(rel, module_size) / parts
 
 
+def _units(nodeids: list[str]) -> dict[str, tuple[str, float]]:
+    """The work unit and its cost of each of ``nodeids`` (in collection order)."""
+    by_module: dict[str, list[str]] = {}
+    for nodeid in nodeids:
+        by_module.setdefault(nodeid.partition("::")[0], []).append(nodeid)
+    return {nodeid: _unit_of(nodeid, i, len(ids))
+            for ids in by_module.values() for i, nodeid in enumerate(ids)}
+
+
+def _distributed(config: Any) -> bool:
+    """This process is a pytest-xdist worker, or its controller."""
+    return hasattr(config, "workerinput") or config.getoption("dist", "no") != "no"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    if config.getoption("dist", "no") != "loadgroup":
+    # What the workers collect is what gets scheduled, in this order.
+    if not _distributed(config):
         return
-    by_module: dict[str, list[Any]] = {}
-    for item in items:
-        by_module.setdefault(item.nodeid.partition("::")[0], []).append(item)
-    cost: dict[str, float] = {}
+    units = _units([item.nodeid for item in items])
     order: dict[str, int] = {}
-    group: dict[int, str] = {}
-    for module_items in by_module.values():
-        for i, item in enumerate(module_items):
-            unit, c = _unit_of(item, i, len(module_items))
-            cost[unit] = c
-            order.setdefault(unit, len(order))
-            group[id(item)] = unit
-            item.add_marker(pytest.mark.xdist_group(unit))
-    # Longest unit first; a unit's tests stay together and in their order.
-    items.sort(key=lambda it: (-cost[group[id(it)]], order[group[id(it)]]))
+    for item in items:
+        order.setdefault(units[item.nodeid][0], len(order))
+    own = {units[it.nodeid][0] for it in items if it.get_closest_marker("own_cluster")}
+    # Own clusters first, then the longest unit first; a unit's tests stay together and
+    # in their order.
+    items.sort(key=lambda it: (units[it.nodeid][0] not in own, -units[it.nodeid][1],
+                               order[units[it.nodeid][0]]))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
+    """xdist's loadscope scheduling, with this suite's work units (``_unit_of``) as its
+    scopes, handed out in the workers' collection order (``--no-loadscope-reorder``).
+
+    Not xdist's loadgroup: pytest-xdist 3.8 groups tests by appending the group to
+    ``item._nodeid``, which pytest 9 no longer reads, so every test went out as a unit of
+    its own; a module's tests ran on both workers, each starting the module's actors
+    (or its cluster, or the chaos run) again, in no longest-first order.
+    """
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        unit: dict[str, str] = {}
+
+        def schedule(self) -> None:
+            if self.collection is None and self.registered_collections:
+                ids = list(next(iter(self.registered_collections.values())))
+                self.unit = {n: u for n, (u, _c) in _units(ids).items()}
+            super().schedule()
+
+        def _split_scope(self, nodeid: str) -> str:
+            return self.unit.get(nodeid, nodeid)
+
+    return UnitScheduling(config, log)
 
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
