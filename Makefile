@@ -5,7 +5,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: test test-unit test-stress bench bench-full wheel-check lint venv clean
+.PHONY: test test-unit test-stress test-costs bench bench-full wheel-check lint venv clean
 
 $(STAMP): pyproject.toml ray_rdt_pool/memory/native/_copy.c ray_rdt_pool/memory/native/_native.cpp
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -23,30 +23,40 @@ $(STAMP): pyproject.toml ray_rdt_pool/memory/native/_copy.c ray_rdt_pool/memory/
 
 venv: $(STAMP)
 
-# The tests run on TEST_WORKERS pytest processes, one per core: each cluster test starts
-# a Ray cluster of several processes, and more workers than cores made the whole run
-# slower, not faster. A cluster module runs whole on one of them (it starts one Ray
-# cluster and shares it among its tests), longest first: see tests/conftest.py.
-# TEST_WORKERS=0 runs them all in this one process. The multi-node test bed's own test
-# (network namespaces, root only: a tool of the benchmarks, not a promise of the
-# transport) runs in make test-stress.
-TEST_WORKERS ?= 2
+# The tests run on TEST_WORKERS pytest processes. Each runs one Ray cluster, shared by
+# its cluster modules, and a cluster module runs whole on one of them (tests/conftest.py
+# makes the work units xdist's scopes), longest first. One more process than this
+# machine's two cores: the tests wait (timeouts, lingers, drivers starting) as much as
+# they compute, and a third process fills those waits (about 0.75x the time of two on
+# the 2-core VM). TEST_WORKERS=0 runs them all in this one process. The multi-node test bed's own test (network namespaces, root only: a tool of
+# the benchmarks, not a promise of the transport) runs in make test-stress.
+TEST_WORKERS ?= 3
 UNIT_WORKERS ?= 2
 PYTEST := $(VPY) -m pytest -q -rs
 
 test: $(STAMP)
 	$(VPY) -m ruff check ray_rdt_pool tests microbenchmarks examples
 	$(VPY) -m mypy
-	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests \
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(TEST_PATHS) \
 	    --ignore=tests/stress/test_testbed.py
+
+# What make test runs: the tests, and the microbenchmarks' check of themselves.
+TEST_PATHS := tests microbenchmarks/test_put_phases.py
 
 # The tests that need no Ray cluster (tests/unit/), test by test on UNIT_WORKERS processes.
 test-unit: $(STAMP)
-	$(PYTEST) -n $(UNIT_WORKERS) tests/unit
+	$(PYTEST) -n $(UNIT_WORKERS) tests/unit microbenchmarks/test_put_phases.py
+
+# The cost table the scheduler of make test hands out work by (tests/conftest.py),
+# measured: a whole run with --durations=0, whose per-test times tools/test_costs.py sums
+# per work unit and writes into the table. Run it after adding or changing slow tests.
+test-costs: $(STAMP)
+	$(VPY) tools/test_costs.py --workers $(TEST_WORKERS) -- $(TEST_PATHS) \
+	    --ignore=tests/stress/test_testbed.py
 
 # The chaos run and the multi-node test bed's test.
 test-stress: $(STAMP)
-	$(PYTEST) -n $(UNIT_WORKERS) --dist loadgroup --no-loadscope-reorder tests/stress
+	$(PYTEST) -n $(UNIT_WORKERS) --dist loadscope --no-loadscope-reorder tests/stress
 
 # The optional TransferQueue variant of the benchmark; a failed install only skips it.
 BENCH_STAMP := $(VENV)/.bench-installed

@@ -1,29 +1,34 @@
 """Test-session hooks.
 
-The pytest process is an unusual Ray driver: it starts and stops some forty local Ray
-clusters (and two-node ``Cluster`` s) in one interpreter. In 2 of about 9 fresh-clone runs
-of the whole suite it segfaulted *after* every test had passed and the summary was
-printed, during interpreter finalization, with no Python frame to show (the cause is not
-found; Ray's and NIXL's native teardown after many init/shutdown cycles is the suspect).
-The product's own exit path is tested where it matters, in drivers that exit normally:
-``tests/integration/test_lifecycle.py`` (twice in a row, and with received views alive at exit).
+Each test process (a pytest-xdist worker, or pytest itself with ``-n 0``) runs one Ray
+cluster, shared by its cluster modules (the ``ray_cluster`` fixture below; the cluster
+and the helpers are in tests/support/raycluster.py), and ends it when the session ends.
+A module that needs a cluster of its own says why at its top and is marked
+``own_cluster``; the scheduler below runs those first.
 
-So the session ends with an explicit teardown (Ray, then this package's runtime) and
-``os._exit`` with pytest's exit status, instead of the interpreter's finalization. Any
-thread still alive at that point is named on stderr, to help find the cause later.
+The session used to end with ``os._exit``: in 2 of about 9 runs, when each module started
+and stopped a cluster of its own (some forty per process), pytest segfaulted during
+interpreter finalization after every test had passed. With one cluster per process it
+ends as any driver does: the cluster and this package's transport are shut down here,
+then the interpreter finalizes (the product's own exit path is tested in drivers that
+exit normally, tests/integration/test_lifecycle.py).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-_status: list[int] = []
+
+def pytest_configure(config: Any) -> None:
+    # No Ray cluster of this session, or of the drivers it runs in subprocesses, prestarts
+    # idle workers for its first driver: every actor of the tests has a runtime_env of its
+    # own, which no prestarted worker matches, so they only cost a Python start each.
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,118 +59,158 @@ def _module_environment() -> Iterator[None]:
 
 _OURS = "RAY_RDT_POOL_"
 
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[str]:
+    """The shared Ray cluster of this test process, for this module: its GCS address (a
+    driver in a subprocess joins it through ``RAY_ADDRESS``). Started by the first module
+    that asks for it, and ended with the session; every actor the module made must be gone
+    at its end (tests/support/raycluster.py)."""
+    from tests.support.raycluster import module_actors_end, shared_cluster
+
+    address = shared_cluster()
+    with module_actors_end():
+        yield address
+
 # -- scheduling on pytest-xdist workers (`make test`: --dist loadgroup) -------------------
 #
 # A work unit runs on one worker. A module under integration/, stress/ or gpu/ is one
-# unit, so its module-scoped cluster starts once; every other test is a unit of its own.
-# Units are handed out longest first (the costs below, in seconds of one run on two
-# cores; a module not listed costs 1 per test), so that no long unit starts last and
-# leaves the other workers idle at the end.
+# unit, so its module-scoped actors start once; every other test is a unit of its own.
+# The units of modules that run a cluster of their own (marked ``own_cluster``) go
+# first, so that each worker leaves its shared cluster as seldom as possible; then the
+# longest first (the costs below, in seconds of a measured run on two cores; a unit not
+# listed costs 1 per test), so that no long unit starts last and leaves the other
+# workers idle at the end.
 
-#: Modules whose tests start no shared cluster (each test runs its own driver or README
-#: block in a subprocess with a cluster of its own, or needs none): each test is a unit
-#: of its own.
+#: Modules whose tests share no module-scoped actors (each test runs its own driver or
+#: README block in a subprocess, or needs no cluster): each test is a unit of its own.
 _PER_TEST = {
     "integration/test_bench_cli.py",
     "integration/test_lifecycle.py",
     "integration/test_readme_blocks.py",
 }
 
-#: Long modules split into this many units: each starts its own cluster, in parallel.
+#: Long modules split into this many units: each starts its own actors, in parallel.
 _SPLIT = {
     "integration/test_transport.py": 2,
 }
 
 #: Measured cost of the long units (a module, or module::test for a per-test module).
+# BEGIN COSTS (written by tools/test_costs.py from a measured run: make test-costs)
 _COST = {
-    "integration/test_bench_cli.py::test_cli_smallest_run_writes_complete_json": 235,
-    "integration/test_examples.py": 200,
-    "integration/test_cli.py": 200,
-    "integration/test_weights_ranks.py": 60,
-    "integration/test_weights_relay.py": 120,
-    "integration/test_transport.py": 400,
-    "integration/test_reliability.py": 260,
-    "integration/test_same_node.py": 200,
-    "integration/test_async_after_faults.py": 110,
-    "integration/test_same_node_kept.py": 90,
-    "integration/test_observability.py": 90,
-    "stress/test_chaos.py": 80,
-    "stress/test_testbed.py": 70,
-    "integration/test_weights.py": 80,
-    "integration/test_multinode.py": 60,
-    "integration/test_weights_memory.py": 50,
-    "integration/test_lifecycle.py::test_driver_that_received_objects_exits_cleanly": 55,
-    "integration/test_lifecycle.py::test_driver_sends_again_after_a_ray_restart": 40,
-    "integration/test_lifecycle.py::"
-    "test_same_node_receivers_map_the_drivers_objects_after_a_ray_restart": 40,
-    "integration/test_lifecycle.py::test_shutdown_stops_the_thread_and_removes_the_agent_key":
-        30,
-    "integration/test_lifecycle.py::"
-    "test_driver_exits_quietly_while_an_overflow_region_lingers": 25,
-    "integration/test_readme_blocks.py": 35,
-    "integration/test_native_build.py": 40,
-    "integration/test_weights_tp.py": 40,
-    "integration/test_source_reads.py": 40,
-    "integration/test_weights_engine.py": 30,
-    "unit/core/test_allocator.py::test_allocator_state_machine_runs_10k_operations": 15,
+    'integration/test_reliability.py': 234,
+    'integration/test_transport.py': 158,
+    'integration/test_bench_cli.py::test_cli_smallest_run_writes_complete_json': 127,
+    'integration/test_cli.py': 112,
+    'integration/test_examples.py': 101,
+    'integration/test_async_after_faults.py': 84,
+    'integration/test_same_node.py': 65,
+    'integration/test_weights_relay.py': 56,
+    'integration/test_lifecycle.py::test_driver_that_received_objects_exits_cleanly': 54,
+    'integration/test_source_reads.py': 44,
+    'stress/test_chaos.py': 42,
+    'integration/test_lifecycle.py::test_driver_sends_and_maps_again_after_a_ray_restart': 42,
+    'integration/test_weights.py': 38,
+    'integration/test_multinode.py': 38,
+    'integration/test_observability.py': 37,
+    'integration/test_same_node_kept.py': 35,
+    'integration/test_weights_ranks.py': 35,
+    'integration/test_weights_engine.py': 26,
+    'integration/test_native_build.py': 25,
+    'integration/test_lifecycle.py::test_driver_exits_quietly_while_an_overflow_region_lingers': 21,
+    'integration/test_readme_blocks.py::test_readme_python_block_runs': 18,
+    'integration/test_weights_tp.py': 16,
+    'integration/test_weights_memory.py': 13,
+    'integration/test_lifecycle.py::test_shutdown_stops_the_thread_and_removes_the_agent_key': 12,
+    'unit/test_lifecycle_logic.py::'
+    'test_blocks_alive_at_exit_make_no_python_calls_during_finalization': 9,
+    'unit/core/test_allocator.py::test_allocator_state_machine_runs_10k_operations': 7,
+    'unit/nixl/test_read_lanes.py::test_progress_is_fast_after_a_put_and_slow_when_idle': 6,
+    'unit/nixl/test_read_lanes.py::test_two_real_lanes_read_byte_exact_between_two_processes': 6,
+    'integration/test_bench_cli.py::test_floor_lanes_check_each_variants_bytes': 6,
 }
+# END COSTS
 
 
-def _unit_of(item: Any, index_in_module: int, module_size: int) -> tuple[str, float]:
-    """The work unit of ``item`` (its xdist group) and the unit's cost."""
-    path, _, name = item.nodeid.partition("::")
+def _unit_of(nodeid: str, index_in_module: int, module_size: int) -> tuple[str, float]:
+    """The work unit of test ``nodeid`` (the ``index_in_module``-th of its module's
+    ``module_size``) and the unit's cost."""
+    path, _, name = nodeid.partition("::")
     rel = path.split("tests/", 1)[-1]
     test = f"{rel}::{name.split('[', 1)[0]}"
     if rel.split("/", 1)[0] not in ("integration", "stress", "gpu") or rel in _PER_TEST:
-        return item.nodeid, _COST.get(test, _COST.get(rel, 1.0))
+        return nodeid, _COST.get(test, _COST.get(rel, 1.0))
     parts = _SPLIT.get(rel, 1)
     part = index_in_module * parts // max(module_size, 1)
     return f"{rel}#{part}", _COST.get(rel, module_size) / parts
 
 
+def _units(nodeids: list[str]) -> dict[str, tuple[str, float]]:
+    """The work unit and its cost of each of ``nodeids`` (in collection order)."""
+    by_module: dict[str, list[str]] = {}
+    for nodeid in nodeids:
+        by_module.setdefault(nodeid.partition("::")[0], []).append(nodeid)
+    return {nodeid: _unit_of(nodeid, i, len(ids))
+            for ids in by_module.values() for i, nodeid in enumerate(ids)}
+
+
+def _distributed(config: Any) -> bool:
+    """This process is a pytest-xdist worker, or its controller."""
+    return hasattr(config, "workerinput") or config.getoption("dist", "no") != "no"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    if config.getoption("dist", "no") != "loadgroup":
+    # What the workers collect is what gets scheduled, in this order.
+    if not _distributed(config):
         return
-    by_module: dict[str, list[Any]] = {}
-    for item in items:
-        by_module.setdefault(item.nodeid.partition("::")[0], []).append(item)
-    cost: dict[str, float] = {}
+    units = _units([item.nodeid for item in items])
     order: dict[str, int] = {}
-    group: dict[int, str] = {}
-    for module_items in by_module.values():
-        for i, item in enumerate(module_items):
-            unit, c = _unit_of(item, i, len(module_items))
-            cost[unit] = c
-            order.setdefault(unit, len(order))
-            group[id(item)] = unit
-            item.add_marker(pytest.mark.xdist_group(unit))
-    # Longest unit first; a unit's tests stay together and in their order.
-    items.sort(key=lambda it: (-cost[group[id(it)]], order[group[id(it)]]))
+    for item in items:
+        order.setdefault(units[item.nodeid][0], len(order))
+    own = {units[it.nodeid][0] for it in items if it.get_closest_marker("own_cluster")}
+    # Own clusters first, then the longest unit first; a unit's tests stay together and
+    # in their order.
+    items.sort(key=lambda it: (units[it.nodeid][0] not in own, -units[it.nodeid][1],
+                               order[units[it.nodeid][0]]))
 
 
-def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
-    _status.append(int(exitstatus))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
+    """xdist's loadscope scheduling, with this suite's work units (``_unit_of``) as its
+    scopes, handed out in the workers' collection order (``--no-loadscope-reorder``).
+
+    Not xdist's loadgroup: pytest-xdist 3.8 groups tests by appending the group to
+    ``item._nodeid``, which pytest 9 no longer reads, so every test went out as a unit of
+    its own; a module's tests ran on both workers, each starting the module's actors
+    (or its cluster, or the chaos run) again, in no longest-first order.
+    """
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        unit: dict[str, str] = {}
+
+        def schedule(self) -> None:
+            if self.collection is None and self.registered_collections:
+                ids = list(next(iter(self.registered_collections.values())))
+                self.unit = {n: u for n, (u, _c) in _units(ids).items()}
+            super().schedule()
+
+        def _split_scope(self, nodeid: str) -> str:
+            return self.unit.get(nodeid, nodeid)
+
+    return UnitScheduling(config, log)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: Any) -> None:
-    if not _status or os.environ.get("RAY_RDT_POOL_TEST_NORMAL_EXIT") == "1":
-        return  # not a whole session (e.g. --collect-only errors), or asked to finalize
-    try:
-        import ray
+    """The session's end: this process's shared cluster and this package's transport go
+    before the interpreter finalizes (their atexit hooks would do the same, later)."""
+    if "ray" in sys.modules:
+        from tests.support.raycluster import end_shared_cluster
 
-        if ray.is_initialized():
-            ray.shutdown()
+        end_shared_cluster()
+    if "ray_rdt_pool._ray.runtime" in sys.modules:
         import ray_rdt_pool
 
         ray_rdt_pool.shutdown()
-    except Exception as e:  # the exit status is the tests', not the teardown's
-        print(f"teardown before exit failed: {e!r}", file=sys.stderr)
-    alive = [t.name for t in threading.enumerate()
-             if t is not threading.main_thread() and t.is_alive()]
-    if alive:
-        print(f"threads alive at exit: {', '.join(sorted(alive))}", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(_status[-1])

@@ -1,6 +1,7 @@
 """Ray's out-of-order RDT case on async actors, run in one cluster after faults.
 
-One module-scoped cluster: the fault scenarios run first (a sender killed before and during
+The module's actors run on the test process's shared cluster with the module's settings
+(``ENV``): the fault scenarios run first (a sender killed before and during
 a READ, a receiver whose ``_ray_system`` thread is blocked, an object freed before it is
 created), then 100 method-return transfers between two async actors (max_concurrency=10),
 passed as task arguments in creation order and in a shuffled order, every result checked.
@@ -24,7 +25,8 @@ import torch
 
 import ray_rdt_pool
 from tests.stress.chaos import process_gone
-from tests.support.raycluster import start_ray, wait_for
+from tests.support import actors
+from tests.support.raycluster import actor_env, driver_rdt_fetch_timeout, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -34,25 +36,19 @@ RAY_FETCH_TIMEOUT_S = 10.0
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+#: The module's actors' settings.
+ENV = {"RAY_rdt_fetch_fail_timeout_milliseconds": str(int(RAY_FETCH_TIMEOUT_S * 1000)),
+       "RAY_RDT_POOL_FETCH_TIMEOUT_S": "8", "PYTHONPATH": HERE}
+
+
 @pytest.fixture(scope="module", autouse=True)
-def cluster():
-    saved = dict(os.environ)
-    start_ray({"RAY_rdt_fetch_fail_timeout_milliseconds": str(int(RAY_FETCH_TIMEOUT_S * 1000)),
-               "RAY_RDT_POOL_FETCH_TIMEOUT_S": "8", "PYTHONPATH": HERE})
-    yield
-    ray.shutdown()
-    os.environ.clear()
-    os.environ.update(saved)
+def cluster(ray_cluster):
+    with driver_rdt_fetch_timeout(RAY_FETCH_TIMEOUT_S):  # the driver monitors task arguments
+        yield
 
 
-@ray.remote(enable_tensor_transport=True, max_concurrency=4)
-class Sender:
-    def __init__(self):
-        ray_rdt_pool.register()
-
-    def pid(self):
-        return os.getpid()
-
+@ray.remote(enable_tensor_transport=True, max_concurrency=4, runtime_env=actor_env(ENV))
+class Sender(actors.Sender):
     @ray.method(tensor_transport="nixl_pool")
     def make(self, seed: int, n: int):
         return [torch.randn(n, generator=torch.Generator().manual_seed(seed))]
@@ -68,14 +64,8 @@ class Sender:
         return ray._private.worker.global_worker.rdt_manager.rdt_store.get_num_objects()
 
 
-@ray.remote(enable_tensor_transport=True, max_concurrency=4)
-class Receiver:
-    def __init__(self):
-        ray_rdt_pool.register()
-
-    def pid(self):
-        return os.getpid()
-
+@ray.remote(enable_tensor_transport=True, max_concurrency=4, runtime_env=actor_env(ENV))
+class Receiver(actors.Receiver):
     def take(self, tensors):
         return float(tensors[0].double().sum())
 
@@ -83,20 +73,17 @@ class Receiver:
         return float(ray.get(ref_list[0])[0].double().sum())
 
 
-@ray.remote(enable_tensor_transport=True)
-class InOrderReceiver:
+@ray.remote(enable_tensor_transport=True, runtime_env=actor_env(ENV))
+class InOrderReceiver(actors.Receiver):
     """Runs one task at a time: the ordering workaround for out-of-order receivers (see
     patches._transfers_before_their_tasks) does not apply, so a blocked _ray_system
     shows as Ray's own fetch timeout."""
-
-    def __init__(self):
-        ray_rdt_pool.register()
 
     def take(self, tensors):
         return float(tensors[0].double().sum())
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, runtime_env=actor_env(ENV))
 class Signal:
     def __init__(self):
         import asyncio
@@ -131,6 +118,12 @@ def recv():
     ray.get(r.pid.remote())
     yield r
     ray.kill(r)
+
+
+@pytest.fixture(scope="module")
+def sender():
+    """The module's sender for the faults that do not end it."""
+    return Sender.remote()
 
 
 # -- faults (run first: pytest keeps file order) ------------------------------------------
@@ -173,10 +166,17 @@ def test_sender_killed_during_fetch(recv, monkeypatch):
         ray.get(pending, timeout=60)
 
 
-def test_receiver_ray_system_blocked():
-    s, r = Sender.remote(), InOrderReceiver.remote()
+#: Ray's bound on an RDT fetch in the receiver whose _ray_system is blocked: the blocked
+#: receive waits this long for its object, so the test blocks for 5 s more than it.
+BLOCKED_FETCH_TIMEOUT_S = 4.0
+
+
+def test_receiver_ray_system_blocked(sender):
+    env = {**ENV, "RAY_rdt_fetch_fail_timeout_milliseconds":
+           str(int(BLOCKED_FETCH_TIMEOUT_S * 1000))}
+    s, r = sender, InOrderReceiver.options(runtime_env=actor_env(env)).remote()
     assert ray.get(r.take.remote(s.make.remote(7, 1024))) == pytest.approx(expected(7, 1024))
-    block_s = RAY_FETCH_TIMEOUT_S + 5
+    block_s = BLOCKED_FETCH_TIMEOUT_S + 5
     blocker = r.__ray_call__.options(concurrency_group="_ray_system").remote(
         lambda self, secs: time.sleep(secs), block_s)
     with pytest.raises(Exception, match="not found in RDT object store"):
@@ -185,10 +185,9 @@ def test_receiver_ray_system_blocked():
     # Unblocked, the same receiver takes new objects again.
     assert ray.get(r.take.remote(s.make.remote(9, 1024))) == pytest.approx(expected(9, 1024))
     ray.kill(r)
-    ray.kill(s)
 
 
-def test_an_argument_whose_producer_failed_is_not_waited_for(recv, monkeypatch):
+def test_an_argument_whose_producer_failed_is_not_waited_for(recv, sender, monkeypatch):
     """The ordering workaround waited for the metadata of a failed producer's return,
     which never comes: each such ``.remote()`` to an out-of-order actor stalled for
     ORDER_WAIT_S. With that bound raised far past this test's own, the call must still
@@ -196,7 +195,7 @@ def test_an_argument_whose_producer_failed_is_not_waited_for(recv, monkeypatch):
     import threading
 
     monkeypatch.setattr("ray_rdt_pool._ray.patches.ORDER_WAIT_S", 600.0)
-    s = Sender.remote()
+    s = sender
     ref = s.fail.remote()
     ray.wait([ref], timeout=60)
     out: list = []
@@ -213,11 +212,10 @@ def test_an_argument_whose_producer_failed_is_not_waited_for(recv, monkeypatch):
     made(good)
     assert _holds_an_error(ref) and not _holds_an_error(good)
     assert ray.get(recv.take.remote(good), timeout=60) == pytest.approx(expected(12, 1024))
-    ray.kill(s)
 
 
-def test_object_freed_before_created():
-    s, sig = Sender.remote(), Signal.remote()
+def test_object_freed_before_created(sender):
+    s, sig = sender, Signal.remote()
     ray.get(s.pid.remote())
     blocked = s.block.remote(sig)
     ref = s.make.remote(11, 1024)
@@ -228,14 +226,13 @@ def test_object_freed_before_created():
     mgr = ray._private.worker.global_worker.rdt_manager
     wait_for(lambda: mgr.get_rdt_metadata(oid) is None, timeout=30)
     wait_for(lambda: ray.get(s.rdt_objects.remote()) == 0, timeout=30)
-    ray.kill(s)
     ray.kill(sig)
 
 
 # -- then Ray's out-of-order case on async actors ------------------------------------------
 
 
-@ray.remote(num_cpus=0, max_concurrency=10)
+@ray.remote(num_cpus=0, max_concurrency=10, runtime_env=actor_env(ENV))
 class AsyncActor:
     def __init__(self):
         ray_rdt_pool.register()
@@ -256,26 +253,29 @@ class AsyncActor:
         return submit_s, await out
 
 
+@pytest.fixture(scope="module")
+def async_pair():
+    """Two async actors, for every test of the out-of-order case: a producer and a
+    consumer of nixl_pool method returns."""
+    return AsyncActor.remote(), AsyncActor.remote()
+
+
 @pytest.mark.parametrize("order", ["creation", "shuffled"])
-def test_100_out_of_order_transfers_between_async_actors(order):
-    a, b = AsyncActor.remote(), AsyncActor.remote()
-    try:
-        refs = [a.numbered.remote(i) for i in range(100)]
-        idx = list(range(100))
-        if order == "shuffled":
-            random.Random(0).shuffle(idx)
-        results = {i: b.checksum.remote(refs[i]) for i in idx}
-        for i, r in results.items():
-            assert ray.get(r, timeout=3 * RAY_FETCH_TIMEOUT_S) == 3 * 1000 * i + 3, i
-    finally:
-        ray.kill(a)
-        ray.kill(b)
+def test_100_out_of_order_transfers_between_async_actors(async_pair, order):
+    a, b = async_pair
+    refs = [a.numbered.remote(i) for i in range(100)]
+    idx = list(range(100))
+    if order == "shuffled":
+        random.Random(0).shuffle(idx)
+    results = {i: b.checksum.remote(refs[i]) for i in idx}
+    for i, r in results.items():
+        assert ray.get(r, timeout=3 * RAY_FETCH_TIMEOUT_S) == 3 * 1000 * i + 3, i
 
 
 # -- a ref of the caller's own queued method, passed on from inside it --------------------
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, runtime_env=actor_env(ENV))
 class PlainRelay:
     def __init__(self):
         ray_rdt_pool.register()
@@ -292,7 +292,7 @@ class PlainRelay:
 
 
 @pytest.mark.parametrize("kind", ["async", "plain"])
-def test_passing_a_ref_of_ones_own_queued_method_does_not_stall(kind):
+def test_passing_a_ref_of_ones_own_queued_method_does_not_stall(async_pair, kind):
     """The ordering workaround waits for a ``nixl_pool`` argument's producer before it
     sends a task to an out-of-order actor. When the producer is a method of the calling
     actor, queued behind the very task that makes the call, that wait could only end at
@@ -300,15 +300,11 @@ def test_passing_a_ref_of_ones_own_queued_method_does_not_stall(kind):
     never got to run it. The call must return at once and the bytes arrive."""
     from ray_rdt_pool._ray.patches import ORDER_WAIT_S
 
-    relay = (AsyncActor if kind == "async" else PlainRelay).remote()
-    b = AsyncActor.remote()
-    try:
-        for i in (1, 2):
-            submit_s, res = ray.get(relay.relay.remote(b, i), timeout=60)
-            if kind == "plain":
-                res = ray.get(res[0], timeout=60)
-            assert res == 3 * 1000 * i + 3
-            assert submit_s < ORDER_WAIT_S / 2, submit_s
-    finally:
-        ray.kill(relay)
-        ray.kill(b)
+    relay = async_pair[0] if kind == "async" else PlainRelay.remote()
+    b = async_pair[1]
+    for i in (1, 2):
+        submit_s, res = ray.get(relay.relay.remote(b, i), timeout=60)
+        if kind == "plain":
+            res = ray.get(res[0], timeout=60)
+        assert res == 3 * 1000 * i + 3
+        assert submit_s < ORDER_WAIT_S / 2, submit_s

@@ -1,9 +1,10 @@
 """Tests of the side-by-side benchmark CLI (ray-rdt-pool bench) and its helpers.
 
-The end-to-end test runs the CLI as a subprocess in its smallest configuration against a
-real local Ray cluster with real NIXL, then checks the JSON: every available variant and
-every workload is there with verified checksums (or skipped with a reason), and an
-unavailable variant says why. No timing is asserted. The other tests are pure and fast
+The end-to-end test runs the CLI as a subprocess in its smallest configuration, once,
+joined to the test process's shared Ray cluster (``bench --address``) with real NIXL,
+then checks the JSON: every available variant and every workload is there with verified
+checksums (or skipped with a reason), an unavailable variant says why, and the run
+names the cluster it joined. No timing is asserted. The other tests are pure and fast
 (layouts, buckets, checksums, config, ratios, floors).
 """
 
@@ -33,6 +34,7 @@ from ray_rdt_pool.bench.variants import (
     our_transport_unavailable_reason,
     transferqueue_unavailable_reason,
 )
+from tests.support.raycluster import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,17 +46,24 @@ TINY = ["--quick", "--reps", "1", "--warmup", "0", "--big-mib", "1", "--many-cou
 
 
 @pytest.mark.ray
-def test_cli_smallest_run_writes_complete_json(tmp_path: Path) -> None:
+def test_cli_smallest_run_writes_complete_json(tmp_path: Path, ray_cluster: str) -> None:
+    """The smallest run of every variant and workload, joined to a running cluster: the
+    one run of the benchmark in the suite (``make bench`` starts a cluster of its own
+    the same way ``bench`` without ``--address`` does)."""
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "ray_rdt_pool.cli", "bench", *TINY, "--json", str(out_json),
-         "--plot", str(out_png)],
+        [sys.executable, "-m", "ray_rdt_pool.cli", "bench", "--address", ray_cluster, *TINY,
+         "--json", str(out_json), "--plot", str(out_png)],
         cwd=ROOT, capture_output=True, text=True, timeout=540,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+        env=subprocess_env(PYTHONPATH=str(ROOT)))
     assert proc.returncode == 0, f"bench failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     data = json.loads(out_json.read_text())
     assert out_png.stat().st_size > 0
     assert data["ok"] is True and not data["failures"] and not data["checksum_mismatches"]
+    # It joined the cluster at the address, and put both actors on this one node.
+    assert data["config"]["address"] == ray_cluster
+    assert data["config"]["placement"]["sender"] == data["config"]["placement"]["receiver"]
+    assert f"of the cluster at {ray_cluster}" in proc.stdout
     assert set(data["summary"]) == set(W.WORKLOADS)
     assert set(data["variants"]) == set(VARIANT_NAMES)
 

@@ -1,11 +1,13 @@
 """The ``ray-rdt-pool`` command against a Ray cluster that was running before it.
 
-The module starts one cluster with ``ray start --head`` (its own temp dir and ports; it is
-stopped by the PIDs of its processes, never with Ray's host-wide stop command), then runs
-``bench --address``, ``stats --address`` and ``doctor --address`` against it, as
-subprocesses that join it. The last tests add a second node to it (``ray start
---address``), on which ``bench --nodes 2`` must place the receiver and ``doctor`` must
-READ between the two. ``doctor`` must also fail, naming the fix, when NIXL cannot import.
+The one-node tests run ``bench --address``, ``stats --address`` and ``doctor --address``
+as subprocesses that join the test process's shared cluster (the full ``bench
+--address`` run is tests/integration/test_bench_cli.py). The two-node tests start a
+cluster of their own, because they need two nodes: ``ray start --head`` and ``ray start
+--address`` (their own temp dir and ports; stopped by the PIDs of their processes, never
+with Ray's host-wide stop command), on which ``bench --nodes 2`` must place the receiver
+on the other node and ``doctor`` must READ between the two. ``doctor`` must also fail,
+naming the fix, when NIXL cannot import.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from typing import Any
 
 import psutil
 import pytest
+import ray
+
+from tests.support.raycluster import subprocess_env
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -38,11 +43,17 @@ TINY = ["--quick", "--reps", "1", "--warmup", "0", "--variants", "objstore,nixl_
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(PYTHONPATH=str(ROOT), RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
-               RAY_RDT_POOL_POOL_BYTES="32M", RAY_RDT_POOL_ARENA_BYTES="32M")
+    """This process's environment (with its Ray token settings, which the shared cluster
+    asks for) but its RAY_ADDRESS and this package's settings, and ``extra``."""
+    env = subprocess_env(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0",
+                         RAY_RDT_POOL_POOL_BYTES="32M", RAY_RDT_POOL_ARENA_BYTES="32M")
     env.update(extra)
     return env
+
+
+#: The two-node cluster's processes and its clients: no token (the shared cluster of the
+#: test process has one, which its clients find in this process's environment).
+_OWN = {"RAY_AUTH_MODE": "disabled"}
 
 
 def _free_port() -> int:
@@ -92,7 +103,7 @@ class _Cluster:
         self.starters.append(subprocess.Popen(
             [self.ray_cli, "start", "--block", "--num-cpus", "1", "--disable-usage-stats",
              "--object-store-memory", str(300 << 20), *_ports(*_NODE_PORTS), *argv],
-            env=_env(RAY_agent_register_timeout_ms="300000"), start_new_session=True,
+            env=_env(RAY_agent_register_timeout_ms="300000", **_OWN), start_new_session=True,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
     def start_head(self) -> None:
@@ -110,7 +121,7 @@ class _Cluster:
             probe = subprocess.run(
                 [sys.executable, "-c", "import ray; ray.init(); "
                  "print(len([n for n in ray.nodes() if n['Alive']]))"],
-                env=_env(RAY_ADDRESS=self.address), capture_output=True, text=True,
+                env=_env(RAY_ADDRESS=self.address, **_OWN), capture_output=True, text=True,
                 timeout=120)
             if probe.returncode == 0 and probe.stdout.strip().endswith(str(nodes)):
                 return
@@ -129,7 +140,7 @@ class _Cluster:
                 p.send_signal(signal.SIGTERM)
             except psutil.Error:
                 pass
-        _gone, alive = psutil.wait_procs(procs, timeout=20)
+        _gone, alive = psutil.wait_procs(procs, timeout=5)  # then killed: nothing to keep
         for p in alive:
             try:
                 p.kill()
@@ -141,46 +152,26 @@ class _Cluster:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[_Cluster]:
+def cluster(ray_cluster: str) -> str:
+    """The test process's shared cluster (one node), running before the command."""
+    return ray_cluster
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[str]:
+    """A cluster of two ``ray start`` nodes of the module's own."""
     c = _Cluster()
     try:
         c.start_head()
-        yield c
+        c.add_node()
+        yield c.address
     finally:
         c.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster(ray_cluster: _Cluster) -> str:
-    return ray_cluster.address
-
-
-@pytest.fixture(scope="module")
-def two_nodes(ray_cluster: _Cluster) -> str:
-    """The module's cluster with a second node (it stays for the rest of the module)."""
-    if len(ray_cluster.starters) < 2:
-        ray_cluster.add_node()
-    return ray_cluster.address
 
 
 def _run(args: list[str], timeout: float = 300, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], cwd=ROOT, env=_env(**env), capture_output=True,
                           text=True, timeout=timeout)
-
-
-def test_bench_joins_a_running_cluster(cluster: str, tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    proc = _run(["bench", "--address", cluster, *TINY, "--json", str(out)])
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    data = json.loads(out.read_text())
-    assert data["ok"] is True and data["config"]["address"] == cluster
-    assert data["config"]["placement"]["sender"] == data["config"]["placement"]["receiver"]
-    assert set(data["summary"]) == {"big", "sync"}
-    for name in ("objstore", "nixl_pool"):
-        for workload in ("big", "sync"):
-            row = data["summary"][workload]["variants"][name]
-            assert row["checksums_ok"] is True, (name, workload, row)
-    assert f"of the cluster at {cluster}" in proc.stdout
 
 
 def test_bench_nodes_2_names_how_many_nodes_it_found(cluster: str) -> None:
@@ -189,26 +180,29 @@ def test_bench_nodes_2_names_how_many_nodes_it_found(cluster: str) -> None:
     assert "2 distinct Ray nodes" in proc.stderr and "has 1 alive node(s)" in proc.stderr
 
 
+@ray.remote(num_cpus=0, enable_tensor_transport=True)
+class Holder:
+    """An actor that holds one object of its own (256 Ki floats: 1 MiB)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        import ray_rdt_pool
+
+        ray_rdt_pool.register()
+        self.t = torch.ones(1 << 18)
+        self.ref = ray.put([self.t], _tensor_transport="nixl_pool")
+
+    def ready(self) -> bool:
+        return True
+
+
 def test_stats_shows_a_named_actor_of_the_cluster(cluster: str) -> None:
-    driver = (
-        "import ray, time, torch, ray_rdt_pool\n"
-        "ray.init(namespace='clitest')\n"
-        "ray_rdt_pool.register()\n"
-        "@ray.remote(num_cpus=0, enable_tensor_transport=True)\n"
-        "class Holder:\n"
-        "    def __init__(self):\n"
-        "        ray_rdt_pool.register()\n"
-        "        self.t = torch.ones(1 << 18)\n"
-        "        self.ref = ray.put([self.t], _tensor_transport='nixl_pool')\n"
-        "    def ready(self):\n"
-        "        return True\n"
-        "h = Holder.options(name='holder', lifetime='detached').remote()\n"
-        "ray.get(h.ready.remote())\n"
-        "print('up', flush=True)\n")
-    up = subprocess.run([sys.executable, "-c", driver], env=_env(RAY_ADDRESS=cluster),
-                        capture_output=True, text=True, timeout=180, cwd=ROOT)
-    assert up.returncode == 0 and "up" in up.stdout, up.stderr[-2000:]
+    """A named actor of the cluster (made by this process, in a namespace of its own), as
+    ``stats --address`` lists it from another driver."""
+    h = Holder.options(name="holder", namespace="clitest").remote()
     try:
+        assert ray.get(h.ready.remote(), timeout=180)
         proc = _run(["stats", "--address", cluster, "--namespace", "clitest", "--json"],
                     timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -219,9 +213,7 @@ def test_stats_shows_a_named_actor_of_the_cluster(cluster: str) -> None:
         table = _run(["stats", "--address", cluster, "--namespace", "clitest"], timeout=120)
         assert "pool used/capacity" in table.stdout and "Holder" in table.stdout
     finally:
-        subprocess.run([sys.executable, "-c", "import ray; ray.init(namespace='clitest'); "
-                        "ray.kill(ray.get_actor('holder'))"], env=_env(RAY_ADDRESS=cluster),
-                       capture_output=True, timeout=120)
+        ray.kill(h)
 
 
 class _OtherDashboard:
@@ -320,7 +312,7 @@ def test_bench_nodes_2_puts_the_receiver_on_the_other_node(two_nodes: str,
                                                            tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = _run(["bench", "--address", two_nodes, *TINY, "--variants", "nixl_pool",
-                 "--workloads", "big", "--nodes", "2", "--json", str(out)])
+                 "--workloads", "big", "--nodes", "2", "--json", str(out)], **_OWN)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     data = json.loads(out.read_text())
     placement = data["config"]["placement"]
@@ -332,7 +324,7 @@ def test_bench_nodes_2_puts_the_receiver_on_the_other_node(two_nodes: str,
 
 
 def test_doctor_reads_between_two_nodes(two_nodes: str) -> None:
-    proc = _run(["doctor", "--address", two_nodes], timeout=300)
+    proc = _run(["doctor", "--address", two_nodes], timeout=300, **_OWN)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
     actors = [ln for ln in lines if ln.split()[1:2] == ["actors"]]

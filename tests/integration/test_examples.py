@@ -1,10 +1,13 @@
 """The example programs, run as a user runs them: ``python examples/NAME.py``.
 
-Each example joins the cluster ``RAY_ADDRESS`` names, else starts a local one. One
-local cluster serves the module (a cluster start costs more than most examples): this
-test process starts it, and every example runs against it as a driver in a subprocess
-with ``RAY_ADDRESS`` set (``run_example`` checks that it joined). ``put_get.py`` also
-runs once without ``RAY_ADDRESS``, the path where an example starts its own cluster.
+Each example joins the cluster ``RAY_ADDRESS`` names, else starts a local one. The test
+process's shared cluster serves the module (a cluster start costs more than most
+examples): every example runs against it as a driver in a subprocess with
+``RAY_ADDRESS`` set (``run_example`` checks that it joined). Its workers see
+tests.support.raycluster.CLUSTER_ENV (64 MiB pools and arenas, no metrics): the raylet
+passes the environment of the process that started it on, and a joining driver's
+runtime_env does not reach other jobs' workers. ``put_get.py`` runs without
+``RAY_ADDRESS`` instead, the path where an example starts its own cluster.
 
 The examples check nothing themselves: each prints the facts (digests of the bytes
 sent and received, versions, shapes, bytes read) and these tests check them.
@@ -13,38 +16,22 @@ sent and received, versions, shapes, bytes read) and these tests check them.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-from collections.abc import Iterator
 
 import pytest
-import ray
 import torch
 
-from tests.support.raycluster import drop_stale_rdt_manager, run_example
+from tests.support.raycluster import run_example
 
 pytestmark = pytest.mark.ray
 
-#: The module cluster's workers read these: the raylet passes this process's environment
-#: on (a joining driver's runtime_env does not reach other jobs' workers).
-CLUSTER_ENV = {"RAY_RDT_POOL_POOL_BYTES": "64M", "RAY_RDT_POOL_ARENA_BYTES": "64M",
-               "RAY_RDT_POOL_METRICS": "0"}
 HEX = r"[0-9a-f]{16}"
 
 
 @pytest.fixture(scope="module")
-def address() -> Iterator[str]:
-    """A local cluster owned by this process; its GCS address, for the examples."""
-    os.environ.update(CLUSTER_ENV)  # the conftest fixture restores the environment after
-    if ray.is_initialized():
-        ray.shutdown()
-    drop_stale_rdt_manager()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-             object_store_memory=256 << 20)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
+def address(ray_cluster: str) -> str:
+    """The GCS address of the shared cluster, for the examples."""
+    return ray_cluster
 
 
 def lines_matching(out: str, pattern: str) -> list[tuple[str, ...]]:
@@ -62,11 +49,9 @@ def check_put_get(out: str) -> None:
 
 
 def test_put_get_starts_its_own_cluster_without_ray_address() -> None:
+    """The one example run without RAY_ADDRESS, as a user first runs it (the others join
+    the shared cluster: the same ``ray.init`` line, the other branch)."""
     check_put_get(run_example("put_get.py"))
-
-
-def test_put_get(address: str) -> None:
-    check_put_get(run_example("put_get.py", address=address))
 
 
 def test_rl_experience(address: str) -> None:

@@ -1,24 +1,32 @@
 """Process lifecycle: configuration before first use, ``shutdown()``, interpreter exit.
 
+Own cluster: each driver but one starts its own: they test a driver's exit or a Ray restart.
+
 Each case runs in its own interpreter, because what is tested is what happens to a
-process (its configuration lock, its exit path).
+process (its configuration lock, its exit path). The ``shutdown()`` case joins the test
+process's shared cluster.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.raycluster import subprocess_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_DEDUP_LOGS": "0"}
+def run(args: list[str], timeout: float = 180, address: str | None = None
+        ) -> subprocess.CompletedProcess[str]:
+    """Run a driver; it joins the cluster at ``address``, or starts its own without one."""
+    env = subprocess_env(PYTHONPATH=str(ROOT), RAY_DEDUP_LOGS="0")
+    if address is not None:
+        env["RAY_ADDRESS"] = address
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -42,8 +50,8 @@ def test_driver_that_received_objects_exits_cleanly() -> None:
 
 
 @pytest.mark.ray
-def test_shutdown_stops_the_thread_and_removes_the_agent_key() -> None:
-    p = run(["-m", "tests.support.exit_driver", "shutdown"])
+def test_shutdown_stops_the_thread_and_removes_the_agent_key(ray_cluster: str) -> None:
+    p = run(["-m", "tests.support.exit_driver", "shutdown"], address=ray_cluster)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["helpers_before"] >= 1  # pack helpers ran, and shutdown stopped them too
@@ -66,27 +74,17 @@ def test_driver_exits_quietly_while_an_overflow_region_lingers() -> None:
 
 
 @pytest.mark.ray
-def test_driver_sends_again_after_a_ray_restart() -> None:
-    """``ray.shutdown()`` then ``ray.init()`` in one driver: its transport outlives the
-    first cluster, and its agent's metadata must reach the second cluster's (empty) GCS,
-    or an actor there waits for it and fails."""
+def test_driver_sends_and_maps_again_after_a_ray_restart() -> None:
+    """``ray.shutdown()`` then ``ray.init()`` in one driver, twice: its transport outlives
+    each cluster. The new cluster's GCS is empty: the driver's agent metadata must reach
+    it, or an actor there that READs waits for it and fails; and the same-node entry of
+    its pool (published once per process, with the first session's node ID), or the new
+    session's actors READ the driver's objects instead of mapping them. The driver,
+    receiving from the new session's actors, maps too."""
     p = run(["-m", "tests.support.exit_driver", "restart"])
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out["totals"] == [499500.0, 500500.0], out
-
-
-@pytest.mark.ray
-def test_same_node_receivers_map_the_drivers_objects_after_a_ray_restart() -> None:
-    """``ray.shutdown()`` then ``ray.init()`` in one driver: the new cluster's GCS held no
-    same-node entry of the driver's pool (published once per process, with the first
-    session's node ID), so the new session's actors READ the driver's objects instead
-    of mapping them. The driver, receiving from the new session's actors, maps too."""
-    p = run(["-m", "tests.support.exit_driver", "restart_map"])
-    assert p.returncode == 0, p.stderr[-3000:]
-    out = json.loads(p.stdout.strip().splitlines()[-1])
-    want = [{"total": 499500.0 + 1000 * k, "actor_mapped": 1, "actor_reads": 0,
+    want = [{"read_total": 499500.0 + 1000 * k, "reader_mapped": 0, "reader_reads": 1,
+             "total": 499500.0 + 1000 * k, "actor_mapped": 1, "actor_reads": 0,
              "driver_ok": True, "driver_mapped": 1, "driver_reads": 0} for k in range(2)]
     assert out["sessions"] == want, out
-
-

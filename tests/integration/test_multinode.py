@@ -1,5 +1,7 @@
 """nixl_pool between two Ray nodes: a head and a worker node started with ray.cluster_utils.Cluster.
 
+Own cluster: two Ray nodes (the test process leaves its shared one-node cluster meanwhile).
+
 Both nodes run on this machine: separate raylets, separate object stores, one GCS; NIXL moves
 the bytes over UCX between the two processes (TCP loopback for the handshake, cma for the
 data), not through either object store. No network namespaces: the point is that sender and
@@ -23,9 +25,10 @@ import torch
 import ray_rdt_pool
 from ray_rdt_pool.core.runs import DTYPES
 from ray_rdt_pool.weights import WeightReceiver, WeightSender
+from tests.support import actors
 from tests.support.raycluster import DEFAULT_ENV, all_dtype_tensors, digest, wait_for
 
-pytestmark = [pytest.mark.ray,
+pytestmark = [pytest.mark.ray, pytest.mark.own_cluster("two Ray nodes"),
               pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")]
 
 # @ray.method(tensor_transport=...) validates the name when the class is defined.
@@ -93,13 +96,7 @@ def object_set(seed: int) -> list[torch.Tensor]:
 
 
 @ray.remote(enable_tensor_transport=True, resources={"sender": 1})
-class Sender:
-    def __init__(self):
-        ray_rdt_pool.register()
-
-    def node(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
+class Sender(actors.Sender):
     def put(self, seed: int):
         ts = object_set(seed)
         return [ray.put(ts, _tensor_transport="nixl_pool")], digest(ts)
@@ -113,26 +110,10 @@ class Sender:
                            generator=torch.Generator().manual_seed(seed))]
         return [ray.put(t, _tensor_transport="nixl_pool")], digest(t)
 
-    def stats(self):
-        return ray_rdt_pool.stats()
-
 
 @ray.remote(enable_tensor_transport=True, resources={"receiver": 1})
-class Receiver:
-    def __init__(self):
-        ray_rdt_pool.register()
-
-    def node(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    def get(self, refs):
-        return digest(ray.get(refs[0]))
-
-    def take(self, tensors):
-        return digest(tensors)
-
-    def stats(self):
-        return ray_rdt_pool.stats()
+class Receiver(actors.Receiver):
+    pass
 
 
 @pytest.fixture(scope="module")

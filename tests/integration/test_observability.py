@@ -1,5 +1,7 @@
 """Observability of nixl_pool: Ray metrics read back from Prometheus, logs, the stats view.
 
+Own cluster: Ray's metrics export port and report interval are set when a cluster starts.
+
 One real Ray cluster for the module, with Ray's metrics export on a free port and a 1 s
 metrics report interval (Ray's default is slower; the tests still allow 60 s). The metrics
 are read back over HTTP from the export, as a Prometheus server would.
@@ -26,9 +28,11 @@ from ray_rdt_pool._ray.runtime import Runtime
 from ray_rdt_pool.config import PoolConfig, from_env
 from ray_rdt_pool.obs import metrics as rdt_metrics
 from ray_rdt_pool.obs import view
+from tests.support import actors
 from tests.support.raycluster import start_ray, wait_for
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray,
+              pytest.mark.own_cluster("Ray's metrics export port and report interval")]
 
 POOL = 64 << 20
 METRICS_DEADLINE_S = 60.0
@@ -54,11 +58,9 @@ def cluster() -> dict[str, Any]:
 
 
 @ray.remote(enable_tensor_transport=True)
-class Sender:
+class Sender(actors.Sender):
     def __init__(self, **config: Any) -> None:
-        ray_rdt_pool.register()
-        if config:
-            ray_rdt_pool.configure(**config)
+        super().__init__(**config)
         self.refs: list[Any] = []
 
     def put(self, n_tensors: int = 4, numel: int = 1 << 16) -> list[Any]:
@@ -80,9 +82,9 @@ class Sender:
 
 
 @ray.remote(enable_tensor_transport=True)
-class Receiver:
+class Receiver(actors.Receiver):
     def __init__(self) -> None:
-        ray_rdt_pool.register()
+        super().__init__()
         self.held: list[Any] = []
 
     def fetch(self, refs: list[Any], hold: bool) -> int:

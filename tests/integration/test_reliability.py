@@ -3,7 +3,8 @@
 Faults (a sender or receiver killed before or during a fetch, the owner dropping refs while a
 READ is in flight, a stalled READ), bad input with typed errors and unchanged stats, leaks over
 1,000 put/get/free cycles, concurrent senders and receivers, and an allocator fragmentation
-scenario. One cluster for the module; docs/reliability.md lists every case with its figure.
+scenario. The module's actors run on the test process's shared cluster with the module's
+settings (``ENV``); docs/reliability.md lists every case with its figure.
 
 Stalls are made deterministic with SIGSTOP: a receiver's *first* READ from a sender needs the
 sender to progress its UCX worker for the connection handshake, so a stopped sender holds a
@@ -39,7 +40,8 @@ from ray_rdt_pool.core import codec
 from ray_rdt_pool.core.runs import DTYPES, TensorRun
 from ray_rdt_pool.errors import TransferError, WireFormatError
 from tests.stress.chaos import process_gone
-from tests.support.raycluster import digest, start_ray, wait_for
+from tests.support import actors
+from tests.support.raycluster import actor_env, digest, driver_rdt_fetch_timeout, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -54,6 +56,9 @@ FETCH_TIMEOUT_S = 10.0
 #: Slack on top of a configured timeout before "it did not hang" fails. The machine is shared
 #: and slow, so it is generous: the point is the bound, not the speed.
 SLACK_S = 15.0
+#: fetch_timeout_s of the module's second receiver, for the cases that only need some
+#: READ or lookup to time out (each waits it out once).
+QUICK_FETCH_TIMEOUT_S = 3.0
 POOL_BYTES = 64 << 20
 
 #: What a receiver may see when its sender dies: our TransferError or Ray's own types.
@@ -61,20 +66,15 @@ SENDER_DIED_ERRORS = {"TransferError", "RayDirectTransportError", "ObjectFetchTi
                       "ActorDiedError", "OwnerDiedError", "ObjectLostError"}
 
 
+#: The module's actors' settings (over the shared cluster's 64 MiB pools and arenas).
+ENV = {"RAY_RDT_POOL_POOL_BYTES": "64M", "RAY_RDT_POOL_ARENA_BYTES": "64M",
+       "RAY_rdt_fetch_fail_timeout_milliseconds": str(int(RAY_FETCH_TIMEOUT_S * 1000))}
+
+
 @pytest.fixture(scope="module", autouse=True)
-def cluster():
-    # address="local": always a cluster of our own. A plain ray.init() joins whatever cluster
-    # /tmp/ray/ray_current_cluster names, and ray.cluster_utils.Cluster writes that file.
-    saved = dict(os.environ)  # start_ray exports its settings to this process; undo after
-    start_ray({
-        "RAY_RDT_POOL_POOL_BYTES": "64M",
-        "RAY_RDT_POOL_ARENA_BYTES": "64M",
-        "RAY_rdt_fetch_fail_timeout_milliseconds": str(int(RAY_FETCH_TIMEOUT_S * 1000)),
-    }, address="local")
-    yield
-    ray.shutdown()
-    os.environ.clear()
-    os.environ.update(saved)
+def cluster(ray_cluster):
+    with driver_rdt_fetch_timeout(RAY_FETCH_TIMEOUT_S):  # the driver monitors task arguments
+        yield
 
 
 # ---------------------------------------------------------------------------------------
@@ -173,18 +173,13 @@ def wire_of(ref: ray.ObjectRef) -> bytes:
     return mgr.get_rdt_metadata(ref.hex()).tensor_transport_meta.wire
 
 
-@ray.remote(enable_tensor_transport=True, max_concurrency=4)
-class Sender:
+@ray.remote(enable_tensor_transport=True, max_concurrency=4, runtime_env=actor_env(ENV))
+class Sender(actors.Sender):
     def __init__(self, **config):
-        ray_rdt_pool.register()
-        if config:
-            ray_rdt_pool.configure(**config)
+        super().__init__(**config)
         self.held: dict[str, ray.ObjectRef] = {}
 
-    def pid(self) -> int:
-        return os.getpid()
-
-    def put(self, tensors, key: str | None = None):
+    def put(self, tensors, key: str | None = None):  # keeps the ref, not the tensors
         ref = ray.put(tensors, _tensor_transport="nixl_pool")
         if key is not None:
             self.held[key] = ref
@@ -243,20 +238,9 @@ class Sender:
     def held_count(self) -> int:
         return len(self.held)
 
-    def stats(self):
-        return ray_rdt_pool.stats()
 
-
-@ray.remote(enable_tensor_transport=True, max_concurrency=4)
-class Receiver:
-    def __init__(self, **config):
-        ray_rdt_pool.register()
-        if config:
-            ray_rdt_pool.configure(**config)
-
-    def pid(self) -> int:
-        return os.getpid()
-
+@ray.remote(enable_tensor_transport=True, max_concurrency=4, runtime_env=actor_env(ENV))
+class Receiver(actors.Receiver):
     def get(self, refs, timeout: float | None = None):
         return outcome(lambda: fingerprint(ray.get(refs[0], timeout=timeout)))
 
@@ -293,9 +277,6 @@ class Receiver:
             return fingerprint(tr.wait_fetch_complete(req, -1))
         return outcome(run)
 
-    def stats(self):
-        return ray_rdt_pool.stats()
-
 
 @pytest.fixture(scope="module")
 def send():
@@ -310,6 +291,16 @@ def send():
 def recv():
     """The module's long-lived receiver; it survives every fault it is put through."""
     r = Receiver.remote(fetch_timeout_s=FETCH_TIMEOUT_S)
+    ray.get(r.pid.remote())
+    yield r
+    ray.kill(r)
+
+
+@pytest.fixture(scope="module")
+def quick_recv():
+    """A long-lived receiver that gives up sooner, for the cases that wait for a timeout
+    but test what follows it, not its margins."""
+    r = Receiver.remote(fetch_timeout_s=QUICK_FETCH_TIMEOUT_S)
     ray.get(r.pid.remote())
     yield r
     ray.kill(r)
@@ -627,14 +618,14 @@ def test_stalled_read_gives_up_and_its_memory_comes_back_only_once_ended(recv):
     ray.kill(s)
 
 
-def test_timeout_error_names_the_sender_agent(recv):
+def test_timeout_error_names_the_sender_agent(quick_recv):
     s = Sender.remote()  # first contact, so SIGSTOP holds the READ
     ref = s.make.remote(31, 4096)
     made(ref)
     pid = ray.get(s.pid.remote())
     try:
         with stopped(pid):
-            got = ray.get(recv.get.remote([ref]))
+            got = ray.get(quick_recv.get.remote([ref]))
         assert "TransferError" in got["types"], got
         assert "from None" not in got["msg"] and "rdtpool-" in got["msg"], got
     finally:
@@ -727,7 +718,7 @@ def test_cuda_tensor_put(send):
     ray.kill(s)
 
 
-@ray.remote(enable_tensor_transport=True)
+@ray.remote(enable_tensor_transport=True, runtime_env=actor_env(ENV))
 class EnvProbe:
     """An actor started with RAY_RDT_POOL_POOL_BYTES=0 in its runtime_env."""
 
@@ -747,7 +738,7 @@ class EnvProbe:
 
 
 def test_bad_pool_size_from_the_environment():
-    p = EnvProbe.options(runtime_env={"env_vars": {"RAY_RDT_POOL_POOL_BYTES": "0"}}).remote()
+    p = EnvProbe.options(runtime_env=actor_env({**ENV, "RAY_RDT_POOL_POOL_BYTES": "0"})).remote()
     assert ray.get(p.__ray_call__.remote(lambda self: os.environ["RAY_RDT_POOL_POOL_BYTES"])) == "0"
     bad, good, st = ray.get(p.run.remote())
     expect = {"0": "pool_bytes must be a positive number of bytes, got 0",
@@ -807,11 +798,12 @@ WIRE_CASES: dict[str, tuple[Any, str, list[str]]] = {
 
 
 @pytest.fixture(scope="module")
-def wire_object(send, recv):
-    """An object of the healthy sender that the module receiver has read once (warm)."""
+def wire_object(send, recv, quick_recv):
+    """An object of the healthy sender that the module's receivers have read once (warm)."""
     refs, expected = ray.get(send.put.remote(
         [torch.randn(8, 8), torch.arange(4)], "wire"))
-    assert ray.get(recv.get.remote(refs))["value"] == expected
+    for r in (recv, quick_recv):
+        assert ray.get(r.get.remote(refs))["value"] == expected
     return refs, expected, ray.get(send.wire.remote("wire"))
 
 
@@ -823,7 +815,10 @@ def _receiver_figures(st: Any) -> tuple[int, ...]:
 
 
 @pytest.mark.parametrize("case", sorted(WIRE_CASES))
-def test_corrupted_wire_metadata_at_a_real_receiver(send, recv, wire_object, case):
+def test_corrupted_wire_metadata_at_a_real_receiver(send, quick_recv, wire_object, case):
+    """At the receiver that gives up sooner: an unknown agent's metadata is waited for
+    until its fetch_timeout_s."""
+    recv = quick_recv
     _refs, _expected, good = wire_object
     mangle, etype, excerpts = WIRE_CASES[case]
     if case in ("truncated", "garbage"):
@@ -1171,17 +1166,17 @@ def _overflow_steadily(self, seconds: float, period: float, nbytes: int) -> tupl
 
 
 def test_an_overflow_region_in_steady_use_stays_registered():
-    """A 6 MiB object put and freed every 0.3 s for 9 s, with a 4 MiB pool and a 3 s
+    """A 6 MiB object put and freed every 0.2 s for 6 s, with a 4 MiB pool and a 2 s
     overflow_linger_s. The region's idle time was stamped at its first free and never
     cleared by the puts that reused it, so it was deregistered overflow_linger_s after
     it first emptied, again and again: each time an epoch reset that makes every
     receiver replace its view of the sender (with NIXL 1.5.1, leaving TCP connections
     open). Now its linger restarts at each free: no deregistration while it is in use,
     and it goes once really idle for the linger."""
-    linger = 3.0
+    linger = 2.0
     s = Sender.remote(pool_bytes=4 << 20, overflow_linger_s=linger)
     base = stats(s)
-    n, st = ray.get(s.__ray_call__.remote(_overflow_steadily, 3 * linger, 0.3, 6 << 20))
+    n, st = ray.get(s.__ray_call__.remote(_overflow_steadily, 3 * linger, 0.2, 6 << 20))
     figure("overflow region reused steadily", objects=n,
            deregistrations=st.nixl_deregistrations - base.nixl_deregistrations)
     assert st.fallbacks == n, st  # every object overflowed

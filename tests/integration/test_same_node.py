@@ -1,6 +1,7 @@
 """The same-node path on a real Ray cluster: receivers map the sender's shared pool.
 
-One local cluster (one Ray node) for the module, with the default ``same_node="map"``.
+The module's actors run on the test process's shared cluster (one Ray node), with the
+default ``same_node="map"`` (``ENV``).
 Every get of a pooled object must be served with no NIXL READ (``stats().reads_posted``
 stays 0, ``mapped_gets`` counts them), bytes are compared by sha256 on both sides, and
 the leases are attacked: views kept after the ref died, a block of the same size put
@@ -21,26 +22,26 @@ import ray
 import torch
 
 import ray_rdt_pool
-from tests.support.raycluster import call, digest, start_ray, wait_drained, wait_for
+from tests.support import actors
+from tests.support.raycluster import actor_env, call, digest, wait_drained, wait_for
 
 pytestmark = pytest.mark.ray
 
 ray_rdt_pool.register()
 
 
+#: The module's actors' settings.
+ENV = {"RAY_RDT_POOL_POOL_BYTES": "32M", "RAY_RDT_POOL_ARENA_BYTES": "32M",
+       "RAY_RDT_POOL_SAME_NODE": "map"}
+
+
 @pytest.fixture(scope="module", autouse=True)
-def cluster():
-    start_ray({"RAY_RDT_POOL_POOL_BYTES": "32M", "RAY_RDT_POOL_ARENA_BYTES": "32M",
-               "RAY_RDT_POOL_SAME_NODE": "map"})
+def cluster(ray_cluster):
     yield
-    ray.shutdown()
 
 
-@ray.remote(enable_tensor_transport=True)
-class Sender:
-    def __init__(self) -> None:
-        ray_rdt_pool.register()
-
+@ray.remote(enable_tensor_transport=True, runtime_env=actor_env(ENV))
+class Sender(actors.Sender):
     def put(self, n: int, fill: int):
         ts = [torch.full((n,), fill, dtype=torch.int32), torch.arange(n, dtype=torch.float64)]
         return [ray.put(ts, _tensor_transport="nixl_pool")], digest(ts)
@@ -48,9 +49,6 @@ class Sender:
     @ray.method(tensor_transport="nixl_pool")
     def make(self, n: int, fill: int):
         return torch.full((n,), fill, dtype=torch.int64)
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def put_by_reference(self, obj_id: str, n: int):
         """An object sent by reference (read where it lies, never in the pool): puts
@@ -66,10 +64,10 @@ class Sender:
         return free_owned(obj_id)
 
 
-@ray.remote(enable_tensor_transport=True)
-class Receiver:
+@ray.remote(enable_tensor_transport=True, runtime_env=actor_env(ENV))
+class Receiver(actors.Receiver):
     def __init__(self) -> None:
-        ray_rdt_pool.register()
+        super().__init__()
         self.kept: dict[str, list[torch.Tensor]] = {}
 
     def get(self, refs, keep: str | None = None, scribble: bool = False):
@@ -106,9 +104,6 @@ class Receiver:
         after = ray_rdt_pool.stats()
         return {k: getattr(after, k) - getattr(before, k)
                 for k in ("mapped_gets", "reads_posted", "nixl_registrations")}
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def fork_keeping(self, key: str) -> None:
         """Fork a child that inherits the views kept under ``key``, then drop them here
@@ -147,9 +142,24 @@ def stats(actor):
     return call(actor, lambda self: ray_rdt_pool.stats())
 
 
-def test_several_receivers_see_the_right_bytes_and_a_writer_changes_only_its_own() -> None:
-    s = Sender.remote()
-    rs = [Receiver.remote() for _ in range(3)]
+@pytest.fixture(scope="module")
+def sender():
+    """The module's sender, for the tests that do not end it; each test drains it (no
+    object, no lease) before it ends."""
+    return Sender.remote()
+
+
+@pytest.fixture(scope="module")
+def receivers():
+    """The module's receivers, for the tests that do not end them, shut them down or fork
+    them; each test drops the views it kept. They never READ: every object they get is
+    pooled by a sender of this node."""
+    return [Receiver.remote() for _ in range(3)]
+
+
+def test_several_receivers_see_the_right_bytes_and_a_writer_changes_only_its_own(
+        sender, receivers) -> None:
+    s, rs = sender, receivers
     refs, want = ray.get(s.put.remote(300_000, 5))
     assert ray.get(rs[0].get.remote(refs, keep="x", scribble=True)) == want
     # Later receivers (and the writer itself, fetching again) still see the original bytes.
@@ -168,12 +178,12 @@ def test_several_receivers_see_the_right_bytes_and_a_writer_changes_only_its_own
     del refs, ref
     wait_drained(s)
     wait_for(lambda: stats(rs[0]).mapped_objects == 0, timeout=10)
-    for a in (s, *rs):
-        ray.kill(a)
+    wait_for(lambda: stats(s).leased_objects == 0, timeout=10)
 
 
-def test_a_leased_block_is_never_reused_and_comes_back_when_the_views_die() -> None:
-    s, r = Sender.remote(), Receiver.remote()
+def test_a_leased_block_is_never_reused_and_comes_back_when_the_views_die(
+        sender, receivers) -> None:
+    s, r = sender, receivers[1]
     refs, want = ray.get(s.put.remote(1 << 20, 1))
     assert ray.get(r.get.remote(refs, keep="a")) == want
     del refs  # Ray frees the object; the receiver still has views of its block
@@ -188,12 +198,10 @@ def test_a_leased_block_is_never_reused_and_comes_back_when_the_views_die() -> N
     st = wait_drained(s)  # the block came back
     assert st.leased_objects == 0 and st.leased_bytes == 0
     assert stats(r).mapped_objects == 0 and stats(r).reads_posted == 0
-    ray.kill(s)
-    ray.kill(r)
 
 
-def test_a_killed_receivers_leases_are_released_within_five_seconds() -> None:
-    s, r = Sender.remote(), Receiver.remote()
+def test_a_killed_receivers_leases_are_released_within_five_seconds(sender) -> None:
+    s, r = sender, Receiver.remote()  # a receiver of its own: it is killed
     refs, want = ray.get(s.put.remote(1 << 18, 7))
     assert ray.get(r.get.remote(refs, keep="k")) == want
     del refs
@@ -204,11 +212,10 @@ def test_a_killed_receivers_leases_are_released_within_five_seconds() -> None:
                   timeout=15, interval=0.05)
     assert time.monotonic() - t0 < 5.0, "leases of a killed receiver outlived 5 s"
     assert st.leased_bytes == 0
-    ray.kill(s)
 
 
-def test_a_thousand_cycles_leak_nothing() -> None:
-    s, r = Sender.remote(), Receiver.remote()
+def test_a_thousand_cycles_leak_nothing(sender, receivers) -> None:
+    s, r = sender, receivers[2]
     ray.get(r.cycles.remote(s, 1))  # pool, agents and mappings exist: the baseline
     wait_drained(s)
     base = stats(s)
@@ -221,15 +228,13 @@ def test_a_thousand_cycles_leak_nothing() -> None:
     assert st.registered_regions == base.registered_regions
     rst = wait_for(lambda: (x := stats(r)).mapped_objects == 0 and x, timeout=10)
     assert rst.mapped_bytes == 0 and rst.arena_used == 0
-    ray.kill(s)
-    ray.kill(r)
 
 
-def test_leases_held_at_shutdown_come_back_when_the_views_die() -> None:
+def test_leases_held_at_shutdown_come_back_when_the_views_die(sender) -> None:
     """``ray_rdt_pool.shutdown()`` in a receiver that keeps running, while it holds
     mapped views: once they die, the sender's block comes back (it stayed leased until
     the receiver process exited)."""
-    s, r = Sender.remote(), Receiver.remote()
+    s, r = sender, Receiver.remote()  # a receiver of its own: its transport is shut down
     refs, want = ray.get(s.put.remote(1 << 16, 6))
     assert ray.get(r.get.remote(refs, keep="s")) == want
     call(r, lambda self: ray_rdt_pool.shutdown())
@@ -240,15 +245,14 @@ def test_leases_held_at_shutdown_come_back_when_the_views_die() -> None:
     call(r, lambda self: self.drop("s"))
     st = wait_for(lambda: (x := stats(s)).leased_objects == 0 and x, timeout=10)
     assert st.leased_bytes == 0 and st.pool_used == 0
-    ray.kill(s)
     ray.kill(r)
 
 
-def test_a_forked_child_of_a_receiver_keeps_the_bytes_of_its_views() -> None:
+def test_a_forked_child_of_a_receiver_keeps_the_bytes_of_its_views(sender) -> None:
     """A receiver forks holding mapped views and drops its own: the child's inherited
     private mappings used to show whatever the sender put into the reused block next.
     The child copies them at fork, and the block comes back once it has."""
-    s, r = Sender.remote(), Receiver.remote()
+    s, r = sender, Receiver.remote()  # a receiver of its own: it forks
     refs, want = ray.get(s.put.remote(1 << 18, 3))
     assert ray.get(r.get.remote(refs, keep="f")) == want
     ray.get(r.fork_keeping.remote("f"))
@@ -261,36 +265,37 @@ def test_a_forked_child_of_a_receiver_keeps_the_bytes_of_its_views() -> None:
     assert stats(r).reads_posted == 0
     del refs2
     wait_drained(s)
-    ray.kill(s)
     ray.kill(r)
 
 
-def test_a_pool_made_after_the_first_contact_is_mapped() -> None:
+def test_a_pool_made_after_the_first_contact_is_mapped(receivers) -> None:
     """A receiver first meets a sender that has no pool yet (an object sent by
     reference, as a trainer's stream buckets are): that sender's pool, made later, is
     mapped all the same. The receiver used to keep "no shared pool" for good and READ
     every later pooled object of it."""
-    s, r = Sender.remote(), Receiver.remote()
+    s, r = Sender.remote(), receivers[0]  # a sender of its own: it has no pool yet
+    base = stats(r)
     wd, want = ray.get(s.put_by_reference.remote("ws:first", 5000))
     assert ray.get(r.get_owned.remote("ws:first", wd)) == want  # READ: not in a pool
     before = stats(r)
-    assert before.reads_posted == 1 and before.mapped_gets == 0, before
+    assert (before.reads_posted - base.reads_posted,
+            before.mapped_gets - base.mapped_gets) == (1, 0), before
     assert stats(s).pool_capacity == 0  # no pool yet
     refs, want = ray.get(s.put.remote(300_000, 9))  # makes the shared pool
     assert ray.get(r.get.remote(refs)) == want
     ref = s.make.remote(1000, 4)
     assert ray.get(r.take.remote(ref)) == 4000
     after = stats(r)
-    assert after.mapped_gets == 2 and after.reads_posted == 1, after
+    assert (after.mapped_gets - before.mapped_gets, after.reads_posted) == (
+        2, before.reads_posted), after
     assert ray.get(s.free_owned.remote("ws:first"))
     del refs, ref
     wait_drained(s)
     ray.kill(s)
-    ray.kill(r)
 
 
-def test_a_get_from_an_exited_sender_fails() -> None:
-    s, r = Sender.remote(), Receiver.remote()
+def test_a_get_from_an_exited_sender_fails(receivers) -> None:
+    s, r = Sender.remote(), receivers[1]  # a sender of its own: it is killed
     assert ray.get(r.take.remote(s.make.remote(100, 1))) == 100  # r maps s's pool
     ref = s.make.remote(1000, 2)  # owned by the driver: it outlives the sender
     ray.wait([ref], fetch_local=False)
@@ -303,4 +308,3 @@ def test_a_get_from_an_exited_sender_fails() -> None:
     after = stats(r)
     assert after.mapped_gets == before.mapped_gets and after.reads_posted == 0
     assert after.transfer_errors == before.transfer_errors + 1
-    ray.kill(r)

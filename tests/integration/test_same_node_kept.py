@@ -1,7 +1,8 @@
 """Same-node receivers that keep many objects (a replay buffer, a cache actor), on a real
 Ray cluster with real NIXL.
 
-One local cluster (one Ray node) for the module, ``same_node="map"``. The objects are put
+The module's actors run on the test process's shared cluster (one Ray node), with
+``same_node="map"`` (``ENV``). The objects are put
 with ``put_owned`` and freed with ``free_owned`` (the same pool, placement, mapping and
 lease path as ``ray.put`` and Ray's free, without 20,000 Ray objects to make and collect,
 which takes minutes on a small machine). Checked: a sender holding back thousands of
@@ -21,26 +22,26 @@ import ray
 import torch
 
 import ray_rdt_pool
-from tests.support.raycluster import call, start_ray, wait_drained, wait_for
+from tests.support import actors
+from tests.support.raycluster import actor_env, call, wait_drained, wait_for
 
 pytestmark = pytest.mark.ray
 
 ray_rdt_pool.register()
 
 
+#: The module's actors' settings.
+ENV = {"RAY_RDT_POOL_POOL_BYTES": "128M", "RAY_RDT_POOL_ARENA_BYTES": "16M",
+       "RAY_RDT_POOL_SAME_NODE": "map"}
+
+
 @pytest.fixture(scope="module", autouse=True)
-def cluster():
-    start_ray({"RAY_RDT_POOL_POOL_BYTES": "128M", "RAY_RDT_POOL_ARENA_BYTES": "16M",
-               "RAY_RDT_POOL_SAME_NODE": "map"})
+def cluster(ray_cluster):
     yield
-    ray.shutdown()
 
 
-@ray.remote(enable_tensor_transport=True)
-class Sender:
-    def __init__(self) -> None:
-        ray_rdt_pool.register()
-
+@ray.remote(enable_tensor_transport=True, runtime_env=actor_env(ENV))
+class Sender(actors.Sender):
     def put_many(self, prefix: str, n: int, fill: int | None = None, size: int = 4):
         """``n`` small objects in one call; their wire bytes, and the pool offset of each."""
         from ray_rdt_pool._ray.owned import put_owned
@@ -59,14 +60,11 @@ class Sender:
 
         return sum(free_owned(f"{prefix}{i}") for i in range(n))
 
-    def pid(self) -> int:
-        return os.getpid()
 
-
-@ray.remote(enable_tensor_transport=True)
-class Receiver:
+@ray.remote(enable_tensor_transport=True, runtime_env=actor_env(ENV))
+class Receiver(actors.Receiver):
     def __init__(self) -> None:
-        ray_rdt_pool.register()
+        super().__init__()
         self.kept: list[list[torch.Tensor]] = []
 
     def keep(self, prefix: str, wires, scribble: bool = False) -> list[int]:
@@ -102,6 +100,13 @@ def stats(actor):
     return call(actor, lambda self: ray_rdt_pool.stats())
 
 
+@pytest.fixture(scope="module")
+def pair():
+    """The module's sender and receiver; each test frees every object, drops every view
+    and waits until the sender holds no lease before it ends."""
+    return Sender.remote(), Receiver.remote()
+
+
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU time of process ``pid`` (all its threads) so far."""
     with open(f"/proc/{pid}/stat") as f:
@@ -109,13 +114,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def test_a_sender_holding_back_20000_blocks_for_a_receiver_stays_idle() -> None:
+def test_a_sender_holding_back_20000_blocks_for_a_receiver_stays_idle(pair) -> None:
     """A receiver keeps 20,000 small objects whose refs are gone: the sender holds their
     blocks back for its leases. Its progress tick used to check every held-back object
     against the lease table, 0.6 of a core while idle; now it reads the receivers'
     release logs, and idles as it does with nothing held back."""
     n = 20_000
-    s, r = Sender.remote(), Receiver.remote()
+    s, r = pair
     wires, _offsets = ray.get(s.put_many.remote("k", n), timeout=300)
     assert ray.get(r.keep.remote("k", wires), timeout=300) == list(range(n))
     del wires
@@ -134,17 +139,15 @@ def test_a_sender_holding_back_20000_blocks_for_a_receiver_stays_idle() -> None:
     assert st.leased_bytes == 0 and st.pool_used == 0
     rst = stats(r)
     assert (rst.mapped_objects, rst.reads_posted) == (0, 0), rst
-    ray.kill(s)
-    ray.kill(r)
 
 
-def test_mappings_do_not_grow_with_the_objects_a_receiver_keeps() -> None:
+def test_mappings_do_not_grow_with_the_objects_a_receiver_keeps(pair) -> None:
     """Each kept object used to be a mapping of its own (5,000 objects: 5,728 more lines
     in /proc/self/maps), so the kernel's vm.max_map_count (65,530) capped what a receiver
     could keep, and past it every mmap in the process failed. Now the pool is mapped
     once and every object is a view of it."""
     n = 5_000
-    s, r = Sender.remote(), Receiver.remote()
+    s, r = pair
     wires, _ = ray.get(s.put_many.remote("w", 1))
     assert ray.get(r.keep.remote("w", wires)) == [0]  # the pool and its mapping exist
     before = ray.get(r.maps.remote())
@@ -159,16 +162,14 @@ def test_mappings_do_not_grow_with_the_objects_a_receiver_keeps() -> None:
     wait_drained(s, timeout=60)
     wait_for(lambda: stats(s).leased_objects == 0, timeout=30)
     assert stats(r).mapped_objects == 0
-    ray.kill(s)
-    ray.kill(r)
 
 
-def test_pages_a_receiver_wrote_never_show_the_blocks_next_object() -> None:
+def test_pages_a_receiver_wrote_never_show_the_blocks_next_object(pair) -> None:
     """A receiver writes into its views (copy-on-write: its own pages) and drops them;
     the sender reuses the block for the next object, which the receiver maps: it must
     see the new bytes. With one mapping of the whole pool, the written pages stay in
     that mapping unless they are given back to the file before the lease drops."""
-    s, r = Sender.remote(), Receiver.remote()
+    s, r = pair
     for size in (4, 5000):  # one page; two pages
         wires, (off_a,) = ray.get(s.put_many.remote("a", 1, fill=7, size=size))
         assert ray.get(r.keep.remote("a", wires, scribble=True)) == [7]
@@ -184,5 +185,3 @@ def test_pages_a_receiver_wrote_never_show_the_blocks_next_object() -> None:
         ray.get(s.free_many.remote("b", 1))
         wait_drained(s)
     assert stats(r).reads_posted == 0
-    ray.kill(s)
-    ray.kill(r)

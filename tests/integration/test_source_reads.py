@@ -34,7 +34,7 @@ from ray_rdt_pool.weights import (
     plan_layout,
     sync,
 )
-from tests.support.raycluster import actor_cluster, call, node_class, wait_drained
+from tests.support.raycluster import call, node_class, shared_actors, wait_drained
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -60,12 +60,12 @@ def make_state(seed: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def actors() -> Iterator[dict[str, Any]]:
+def actors(ray_cluster: str) -> Iterator[dict[str, Any]]:
     ray_rdt_pool.register()
     Node = node_class()
     threaded = node_class(max_concurrency=4)
-    off = Node.options(runtime_env={"env_vars": {"RAY_RDT_POOL_SAME_NODE": "off"}})
-    with actor_cluster(ENV, {"trainer": Node, "r1": Node, "r2": threaded, "off": off},
+    off = (Node, {"RAY_RDT_POOL_SAME_NODE": "off"})
+    with shared_actors(ENV, {"trainer": Node, "r1": Node, "r2": threaded, "off": off},
                        setup_hook=True) as nodes:
         yield nodes
 

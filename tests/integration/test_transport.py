@@ -1,42 +1,40 @@
 """The nixl_pool transport on a real Ray cluster with real NIXL (UCX moving host memory).
 
-One cluster for the module. Values are compared byte for byte (sha256 of each tensor's
-bytes computed on both sides), never by float sums.
+The module's actors run on the test process's shared cluster, with the module's settings
+(``ENV``: the same-node path, small pools). Values are compared byte for byte (sha256 of
+each tensor's bytes computed on both sides), never by float sums.
 """
 
 from __future__ import annotations
 
 import gc
 import math
-import os
-import subprocess
 import sys
 import weakref
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 import ray
 import torch
 
 import ray_rdt_pool
-from tests.support.raycluster import all_dtype_tensors, digest, start_ray, wait_for
+from tests.support import actors
+from tests.support.raycluster import actor_env, all_dtype_tensors, digest, wait_for
 
 pytestmark = pytest.mark.ray
 
 # @ray.method(tensor_transport=...) validates the name when the class is defined.
 ray_rdt_pool.register()
 
-ROOT = Path(__file__).resolve().parents[2]
+#: The module's actors' settings. The default same-node path: every dtype and odd view
+#: must come through it exactly.
+ENV = {"RAY_RDT_POOL_POOL_BYTES": "32M", "RAY_RDT_POOL_ARENA_BYTES": "32M",
+       "RAY_RDT_POOL_SAME_NODE": "map"}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cluster():
-    # The default same-node path: every dtype and odd view must come through it exactly.
-    start_ray({"RAY_RDT_POOL_POOL_BYTES": "32M", "RAY_RDT_POOL_ARENA_BYTES": "32M",
-               "RAY_RDT_POOL_SAME_NODE": "map"})
+def cluster(ray_cluster):
     yield
-    ray.shutdown()
 
 
 def odd_tensors() -> list[torch.Tensor]:
@@ -60,20 +58,8 @@ def _rdt_store_size() -> int:
     return ray._private.worker.global_worker.rdt_manager.rdt_store.get_num_objects()
 
 
-@ray.remote(enable_tensor_transport=True)
-class Sender:
-    def __init__(self, **config):
-        ray_rdt_pool.register()
-        if config:
-            ray_rdt_pool.configure(**config)
-        self.kept: dict[str, object] = {}
-
-    def put(self, tensors, keep: str | None = None):
-        ref = ray.put(tensors, _tensor_transport="nixl_pool")
-        if keep:
-            self.kept[keep] = tensors
-        return [ref], digest(tensors)
-
+@ray.remote(enable_tensor_transport=True, runtime_env=actor_env(ENV))
+class Sender(actors.Sender):
     def native_active(self) -> bool:
         from ray_rdt_pool.memory.describe import native_active
 
@@ -193,24 +179,15 @@ class Sender:
         return [torch.full((n,), float(i)) for i in range(4)]
 
     @ray.method(tensor_transport="nixl_pool")
-    def echo(self, value):
-        return value
-
-    @ray.method(tensor_transport="nixl_pool")
     def nested(self):
         return {"w": torch.ones(4, 4), "meta": {"step": 3, "b": [torch.zeros(2), "x"]}}
 
-    def stats(self):
-        return ray_rdt_pool.stats()
-
-    def drop(self):
-        self.kept.clear()
 
 
-@ray.remote(enable_tensor_transport=True)
-class Receiver:
+@ray.remote(enable_tensor_transport=True, runtime_env=actor_env(ENV))
+class Receiver(actors.Receiver):
     def __init__(self):
-        ray_rdt_pool.register()
+        super().__init__()
         self.held = None
 
     def get(self, refs, hold: bool = False):
@@ -290,13 +267,10 @@ class Receiver:
     def release(self):
         self.held = None
 
-    def stats(self):
-        return ray_rdt_pool.stats()
-
 
 def receiver(same_node: str):
     """A receiver with its own same_node setting (the module's default is "map")."""
-    return Receiver.options(runtime_env={"env_vars": {"RAY_RDT_POOL_SAME_NODE": same_node}}
+    return Receiver.options(runtime_env=actor_env({**ENV, "RAY_RDT_POOL_SAME_NODE": same_node})
                             ).remote()
 
 
@@ -305,6 +279,27 @@ def pair():
     """One sender and one receiver shared by the tests that need no fresh state
     (actor start-up dominates this module's run time)."""
     return Sender.remote(), Receiver.remote()
+
+
+@pytest.fixture(scope="module")
+def spare():
+    """A second sender, and a receiver of each same_node mode, for the tests that read a
+    sender's or a receiver's figures from zero; each test frees its objects and lets go
+    of its views before it ends."""
+    return {"sender": Sender.remote(), "off": receiver("off"), "map": receiver("map")}
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A sender with a 4 MiB pool whose emptied overflow regions go at once
+    (``overflow_linger_s=0``), for the tests of objects the pool cannot hold."""
+    return Sender.remote(pool_bytes=4 << 20, overflow_linger_s=0)
+
+
+@pytest.fixture(scope="module")
+def strict():
+    """A sender with a 1 MiB pool in strict mode (no overflow), which never puts."""
+    return Sender.remote(pool_bytes=1 << 20, strict=True)
 
 
 def test_all_dtypes_round_trip_between_actors(pair):
@@ -403,9 +398,9 @@ def test_driver_gets_from_actor_and_actor_gets_from_driver(pair):
     assert digest(ray.get(ref)) == digest(ts)
 
 
-def test_several_receivers_concurrently_and_one_after_another(pair):
+def test_several_receivers_concurrently_and_one_after_another(pair, spare):
     s, r0 = pair
-    rs = [r0, Receiver.remote(), Receiver.remote()]
+    rs = [r0, spare["map"], Receiver.remote()]
     ts = [torch.randn(256, 256), torch.randn(1000).to(torch.bfloat16)]
     refs, expected = ray.get(s.put.remote(ts))
     assert ray.get([r.get.remote(refs) for r in rs]) == [expected] * 3
@@ -460,69 +455,9 @@ def test_a_get_through_the_object_store_carries_every_wire_dtype(pair):
     assert ray.get(r.raw_bytes_through_store.remote(refs)) == [[0, 1, 2, 255]]
 
 
-def test_a_stored_snapshot_tensor_round_trips_and_refuses_a_wrong_byte_count():
-    """The object-store form of a snapshot tensor, pickled and loaded without Ray: exact
-    bytes for a dtype torch's own pickle cannot load, and a byte count that does not
-    match the shape is a WireFormatError (numpy would have broadcast a short array
-    over the whole tensor)."""
-    import pickle
-
-    import numpy as np
-
-    from ray_rdt_pool._ray.patches import _StoredTensor, _tensor_from_store
-    from ray_rdt_pool.errors import WireFormatError
-
-    t = torch.arange(6, dtype=torch.int32).view(torch.uint16).reshape(3, 4)
-    back = pickle.loads(pickle.dumps(_StoredTensor(t)))
-    assert back.dtype == torch.uint16 and back.shape == (3, 4)
-    assert torch.equal(back.view(torch.int16), t.view(torch.int16))
-    assert back.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
-    with pytest.raises(WireFormatError, match="1 bytes, not 24"):
-        _tensor_from_store("float32", (2, 3), np.zeros(1, dtype=np.uint8))
-    assert _tensor_from_store("float32", (0, 3), np.zeros(0, dtype=np.uint8)).shape == (0, 3)
-    # A dtype torch cannot fill, under deterministic algorithms (torch.empty fills then).
-    x = torch.tensor([1, 2, 3, 250], dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
-    prev = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        back = pickle.loads(pickle.dumps(_StoredTensor(x)))
-    finally:
-        torch.use_deterministic_algorithms(prev)
-    assert back.view(torch.uint8).tolist() == [1, 2, 3, 250]
-
-
-def test_get_snapshot_follows_the_sender_through_retried_puts():
-    """Runtime.get_snapshot, unit-level (the in-process fake NIXL): the put's bytes after
-    the tensors changed, copies with storages of their own; a retried put that fails
-    before placing keeps the first try, one that fails placing releases it and its
-    metadata (kept until a free that never comes, before)."""
-    from ray_rdt_pool._ray.runtime import Runtime
-    from ray_rdt_pool.config import PoolConfig
-    from ray_rdt_pool.errors import InvalidInputError, PoolExhaustedError
-    from ray_rdt_pool.testing import World
-
-    world = World()
-    rt = Runtime(PoolConfig(pool_bytes=1 << 20, arena_bytes=1 << 20, metrics=False,
-                            strict=True), backend_factory=world.factory, directory=world)
-    ts = [torch.zeros(1000), torch.ones(4, 4)[:, 1]]
-    rt.put("a", ts)
-    ts[0].add_(1)
-    snap = rt.get_snapshot("a")
-    assert digest(snap) == digest([torch.zeros(1000), torch.ones(4)])
-    assert [t.untyped_storage().nbytes() for t in snap] == [4000, 16]
-    with pytest.raises(InvalidInputError):
-        rt.put("a", [torch.empty(2, device="meta")])
-    assert digest(rt.get_snapshot("a")) == digest(snap)
-    with pytest.raises(PoolExhaustedError):
-        rt.put("a", [torch.zeros(1 << 19)])
-    assert rt.get_snapshot("a") is None
-    assert rt.stats().live_objects == 0 and rt.get_snapshot("never put") is None
-    rt.shutdown()
-
-
 @pytest.mark.parametrize("same_node", ["off", "map"])
-def test_garbage_collection_returns_blocks_to_the_pool(same_node):
-    s, r = Sender.remote(), receiver(same_node)
+def test_garbage_collection_returns_blocks_to_the_pool(spare, same_node):
+    s, r = spare["sender"], spare[same_node]
     base = ray.get(s.stats.remote())
     refs, expected = ray.get(s.put.remote([torch.randn(1 << 16), torch.randn(33)]))
     during = ray.get(s.stats.remote())
@@ -567,31 +502,34 @@ def test_target_buffers_that_do_not_match_raise(pair):
     assert "Length" in str(ei.value) or "buffers" in str(ei.value)
 
 
-def test_object_larger_than_pool_is_still_a_snapshot():
+def test_object_larger_than_pool_is_still_a_snapshot(small, pair):
     """Pool of 4 MiB, tensor of 8 MiB, mutated right after the put: the receiver reads
     the bytes of the put, from overflow memory that goes away with the object."""
-    s, r = Sender.remote(pool_bytes=4 << 20, overflow_linger_s=0), Receiver.remote()
+    s, r = small, pair[1]
+    before = ray.get(s.stats.remote()).fallbacks
     t = torch.full((2 << 20,), 5.0)  # 8 MiB
     refs, expected = ray.get(s.put.remote([t], keep="big"))
     ray.get(s.mutate.remote("big"))  # t += 1 in the sender, in place
     assert ray.get(r.get.remote(refs)) == expected == digest([torch.full((2 << 20,), 5.0)])
     st = ray.get(s.stats.remote())
-    assert (st.fallbacks, st.overflow_objects, st.overflow_bytes) == (1, 1, 8 << 20)
+    assert (st.fallbacks - before, st.overflow_objects, st.overflow_bytes) == (1, 1, 8 << 20)
     # A pooled object still works next to it.
     refs2, expected2 = ray.get(s.put.remote([torch.arange(10)]))
     assert ray.get(r.get.remote(refs2)) == expected2
     del refs
+    ray.get(s.drop.remote("big"))
     wait_for(lambda: ray.get(s.stats.remote()).overflow_capacity == 0)
     st = ray.get(s.stats.remote())
     assert (st.overflow_objects, st.overflow_bytes, st.registered_regions) == (0, 0, 1)
 
 
-def test_one_get_of_refs_put_before_and_after_a_deregistration():
+def test_one_get_of_refs_put_before_and_after_a_deregistration(small, pair):
     """The sender deregisters memory between two puts (an overflow region goes away), so
     the second object names a newer epoch and the receiver must reload the sender's
     metadata while the first READ of the same ray.get holds a lease. It must not wait for
     that READ (Ray waits on neither fetch before starting both)."""
-    s, r = Sender.remote(pool_bytes=4 << 20, overflow_linger_s=0), Receiver.remote()
+    s, r = small, pair[1]
+    base = ray.get(r.stats.remote())
     warm, expected_warm = ray.get(s.put.remote([torch.arange(5)]))
     assert ray.get(r.get.remote(warm)) == expected_warm  # the receiver knows the sender
     before, exp_before = ray.get(s.put.remote([torch.full((1000,), 1.0)]))
@@ -603,17 +541,18 @@ def test_one_get_of_refs_put_before_and_after_a_deregistration():
     got = ray.get(r.get_all.remote([before[0], after[0], warm[0]]), timeout=60)
     assert got == [exp_before, exp_after, expected_warm]
     st = ray.get(r.stats.remote())
-    assert st.transfers_in_flight == 0 and st.transfers_cut == 0 and st.transfer_errors == 0
+    assert st.transfers_in_flight == 0
+    assert (st.transfers_cut, st.transfer_errors) == (base.transfers_cut, base.transfer_errors)
 
 
-def test_an_overflowing_pool_makes_its_receivers_reload_nothing_per_object():
+def test_an_overflowing_pool_makes_its_receivers_reload_nothing_per_object(pair):
     """Object after object too large for the pool: the emptied overflow region stays
     registered (overflow_linger_s, 10 s by default) and takes the next one, so the
     receiver loads the sender's metadata once. Before, each object's region was
     deregistered with it and every receiver replaced its view of the sender's agent
     (remove, then add): a metadata load per object, and with NIXL 1.5.1 a TCP
     connection per read lane left open in both processes each time."""
-    s, r = Sender.remote(pool_bytes=4 << 20), Receiver.remote()
+    s, r = Sender.remote(pool_bytes=4 << 20), pair[1]
     for i in range(4):
         refs, expected = ray.get(s.put.remote([torch.full((2 << 20,), float(i))]))  # 8 MiB
         assert ray.get(r.get.remote(refs)) == expected
@@ -630,11 +569,11 @@ def test_an_overflowing_pool_makes_its_receivers_reload_nothing_per_object():
 
 
 @pytest.mark.parametrize("same_node", ["off", "map"])
-def test_target_parameter_whose_memory_is_swapped(same_node):
+def test_target_parameter_whose_memory_is_swapped(spare, same_node):
     """The registration cache is keyed by the storage: after ``p.data = new`` the new
     memory is registered and read into, never the old one. Mapped (same node), targets
     are one copy out of the mapping: the current memory, and no registration at all."""
-    s, r = Sender.remote(), receiver(same_node)
+    s, r = spare["sender"], receiver(same_node)  # a new receiver: its arena is counted
     refs, expected = ray.get(s.put.remote([torch.arange(1 << 16, dtype=torch.float32)]))
     out, new_regs, entries = ray.get(r.into_param_swapping_memory.remote(refs))
     assert [o for o, _d in out] == [True] * 4
@@ -647,9 +586,10 @@ def test_target_parameter_whose_memory_is_swapped(same_node):
         assert ray.get(r.stats.remote()).mapped_gets == 4
 
 
-def test_full_pool_still_sends_snapshots():
+def test_full_pool_still_sends_snapshots(small, pair):
     """The pool is full of live objects and a 3 MiB object arrives at a 4 MiB pool."""
-    s, r = Sender.remote(pool_bytes=4 << 20), Receiver.remote()
+    s, r = small, pair[1]
+    wait_for(lambda: ray.get(s.stats.remote()).live_objects == 0)  # earlier tests' objects
     held = [ray.get(s.put.remote([torch.zeros(256 << 10)]))[0] for _ in range(3)]
     t = torch.full((768 << 10,), 5.0)
     refs, expected = ray.get(s.put.remote([t], keep="x"))
@@ -658,8 +598,8 @@ def test_full_pool_still_sends_snapshots():
     assert ray.get(s.stats.remote()).overflow_objects == 1 and len(held) == 3
 
 
-def test_strict_mode_raises_pool_exhausted_with_sizes():
-    s = Sender.remote(pool_bytes=1 << 20, strict=True)
+def test_strict_mode_raises_pool_exhausted_with_sizes(strict):
+    s = strict
     with pytest.raises(ray.exceptions.RayTaskError) as ei:
         ray.get(s.put.remote([torch.randn(1 << 19)]))
     msg = str(ei.value)
@@ -670,11 +610,11 @@ def test_strict_mode_raises_pool_exhausted_with_sizes():
     assert st.pool_used == 0 and st.live_objects == 0 and st.fallbacks == 0
 
 
-def test_a_failed_put_or_return_lets_go_of_the_tensors():
+def test_a_failed_put_or_return_lets_go_of_the_tensors(strict):
     """Ray stores an object's tensors in its RDT store before it calls our extract, and
     registers the ref only after extract returned: when extract raised, nothing ever
     popped the entry and the caller's tensors stayed referenced for the process's life."""
-    s = Sender.remote(pool_bytes=1 << 20, strict=True)
+    s = strict  # it never put an object
     assert ray.get(s.store_size.remote()) == 0
     assert ray.get(s.put_that_fails.remote(2 << 20)) == ("PoolExhaustedError", False, 0)
     with pytest.raises(ray.exceptions.RayTaskError, match="PoolExhaustedError"):
@@ -684,8 +624,8 @@ def test_a_failed_put_or_return_lets_go_of_the_tensors():
     assert (st.pool_used, st.live_objects, st.objects_put) == (0, 0, 0)
 
 
-def test_bad_input_gives_typed_errors_and_leaves_pool_unchanged():
-    s = Sender.remote()  # its own: the shared sender may still hold objects awaiting GC
+def test_bad_input_gives_typed_errors_and_leaves_pool_unchanged(strict):
+    s = strict  # not the pair's: that sender may still hold objects awaiting GC
     live_refs, _ = ray.get(s.put.remote([torch.ones(3)]))  # create the pool
     before = ray.get(s.stats.remote())
     with pytest.raises(ray.exceptions.RayTaskError) as ei:
@@ -705,7 +645,7 @@ def test_unregistered_transport_name_is_rejected():
         ray.put([torch.ones(2)], _tensor_transport="nixl_poool")
 
 
-@ray.remote(enable_tensor_transport=True)
+@ray.remote(enable_tensor_transport=True, runtime_env=actor_env(ENV))
 class NoNixlReceiver:
     def __init__(self):
         ray_rdt_pool.register()
@@ -720,8 +660,8 @@ class NoNixlReceiver:
         return "no error"
 
 
-def test_receiver_without_nixl_gets_a_registration_error():
-    s, r = Sender.remote(), NoNixlReceiver.remote()
+def test_receiver_without_nixl_gets_a_registration_error(pair):
+    s, r = pair[0], NoNixlReceiver.remote()
     refs, _ = ray.get(s.put.remote([torch.ones(4)]))
     msg = ray.get(r.get.remote(refs))
     assert "NIXL is not usable" in msg and "pip install nixl" in msg
@@ -729,9 +669,9 @@ def test_receiver_without_nixl_gets_a_registration_error():
 
 def test_the_environment_names_reach_the_workers():
     """An actor reads every setting from RAY_RDT_POOL_ + its option's name, tuning ones
-    included (the cluster's RAY_RDT_POOL_POOL_BYTES=32M among them), and still reads a
+    included (the module's RAY_RDT_POOL_POOL_BYTES=32M among them), and still reads a
     name from before that rule, which it warns about once."""
-    @ray.remote(enable_tensor_transport=True)
+    @ray.remote(enable_tensor_transport=True, runtime_env=actor_env(ENV))
     class Probe:
         def run(self):
             from ray_rdt_pool import config
@@ -745,7 +685,7 @@ def test_the_environment_names_reach_the_workers():
     env = {"RAY_RDT_POOL_PACK_THREADS": "3", "RAY_RDT_POOL_DEBUG_TRANSFERS": "1",
            "RAY_RDT_POOL_REGISTRATION_CACHE_BYTES": "64M", "RAY_RDT_POOL_READ_SPLIT": "4M"}
     capacity, options, warned = ray.get(
-        Probe.options(runtime_env={"env_vars": env}).remote().run.remote())
+        Probe.options(runtime_env=actor_env({**ENV, **env})).remote().run.remote())
     assert capacity == 32 << 20 and options["pool_bytes"] == 32 << 20
     assert (options["pack_threads"], options["debug_transfers"]) == (3, True)
     assert options["registration_cache_bytes"] == 64 << 20
@@ -753,7 +693,7 @@ def test_the_environment_names_reach_the_workers():
 
 
 def test_configure_errors_are_typed():
-    @ray.remote(enable_tensor_transport=True)
+    @ray.remote(enable_tensor_transport=True, runtime_env=actor_env(ENV))
     class C:
         def run(self):
             out = []
@@ -780,7 +720,7 @@ def test_configure_errors_are_typed():
 
 
 def test_concurrent_puts_from_threads_in_one_actor(pair):
-    @ray.remote(enable_tensor_transport=True, max_concurrency=4)
+    @ray.remote(enable_tensor_transport=True, max_concurrency=4, runtime_env=actor_env(ENV))
     class ThreadedSender:
         def __init__(self):
             ray_rdt_pool.register()
@@ -808,23 +748,21 @@ def test_concurrent_puts_from_threads_in_one_actor(pair):
     assert ray.get(s.stats.remote()).pool_used == 0
 
 
-def test_metadata_is_compact_and_agent_metadata_is_not_inside():
-    @ray.remote(enable_tensor_transport=True)
-    class Probe:
-        def __init__(self):
-            ray_rdt_pool.register()
+def _metadata_sizes(self):
+    """In a sender: the pickled size of the metadata of 10,000 views of one weight, and of
+    its wire bytes."""
+    import pickle
 
-        def sizes(self):
-            import pickle
+    w = torch.randn(10_000, 256)
+    views = [w[i] for i in range(10_000)]
+    ref = ray.put(views, _tensor_transport="nixl_pool")
+    mgr = ray._private.worker.global_worker.rdt_manager
+    meta = mgr.get_rdt_metadata(ref.hex()).tensor_transport_meta
+    return len(pickle.dumps(meta)), len(meta.wire)
 
-            w = torch.randn(10_000, 256)
-            views = [w[i] for i in range(10_000)]
-            ref = ray.put(views, _tensor_transport="nixl_pool")
-            mgr = ray._private.worker.global_worker.rdt_manager
-            meta = mgr.get_rdt_metadata(ref.hex()).tensor_transport_meta
-            return len(pickle.dumps(meta)), len(meta.wire)
 
-    pickled, wire = ray.get(Probe.remote().sizes.remote())
+def test_metadata_is_compact_and_agent_metadata_is_not_inside(pair):
+    pickled, wire = ray.get(pair[0].__ray_call__.remote(_metadata_sizes))
     assert wire < 1000, wire  # one run of 10,000 equal views
     assert pickled < 2000, pickled
 
@@ -839,16 +777,6 @@ def test_repeated_fetches_reuse_registrations(pair):
         assert ray.get(r.get.remote(refs)) == expected
     assert ray.get(r.stats.remote()).nixl_registrations == warm
     assert ray.get(s.stats.remote()).nixl_registrations == 1
-
-
-def test_example_put_get_runs():
-    # The example's plain ray.init() joins the cluster RAY_ADDRESS names: this module's,
-    # rather than whatever cluster another test process on the machine last started.
-    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "put_get.py")],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "received" in proc.stdout
 
 
 def test_rays_tensor_reducer_is_replaced_by_one_pickled_by_reference(pair):
@@ -921,9 +849,9 @@ def test_flat_values_skip_rays_per_tensor_serializer_and_come_back_the_same(pair
                           for t in ts if isinstance(t, torch.Tensor)])
 
 
-def test_receiver_loads_each_senders_metadata_once():
-    s = Sender.remote()
-    r = receiver("off")  # NIXL metadata: only READs need it
+def test_receiver_loads_each_senders_metadata_once(spare):
+    s = Sender.remote()  # one the receiver has never met
+    r = spare["off"]  # NIXL metadata: only READs need it
     ray.get(r.stats.remote())
     before = ray.get(r.stats.remote())
     for _ in range(3):

@@ -29,7 +29,7 @@ from ray_rdt_pool.weights import (
     sync,
 )
 from tests.support import weights_state
-from tests.support.raycluster import actor_cluster, call, wait_drained, wait_for
+from tests.support.raycluster import call, shared_actors, wait_drained, wait_for
 from tests.support.weights_state import KINDS, SMALL, Spec, make_state
 from tests.support.weights_state import mismatch as _mismatch
 
@@ -54,7 +54,7 @@ ENV = {"RAY_RDT_POOL_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "64M"}
 
 
 @pytest.fixture(scope="module")
-def actors() -> Iterator[dict[str, Any]]:
+def actors(ray_cluster: str) -> Iterator[dict[str, Any]]:
     import ray
 
     @ray.remote(enable_tensor_transport=True)
@@ -63,7 +63,7 @@ def actors() -> Iterator[dict[str, Any]]:
             ray_rdt_pool.register()
             torch.set_num_threads(1)
 
-    with actor_cluster(ENV, dict.fromkeys(("trainer", "r1", "r2"), Node)) as nodes:
+    with shared_actors(ENV, dict.fromkeys(("trainer", "r1", "r2"), Node)) as nodes:
         yield nodes
 
 

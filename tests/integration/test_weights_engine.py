@@ -31,7 +31,7 @@ from ray_rdt_pool.weights import (
     WeightSyncTimeoutError,
     sync,
 )
-from tests.support.raycluster import actor_cluster, call, wait_drained, wait_for
+from tests.support.raycluster import call, shared_actors, wait_drained, wait_for
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.ray
@@ -67,7 +67,7 @@ def pairs_of(state: dict[str, torch.Tensor], dup_at: int | None = None
 
 
 @pytest.fixture(scope="module")
-def actors() -> Iterator[dict[str, Any]]:
+def actors(ray_cluster: str) -> Iterator[dict[str, Any]]:
     import ray
 
     ray_rdt_pool.register()  # the driver, before defining the actor classes
@@ -102,7 +102,7 @@ def actors() -> Iterator[dict[str, Any]]:
         async def load(self, manifest: Manifest) -> Any:
             return await self.weight_receiver.load_async(manifest)
 
-    with actor_cluster(ENV, {"trainer": Node, "r1": Node, "ar": AsyncNode},
+    with shared_actors(ENV, {"trainer": Node, "r1": Node, "ar": AsyncNode},
                        setup_hook=True) as nodes:
         yield nodes
 

@@ -45,7 +45,7 @@ from ray import cloudpickle
 
 import ray_rdt_pool
 from ray_rdt_pool.weights import WeightReceiver, WeightSender
-from tests.support.raycluster import actor_cluster, call, node_class
+from tests.support.raycluster import call, node_class, shared_actors
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.ray
@@ -67,11 +67,10 @@ def rss() -> int:
 
 
 @pytest.fixture(scope="module")
-def actors() -> Iterator[dict[str, Any]]:
+def actors(ray_cluster: str) -> Iterator[dict[str, Any]]:
     ray_rdt_pool.register()
     Node = node_class()
-    with actor_cluster(ENV, {"trainer": Node, "r1": Node}, setup_hook=True,
-                       log_to_driver=False) as nodes:
+    with shared_actors(ENV, {"trainer": Node, "r1": Node}, setup_hook=True) as nodes:
         for n in nodes.values():
             call(n, _setup)
         yield nodes

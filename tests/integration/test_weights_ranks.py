@@ -25,7 +25,7 @@ from ray_rdt_pool.weights import (
     WeightSender,
     sync,
 )
-from tests.support.raycluster import actor_cluster, call, node_class, wait_for
+from tests.support.raycluster import call, node_class, shared_actors, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -38,10 +38,10 @@ ROWS, COLS = 48, 96  # fp32: 18 KiB per tensor, several tensors per bucket
 
 
 @pytest.fixture(scope="module")
-def nodes() -> Iterator[dict[str, Any]]:
+def nodes(ray_cluster: str) -> Iterator[dict[str, Any]]:
     ray_rdt_pool.register()
     names = ("t0", "t1", "t2", "e0", "e1")
-    with actor_cluster(ENV, dict.fromkeys(names, node_class()), setup_hook=True) as n:
+    with shared_actors(ENV, dict.fromkeys(names, node_class()), setup_hook=True) as n:
         yield n
 
 

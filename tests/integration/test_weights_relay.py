@@ -20,7 +20,7 @@ from ray import cloudpickle
 
 from ray_rdt_pool.errors import InvalidInputError
 from ray_rdt_pool.weights import RelayReceiverError, WeightReceiver, WeightSender, sync
-from tests.support.raycluster import call, digest, node_class, start_ray, wait_drained
+from tests.support.raycluster import actor_env, call, digest, node_class, wait_drained
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -93,31 +93,54 @@ def _relay_stats(actor: Any) -> tuple[tuple[int, int], Any]:
     return (int(st.live_objects), relay_peak()), st
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    import ray
+#: The module's actors' settings (over the shared cluster's, same_node "off" among them).
+ENV = {"RAY_RDT_POOL_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "8M"}
 
-    start_ray({"RAY_RDT_POOL_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "8M"},
-              num_cpus=8)
+
+class _Pool:
+    """The module's actors, kept from test to test (an actor takes seconds to start here,
+    and a test sets each one's state afresh): a trainer, and receivers handed out in
+    order. ``_actors`` takes them, ``_kill`` gives them back and ends only those that
+    died or no longer answer (one that hangs in a bucket)."""
+
+    node: Any = None
+    trainer: Any = None
+    receivers: list[Any] = []
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster: str) -> Iterator[None]:
+    _Pool.node = node_class(runtime_env=actor_env(ENV))
     yield
-    ray.shutdown()
+    _Pool.trainer, _Pool.receivers = None, []
 
 
 def _actors(n: int, **receiver_opts: Any) -> tuple[Any, list[Any]]:
-    Node = node_class()
-    trainer = Node.remote()
+    if _Pool.trainer is None:
+        _Pool.trainer = _Pool.node.remote()
+    trainer = _Pool.trainer
     call(trainer, _trainer)
-    rs = [Node.remote() for _ in range(n)]
+    while len(_Pool.receivers) < n:
+        _Pool.receivers.append(_Pool.node.remote())
+    rs = _Pool.receivers[:n]
     for r in rs:
         call(r, _receiver, **receiver_opts)
     return trainer, rs
 
 
 def _kill(*actors: Any) -> None:
+    """Give the actors back to the pool; end those that died or hang."""
     import ray
 
     for a in actors:
-        ray.kill(a)
+        try:
+            ray.get(a.__ray_call__.remote(lambda self: None), timeout=5)
+            continue
+        except Exception:  # dead, or busy in a hung bucket
+            ray.kill(a)
+        if a is _Pool.trainer:
+            _Pool.trainer = None
+        _Pool.receivers = [r for r in _Pool.receivers if r is not a]
 
 
 def _exact(trainer: Any, receivers: list[Any]) -> None:

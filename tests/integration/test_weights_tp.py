@@ -34,7 +34,7 @@ from ray_rdt_pool.weights import (
     sync,
 )
 from tests.support import tp_model
-from tests.support.raycluster import actor_cluster, call, node_class
+from tests.support.raycluster import call, node_class, shared_actors
 from tests.support.tp_model import (
     CFG,
     TP,
@@ -72,9 +72,9 @@ VERSION = itertools.count(1)  # receivers outlive senders: versions keep countin
 
 
 @pytest.fixture(scope="module")
-def actors() -> Iterator[dict[str, Any]]:
+def actors(ray_cluster: str) -> Iterator[dict[str, Any]]:
     ray_rdt_pool.register()
-    with actor_cluster(ENV, dict.fromkeys(("trainer", "r0", "r1"), node_class()),
+    with shared_actors(ENV, dict.fromkeys(("trainer", "r0", "r1"), node_class()),
                        setup_hook=True) as nodes:
         yield nodes
 

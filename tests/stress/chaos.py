@@ -96,6 +96,9 @@ CLUSTER_ENV = {
     "RAY_DEDUP_LOGS": "0",
     "RAY_rdt_fetch_fail_timeout_milliseconds": str(int(RAY_FETCH_TIMEOUT_S * 1000)),
 }
+#: What the senders see: the package's same-node default, so that the receivers of every
+#: path (RECEIVER_SAME_NODE) meet a sender that offers its pool.
+SENDER_ENV = {**CLUSTER_ENV, "RAY_RDT_POOL_SAME_NODE": "map"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -242,7 +245,10 @@ def make_actor_classes() -> tuple[Any, Any]:
 
     ray_rdt_pool.register()  # @ray.method(tensor_transport=...) checks the name
 
-    @ray.remote(enable_tensor_transport=True, max_concurrency=4)
+    # Every setting in the actor's own runtime_env: on a cluster shared with other tests
+    # (manage_cluster=False) the job's settings are another's.
+    @ray.remote(enable_tensor_transport=True, max_concurrency=4,
+                runtime_env={"env_vars": dict(SENDER_ENV)})
     class ChaosSender:
         def __init__(self) -> None:
             ray_rdt_pool.register()

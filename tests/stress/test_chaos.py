@@ -1,9 +1,9 @@
 """The chaos test, small: 60 transfers from 2 senders to 3 receivers with random faults.
 
 The engine is :mod:`tests.stress.chaos` (its docstring lists the fault kinds); the
-500-transfer run is ``python -m tests.stress.chaos --transfers 500 --seed 0``. It starts
-a local cluster of its own (``address="local"``) and shuts it down. One run serves every
-test below, so each property fails on its own; ``pytest -s`` prints the run's table.
+500-transfer run is ``python -m tests.stress.chaos --transfers 500 --seed 0`` (a local
+cluster of its own); here it runs on the test process's shared cluster. One run serves
+every test below, so each property fails on its own; ``pytest -s`` prints the run's table.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.stress import chaos
+from tests.support.raycluster import driver_rdt_fetch_timeout
 
 pytestmark = pytest.mark.ray
 
@@ -21,8 +22,12 @@ SEED = 0
 
 
 @pytest.fixture(scope="module")
-def report() -> dict[str, Any]:
-    rep = chaos.run_chaos(transfers=TRANSFERS, seed=SEED, settle_s=30.0)
+def report(ray_cluster: str) -> dict[str, Any]:
+    # On the test process's shared cluster: every setting is in the chaos actors' own
+    # runtime_env, and the driver bounds the transfers of task arguments as they do.
+    with driver_rdt_fetch_timeout(chaos.RAY_FETCH_TIMEOUT_S):
+        rep = chaos.run_chaos(transfers=TRANSFERS, seed=SEED, settle_s=30.0,
+                              manage_cluster=False)
     print("\n" + chaos.format_report(rep))
     return rep
 

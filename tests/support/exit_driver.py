@@ -6,7 +6,8 @@ some views still alive), then leave the interpreter without any clean-up call: t
 ``atexit`` hook must stop the progress thread and destroy the agent before finalization.
 
 ``python -m tests.support.exit_driver shutdown``: the same, then call ``ray_rdt_pool.shutdown()``
-and print what it left behind as one JSON line.
+and print what it left behind as one JSON line. It joins the cluster ``RAY_ADDRESS``
+names when one is set (what it tests is the shutdown, not the process's exit).
 
 ``python -m tests.support.exit_driver stream``: as ``plain``, and the driver is also a trainer:
 it streams a dict of weights with ``WeightSender`` to an actor that cannot read it in
@@ -14,13 +15,11 @@ place (``same_node="off"``), so the buckets go by reference and the driver's sto
 stay registered; it prints whether the actor's weights match as one JSON line, then
 leaves the interpreter with those registrations held (no ``close()``).
 
-``python -m tests.support.exit_driver restart``: the driver sends an object to an actor, then
-``ray.shutdown()`` and ``ray.init()`` again in the same process, and sends again to a new
-actor; prints the two sums the actors computed as one JSON line.
-
-``python -m tests.support.exit_driver restart_map``: as ``restart`` with ``same_node="map"``
-everywhere, and the driver also gets an actor's object in each session; prints, per
-session, how many gets the actor and the driver mapped and how many READs they posted.
+``python -m tests.support.exit_driver restart``: in each of two sessions (``ray.init()``,
+then ``ray.shutdown()``, twice in the same process) the driver sends an object to an
+actor that READs it (``same_node="off"``) and to one that maps it, and gets an object of a
+third; prints, per session, the sums the actors computed and how many gets each of
+them and the driver mapped and how many READs they posted, as one JSON line.
 
 ``python -m tests.support.exit_driver overflow``: as ``plain``, and the driver also puts an
 object larger than its pool and drops it, so an empty overflow region lingers for reuse
@@ -34,6 +33,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import json
+import os
 import sys
 import threading
 from typing import Any
@@ -42,6 +42,7 @@ import ray
 import torch
 
 import ray_rdt_pool
+from tests.support import actors
 
 #: The overflow regions the ``overflow`` mode checks at exit.
 _AT_EXIT: list[Any] = []
@@ -64,20 +65,14 @@ ray_rdt_pool.register()
 
 
 @ray.remote(enable_tensor_transport=True)
-class Sender:
-    def __init__(self) -> None:
-        ray_rdt_pool.register()
-
+class Sender(actors.Sender):
     def put(self, i: int) -> list[ray.ObjectRef]:
         return [ray.put([torch.full((1000 + i,), float(i)), torch.arange(i + 1)],
                         _tensor_transport="nixl_pool")]
 
 
 @ray.remote(enable_tensor_transport=True)
-class Receiver:
-    def __init__(self) -> None:
-        ray_rdt_pool.register()  # before its first get (Ray registers it asynchronously)
-
+class Receiver(actors.Receiver):
     def total(self, box: list[ray.ObjectRef]) -> float:
         return float(ray.get(box[0])[0].sum())
 
@@ -88,51 +83,39 @@ class Receiver:
 
 
 def restart() -> None:
-    """Send from the driver across a Ray restart in this process: the new cluster's GCS
-    is empty, so the driver's agent must publish its metadata there again."""
-    totals = []
-    for k in range(2):
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 object_store_memory=128 << 20,
-                 runtime_env={"env_vars": {"RAY_RDT_POOL_METRICS": "0",
-                                           "RAY_RDT_POOL_FETCH_TIMEOUT_S": "15"}})
-        r = Receiver.remote()
-        ref = ray.put([torch.arange(1000, dtype=torch.float32) + k],
-                      _tensor_transport="nixl_pool")
-        totals.append(ray.get(r.total.remote([ref]), timeout=90))
-        del ref
-        ray.kill(r)
-        ray.shutdown()
-    print(json.dumps({"totals": totals}))
-
-
-def restart_map() -> None:
-    """Same-node objects across a Ray restart in this process: the new cluster's GCS
-    holds no same-node entry of the driver's pool and the driver has a new node ID, so
-    the entry must be published there again for the new actors to map the driver's
-    objects; and the driver, as a receiver, must map the new actors' objects."""
+    """Send from the driver, and receive in it, across a Ray restart in this process: the
+    new cluster's GCS is empty, so the driver's agent must publish its metadata there
+    again (or the actor that READs waits for it and fails), and its pool's same-node
+    entry too, with the driver's new node ID (or the actor that maps READs instead); and
+    the driver, as a receiver, must map the new session's actors' objects."""
     env = {"RAY_RDT_POOL_METRICS": "0", "RAY_RDT_POOL_SAME_NODE": "map",
            "RAY_RDT_POOL_POOL_BYTES": "16M", "RAY_RDT_POOL_FETCH_TIMEOUT_S": "15"}
+    off = {"env_vars": {**env, "RAY_RDT_POOL_SAME_NODE": "off"}}
     sessions = []
     for k in range(2):
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                  object_store_memory=128 << 20, runtime_env={"env_vars": env})
+        reader = Receiver.options(runtime_env=off).remote()
         r, s = Receiver.remote(), Sender.remote()
         ref = ray.put([torch.arange(1000, dtype=torch.float32) + k],
                       _tensor_transport="nixl_pool")
+        read_total, read_mapped, read_reads = ray.get(
+            reader.total_and_counts.remote([ref]), timeout=90)
         total, mapped, reads = ray.get(r.total_and_counts.remote([ref]), timeout=90)
         box = ray.get(s.put.remote(k), timeout=90)
         before = ray_rdt_pool.stats()
         got = ray.get(box[0], timeout=90)
         ok = torch.equal(got[0], torch.full((1000 + k,), float(k)))
         after = ray_rdt_pool.stats()
-        sessions.append({"total": total, "actor_mapped": mapped, "actor_reads": reads,
+        sessions.append({"read_total": read_total, "reader_mapped": read_mapped,
+                         "reader_reads": read_reads,
+                         "total": total, "actor_mapped": mapped, "actor_reads": reads,
                          "driver_ok": ok,
                          "driver_mapped": after.mapped_gets - before.mapped_gets,
                          "driver_reads": after.reads_posted - before.reads_posted})
         del ref, box, got
-        ray.kill(r)
-        ray.kill(s)
+        for a in (reader, r, s):
+            ray.kill(a)
         ray.shutdown()
     print(json.dumps({"sessions": sessions}))
 
@@ -208,20 +191,17 @@ def overflow() -> None:
 
 def main(mode: str) -> None:
     if mode == "restart":
-        ray_rdt_pool.configure(pool_bytes=16 << 20, arena_bytes=16 << 20, metrics=False)
+        ray_rdt_pool.configure(pool_bytes=16 << 20, arena_bytes=16 << 20, metrics=False,
+                               same_node="map")
         restart()
         sys.stdout.flush()
         return
-    if mode == "restart_map":
-        ray_rdt_pool.configure(pool_bytes=16 << 20, arena_bytes=16 << 20, metrics=False,
-                               same_node="map")
-        restart_map()
-        sys.stdout.flush()
-        return
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             object_store_memory=128 << 20,
-             runtime_env={"env_vars": {"RAY_RDT_POOL_POOL_BYTES": "16M",
-                                       "RAY_RDT_POOL_METRICS": "0"}})
+    env = {"env_vars": {"RAY_RDT_POOL_POOL_BYTES": "16M", "RAY_RDT_POOL_METRICS": "0"}}
+    if mode == "shutdown" and os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, runtime_env=env)
+    else:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=128 << 20, runtime_env=env)
     # overflow: the emptied region still lingers at exit, however slow the run.
     linger = {"overflow_linger_s": 3600.0} if mode == "overflow" else {}
     ray_rdt_pool.configure(pool_bytes=16 << 20, arena_bytes=16 << 20, metrics=False,

@@ -1,31 +1,76 @@
 """Shared helpers for tests that run a real Ray cluster with real NIXL.
 
-Each test module starts one cluster (Ray start-up costs seconds) through
-:func:`start_ray` in a module-scoped fixture and shuts it down at the end.
+One cluster per test process (a pytest-xdist worker): :func:`shared_cluster` starts it on
+first use and every later module of the process joins it; the session ends it
+(tests/conftest.py). A module applies its own settings to its own actors, through
+``runtime_env`` env vars (:func:`actor_env`, :func:`env_options`) or ``configure()`` in
+the actor, never through a cluster of its own. A module that needs a cluster of its own
+(several nodes, a Ray restart, ...) says why at its top and starts it with
+:func:`start_ray` or ``ray.cluster_utils.Cluster``: that leaves the shared cluster, which
+the next module that needs it starts again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import os
+import signal
+import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import ray
 
+#: What every worker of the shared cluster sees, whichever job it serves: the raylet passes
+#: the environment of the process that started it on to every worker, and a driver that
+#: joins (an example, a README block, the bench CLI) brings only its own ``runtime_env``.
 #: Small pools keep several actors light on a 24 GiB, 2-core machine.
-DEFAULT_ENV = {
+CLUSTER_ENV = {
     "RAY_RDT_POOL_POOL_BYTES": "64M",
     "RAY_RDT_POOL_ARENA_BYTES": "64M",
     "RAY_RDT_POOL_METRICS": "0",
+}
+
+#: What the test process's own actors and the test process itself (a driver that puts and
+#: gets too) see: the shared cluster's job ``runtime_env``, merged under each actor's.
+DEFAULT_ENV = {
+    **CLUSTER_ENV,
     "RAY_DEDUP_LOGS": "0",
     # One node: without this every get would map the sender's pool and the modules that
     # attack NIXL READs (stalls, kills, aborts, timeouts) would test nothing. Modules
-    # of the same-node path, and the byte-exactness module, set "map".
+    # of the same-node path, and the byte-exactness module, set "map" on their actors.
     "RAY_RDT_POOL_SAME_NODE": "off",
 }
+
+#: The variable Ray's workers read their ``worker_process_setup_hook`` from (Ray 2.60's
+#: ``ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR``): ``ray.init(runtime_env=
+#: {"worker_process_setup_hook": "module.func"})`` only sets it for the job's workers.
+#: Set per actor, it gives one module's actors the hook on a cluster shared with others.
+SETUP_HOOK_VAR = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
+
+
+def actor_env(env: Mapping[str, str] | None = None, *, setup_hook: bool = False
+              ) -> dict[str, Any]:
+    """The ``runtime_env`` that gives an actor ``env`` (over the shared cluster's
+    :data:`DEFAULT_ENV`, which Ray merges under it) and, with ``setup_hook``,
+    ``ray_rdt_pool.setup_worker`` as its worker set-up hook."""
+    env_vars = dict(env or {})
+    if setup_hook:
+        from ray._private import ray_constants
+
+        assert ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR == SETUP_HOOK_VAR
+        env_vars[SETUP_HOOK_VAR] = "ray_rdt_pool.setup_worker"
+    return {"env_vars": env_vars}
+
+
+def env_options(cls: Any, env: Mapping[str, str] | None = None, *, setup_hook: bool = False,
+                **options: Any) -> Any:
+    """``cls.options(...)`` with :func:`actor_env` as its runtime_env (an actor's
+    ``runtime_env`` option replaces the class's whole, so pass every setting it needs)."""
+    return cls.options(runtime_env=actor_env(env, setup_hook=setup_hook), **options)
 
 
 def drop_stale_rdt_manager() -> bool:
@@ -47,8 +92,144 @@ def drop_stale_rdt_manager() -> bool:
     return True
 
 
+def _session() -> object:
+    return getattr(getattr(ray._private.worker, "_global_node", None), "session_name", None)
+
+
+class _Shared:
+    """The shared cluster of this process, while this process is connected to it."""
+
+    session: object = None
+    address: str = ""
+    starts: int = 0
+    #: This package's settings in this process's environment before the first start.
+    saved_env: dict[str, str] | None = None
+
+
+def _ours_in_environ() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("RAY_RDT_POOL_")}
+
+
+def shared_cluster() -> str:
+    """Join this process's shared cluster, starting it if it is not running (the first
+    module of the process that needs it, or the first after a module that ran a cluster of
+    its own); its GCS address, for drivers in subprocesses (``RAY_ADDRESS``)."""
+    if ray.is_initialized() and _Shared.session is not None and _session() == _Shared.session:
+        os.environ.update(DEFAULT_ENV)  # a module may have changed this process's settings
+        return _Shared.address
+    if ray.is_initialized():
+        ray.shutdown()
+    drop_stale_rdt_manager()
+    # The raylet, and through it every worker of every job, sees this process's environment:
+    # CLUSTER_ENV and nothing else of this package (a setting left by an earlier cluster
+    # must not reach the workers of drivers that join).
+    if _Shared.saved_env is None:
+        _Shared.saved_env = _ours_in_environ()
+    for k in _ours_in_environ():
+        del os.environ[k]
+    os.environ.update(CLUSTER_ENV)
+    ray.init(address="local",  # never join a cluster another process runs
+             num_cpus=8, include_dashboard=False, object_store_memory=512 << 20,
+             runtime_env={"env_vars": dict(DEFAULT_ENV)}, log_to_driver=False,
+             logging_level="warning")
+    # This process reads the same settings as its actors for its own transport.
+    os.environ.update(DEFAULT_ENV)
+    import ray_rdt_pool
+
+    ray_rdt_pool.register()
+    _Shared.session = _session()
+    _Shared.address = ray.get_runtime_context().gcs_address
+    _Shared.starts += 1
+    return _Shared.address
+
+
+def end_shared_cluster() -> None:
+    """Shut the shared cluster down if this process runs it, and give this process back the
+    environment it had before (the end of the session, or tests that need a process
+    without Ray: tests/unit/conftest.py). The next module that needs it starts it again."""
+    if ray.is_initialized() and _Shared.session is not None and _session() == _Shared.session:
+        ray.shutdown()
+        drop_stale_rdt_manager()
+    _Shared.session = None
+    if _Shared.saved_env is not None:
+        for k in _ours_in_environ():
+            del os.environ[k]
+        os.environ.update(_Shared.saved_env)
+
+
+def _alive_actors() -> dict[str, dict[str, Any]]:
+    """This job's live actors, by actor ID."""
+    job = ray.get_runtime_context().get_job_id()
+    out = {}
+    for aid, info in ray._private.state.actors().items():
+        if info["JobID"] == job and info["State"] not in ("DEAD",):
+            out[aid] = info
+    return out
+
+
+@contextlib.contextmanager
+def module_actors_end(grace_s: float = 10.0) -> Iterator[None]:
+    """Around a module on the shared cluster: at its end, every actor the module made goes.
+
+    Ray ends an actor once its last handle dies, but this process keeps handles of its own
+    for good: Ray's RDT manager never drops the metadata of an object the driver borrowed
+    (a ref an actor put and returned; Ray 2.60, "TODO(#57962)"), and that metadata holds
+    the handle of the actor that made it. So an actor of which a handle is still alive
+    here is killed (``ray.kill``); one of which none is, Ray is ending, and it gets
+    ``grace_s`` before it is killed by its PID, and named on stderr. Either way no actor of
+    a module burns the next module's CPU or memory.
+    """
+    from ray.actor import ActorHandle
+
+    before = set(_alive_actors())
+    yield
+    if not ray.is_initialized() or _session() != _Shared.session:
+        return  # the module left the shared cluster: its own cluster took its actors
+    gc.collect()
+    left = {a: i for a, i in _alive_actors().items() if a not in before}
+    if not left:
+        return
+    held = {}
+    for o in gc.get_objects():
+        if type(o) is ActorHandle and o._actor_id.hex() in left:
+            held[o._actor_id.hex()] = o
+    for handle in held.values():
+        with contextlib.suppress(Exception):
+            ray.kill(handle)
+    waiting = {a: i for a, i in left.items() if a not in held}
+    deadline = time.monotonic() + grace_s
+    while waiting and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = _alive_actors()
+        waiting = {a: i for a, i in waiting.items() if a in alive}
+    for info in waiting.values():
+        print(f"an actor outlived its module: {info['ActorClassName']} (pid {info['Pid']}); "
+              "killed", file=sys.stderr)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if info["Pid"]:
+                os.kill(info["Pid"], signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def driver_rdt_fetch_timeout(seconds: float) -> Iterator[None]:
+    """This process's ``RAY_rdt_fetch_fail_timeout_milliseconds`` for a while: Ray reads
+    it once, at import (``ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS``), and the caller of
+    a task bounds the transfers of the task's RDT arguments by it. A module gives its
+    actors the same through their runtime_env."""
+    from ray._private import ray_constants
+
+    before = ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS
+    ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS = seconds
+    try:
+        yield
+    finally:
+        ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS = before
+
+
 def start_ray(env: dict[str, str] | None = None, **init_kwargs: Any) -> dict[str, str]:
-    """Start a fresh local cluster whose workers see ``env`` (merged over DEFAULT_ENV)."""
+    """Start a cluster of this module's own whose workers see ``env`` (merged over
+    DEFAULT_ENV): for a module that cannot share the cluster, which it leaves (the next
+    module that needs the shared cluster starts it again)."""
     env_vars = {**DEFAULT_ENV, **(env or {})}
     for k, v in env_vars.items():
         os.environ[k] = v  # the driver process reads the same settings
@@ -124,30 +305,28 @@ def call(actor: Any, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
 
 
 @contextlib.contextmanager
-def actor_cluster(env: dict[str, str], classes: dict[str, Any], *, setup_hook: bool = False,
-                  **init_kwargs: Any) -> Iterator[dict[str, Any]]:
-    """A fresh local cluster (4 CPUs) whose workers see ``env``; one started actor per
-    name in ``classes``. ``setup_hook`` registers the transport in every worker through
-    ``ray_rdt_pool.setup_worker``. Kills the actors and shuts the cluster down after."""
+def shared_actors(env: Mapping[str, str], classes: dict[str, Any], *, setup_hook: bool = False,
+                  ) -> Iterator[dict[str, Any]]:
+    """One started actor per name in ``classes``, on the shared cluster, each seeing ``env``
+    over :data:`DEFAULT_ENV` (same_node "map", the package's default, unless ``env`` says
+    otherwise); ``setup_hook`` registers the transport in them through
+    ``ray_rdt_pool.setup_worker``. A value of ``classes`` may be ``(cls, more_env)``, for an
+    actor that sees ``more_env`` over ``env``. Kills the actors after."""
     import ray_rdt_pool
 
+    shared_cluster()
     ray_rdt_pool.register()
-    runtime_env: dict[str, Any] = {"env_vars": env}
-    if setup_hook:
-        runtime_env["worker_process_setup_hook"] = "ray_rdt_pool.setup_worker"
-    if ray.is_initialized():
-        ray.shutdown()
-    init_kwargs.setdefault("logging_level", "warning")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env=runtime_env,
-             **init_kwargs)
+    env = {"RAY_RDT_POOL_SAME_NODE": "map", **env}
+    actors = {}
+    for name, spec in classes.items():
+        cls, more = spec if isinstance(spec, tuple) else (spec, {})
+        actors[name] = env_options(cls, {**env, **more}, setup_hook=setup_hook).remote()
     try:
-        actors = {name: cls.remote() for name, cls in classes.items()}
         ray.get([a.__ray_call__.remote(_noop) for a in actors.values()], timeout=120)
         yield actors
+    finally:
         for a in actors.values():
             ray.kill(a)
-    finally:
-        ray.shutdown()
 
 
 def node_class(**options: Any) -> Any:
@@ -180,6 +359,17 @@ def wait_drained(actor: Any, timeout: float = 30.0) -> Any:
     return st
 
 
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment of a driver or a command run in a subprocess: this process's, but
+    none of this package's settings (the test process's own, or those the shared cluster
+    gave it, depend on which modules ran before in this process) and no ``RAY_ADDRESS``;
+    then ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RAY_RDT_POOL_") and k != "RAY_ADDRESS"}
+    env.update(extra)
+    return env
+
+
 #: Ray's log line (on stderr) when ``ray.init`` starts a cluster rather than joining one.
 STARTED_LOCAL = "Started a local Ray instance"
 
@@ -195,10 +385,8 @@ def run_example(*args: str, address: str | None = None, timeout: float = 240.0) 
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("RAY_RDT_POOL_") and k != "RAY_ADDRESS"}
-    env.update(PYTHONPATH=str(root), RAY_RDT_POOL_POOL_BYTES="64M",
-               RAY_RDT_POOL_ARENA_BYTES="64M")
+    env = subprocess_env(PYTHONPATH=str(root), RAY_RDT_POOL_POOL_BYTES="64M",
+                         RAY_RDT_POOL_ARENA_BYTES="64M")
     if address is not None:
         env["RAY_ADDRESS"] = address
     proc = subprocess.run([sys.executable, str(root / "examples" / args[0]), *args[1:]],

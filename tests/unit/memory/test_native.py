@@ -245,7 +245,7 @@ def test_native_off_never_calls_the_helper(monkeypatch: pytest.MonkeyPatch) -> N
         raise AssertionError("the helper ran although native is off")
 
     monkeypatch.setattr(D, "_NATIVE", [boom])
-    from tests.unit._ray.test_runtime_logic import make, roundtrip, same
+    from tests.support.fake_world import make, roundtrip, same
 
     world = World()
     s, r = make(world, native=False), make(world, native=False)

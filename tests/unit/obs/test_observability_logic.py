@@ -156,8 +156,12 @@ def test_debug_logging_variable(caplog: pytest.LogCaptureFixture,
     config = from_env({"RAY_RDT_POOL_DEBUG_TRANSFERS": "1", "RAY_RDT_POOL_METRICS": "0",
                        "RAY_RDT_POOL_POOL_BYTES": "1M", "RAY_RDT_POOL_PREFAULT": "0"})
     assert config.debug_transfers
-    rt = Runtime(config, directory=_NullDirectory())
+    # Before the runtime turns debug logging on: caplog puts back at teardown the level it
+    # saw here. Set after, it put back DEBUG, and every later test of the process made
+    # debug records (held by pytest's log capture, with the tensors among their arguments,
+    # which kept an arena block alive in a later test's leak check).
     caplog.set_level(logging.DEBUG, logger="ray_rdt_pool")
+    rt = Runtime(config, directory=_NullDirectory())
     try:
         assert rdt_metrics.observer_for(rt) is None  # metrics off, debug handler on
         pkg = logging.getLogger("ray_rdt_pool")

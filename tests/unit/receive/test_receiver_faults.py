@@ -18,12 +18,8 @@ from ray_rdt_pool.errors import TransferError
 from ray_rdt_pool.receive import mapped as mapped_mod
 from ray_rdt_pool.same_node.source import this_process
 from ray_rdt_pool.testing import World
-from tests.unit.same_node.test_same_node_logic import get, make, settle
-
-
-@pytest.fixture()
-def world() -> World:
-    return World()
+from tests.support.fake_world import get, settle
+from tests.support.fake_world import make_on_node as make
 
 
 def test_a_failed_lookup_of_the_senders_pool_reads_with_nixl_and_asks_again(

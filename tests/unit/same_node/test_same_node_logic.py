@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import gc
 import os
-import pickle
 import re
 import select
 import threading
@@ -32,39 +31,8 @@ from ray_rdt_pool.same_node._libc import PAGE
 from ray_rdt_pool.same_node.info import HostInfo, process_start, still_running
 from ray_rdt_pool.same_node.leases import LeaseTable
 from ray_rdt_pool.testing import World
-
-
-def make(world: World, node: str | None = "node-a", **cfg) -> Runtime:
-    cfg.setdefault("pool_bytes", 4 << 20)
-    cfg.setdefault("arena_bytes", 4 << 20)
-    cfg.setdefault("metrics", False)
-    return Runtime(PoolConfig(**cfg), backend_factory=world.factory, directory=world,
-                   node_id=lambda: node)
-
-
-def ship(meta: PoolTransportMetadata) -> PoolTransportMetadata:
-    return pickle.loads(pickle.dumps(meta))
-
-
-def get(sender: Runtime, receiver: Runtime, obj_id: str, tensors, targets=None, sel=None):
-    meta = ship(sender.put(obj_id, tensors))
-    if sel is not None:
-        return receiver.fetch_selected(obj_id, meta, sel, None)
-    return receiver.wait(receiver.fetch(obj_id, meta, targets), -1)
-
-
-def settle(*rts: Runtime) -> None:
-    """What the progress threads do on their ticks (the fake backend has none)."""
-    gc.collect()
-    for rt in rts:
-        rt.receiver.reap()
-    for rt in rts:
-        rt.sender.reap()
-
-
-@pytest.fixture()
-def world() -> World:
-    return World()
+from tests.support.fake_world import get, settle, ship
+from tests.support.fake_world import make_on_node as make
 
 
 def test_a_mapped_get_is_a_view_with_no_read_and_a_private_copy_on_write(world: World) -> None:
