@@ -37,7 +37,7 @@ from ray_rdt_pool.weights import (
     WeightSyncTimeoutError,
     sync,
 )
-from tests.support.raycluster import call, digest, node_class, start_ray, wait_for
+from tests.support.raycluster import actor_env, call, digest, node_class, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -132,18 +132,18 @@ def _sender_version(actor: Any) -> int:
 # -- on the driver ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    import ray
+#: The shared cluster's settings for this module's actors: small pools.
+ENV = {"RAY_RDT_POOL_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "8M"}
 
-    start_ray({"RAY_RDT_POOL_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "8M"},
-              num_cpus=16)
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster: str) -> Iterator[None]:
     yield
-    ray.shutdown()
 
 
 def _nodes(n: int, **options: Any) -> list[Any]:
-    Node = node_class(**options)
+    # No CPU each: a test's actors fit the shared cluster beside other modules'.
+    Node = node_class(num_cpus=0, runtime_env=actor_env(ENV), **options)
     nodes = [Node.remote() for _ in range(n)]
     for a in nodes:
         call(a, lambda self: None)

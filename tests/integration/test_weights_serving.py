@@ -26,7 +26,7 @@ from ray_rdt_pool.weights import (
     WeightSyncTimeoutError,
     sync,
 )
-from tests.support.raycluster import call, node_class, start_ray
+from tests.support.raycluster import actor_env, call, node_class
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -83,18 +83,17 @@ def _stop(actor: Any) -> tuple[list[float], list[int], int, int]:
     return actor.outputs, actor.commits, rec.version, rec.staging_bytes
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    import ray
+#: The shared cluster's settings for this module's actors: small pools.
+ENV = {"RAY_RDT_POOL_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "8M"}
 
-    start_ray({"RAY_RDT_POOL_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "8M"},
-              num_cpus=8)
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster: str) -> Iterator[None]:
     yield
-    ray.shutdown()
 
 
 def _nodes() -> tuple[Any, Any]:
-    Node = node_class(max_concurrency=2)
+    Node = node_class(num_cpus=0, max_concurrency=2, runtime_env=actor_env(ENV))
     tr, eng = Node.remote(), Node.remote()
     for a in (tr, eng):
         call(a, lambda self: None)
