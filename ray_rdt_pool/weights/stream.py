@@ -265,6 +265,9 @@ class StreamSession:
         bucket, then commit. On any error: signal ABORT, let the receivers' calls end,
         abort on every receiver, free every bucket (see :meth:`_clean_up`), raise it."""
         self.link = link = Link(self.session)
+        # Each phase that ends is progress: a first sync in a fresh process spends
+        # seconds of a loaded host creating its signal agent before any bucket moves.
+        self._beat_quietly()
         try:
             st0 = _stats()
             self.fallbacks0 = st0.fallbacks
@@ -276,6 +279,7 @@ class StreamSession:
                            for r in self.receivers]
             self.ray_calls += len(self.begins)
             self._negotiate()
+            self.beat.tick()
             self._start()
             self._send_all()
             self._drain()

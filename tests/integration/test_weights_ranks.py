@@ -25,7 +25,7 @@ from ray_rdt_pool.weights import (
     WeightSender,
     sync,
 )
-from tests.support.raycluster import call, node_class, shared_actors, wait_for
+from tests.support.raycluster import call, env_options, node_class, shared_actors, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -218,9 +218,9 @@ def test_overlap_and_missing_are_typed_errors(nodes: dict[str, Any]) -> None:
 class SlowReceiver(WeightReceiver):
     """Sleeps before each bucket, so a rank can be killed while the receivers read."""
 
-    def _load_bucket(self, plan: Any, ref: Any, source: Any = None) -> Any:
+    def _load_bucket(self, plan: Any, ref: Any, *rest: Any) -> Any:
         time.sleep(0.4)
-        return super()._load_bucket(plan, ref, source)
+        return super()._load_bucket(plan, ref, *rest)
 
 
 def _set_slow_receiver(node: Any) -> None:
@@ -267,6 +267,9 @@ def test_killed_rank_mid_sync_commits_nothing(nodes: dict[str, Any]) -> None:
     # receivers stay usable: a later sync from the live ranks (rank 2 takes over rank
     # 1's names) commits a full new version.
     del old
+    # The module's later tests get a live rank 1 again.
+    nodes["t1"] = env_options(node_class(), ENV, setup_hook=True).remote()
+    call(nodes["t1"], lambda self: None)
     call(ranks[0], _set_rank, 6, 0, 3, "names")
     call(ranks[2], _set_rank, 6, 2, 3, "names",
          tuple(n for i, n in enumerate(sorted(_model(0))) if i % 3 == 1))
