@@ -136,21 +136,60 @@ def _sender_version(actor: Any) -> int:
 ENV = {"RAY_RDT_POOL_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "8M"}
 
 
+#: Live actors of this module that the last test left clean, free for the next one: a
+#: fresh actor costs seconds (a worker process, torch, a NIXL agent), and what these
+#: tests attack is the sync, not an actor's birth.
+_FREE: list[Any] = []
+#: The actors made without options (only those are handed out again).
+_PLAIN: set[str] = set()
+
+
 @pytest.fixture(scope="module")
 def cluster(ray_cluster: str) -> Iterator[None]:
     yield
+    _end(*_FREE)
+    _FREE.clear()
 
 
 def _nodes(n: int, **options: Any) -> list[Any]:
+    nodes = [] if options else [_FREE.pop() for _ in range(min(n, len(_FREE)))]
     # No CPU each: a test's actors fit the shared cluster beside other modules'.
     Node = node_class(num_cpus=0, runtime_env=actor_env(ENV), **options)
-    nodes = [Node.remote() for _ in range(n)]
-    for a in nodes:
+    new = [Node.remote() for _ in range(n - len(nodes))]
+    for a in new:
         call(a, lambda self: None)
-    return nodes
+        if not options:
+            _PLAIN.add(a._actor_id.hex())
+    return nodes + new
+
+
+def _reset(actor: Any) -> tuple[int, int]:
+    """Drop everything a test left on ``actor``; what it still holds then."""
+    import gc
+
+    for k in list(vars(actor)):
+        delattr(actor, k)
+    gc.collect()
+    return _held(actor)
 
 
 def _kill(*actors: Any) -> None:
+    """A test is done with ``actors``: each that is alive and holds nothing once reset
+    serves a later test; the others are killed."""
+    import ray
+
+    for a in actors:
+        try:
+            if a._actor_id.hex() in _PLAIN and \
+                    ray.get(a.__ray_call__.remote(_reset), timeout=30) == (0, 0):
+                _FREE.append(a)
+                continue
+        except Exception:  # dead, or stuck: a fresh one takes its place
+            pass
+        _end(a)
+
+
+def _end(*actors: Any) -> None:
     import ray
 
     for a in actors:
