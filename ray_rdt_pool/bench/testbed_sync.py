@@ -427,7 +427,7 @@ def table(report: dict[str, Any]) -> str:
              f"| {'ranks | ' if many else ''}engines | relay | {'wire | ' if wires else ''}"
              f"median of {report['syncs']} "
              f"| all times | vs 1 {'trainer to 1 ' if many else ''}engine | link floor | "
-             "floor vs 1 engine |" + ("vs the model's dtype |" if wires else "")
+             "floor vs 1 engine |" + (" vs the model's dtype |" if wires else "")
              + "".join(f" {k} chain, no Ray | ours vs it |" for k in kinds),
              "|---|---|---|---|---|---|---|" + ("---|" if many else "")
              + ("---|---|" if wires else "") + "---|---|" * len(kinds)]

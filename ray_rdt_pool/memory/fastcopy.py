@@ -28,7 +28,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["MANY_MOVES", "batch_unit", "copy_for", "fp8_quantizer", "host_moves",
+__all__ = ["MANY_MOVES", "batch_unit", "copy_for", "fp8_dequantizer", "fp8_quantizer",
+           "host_moves",
            "move_batch", "run_batch", "stream_copy", "stream_kind", "streams"]
 
 #: What ``rdt_stream_kind()`` returns, by name.
@@ -38,23 +39,24 @@ _memmove = ctypes.memmove
 #: arrays and one call of the helper; below it numpy's fixed cost is larger.
 MANY_MOVES = 256
 
-# All five set once, under _lock, by the first _load() of the process.
+# All six set once, under _lock, by the first _load() of the process.
 _lock = threading.Lock()
 _loaded = False
 _fn: Callable[[int, int, int], Any] | None = None
 _batch: Callable[[int, int, int], Any] | None = None
 _quantize: Callable[..., int] | None = None
+_dequantize: Callable[..., int] | None = None
 _kind = "memmove"
 
 
 def _load() -> None:
-    global _loaded, _fn, _batch, _quantize, _kind
+    global _loaded, _fn, _batch, _quantize, _dequantize, _kind
     with _lock:
         if _loaded:
             return
         from ray_rdt_pool.memory import native
 
-        fn, batch, quantize, kind = None, None, None, "memmove"
+        fn, batch, quantize, dequantize, kind = None, None, None, None, "memmove"
         lib = native.load_copy()
         if lib is not None:
             try:
@@ -68,12 +70,18 @@ def _load() -> None:
                 quantize.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 5,
                                      ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
                 quantize.restype = ctypes.c_int
+                dequantize = lib.rdt_dequantize_fp8
+                dequantize.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 4,
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                       ctypes.c_int64]
+                dequantize.restype = ctypes.c_int
                 kind = _KINDS.get(int(lib.rdt_stream_kind()), "memmove")
             except AttributeError:  # a library that is not the helper: memmove
-                fn, batch, quantize, kind = None, None, None, "memmove"
+                fn, batch, quantize, dequantize, kind = None, None, None, None, "memmove"
         _fn = fn if kind != "memmove" else None
         _batch = batch
         _quantize = quantize
+        _dequantize = dequantize
         _kind = kind
         _loaded = True
 
@@ -109,6 +117,18 @@ def fp8_quantizer() -> Callable[..., int] | None:
     if not _loaded:
         _load()
     return _quantize
+
+
+def fp8_dequantizer() -> Callable[..., int] | None:
+    """The dequantizing copy, or None without the helper: ``(q, e5m2, rows, cols, bm, bn,
+    scales, dst, bf16, ld)`` writes the contiguous ``rows x cols`` FP8 bytes ``q`` times
+    their group's fp32 scale (groups of ``bm x bn``, ``scales`` as
+    :func:`fp8_quantizer` writes them) into ``dst``, fp32 (``bf16`` 0) or bf16, row ``i``
+    at element ``i * ld``: torch's ``q.float() * scale`` then ``.to(dtype)``, bit for bit.
+    Returns 0, or -1 for arguments it refuses."""
+    if not _loaded:
+        _load()
+    return _dequantize
 
 
 def stream_kind() -> str:

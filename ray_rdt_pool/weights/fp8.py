@@ -15,8 +15,9 @@ a shard agree on it:
   ``ceil(dim / group dim)`` elements per dimension, in the same bucket, right after its
   weight, under the weight's name plus :data:`SCALE_SUFFIX`.
 
-Torch, and the compiled helper's quantizing copy where it is built (the same bits, about
-six times faster on a CPU: :func:`quantize`); stateless; runs on the sender's and the
+Torch, and the compiled helper's quantizing and dequantizing copies where it is built
+(the same bits, several times faster on a CPU: :func:`quantize`, :func:`dequantize`);
+stateless; runs on the sender's and the
 receivers' threads.
 """
 
@@ -29,10 +30,11 @@ from typing import Any, Literal
 import torch
 
 from ray_rdt_pool.errors import InvalidInputError
-from ray_rdt_pool.memory.fastcopy import fp8_quantizer
+from ray_rdt_pool.memory.fastcopy import fp8_dequantizer, fp8_quantizer
 
 __all__ = ["FP8", "SCALE_SUFFIX", "WireScale", "block_of", "check_wire_scale",
-           "dequantize", "quantize", "quantize_torch", "scale_selection", "scale_shape"]
+           "dequantize", "dequantize_torch", "quantize", "quantize_torch", "scale_selection",
+           "scale_shape"]
 
 #: The FP8 dtypes a weight may travel as, with scales.
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -143,9 +145,53 @@ def quantize_torch(w: torch.Tensor, fp8: torch.dtype, block: Sequence[int]
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: Sequence[int],
-               dtype: torch.dtype) -> torch.Tensor:
-    """``q.float() * scale`` per group, as ``dtype``. ``q`` may be a block-aligned part
-    of the weight and ``scale`` that part's scales."""
+               dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``q.float() * scale`` per group, as ``dtype`` (into ``out`` if given, a tensor of
+    ``q``'s shape and of ``dtype``). ``q`` may be a block-aligned part of the weight and
+    ``scale`` that part's scales. The compiled helper's dequantizing copy writes it where
+    it applies (CPU tensors, bf16 or fp32, rows contiguous), the same bits as torch."""
+    dst = out
+    if dst is None and q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
+        dst = torch.empty(q.shape, dtype=dtype)
+    if dst is not None and _dequantize_native(q, scale, block, dtype, dst):
+        return dst
+    x = dequantize_torch(q, scale, block, dtype)
+    if out is None:
+        return x
+    out.copy_(x)
+    return out
+
+
+def _dequantize_native(q: torch.Tensor, scale: torch.Tensor, block: Sequence[int],
+                       dtype: torch.dtype, out: torch.Tensor) -> bool:
+    """:func:`dequantize` into ``out`` by ``rdt_dequantize_fp8``; False where it does not
+    apply (a layout or device it does not take, or no helper)."""
+    if dtype not in (torch.bfloat16, torch.float32) or out.dtype != dtype \
+            or q.dtype not in FP8 or out.device.type != "cpu" or q.device.type != "cpu" \
+            or scale.device.type != "cpu" or scale.dtype != torch.float32 \
+            or tuple(out.shape) != tuple(q.shape) or q.numel() == 0 \
+            or not q.is_contiguous() or not scale.is_contiguous():
+        return False
+    shape = tuple(q.shape)
+    if len(shape) == 2 and tuple(scale.shape) == scale_shape(shape, block) \
+            and out.stride(1) == 1 and (out.stride(0) >= shape[1] or shape[0] == 1):
+        rows, cols = shape
+        bm, bn = block
+        ld = max(out.stride(0), cols)
+    elif scale.numel() == 1 and out.is_contiguous():
+        rows, cols, ld, bm, bn = 1, q.numel(), q.numel(), 1, q.numel()
+    else:
+        return False
+    fn = fp8_dequantizer()
+    if fn is None:
+        return False
+    return fn(q.data_ptr(), int(q.dtype == torch.float8_e5m2), rows, cols, bm, bn,
+              scale.data_ptr(), out.data_ptr(), int(dtype == torch.bfloat16), ld) == 0
+
+
+def dequantize_torch(q: torch.Tensor, scale: torch.Tensor, block: Sequence[int],
+                     dtype: torch.dtype) -> torch.Tensor:
+    """:func:`dequantize` in plain torch, into a new tensor: any layout or device."""
     with torch.no_grad():
         shape = tuple(q.shape)
         if len(shape) == 2 and scale.dim() == 2 and scale.numel() > 1:

@@ -155,8 +155,13 @@ def load_bucket(plan: BucketPlan, ref: ObjectRef | SourceBucket | PoolBucket,
     if plan.copies:
         _copy_all((d, src[idx]) for idx, d in plan.copies)
     if plan.dequant:
-        _copy_all((d, dequantize(src[i], src[j], block, d.dtype))
-                  for i, j, block, d in plan.dequant)
+        with torch.no_grad():
+            for i, j, block, d in plan.dequant:
+                if d.is_inference():
+                    with torch.inference_mode():
+                        dequantize(src[i], src[j], block, d.dtype, out=d)
+                else:
+                    dequantize(src[i], src[j], block, d.dtype, out=d)
     if relay is not None:
         # Before the loader: a relay forwards the bytes as they arrived, whatever
         # load_weights does with its views (an engine may scale them in place).

@@ -341,3 +341,82 @@ int rdt_quantize_fp8(const void *src, int bf16, int64_t rows, int64_t cols, int6
     }
     return 0;
 }
+
+/* The value of each FP8 byte as fp32 (exact: every FP8 value is an fp32 value), as
+ * torch's FP8 -> fp32 conversion gives it: e4m3fn has no inf and one NaN pattern per
+ * sign (0x7F, 0xFF); e5m2 has inf (0x7C) and NaNs above it. */
+static float rdt_fp8_values[2][256];
+static int rdt_fp8_ready = 0;
+
+static void rdt_fp8_fill(void)
+{
+    for (uint32_t v = 0; v < 256; v++) {
+        uint32_t sign = (v & 0x80u) << 24, bits;
+        /* e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits. */
+        uint32_t e = (v >> 3) & 0xFu, m = v & 0x7u;
+        if (e == 0xFu && m == 0x7u)
+            bits = 0x7FC00000u;
+        else if (e == 0)
+            bits = rdt_bits((float)m * 0x1p-9f);  /* m/8 * 2^-6, exact */
+        else
+            bits = ((e + 120u) << 23) | (m << 20);
+        rdt_fp8_values[0][v] = rdt_float(bits | sign);
+        /* e5m2: the top byte of an fp16 (5 exponent bits, bias 15, 2 mantissa bits). */
+        e = (v >> 2) & 0x1Fu;
+        m = v & 0x3u;
+        if (e == 0x1Fu)
+            bits = m ? 0x7FC00000u : 0x7F800000u;
+        else if (e == 0)
+            bits = rdt_bits((float)m * 0x1p-16f);  /* m/4 * 2^-14, exact */
+        else
+            bits = ((e + 112u) << 23) | (m << 21);
+        rdt_fp8_values[1][v] = rdt_float(bits | sign);
+    }
+    rdt_fp8_ready = 1;
+}
+
+/* fp32 -> bf16 as torch rounds it: to nearest even; any NaN is 0x7FC0. */
+static inline uint16_t rdt_bf16(float f)
+{
+    uint32_t u = rdt_bits(f);
+    if (f != f)
+        return 0x7FC0u;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/*
+ * rdt_dequantize_fp8: the receiver's side of rdt_quantize_fp8. q holds rows x cols FP8
+ * bytes, contiguous (e5m2 1: float8_e5m2, else float8_e4m3fn); scales the fp32 scales of
+ * its groups of bm x bn, ceil(rows / bm) x ceil(cols / bn) row-major. Writes
+ * value(q) * scale, in fp32 arithmetic, into dst as fp32 (bf16 0) or rounded to bf16
+ * (bf16 1), row i at element i * ld: what torch's q.float() * scale, then .to(dtype),
+ * gives, bit for bit. Returns 0, or -1 for arguments it refuses.
+ */
+int rdt_dequantize_fp8(const uint8_t *q, int e5m2, int64_t rows, int64_t cols, int64_t bm,
+                       int64_t bn, const float *scales, void *dst, int bf16, int64_t ld)
+{
+    if (rows < 0 || cols < 0 || ld < cols || bm < 1 || bn < 1 || (e5m2 != 0 && e5m2 != 1))
+        return -1;
+    if (!rdt_fp8_ready)  /* a benign race: every thread writes the same values */
+        rdt_fp8_fill();
+    const float *val = rdt_fp8_values[e5m2];
+    int64_t gc = (cols + bn - 1) / bn;
+    for (int64_t i = 0; i < rows; i++) {
+        const uint8_t *in = q + i * cols;
+        const float *s = scales + (i / bm) * gc;
+        for (int64_t g = 0; g < gc; g++) {
+            int64_t j0 = g * bn, j1 = j0 + bn < cols ? j0 + bn : cols;
+            float sc = s[g];
+            if (bf16) {
+                uint16_t *out = (uint16_t *)dst + i * ld;
+                for (int64_t j = j0; j < j1; j++)
+                    out[j] = rdt_bf16(val[in[j]] * sc);
+            } else {
+                float *out = (float *)dst + i * ld;
+                for (int64_t j = j0; j < j1; j++)
+                    out[j] = val[in[j]] * sc;
+            }
+        }
+    }
+    return 0;
+}

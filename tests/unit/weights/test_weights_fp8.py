@@ -204,3 +204,59 @@ def test_the_compiled_quantizer_is_torchs_arithmetic_bit_for_bit(
         q0, s0 = quantize_torch(w, fp8, block)
         assert torch.equal(s.view(torch.int32), s0.view(torch.int32)), (tuple(w.shape), scale)
         assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)), (tuple(w.shape), scale)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dst", [torch.bfloat16, torch.float32])
+def test_the_compiled_dequantizer_is_torchs_arithmetic_bit_for_bit(
+        fp8: torch.dtype, dst: torch.dtype) -> None:
+    """``dequantize`` takes the helper's dequantizing copy where it is built; what it
+    writes must equal the plain-torch path bit for bit (NaN as NaN): every one of the 256
+    FP8 values, scales that round in bf16, overflow to inf and fall to subnormals, edge
+    blocks, every granularity, a destination with padded rows, one of more than 2-D."""
+    from ray_rdt_pool.memory.fastcopy import fp8_dequantizer
+    from ray_rdt_pool.weights.fp8 import _dequantize_native, dequantize_torch, scale_shape
+
+    if fp8_dequantizer() is None:
+        pytest.skip("the compiled copy helper is not built here "
+                    "(python -m ray_rdt_pool.memory.native build)")
+    g = torch.Generator().manual_seed(3)
+    every = torch.arange(256, dtype=torch.uint8)
+
+    def fp8_bytes(shape: tuple[int, ...]) -> torch.Tensor:
+        n = math.prod(shape)
+        b = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        b[:min(n, 256)] = every[:min(n, 256)]
+        return b.view(fp8).view(shape)
+
+    def scales(shape: tuple[int, ...]) -> torch.Tensor:
+        s = torch.exp2(torch.randint(-140, 120, shape, generator=g).float()) \
+            * (1 + torch.rand(shape, generator=g))
+        s.view(-1)[0] = 1.0
+        return s
+
+    cases = [((300, 257), (128, 128)), ((64, 40), (1, 40)), ((100, 30), (100, 30)),
+             ((7, 9), (2, 3)), ((1, 33), (1, 16)), ((16, 16), (128, 128))]
+    for shape, block in cases:
+        q = fp8_bytes(shape)
+        s = scales(scale_shape(shape, block))
+        want = dequantize_torch(q, s, block, dst)
+        for out in (torch.full(shape, 7.0, dtype=dst),
+                    torch.full((shape[0], shape[1] + 5), 7.0, dtype=dst)[:, 2:2 + shape[1]]):
+            assert _dequantize_native(q, s, block, dst, out), (shape, block)
+            assert torch.equal(out.isnan(), want.isnan()), (shape, block)
+            ok = ~want.isnan()
+            assert torch.equal(out[ok].view(torch.int16 if dst == torch.bfloat16
+                                            else torch.int32),
+                               want[ok].view(torch.int16 if dst == torch.bfloat16
+                                             else torch.int32)), (shape, block)
+            if out.stride(0) != shape[1]:  # the padding around the rows is untouched
+                assert out.as_strided((shape[0], 2), (out.stride(0), 1),
+                                      out.storage_offset() - 2).eq(7.0).all()
+    q = fp8_bytes((4, 5, 6))  # not 2-D: one scale
+    s = torch.tensor([[[0.37]]])
+    out = torch.empty((4, 5, 6), dtype=dst)
+    assert _dequantize_native(q, s, (4, 5, 6), dst, out)
+    want = dequantize_torch(q, s, (4, 5, 6), dst)
+    assert torch.equal(out.isnan(), want.isnan())
+    assert torch.equal(out[~want.isnan()], want[~want.isnan()])
