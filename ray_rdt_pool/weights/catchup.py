@@ -10,8 +10,10 @@ tensor into its own destination tensor of that name (no ``name_map``, no
 
 While it serves, the peer holds its receiver's write lock: its weights do not change
 under the peers' reads, and a trainer's sync into it waits for the catch-up to end (up
-to that sync's ``timeout_s``). Stateless; :func:`catch_up` runs on the driver's thread,
-:func:`_remote_serve_peer` on the peer actor's.
+to that sync's ``timeout_s``). A peer that a sync has written in part (in place, in
+progress or failed, not committed) refuses to serve: no version names its weights then.
+Stateless; :func:`catch_up` runs on the driver's thread, :func:`_remote_serve_peer` on
+the peer actor's.
 """
 
 from __future__ import annotations
@@ -57,6 +59,12 @@ def _remote_serve_peer(actor: Any, attr: str, receivers: list[Any], max_inflight
             if not rec._loaded:
                 raise WeightSyncError("the peer engine has loaded no version yet: it has "
                                       "nothing to serve")
+            if rec._torn:
+                raise WeightSyncError(
+                    f"the peer engine's weights were written in part by a sync that has "
+                    f"not committed (in progress, or failed) over version {rec.version}: "
+                    "no version names them; catch up once a sync has committed on it, or "
+                    "from another engine")
             sender = WeightSender(rec.dest, bucket_bytes=bucket_bytes)
             try:
                 return sender._stream(receivers, version=rec.version, receiver_attr=attr,

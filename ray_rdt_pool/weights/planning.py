@@ -72,6 +72,12 @@ def _wire_carries(dt: torch.dtype, name: str | None) -> None:
                              f"carry; use one of {', '.join(DTYPES)}", name)
 
 
+def _scaled(wire: torch.dtype, t: torch.Tensor) -> bool:
+    """Whether ``t`` sent as ``wire`` is quantized into FP8 with scales: a tensor that is
+    FP8 already travels as it is (its scales, if any, are tensors of their own)."""
+    return wire in FP8 and t.dtype not in FP8
+
+
 def _wire_of(wire_dtype: WireDtype, name: str, t: torch.Tensor) -> torch.dtype:
     """The dtype ``t`` is sent as: ``t.dtype`` unless ``wire_dtype`` says otherwise."""
     if wire_dtype is None:
@@ -140,7 +146,7 @@ def _plan_layout(state: StateLike, bucket_bytes: int, wire_dtype: WireDtype,
         if not cur:
             picks.append([])
         cur.append((name, t, wire))
-        picks[-1].extend([i, i] if wire in FP8 else [i])  # an FP8 weight's scale too
+        picks[-1].extend([i, i] if _scaled(wire, t) else [i])  # an FP8 weight's scale too
     if cur:
         groups.append(cur)
     entries: list[TensorEntry] = []
@@ -189,7 +195,7 @@ def _parts(wire: torch.dtype, t: torch.Tensor, wire_scale: WireScale
     """What a tensor sent as ``wire`` puts in its bucket: (item size, elements) of its
     weight and, sent as FP8, of its scales."""
     parts = [(_itemsize(wire), t.numel())]
-    if wire in FP8:
+    if _scaled(wire, t):
         parts.append((4, math.prod(scale_shape(t.shape, block_of(t.shape, wire_scale)))))
     return parts
 
@@ -219,7 +225,7 @@ def _bucket_spec(k: int, group: Sequence[tuple[str, torch.Tensor, torch.dtype]],
     entries: list[TensorEntry] = []
     for name, t, w in group:
         shape = tuple(t.shape)
-        if w in FP8:
+        if _scaled(w, t):
             block = block_of(shape, wire_scale)
             entries.append(TensorEntry(name, shape, _dtype_str(w), k, len(entries),
                                        t.numel(), block, _dtype_str(t.dtype)))
@@ -241,7 +247,7 @@ def _per_entry(group: Sequence[tuple[str, torch.Tensor, torch.dtype]]) -> list[t
     it, when the bucket is packed: :func:`quantized`)."""
     out: list[torch.Tensor] = []
     for _n, t, w in group:
-        out.extend([t.detach()] * (2 if w in FP8 else 1))
+        out.extend([t.detach()] * (2 if _scaled(w, t) else 1))
     return out
 
 

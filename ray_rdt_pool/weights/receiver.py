@@ -208,6 +208,9 @@ class WeightReceiver:
         self._writing = threading.Lock()
         # The stream that holds this receiver between its calls (begin, buckets, commit).
         self._stream: _Stream | None = None
+        # A load or stream wrote in place since the last commit: no version names the
+        # destination's bytes until the next commit (a catch-up refuses to serve them).
+        self._torn = False
         # (options and destination key, layout, plan) of the last check (see check()).
         self._checked: tuple[tuple[object, ...], WeightLayout, LoadPlan] | None = None
 
@@ -295,6 +298,7 @@ class WeightReceiver:
 
         def live() -> None:
             self._version, self._loaded, self._last_id = version, True, manifest_id
+            self._torn = False
             if self.on_commit is not None:
                 self.on_commit(version)
 
@@ -347,6 +351,7 @@ class WeightReceiver:
             loader = self._shadow.stage if self.load_weights is not None else None
             return load_bucket(plan, ref, source, loader, relay)
         with self._serving.write():
+            self._torn = True
             return load_bucket(plan, ref, source, self.load_weights, relay)
 
     def _accept_source(self, session: str, source: SourceProcess) -> bool:

@@ -217,3 +217,32 @@ def test_a_trainer_sync_into_the_peer_waits_for_the_catch_up(cluster: None) -> N
         assert call(peer, _digests) == call(trainer, _trainer_digests)
     finally:
         _kill(trainer, peer, late)
+
+
+def test_a_peer_that_a_sync_wrote_in_part_refuses_to_serve(cluster: None) -> None:
+    """The trainer's sync into the peer has written some buckets in place and not
+    committed (the peer loads slowly): a catch-up from it then would hand out bytes of
+    two versions under the old number, so it is a typed error and the late engine keeps
+    its version; once the sync committed, the catch-up serves the new version exactly."""
+    trainer, late = _nodes(2)
+    # Threaded, as an engine that serves while it loads: its state can be read meanwhile.
+    peer = node_class(num_cpus=0, runtime_env=actor_env(ENV), max_concurrency=4).remote()
+    try:
+        call(trainer, _trainer)
+        call(peer, _engine, None, 0.3)  # 8 buckets x 0.3 s
+        call(late, _engine)
+        v1 = sync(trainer, [peer], timeout_s=60).version
+        call(trainer, _step)
+        handle = sync(trainer, [peer], timeout_s=60, wait=False)
+        wait_for(lambda: call(peer, lambda self: self.weight_receiver._torn), 30)
+        with pytest.raises(WeightSyncError, match="written in part"):
+            catch_up(peer, [late], timeout_s=60)
+        assert call(late, _version) == 0
+        v2 = handle.result(120).version
+        assert v2 > v1 and call(peer, _version) == v2
+        rep = catch_up(peer, [late], timeout_s=60)
+        assert rep.version == v2 and call(late, _version) == v2
+        assert call(late, _digests) == call(trainer, _trainer_digests)
+        assert all(call(a, _drained) for a in (trainer, peer, late))
+    finally:
+        _kill(trainer, peer, late)

@@ -130,6 +130,26 @@ def test_a_loader_and_an_fp8_destination_keep_the_weight_and_its_scales(
     del w
 
 
+@pytest.mark.parametrize("wire", [None, FP8])
+def test_weights_that_are_fp8_already_travel_as_they_are(runtime: Any, wire: Any) -> None:
+    """An engine that keeps FP8 (weight and ``_scale_inv``) is a sender too, e.g. the peer
+    of a catch-up: its FP8 tensors go byte for byte beside their own scale tensors,
+    not quantized again (which would add a second scale under the same name)."""
+    runtime(pool_bytes=4 << 20, arena_bytes=4 << 20)
+    g = torch.Generator().manual_seed(5)
+    state = {"w": (torch.randn(300, 200, generator=g) * 40).to(FP8),
+             "w_scale_inv": torch.rand(3, 2, generator=g),
+             "norm": torch.randn(200, generator=g).to(torch.bfloat16)}
+    dest = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
+    _a, engine = receiver_node(dest)
+    rep = WeightSender(state, wire_dtype=wire).stream([engine], timeout_s=10)
+    assert torch.equal(dest["w"].view(torch.uint8), state["w"].view(torch.uint8))
+    if wire is None:  # (with wire_dtype=FP8 the fp32 and bf16 tensors are quantized)
+        assert rep.nbytes == sum(t.numel() * t.element_size() for t in state.values())
+        assert torch.equal(dest["w_scale_inv"], state["w_scale_inv"])
+        assert torch.equal(dest["norm"], state["norm"])
+
+
 def test_a_tp_select_reads_its_rows_and_their_scales_or_names_the_block(
         runtime: Any) -> None:
     runtime(pool_bytes=4 << 20, arena_bytes=4 << 20)
