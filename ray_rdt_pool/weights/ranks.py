@@ -332,7 +332,7 @@ def _await(trainers: Sequence[ActorHandle], receivers: Sequence[ActorHandle],
             except BaseException as e:
                 _abort(receivers, serves, receiver_attr, group, timeout_s)
                 raise _cause(trainers, receivers, loads, serves, version, ref, e,
-                             RayActorError) from None
+                             RayActorError, min(timeout_s, 10.0)) from None
     return [ray.get(ref, timeout=0) for ref in loads]
 
 
@@ -351,9 +351,12 @@ def _abort(receivers: Sequence[ActorHandle], serves: list[Any], receiver_attr: s
 
 def _cause(trainers: Sequence[ActorHandle], receivers: Sequence[ActorHandle],
            loads: list[Any], serves: list[Any], version: int, ref: Any,
-           e: BaseException, actor_error: type[BaseException]) -> BaseException:
+           e: BaseException, actor_error: type[BaseException], wait_s: float = 0.0
+           ) -> BaseException:
     """The error to raise for a failed sync: a dead rank first, then a dead receiver,
-    then the receiver's own error (a mismatch, its loader), then the rank's."""
+    then the receiver's own error (a mismatch, its loader), then the rank's. A rank's
+    serve may fail on a receiver's signal before that receiver's call has ended: its
+    error is waited for up to ``wait_s``."""
     import ray
 
     def died(refs: list[Any]) -> list[tuple[int, BaseException]]:
@@ -379,11 +382,20 @@ def _cause(trainers: Sequence[ActorHandle], receivers: Sequence[ActorHandle],
         return _receiver_died(j, receivers[j], err, version)
     if isinstance(e, TrainerRankError) or ref in loads:
         return e
-    # A rank's serve failed: the receivers' own errors say more, if there are any.
-    ready, _rest = ray.wait(loads, num_returns=len(loads), timeout=0)
-    for x in ready:
-        try:
-            ray.get(x, timeout=0)
-        except Exception as err:
-            return err
+    # A rank's serve failed: the receivers' own errors say more, if there are any (the
+    # serves have ended, so the loads they fed are ending too).
+    import time
+
+    deadline = time.monotonic() + wait_s
+    left = list(loads)
+    while left:
+        ready, left = ray.wait(left, num_returns=1,
+                               timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        for x in ready:
+            try:
+                ray.get(x, timeout=0)
+            except Exception as err:
+                return err
     return e
