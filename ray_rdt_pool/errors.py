@@ -446,7 +446,8 @@ class RankMissingError(RankLayoutError):
 
 
 class TrainerRankError(WeightSyncError):
-    """A trainer rank failed or died during a many-rank sync.
+    """A trainer rank failed or died during a sync (a one-trainer sync's trainer is
+    rank 0).
 
     ``rank`` is its position in the list passed to ``sync``; ``died`` whether its actor
     is gone. No receiver committed a version it had not read whole: the receivers that

@@ -133,6 +133,21 @@ def actor_is_asyncio() -> bool:
         return False
 
 
+def error_path_call(handle: Any) -> Any:
+    """``handle.__ray_call__`` on the actor's ``_ray_system_error`` thread when it has one
+    (an RDT actor's), else on its own: a call there runs while a long task holds the
+    actor's own thread, as a weight stream's receive loop does.
+
+    Targets Ray 2.60, which gives every RDT actor that group (``actor.py``) and records
+    the choice on the handle (``_ray_enable_tensor_transport``). Naming a group an actor
+    lacks kills it, hence the check. Can go: when Ray offers an out-of-band cancel of
+    one actor task that the task itself can observe."""
+    call = handle.__ray_call__
+    if getattr(handle, "_ray_enable_tensor_transport", False):
+        return call.options(concurrency_group="_ray_system_error")
+    return call
+
+
 def alive_actors() -> list[dict[str, Any]]:
     """The alive actors of the cluster this process is connected to, from its GCS:
     ``actor_id``, ``class_name``, ``name``, ``namespace``. Not Ray's state API

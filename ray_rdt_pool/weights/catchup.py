@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
 def _remote_serve_peer(actor: Any, attr: str, receivers: list[Any], max_inflight: int,
                        timeout_s: float, relay: str | None, relay_order: str,
-                       bucket_bytes: int, beat_key: str | None) -> StreamReport:
+                       bucket_bytes: int, beat_key: str | None,
+                       session: str = "") -> StreamReport:
     """On the peer: stream its receiver's destination at its version (see module)."""
     from ray_rdt_pool._ray.beats import Beat
     from ray_rdt_pool.weights.receiver import WeightReceiver
@@ -70,7 +71,7 @@ def _remote_serve_peer(actor: Any, attr: str, receivers: list[Any], max_inflight
                 return sender._stream(receivers, version=rec.version, receiver_attr=attr,
                                       max_inflight=max_inflight, timeout_s=timeout_s,
                                       relay=relay, relay_order=relay_order, beat=beat,
-                                      peer=True)
+                                      peer=True, session=session)
             finally:
                 sender.close()  # a one-off: its registrations need not stay
     finally:
@@ -93,7 +94,8 @@ def catch_up(peer: ActorHandle, receivers: Sequence[ActorHandle], *,
     """
     from ray_rdt_pool._ray.beats import new_key
     from ray_rdt_pool.weights.pool import count_ray_calls
-    from ray_rdt_pool.weights.stream import check_relay
+    from ray_rdt_pool.weights.remote import source_watch
+    from ray_rdt_pool.weights.stream import check_relay, new_session
 
     timeout_s = _timeout(timeout_s)
     check_relay(relay, relay_order)
@@ -111,12 +113,14 @@ def catch_up(peer: ActorHandle, receivers: Sequence[ActorHandle], *,
     t0 = time.perf_counter()
     key = new_key()
     count_ray_calls(1)
-    rep: StreamReport = _wait_moving(
-        [peer.__ray_call__.remote(_remote_serve_peer, receiver_attr, list(receivers),
-                                  max_inflight, timeout_s, relay, relay_order,
-                                  bucket_bytes, key)],
-        [key], timeout_s, f"the catch-up from the peer engine (its WeightReceiver at "
-                          f"{receiver_attr!r})")[0]
+    session = new_session(0)
+    with source_watch(receivers, receiver_attr, session, timeout_s, "the peer engine"):
+        rep: StreamReport = _wait_moving(
+            [peer.__ray_call__.remote(_remote_serve_peer, receiver_attr, list(receivers),
+                                      max_inflight, timeout_s, relay, relay_order,
+                                      bucket_bytes, key, session)],
+            [key], timeout_s, f"the catch-up from the peer engine (its WeightReceiver at "
+                              f"{receiver_attr!r})")[0]
     return SyncReport("stream", rep.version, time.perf_counter() - t0, rep.nbytes,
                       rep.buckets, rep.loads, rep, rep.peak_pool_used,
                       ray_calls=rep.ray_calls + 1)

@@ -28,11 +28,12 @@ from ray_rdt_pool.weights.remote import (
     _remote_load,
     _timeout,
     _wait_moving,
+    source_watch,
 )
 from ray_rdt_pool.weights.reports import StreamReport, SyncReport
 from ray_rdt_pool.weights.sender import WeightSender
 from ray_rdt_pool.weights.state import _check_flag
-from ray_rdt_pool.weights.stream import check_relay
+from ray_rdt_pool.weights.stream import check_relay, new_session
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -45,7 +46,7 @@ def _remote_publish(actor: Any, attr: str, version: int | None = None) -> Manife
 def _remote_stream(actor: Any, attr: str, receivers: list[ActorHandle], receiver_attr: str,
                    max_inflight: int, timeout_s: float, version: int | None = None,
                    relay: str | None = None, relay_order: str = "caller",
-                   beat_key: str | None = None) -> StreamReport:
+                   beat_key: str | None = None, session: str = "") -> StreamReport:
     from ray_rdt_pool._ray.beats import Beat
 
     beat = Beat(beat_key, timeout_s / 4)
@@ -53,7 +54,7 @@ def _remote_stream(actor: Any, attr: str, receivers: list[ActorHandle], receiver
         return _find(actor, attr, WeightSender)._stream(
             receivers, version=version, receiver_attr=receiver_attr,
             max_inflight=max_inflight, timeout_s=timeout_s, relay=relay,
-            relay_order=relay_order, beat=beat)
+            relay_order=relay_order, beat=beat, session=session)
     finally:
         beat.close()
 
@@ -219,12 +220,14 @@ def _sync_one(trainer: ActorHandle, receivers: list[ActorHandle], mode: str,
         count_ray_calls(1)
         key = new_key()
         control.watch([key])
-        rep: StreamReport = _wait_moving(
-            [trainer.__ray_call__.remote(_remote_stream, sender_attr, receivers,
-                                         receiver_attr, max_inflight, timeout_s, version,
-                                         relay, relay_order, key)],
-            [key], timeout_s, f"the streaming sync (WeightSender.stream at {sender_attr!r} "
-                              "on the trainer)")[0]
+        session = new_session(version or 0)
+        with source_watch(receivers, receiver_attr, session, timeout_s, "the trainer"):
+            rep: StreamReport = _wait_moving(
+                [trainer.__ray_call__.remote(_remote_stream, sender_attr, receivers,
+                                             receiver_attr, max_inflight, timeout_s, version,
+                                             relay, relay_order, key, session)],
+                [key], timeout_s, f"the streaming sync (WeightSender.stream at "
+                                  f"{sender_attr!r} on the trainer)")[0]
         return SyncReport("stream", rep.version, time.perf_counter() - t0, rep.nbytes,
                           rep.buckets, rep.loads, rep, rep.peak_pool_used,
                           ray_calls=rep.ray_calls + 1)

@@ -211,6 +211,9 @@ class WeightReceiver:
         # A load or stream wrote in place since the last commit: no version names the
         # destination's bytes until the next commit (a catch-up refuses to serve them).
         self._torn = False
+        # The session of the last stream this receiver committed (an abort after a
+        # source died tells the driver which receivers got that far).
+        self._committed = ""
         # (options and destination key, layout, plan) of the last check (see check()).
         self._checked: tuple[tuple[object, ...], WeightLayout, LoadPlan] | None = None
 
@@ -543,14 +546,23 @@ class WeightReceiver:
             st.relay = hook
             return st.plan
 
-    def _abort_stream(self, session: str | None = None) -> None:
+    def _abort_stream(self, session: str | None = None) -> bool:
         """Drop the stream in progress (``session``, or any) and the buckets it holds.
-        It never commits; a bucket being written now finishes, and is the last."""
+        It never commits; a bucket being written now finishes, and is the last. Returns
+        whether ``session`` had committed here already (nothing to drop then)."""
         with self._lock:
             st = self._stream
             if st is None or (session is not None and st.session != session):
-                return
+                return session is not None and session == self._committed
             self._drop_locked(st, "the stream was aborted")
+            return False
+
+    def _holds(self, session: str) -> bool:
+        """Whether stream ``session`` still holds this receiver, unfailed (its receive
+        loop ends once an abort dropped it)."""
+        with self._lock:
+            st = self._stream
+            return st is not None and st.session == session and st.failed is None
 
     def _load_stream_bucket(self, session: str, k: int,
                            box: list[ObjectRef] | list[PoolBucket | SourceBucket],
@@ -685,6 +697,7 @@ class WeightReceiver:
                              f"stays {self._version}")
             try:
                 self._commit_locked(st.version, "stream")
+                self._committed = session
                 st.reserved = False  # the commit gave it back
             finally:
                 self._drop_locked(st, "it was committed")  # or lost to a newer version

@@ -115,6 +115,7 @@ def receive(rec: WeightReceiver, session: str, role: Role) -> list[BucketReport]
     link = Link(session)
     relayed: Relayed | None = None
     up = coord = ""
+    down: str | None = None
     try:
         up = link.connect(role.up)
         coord = link.connect(role.coord)
@@ -126,8 +127,13 @@ def receive(rec: WeightReceiver, session: str, role: Role) -> list[BucketReport]
         link.send(up, HELLO, 0, link.md)
         return _loop(rec, session, role, link, up, coord, down, source, relayed)
     except BaseException as e:
-        link.tell([p for p in (coord, up) if p], FAIL, 0,
-                  f"{type(e).__name__}: {e}"[:2000])
+        why = f"{type(e).__name__}: {e}"[:2000]
+        # The stream can never commit here now: a retry of its version must find the
+        # receiver free, and the chain after it must not wait out its timeout.
+        rec._abort_stream(session)
+        link.tell([p for p in (coord, up) if p], FAIL, 0, why)
+        if down is not None:
+            link.tell([down], ABORT, 0, f"the receiver before it in the chain failed: {why}")
         raise
     finally:
         if relayed is not None:
@@ -170,6 +176,10 @@ def _loop(rec: WeightReceiver, session: str, role: Role, link: Link, up: str, co
             raise _starved(k, count, down_done, relayed is not None, timeout)
         msg = link.get(min(left, POLL_S))
         if msg is None:
+            if not rec._holds(session):  # aborted by the driver: its source died
+                raise WeightSyncError(f"stream {session} was aborted (its source died or "
+                                      f"gave up); this receiver loaded {k} bucket(s) of "
+                                      f"it and keeps its version {rec.version}")
             continue
         if msg.kind == ABORT:
             raise WeightSyncError(f"stream {session} was given up ({msg.body}); this "

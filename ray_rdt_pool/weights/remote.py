@@ -12,12 +12,19 @@ rest on the caller's thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import traceback
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ray_rdt_pool.errors import InvalidInputError, WeightSyncError, WeightSyncTimeoutError
+from ray_rdt_pool.errors import (
+    InvalidInputError,
+    TrainerRankError,
+    WeightSyncError,
+    WeightSyncTimeoutError,
+)
 from ray_rdt_pool.weights.manifest import Manifest, WeightLayout
 from ray_rdt_pool.weights.receiver import WeightReceiver
 from ray_rdt_pool.weights.reports import BucketReport, LoadReport
@@ -244,10 +251,67 @@ def _remote_finish(actor: Any, attr: str, session: str, buckets: int) -> int:
     return _find(actor, attr, WeightReceiver)._finish_stream(session, buckets)
 
 
-def _remote_abort(actor: Any, attr: str, session: str) -> None:
+def _remote_abort(actor: Any, attr: str, session: str) -> bool:
+    """Drop stream ``session`` on this receiver; True if it had committed it already."""
     rec = getattr(actor, attr, None)
     if isinstance(rec, WeightReceiver):
-        rec._abort_stream(session)
+        return rec._abort_stream(session)
+    return False
+
+
+@contextlib.contextmanager
+def source_watch(receivers: Sequence[ActorHandle], attr: str, session: str,
+                 timeout_s: float, source: str) -> Iterator[None]:
+    """Around the driver's wait for stream ``session``'s source (``source``: "the
+    trainer", or "the peer engine"): if the wait fails, every receiver drops the stream
+    (:func:`_abort_session`), and a source that died is a typed error naming the
+    receivers that had committed (a trainer's: :class:`TrainerRankError`, rank 0)."""
+    from ray.exceptions import RayActorError
+
+    try:
+        yield
+    except BaseException as e:
+        committed = _abort_session(receivers, attr, session, min(timeout_s, 10.0))
+        if not isinstance(e, RayActorError):
+            raise
+        kept = (f"receiver(s) {committed} had committed the version, the others keep "
+                "their previous one" if committed
+                else "no receiver committed it; each keeps its previous version")
+        msg = f"{source} died during the sync ({type(e).__name__}); {kept}"
+        if source == "the trainer":
+            raise TrainerRankError(f"{msg}; restart it and sync again", 0, True,
+                                   committed) from e
+        raise WeightSyncError(f"{msg}; catch up from another engine, or sync from the "
+                              "trainer") from e
+
+
+def _abort_session(receivers: Sequence[ActorHandle], attr: str, session: str,
+                   timeout_s: float) -> list[int]:
+    """The driver's clean-up once a stream's source (the trainer, or a peer engine) died
+    or gave up without its own clean-up: every receiver drops stream ``session`` (on
+    Ray's error-path thread, beside a receive loop that holds the actor, which then
+    ends), so a retry of the same version finds them free. Returns the receivers that
+    had committed it. Best effort: a receiver that is gone or slow is skipped."""
+    import ray
+
+    from ray_rdt_pool._ray.patches import error_path_call
+
+    refs: list[Any] = []
+    for r in receivers:
+        try:
+            refs.append(error_path_call(r).remote(_remote_abort, attr, session))
+        except Exception as e:  # a handle that cannot be called: nothing to drop there
+            logger.warning("could not abort stream %s on a receiver: %r", session, e)
+            refs.append(None)
+    _wait_quietly([r for r in refs if r is not None], timeout_s)
+    committed = []
+    for i, ref in enumerate(refs):
+        try:
+            if ref is not None and ray.get(ref, timeout=0):
+                committed.append(i)
+        except Exception:
+            pass
+    return committed
 
 
 def _remote_load(actor: Any, attr: str, manifest: Manifest, beat_key: str | None = None,

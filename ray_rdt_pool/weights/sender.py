@@ -362,9 +362,9 @@ class WeightSender:
                 version: int | None = None, receiver_attr: str = RECEIVER_ATTR,
                 max_inflight: int = 2, timeout_s: float = 300.0, relay: str | None = None,
                 relay_order: str = "caller", beat: Beat | None = None,
-                peer: bool = False) -> StreamReport:
+                peer: bool = False, session: str = "") -> StreamReport:
         """:meth:`stream`; ``beat``: the driver's wait, told of progress (and able to
-        cancel the stream before it commits)."""
+        cancel the stream before it commits); ``session``: the driver's id for it."""
         receivers = _actor_handles(receivers, "stream()")
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) \
                 or max_inflight < 1:
@@ -375,28 +375,28 @@ class WeightSender:
         t0 = time.perf_counter()
         v = self._next_version(version)
         eager, pairs = self._acquire(state)
-        session = StreamSession(
+        st = StreamSession(
             receivers, v, receiver_attr=receiver_attr, max_inflight=max_inflight,
             timeout_s=deadline_s, bucket_bytes=self.bucket_bytes, wire_dtype=self.wire_dtype,
             wire_scale=self.wire_scale,
             source_reads=self.source_reads,
             by_reference=state is None and isinstance(self.source, (torch.nn.Module, Mapping)),
-            relay=relay, order=relay_order, beat=beat, peer=peer)
-        session.plan(eager, pairs, self._layouts)
+            relay=relay, order=relay_order, beat=beat, peer=peer, session=session)
+        st.plan(eager, pairs, self._layouts)
         # From here on ``v`` may be committed by some receiver, even if the stream fails:
         # the next default version is past it.
         self._used = max(self._used, v)
         try:
-            session.run()
+            st.run()
         except BaseException:
-            self._ref_keys |= session.ref_keys  # the next complete stream sorts them out
+            self._ref_keys |= st.ref_keys  # the next complete stream sorts them out
             raise
         self.version = v
-        if session.by_ref or self._ref_keys:
+        if st.by_ref or self._ref_keys:
             # Tensors the source no longer holds (replaced) need not stay registered.
-            _forget_registrations(self._ref_keys - session.ref_keys)
-            self._ref_keys = session.ref_keys
-        return session.report(t0)
+            _forget_registrations(self._ref_keys - st.ref_keys)
+            self._ref_keys = st.ref_keys
+        return st.report(t0)
 
 
 def _release_stale_offers(sender: WeightSender) -> None:

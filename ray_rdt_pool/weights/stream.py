@@ -111,6 +111,11 @@ CHECK_CALLS_S = 0.05
 _Item = tuple[int, list[torch.Tensor], BucketLayout | None, Sequence[TensorEntry]]
 
 
+def new_session(version: int) -> str:
+    """A new stream's id, unique across the cluster (receivers and signals know it)."""
+    return f"{os.getpid()}-{version}-{uuid.uuid4().hex[:8]}"
+
+
 def check_relay(relay: Any, order: Any) -> None:
     """InvalidInputError unless ``relay`` is None or one of :data:`RELAYS` and ``order``
     one of :data:`ORDERS`."""
@@ -162,7 +167,7 @@ class StreamSession:
                  wire_dtype: WireDtype, source_reads: bool, by_reference: bool,
                  wire_scale: WireScale = DEFAULT_WIRE_SCALE,
                  relay: str | None = None, order: str = "caller",
-                 beat: Beat | None = None, peer: bool = False) -> None:
+                 beat: Beat | None = None, peer: bool = False, session: str = "") -> None:
         self.receivers = receivers
         self.version = version
         self.attr = receiver_attr
@@ -180,7 +185,9 @@ class StreamSession:
         self.peer = peer  # an engine's receiver serves its weights (catch_up)
         # The driver's wait: progress is told to it, and it may cancel (no commit then).
         self.beat = beat if beat is not None else Beat(None, 1.0)
-        self.session = ""  # the id receivers know this stream by (set by plan)
+        # The id receivers know this stream by: the driver's, so that it can abort the
+        # stream on them if this process dies; else one of its own (set by plan).
+        self.session = session
         self.capacity = 0  # the sender pool's bytes
         self.layout: WeightLayout | None = None  # None: a lazy source, bucketed as it comes
         self.items: Iterator[_Item] = iter(())
@@ -252,7 +259,7 @@ class StreamSession:
             self.items = ((p.spec.bucket.nbytes, p.tensors, p.spec, p.spec.entries)
                           for p in _iter_buckets(pairs, bb, self.wire_dtype,
                                                  self.wire_scale))
-        self.session = f"{os.getpid()}-{self.version}-{uuid.uuid4().hex[:8]}"
+        self.session = self.session or new_session(self.version)
         if self.source_reads:
             from ray_rdt_pool._ray.owned import source_process
 

@@ -246,3 +246,65 @@ def test_a_peer_that_a_sync_wrote_in_part_refuses_to_serve(cluster: None) -> Non
         assert all(call(a, _drained) for a in (trainer, peer, late))
     finally:
         _kill(trainer, peer, late)
+
+
+def _beside(actor: Any, fn: Any) -> Any:
+    """Run ``fn`` on ``actor`` beside a call that holds its own thread (a receive loop)."""
+    import ray
+
+    return ray.get(actor.__ray_call__.options(concurrency_group="_ray_system").remote(fn),
+                   timeout=60)
+
+
+def _loaded(actor: Any) -> int:
+    st = actor.weight_receiver._stream
+    return -1 if st is None else int(st.next)
+
+
+@pytest.mark.parametrize("relay", [None, "chain"], ids=["fan-out", "relay"])
+def test_a_peer_killed_mid_catch_up_leaves_the_receivers_free_for_a_retry(
+        cluster: None, relay: str | None) -> None:
+    """The peer dies while two slow receivers read from it: the catch-up is a typed error
+    saying no receiver committed; by the time it is raised every receiver has dropped the
+    stream (a receive loop waiting on the dead peer, or on the receiver before it in the
+    chain, has ended), and a retry of the same version from another engine succeeds at
+    once, byte-exact."""
+    import ray
+
+    trainer, p0, peer, r1, r2 = _nodes(5)
+    try:
+        call(trainer, _trainer)
+        for e in (p0, peer):
+            call(e, _engine)
+        for r in (r1, r2):
+            call(r, _engine, None, 0.3)  # 8 buckets x 0.3 s
+        v1 = sync(trainer, [p0, peer], timeout_s=60).version
+        box: dict[str, Any] = {}
+
+        def doomed() -> None:
+            try:
+                box["rep"] = catch_up(peer, [r1, r2], relay=relay, timeout_s=60,
+                                      bucket_bytes=BUCKET)
+            except BaseException as e:
+                box["error"] = e
+
+        run = threading.Thread(target=doomed)
+        run.start()
+        wait_for(lambda: _beside(r1, _loaded) >= 1 or box, 60)
+        assert not box, box
+        ray.kill(peer)
+        run.join(120)
+        err = box.get("error")
+        assert isinstance(err, WeightSyncError), box
+        assert "died" in str(err) and "no receiver committed" in str(err), err
+        for r in (r1, r2):
+            assert _beside(r, _loaded) == -1  # no stream holds it
+            assert call(r, _version) == 0
+        rep = catch_up(p0, [r1, r2], relay=relay, timeout_s=60)
+        assert rep.version == v1
+        want = call(p0, _digests)
+        for r in (r1, r2):
+            assert call(r, _version) == v1 and call(r, _digests) == want
+        assert all(call(a, _drained) for a in (p0, r1, r2))
+    finally:
+        _kill(trainer, p0, peer, r1, r2)

@@ -31,6 +31,7 @@ from ray_rdt_pool.weights import (
     ManifestMismatchError,
     RelayReceiverError,
     StaleVersionError,
+    TrainerRankError,
     WeightReceiver,
     WeightSender,
     WeightSyncError,
@@ -344,6 +345,9 @@ def test_nothing_of_a_relay_whose_trainer_died_outlives_the_next_sync(cluster: N
         ray.kill(t_old)
         run.join(60)
         assert not run.is_alive() and "error" in box, box
+        # Typed, and the receivers dropped the stream before it was raised.
+        assert isinstance(box["error"], TrainerRankError) and box["error"].died, box
+        assert box["error"].committed == ()
         call(rs[-1], _arm, 0.0)
         # The new trainer carries on from the dead one's step.
         rep = sync(t_new, rs, version=2, timeout_s=30)
