@@ -27,6 +27,7 @@ of this tree::
         ├── SourceExhaustedError (ValueError)
         ├── DuplicateNameError (ValueError)
         ├── LoaderError
+        ├── CommitHookError
         ├── RankLayoutError (ValueError)
         │   ├── RankOverlapError
         │   └── RankMissingError
@@ -47,6 +48,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "CommitHookError",
     "ConfigurationError",
     "DtypeMismatchError",
     "DuplicateNameError",
@@ -409,6 +411,29 @@ class LoaderError(WeightSyncError):
 
     def __reduce__(self) -> Any:
         return (type(self), (str(self.args[0]) if self.args else "", self.bucket, self.names))
+
+
+class CommitHookError(WeightSyncError):
+    """A receiver committed a version, then its ``on_commit`` callable raised.
+
+    The version is live on that receiver (its ``version`` is ``version``): the hook runs
+    after the swap, so the weights are not in question, only what the hook was to do
+    (for example, resetting a prefix cache). ``receiver`` is its index in the sync's
+    receivers (-1 when the driver did not say), ``committed`` every receiver that
+    committed the version (when the driver knows). The hook's exception is the
+    ``__cause__``. Fix the hook; the next sync calls it again.
+    """
+
+    def __init__(self, message: str, version: int = 0, receiver: int = -1,
+                 committed: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.version = version
+        self.receiver = receiver
+        self.committed = tuple(committed)
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self.args[0]) if self.args else "", self.version,
+                             self.receiver, self.committed))
 
 
 class RankLayoutError(WeightSyncError, ValueError):

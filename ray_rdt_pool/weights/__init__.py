@@ -33,6 +33,7 @@ errors live in :mod:`ray_rdt_pool.errors`.
 from __future__ import annotations
 
 from ray_rdt_pool.errors import (
+    CommitHookError,
     DtypeMismatchError,
     DuplicateNameError,
     DuplicateTargetError,
@@ -84,6 +85,7 @@ __all__ = [
     "BucketLayout",
     "BucketPlan",
     "BucketReport",
+    "CommitHookError",
     "DtypeMismatchError",
     "DuplicateNameError",
     "DuplicateTargetError",

@@ -15,7 +15,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from ray_rdt_pool.errors import InvalidInputError, WeightSyncError, WeightSyncTimeoutError
+from ray_rdt_pool.errors import (
+    CommitHookError,
+    InvalidInputError,
+    WeightSyncError,
+    WeightSyncTimeoutError,
+)
 from ray_rdt_pool.weights.manifest import Manifest
 from ray_rdt_pool.weights.pool import count_ray_calls
 from ray_rdt_pool.weights.remote import (
@@ -246,13 +251,38 @@ def _sync_one(trainer: ActorHandle, receivers: list[ActorHandle], mode: str,
         control.check()
         keys = [new_key() for _ in receivers]
         control.watch(keys)
-        loads = tuple(_wait_moving(
-            [r.__ray_call__.remote(_remote_load, receiver_attr, manifest, k, timeout_s / 4)
-             for r, k in zip(receivers, keys)], keys, timeout_s,
-            "loading the manifest on the receivers"))
+        refs = [r.__ray_call__.remote(_remote_load, receiver_attr, manifest, k,
+                                      timeout_s / 4, timeout_s)
+                for r, k in zip(receivers, keys)]
+        try:
+            loads = tuple(_wait_moving(refs, keys, timeout_s,
+                                       "loading the manifest on the receivers"))
+        except CommitHookError as e:
+            # That receiver committed: wait for the others, to say who else did.
+            _who_committed(e, refs, timeout_s)
+            raise
     finally:
         manifest.release()  # even on error: a held traceback must not pin the pool
         del manifest
     return SyncReport("publish", version, time.perf_counter() - t0, layout.total_bytes,
                       len(layout.buckets), loads, None, used,
                       ray_calls=1 + len(receivers))
+
+
+def _who_committed(e: CommitHookError, loads: list[Any], timeout_s: float) -> None:
+    """Fill in ``e.receiver`` and ``e.committed`` from a publish's load calls, once they
+    ended (within ``timeout_s``): a load that returned, or whose hook raised, committed."""
+    import ray
+
+    ray.wait(loads, num_returns=len(loads), timeout=timeout_s)
+    committed = []
+    for i, ref in enumerate(loads):
+        try:
+            ray.get(ref, timeout=0)
+        except CommitHookError:
+            if e.receiver < 0:
+                e.receiver = i
+        except Exception:
+            continue
+        committed.append(i)
+    e.committed = tuple(committed)

@@ -54,6 +54,7 @@ from ray_rdt_pool.weights.remote import (
     _wait_quietly,
 )
 from ray_rdt_pool.weights.reports import LoadReport, SyncReport
+from ray_rdt_pool.weights.stream import commit_all
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -287,26 +288,26 @@ def sync_ranks(trainers: Sequence[ActorHandle], receivers: list[ActorHandle], *,
             _abort(receivers, serves, receiver_attr, group, timeout_s)
             raise
     count = sum(len(o.layout.buckets) for o in ok)
-    finishes = [rec.__ray_call__.remote(_remote_finish, receiver_attr, group, count)
+    # A receiver commits by then or never (see StreamSession._commit).
+    deadline = time.time() + timeout_s
+    finishes = [rec.__ray_call__.remote(_remote_finish, receiver_attr, group, count,
+                                        deadline)
                 for rec in receivers]
     ray_calls += len(finishes)
-    ray.wait(finishes, num_returns=len(finishes), timeout=timeout_s)
-    committed: list[int] = []
-    first: BaseException | None = None
-    for j, ref in enumerate(finishes):
-        try:
-            ray.get(ref, timeout=0)
-            committed.append(j)
-        except RayActorError as e:
-            first = first or _receiver_died(j, receivers[j], e, v)
-        except Exception as e:
-            first = first or e
-    if first is not None:
-        if isinstance(first, ReceiverError):
-            first.committed = tuple(committed)
-            first.args = (f"{first.args[0]} (at the commit: receiver(s) {committed} "
-                          "committed it)",)
-        raise first
+
+    def named(j: int, e: BaseException) -> BaseException:
+        if isinstance(e, RayActorError):
+            return _receiver_died(j, receivers[j], e, v)
+        if isinstance(e, (ray.exceptions.GetTimeoutError, WeightSyncTimeoutError)):
+            err = ReceiverError(f"receiver {j} (actor {receivers[j]._actor_id.hex()}) did "
+                                f"not commit version {v} within timeout_s={timeout_s}s "
+                                f"({e})", j, receivers[j]._actor_id.hex(), count,
+                                stalled=True)
+            err.__cause__ = e
+            return err
+        return e
+
+    commit_all(finishes, v, timeout_s, named)
     count_ray_calls(ray_calls)
     return SyncReport(mode, v, time.perf_counter() - t0, merged.total_bytes, count,
                       tuple(results), None, max(o.pool_used for o in ok),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -22,11 +23,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ray_rdt_pool.errors import (
+    CommitHookError,
     InvalidInputError,
     ManifestMismatchError,
     ManifestReleasedError,
     StaleVersionError,
     WeightSyncError,
+    WeightSyncTimeoutError,
 )
 from ray_rdt_pool.weights.loading import load_bucket
 from ray_rdt_pool.weights.loadplan import BucketPlan, LoadPlan, _plan_buckets, plan_load
@@ -295,20 +298,31 @@ class WeightReceiver:
             self._stream = None
         self._fail_locked(st, why)
 
-    def _commit_locked(self, version: int, what: str, manifest_id: str = "") -> None:
+    def _commit_locked(self, version: int, what: str, manifest_id: str = "",
+                       wait_s: float | None = None) -> None:
+        """Make ``version`` live, waiting at most ``wait_s`` for the serving sections in
+        progress; then call ``on_commit`` (:class:`CommitHookError` if it raises: the
+        version stands)."""
         self._newer_locked(version, what, manifest_id)  # never lets the version go down
         self._unreserve_locked(version)
 
         def live() -> None:
             self._version, self._loaded, self._last_id = version, True, manifest_id
             self._torn = False
-            if self.on_commit is not None:
+            if self.on_commit is None:
+                return
+            try:
                 self.on_commit(version)
+            except Exception as e:
+                raise CommitHookError(
+                    f"version {version} was committed on this receiver, then on_commit "
+                    f"raised {type(e).__name__}: {e}; the weights are live, what the hook "
+                    "was to do is not done: fix the hook", version) from e
 
         if self._shadow is not None:
-            self._shadow.commit(self._serving, self.load_weights, live)
+            self._shadow.commit(self._serving, self.load_weights, live, wait_s)
         else:
-            with self._serving.write():
+            with self._serving.write(wait_s):
                 live()
 
     # -- validation --
@@ -393,10 +407,12 @@ class WeightReceiver:
 
     def _load_manifest(self, manifest: Manifest, release: bool,
                        progress: Callable[[], None] | None = None,
-                       before_commit: Callable[[], None] | None = None) -> LoadReport:
+                       before_commit: Callable[[], None] | None = None,
+                       commit_wait_s: float | None = None) -> LoadReport:
         """:meth:`load`; ``progress()`` is called after each bucket and
         ``before_commit()`` before the version is committed (a driver's wait: either may
-        raise to stop the load)."""
+        raise to stop the load); the commit waits at most ``commit_wait_s`` for the
+        serving sections in progress (the driver stops waiting after that)."""
         _check_flag("release", release)
         if not isinstance(manifest, Manifest):
             raise InvalidInputError(f"load() takes a Manifest (from WeightSender.publish), "
@@ -415,7 +431,7 @@ class WeightReceiver:
                 if before_commit is not None:
                     before_commit()
                 with self._lock:
-                    self._commit_locked(v, "manifest", mid)
+                    self._commit_locked(v, "manifest", mid, commit_wait_s)
         finally:
             self._unreserve(v)
         return report
@@ -669,11 +685,14 @@ class WeightReceiver:
         st.claimed, st.mem, st.skipped = claimed, mem, st.skipped + skipped
         return rep
 
-    def _finish_stream(self, session: str, buckets: int) -> int:
+    def _finish_stream(self, session: str, buckets: int, deadline: float | None = None
+                       ) -> int:
         """Commit a stream after its ``buckets`` buckets: the sender calls it once every
         receiver acknowledged every bucket. Checks for destination tensors that received
         nothing (``strict``; a lazy stream's only chance to), then commits the version.
-        A stream that was aborted, superseded or failed here never commits. Returns the
+        A stream that was aborted, superseded or failed here never commits, nor one
+        whose commit cannot happen by ``deadline`` (``time.time()``: the sender stops
+        waiting then; serving sections may hold a commit off until it). Returns the
         number of manifest tensors skipped."""
         with self._writing, self._lock:
             st = self._stream
@@ -695,11 +714,19 @@ class WeightReceiver:
                 self._drop_locked(st, "destination tensors received nothing")
             _raise(problems, f"all {buckets} bucket(s) were written, but the version "
                              f"stays {self._version}")
+            wait_s = None if deadline is None else deadline - time.time()
             try:
-                self._commit_locked(st.version, "stream")
-                self._committed = session
+                if wait_s is not None and wait_s <= 0:
+                    raise WeightSyncTimeoutError(
+                        f"the commit of stream {session} reached this receiver "
+                        f"{-wait_s:.1f}s after its sender stopped waiting (the receiver "
+                        "was busy); it was not committed, the version stays "
+                        f"{self._version}")
+                self._commit_locked(st.version, "stream", wait_s=wait_s)
                 st.reserved = False  # the commit gave it back
             finally:
+                if self._loaded and self._version == st.version:
+                    self._committed = session  # on_commit may have raised after it
                 self._drop_locked(st, "it was committed")  # or lost to a newer version
         return st.plan.skipped if st.plan is not None else st.skipped
 

@@ -247,8 +247,9 @@ def _remote_receive(actor: Any, attr: str, session: str, role: Role) -> list[Buc
     return receive(_find(actor, attr, WeightReceiver), session, role)
 
 
-def _remote_finish(actor: Any, attr: str, session: str, buckets: int) -> int:
-    return _find(actor, attr, WeightReceiver)._finish_stream(session, buckets)
+def _remote_finish(actor: Any, attr: str, session: str, buckets: int,
+                   deadline: float | None = None) -> int:
+    return _find(actor, attr, WeightReceiver)._finish_stream(session, buckets, deadline)
 
 
 def _remote_abort(actor: Any, attr: str, session: str) -> bool:
@@ -315,12 +316,12 @@ def _abort_session(receivers: Sequence[ActorHandle], attr: str, session: str,
 
 
 def _remote_load(actor: Any, attr: str, manifest: Manifest, beat_key: str | None = None,
-                 every_s: float = 60.0) -> LoadReport:
+                 every_s: float = 60.0, commit_wait_s: float | None = None) -> LoadReport:
     from ray_rdt_pool._ray.beats import Beat
 
     beat = Beat(beat_key, every_s)
     try:
         return _find(actor, attr, WeightReceiver)._load_manifest(
-            manifest, True, beat.tick, beat.check)
+            manifest, True, beat.tick, beat.check, commit_wait_s)
     finally:
         beat.close()

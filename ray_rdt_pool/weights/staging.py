@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ray_rdt_pool.errors import LoaderError, WeightSyncTimeoutError
 from ray_rdt_pool.weights.state import StateLike, _identity_key, named_tensors
 
 #: The stagings a receiver may use.
@@ -64,10 +65,18 @@ class ServingLock:
                     self._cond.notify_all()
 
     @contextlib.contextmanager
-    def write(self) -> Iterator[None]:
+    def write(self, wait_s: float | None = None) -> Iterator[None]:
+        """Write alone; ``wait_s``: the longest wait for the sections in progress, after
+        which :class:`WeightSyncTimeoutError` (nothing written)."""
         with self._cond:
             self._writers += 1
-            self._cond.wait_for(lambda: self._readers == 0)
+            if not self._cond.wait_for(lambda: self._readers == 0, wait_s):
+                self._writers -= 1
+                self._cond.notify_all()
+                raise WeightSyncTimeoutError(
+                    f"serving() sections in progress held the commit off for {wait_s:.1f}s "
+                    f"(the sync's timeout_s); it was not committed: end each section "
+                    "within a forward pass, or raise timeout_s")
         try:
             yield
         finally:
@@ -133,18 +142,43 @@ class Shadow:
         self.staged.clear()
 
     def commit(self, lock: ServingLock, load_weights: Callable[[Any], Any] | None,
-               on_commit: Callable[[], None]) -> None:
-        """Make the staged version the live one, under the serving lock: copy every
-        tensor over (and hand a loader what it staged), then ``on_commit()``."""
+               on_commit: Callable[[], None], wait_s: float | None = None) -> None:
+        """Make the staged version the live one, under the serving lock (waiting at most
+        ``wait_s`` for the sections in progress): hand a loader what it staged, copy
+        every tensor over, then ``on_commit()``. A loader that raises is a
+        :class:`LoaderError`, with the live tensors untouched and nothing committed."""
         from ray_rdt_pool.weights.loading import _copy_all
 
-        with lock.write():
+        with lock.write(wait_s):
             t0 = time.perf_counter()
-            _copy_all((live, c) for c, live in self._pairs)
-            if load_weights is not None and self.staged:
-                with torch.no_grad():
-                    load_weights(list(self.staged))
-            self.staged.clear()
-            self.clean = True
-            on_commit()
-            self.last_pause_s = time.perf_counter() - t0
+            try:
+                # The loader first: if it refuses the version, the live tensors still
+                # hold the old one, as the version number says.
+                if load_weights is not None and self.staged:
+                    _hand_over(load_weights, self.staged)
+                _copy_all((live, c) for c, live in self._pairs)
+                self.clean = True
+            finally:
+                self.staged.clear()
+            try:
+                on_commit()
+            finally:
+                self.last_pause_s = time.perf_counter() - t0
+
+
+def _hand_over(load_weights: Callable[[Any], Any], staged: list[tuple[str, torch.Tensor]]
+               ) -> None:
+    """A commit hands a ``load_weights`` engine every staged tensor in one call."""
+    try:
+        with torch.no_grad():
+            load_weights(list(staged))
+    except Exception as e:
+        names = [n for n, _t in staged]
+        shown = ", ".join(repr(n) for n in names[:8])
+        more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+        raise LoaderError(
+            f"load_weights raised {type(e).__name__}: {e} at the commit ({len(names)} "
+            f"staged tensor(s): {shown}{more}); nothing was committed: the live tensors "
+            "and the version are unchanged (what the loader applied before it raised is "
+            "its own). Fix the loader, or map names it does not take to None with "
+            "name_map", -1, names) from e

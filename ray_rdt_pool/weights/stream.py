@@ -33,6 +33,7 @@ import torch
 
 from ray_rdt_pool._ray.beats import Beat
 from ray_rdt_pool.errors import (
+    CommitHookError,
     DuplicateNameError,
     InvalidInputError,
     ReceiverError,
@@ -109,6 +110,54 @@ CHECK_CALLS_S = 0.05
 #: One bucket to send: its packed bytes, its tensors, its layout (a lazy source's; None
 #: for a module or mapping, whose receivers have the whole layout) and its entries.
 _Item = tuple[int, list[torch.Tensor], BucketLayout | None, Sequence[TensorEntry]]
+
+
+def commit_all(finishes: list[Any], version: int, timeout_s: float,
+               named: Callable[[int, BaseException], BaseException]) -> list[Any]:
+    """The answers of a sync's commit calls (one per receiver, each committing by
+    ``timeout_s`` from now or never). The first failure is raised, as ``named(i, e)``
+    makes it, with the receivers that did commit (``.committed`` where the error has it,
+    and in its message: commits are one by one, with no atomicity across receivers). A
+    receiver whose ``on_commit`` raised committed: its :class:`CommitHookError` is
+    raised only if nothing else failed."""
+    import ray
+
+    ray.wait(finishes, num_returns=len(finishes), timeout=timeout_s + min(timeout_s, 30.0))
+    out: list[Any] = []
+    first: BaseException | None = None
+    hook: BaseException | None = None
+    committed: list[int] = []
+    for i, ref in enumerate(finishes):
+        try:
+            out.append(ray.get(ref, timeout=0))
+            committed.append(i)
+        except CommitHookError as e:
+            committed.append(i)
+            if hook is None:
+                hook = _own(e)
+                hook.receiver = i  # type: ignore[attr-defined]
+        except BaseException as e:
+            first = first or named(i, e)
+    first = first or hook
+    if first is None:
+        return out
+    if committed:
+        first = _own(first)
+        if hasattr(first, "committed"):
+            first.committed = tuple(committed)
+        if isinstance(first, WeightSyncError) and first.args:
+            first.args = (f"{first.args[0]}; receiver(s) {committed} committed version "
+                          f"{version}", *first.args[1:])
+    raise first
+
+
+def _own(e: BaseException) -> BaseException:
+    """A receiver's own exception out of Ray's task error: what to amend and raise again
+    (Ray rebuilds a task error from its cause, dropping what was set on the wrapper)."""
+    from ray.exceptions import RayTaskError
+
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(e, RayTaskError) and isinstance(cause, BaseException) else e
 
 
 def new_session(version: int) -> str:
@@ -577,43 +626,31 @@ class StreamSession:
         # commits at its last bucket would commit a stream this sender gave up on), and
         # only if the driver still waits for this stream.
         self.beat.check()
+        # A receiver commits by this time or never: serving sections may hold its commit
+        # off, and a commit after the sender stopped waiting would go unreported.
+        deadline = time.time() + self.timeout_s
         self.finishes = [r.__ray_call__.remote(_remote_finish, self.attr, self.session,
-                                               self.count or 0)
+                                               self.count or 0, deadline)
                          for r in self.receivers]
         self.ray_calls += len(self.finishes)
-        self.skipped = self._commit_all()
+        self.skipped = commit_all(self.finishes, self.version, self.timeout_s,
+                                  self._at_commit)
 
-    def _commit_all(self) -> list[int]:
-        """The commits' answers; a receiver that died at its commit is named, with the
-        receivers that did commit (``.committed``: commits are one by one, with no
-        atomicity across receivers)."""
+    def _at_commit(self, i: int, e: BaseException) -> BaseException:
+        """The error of receiver ``i``'s commit call: Ray's if it died or never answered."""
         import ray
         from ray.exceptions import RayActorError
 
-        ray.wait(self.finishes, num_returns=len(self.finishes), timeout=self.timeout_s)
-        out: list[int] = []
-        first: BaseException | None = None
-        committed: list[int] = []
-        for i, ref in enumerate(self.finishes):
-            try:
-                out.append(ray.get(ref, timeout=0))
-                committed.append(i)
-            except RayActorError as e:
-                first = first or self._died(i, e, "committing the stream")
-            except ray.exceptions.GetTimeoutError:
-                first = first or WeightSyncTimeoutError(
-                    f"committing the stream on receiver {i} took longer than "
-                    f"{self.timeout_s}s; receiver(s) {committed} committed version "
-                    f"{self.version}")
-            except BaseException as e:
-                first = first or e
-        if isinstance(first, ReceiverError):
-            first.committed = tuple(committed)
-            first.args = (f"{first.args[0]}; receiver(s) {committed} committed version "
-                          f"{self.version}" if committed else first.args[0],)
-        if first is not None:
-            raise first
-        return out
+        if isinstance(e, RayActorError):
+            return self._died(i, e, "committing the stream")
+        if isinstance(e, (ray.exceptions.GetTimeoutError, WeightSyncTimeoutError)):
+            cls = RelayReceiverError if self.relay is not None else ReceiverError
+            err = cls(f"{self._where(i)} did not commit version {self.version} within "
+                      f"timeout_s={self.timeout_s}s ({e})", i,
+                      self.receivers[i]._actor_id.hex(), self.count or 0, stalled=True)
+            err.__cause__ = e
+            return err
+        return e
 
     def _get_named(self, refs: list[Any], what: str) -> list[Any]:
         """``ray.get`` of one call per receiver, each within ``timeout_s``; a receiver

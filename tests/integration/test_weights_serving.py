@@ -146,3 +146,39 @@ def test_a_cancelled_background_sync_commits_nothing(cluster: None) -> None:
     finally:
         for a in (tr, eng):
             ray.kill(a)
+
+
+def _failing_hook(actor: Any) -> None:
+    def hook(version: int) -> None:
+        raise RuntimeError(f"prefix cache reset failed at {version}")
+
+    actor.weight_receiver.on_commit = hook
+
+
+@pytest.mark.parametrize("mode", ["stream", "publish"])
+def test_a_hook_that_raises_is_typed_and_names_who_committed(cluster: None,
+                                                             mode: str) -> None:
+    """``on_commit`` raises on the second engine: the driver gets CommitHookError (through
+    Ray, still that class) naming it, with both engines committed, and both hold the
+    new version's bytes."""
+    import ray
+
+    from ray_rdt_pool.weights import CommitHookError
+
+    tr, e0 = _nodes()
+    _tr2, e1 = _nodes()
+    ray.kill(_tr2)
+    try:
+        call(tr, _trainer, 4.0)
+        for e in (e0, e1):
+            call(e, _engine, 0.0)
+        call(e1, _failing_hook)
+        with pytest.raises(CommitHookError, match="was committed on this receiver") as err:
+            sync(tr, [e0, e1], mode=mode, version=7, timeout_s=60)
+        assert (err.value.receiver, err.value.committed, err.value.version) == (1, (0, 1), 7)
+        for e in (e0, e1):
+            outputs, _commits, version, _staging = call(e, _stop)
+            assert version == 7 and outputs[-1] == 4.0
+    finally:
+        for a in (tr, e0, e1):
+            ray.kill(a)

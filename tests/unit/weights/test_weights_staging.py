@@ -2,7 +2,8 @@
 ``staging="shadow"`` keeps the live tensors at their version until the commit makes the
 next one live at once; a failed sync leaves them untouched; ``serving()`` sections never
 see two versions; a ``load_weights`` engine gets every tensor in one call at the commit;
-``on_commit`` sees the new version.
+``on_commit`` sees the new version; a loader or hook that raises at the commit, and a
+section that outlasts ``timeout_s``, leave versions and bytes that agree.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ import torch
 
 from ray_rdt_pool._ray.runtime import Runtime
 from ray_rdt_pool.errors import InvalidInputError
-from ray_rdt_pool.weights import WeightReceiver, WeightSender
+from ray_rdt_pool.weights import (
+    CommitHookError,
+    LoaderError,
+    ReceiverError,
+    WeightReceiver,
+    WeightSender,
+)
 from tests.support.fakeray import make_runtime, receiver_node
 
 
@@ -175,3 +182,90 @@ def test_bad_staging_options_are_refused() -> None:
         WeightReceiver(filled(0), staging="double")
     with pytest.raises(InvalidInputError, match="on_commit must be callable"):
         WeightReceiver(filled(0), on_commit=3)  # type: ignore[arg-type]
+
+
+def test_a_loader_that_raises_at_the_commit_commits_nothing(runtime: Any) -> None:
+    """A shadow engine hands its loader the staged tensors first at the commit: if the
+    loader raises, the live tensors keep the old version's bytes, as the version says,
+    and the error is a LoaderError; once the loader is fixed the next sync lands."""
+    runtime()
+    dest = filled(1, 3)
+    fail = [True]
+    got: list[str] = []
+
+    def loader(pairs: Any) -> None:
+        if fail[0]:
+            raise KeyError("no such layer")
+        got.extend(n for n, _t in pairs)
+
+    a, h = receiver_node(dest, load_weights=loader, staging="shadow")
+    rec = a.weight_receiver
+    sender = WeightSender(filled(7), bucket_bytes=4096, source_reads=False)  # w3-w5: loader
+    with pytest.raises(LoaderError, match="at the commit") as err:
+        sender.stream([h], version=1, timeout_s=10)
+    assert isinstance(err.value.__cause__, KeyError)
+    assert err.value.names == ("w3", "w4", "w5")
+    assert values(dest) == [1.0] * 3 and rec.version == 0
+    assert rec.staging_bytes == 3 * 32 * 32 * 4  # the copies; the staged tensors let go
+    fail[0] = False
+    assert sender.stream([h], version=2, timeout_s=10).version == 2
+    assert values(dest) == [7.0] * 3 and rec.version == 2 and got == ["w3", "w4", "w5"]
+
+
+@pytest.mark.parametrize("staging", ["inplace", "shadow"])
+def test_an_on_commit_that_raises_leaves_the_version_committed(runtime: Any,
+                                                               staging: str) -> None:
+    """The hook runs after the swap: the sync raises CommitHookError saying the version
+    is live, on which receiver the hook raised, and that every receiver committed."""
+    runtime()
+    d0, d1 = filled(1, 2), filled(1, 2)
+
+    def hook(version: int) -> None:
+        raise RuntimeError(f"could not reset the cache for {version}")
+
+    a0, h0 = receiver_node(d0, staging=staging)
+    a1, h1 = receiver_node(d1, staging=staging, on_commit=hook)
+    sender = WeightSender(filled(7, 2), bucket_bytes=4096, source_reads=False)
+    with pytest.raises(CommitHookError, match="was committed on this receiver") as err:
+        sender.stream([h0, h1], version=3, timeout_s=10)
+    e = err.value
+    assert (e.version, e.receiver, e.committed) == (3, 1, (0, 1))
+    assert isinstance(e.__cause__, RuntimeError)
+    assert a0.weight_receiver.version == 3 and a1.weight_receiver.version == 3
+    assert values(d0) == [7.0] * 2 and values(d1) == [7.0] * 2
+    a1.weight_receiver.on_commit = None
+    assert sender.stream([h0, h1], version=4, timeout_s=10).version == 4
+
+
+def test_a_serving_section_longer_than_timeout_s_gets_no_late_commit(runtime: Any) -> None:
+    """A forward pass holds receiver 1's serving section past the sync's timeout_s: its
+    commit gives up by the sender's deadline instead of landing after the sender stopped
+    waiting. The error names it (stalled) with receiver 0 committed, receiver 1 keeps
+    its version and bytes once the section ends, and the next sync lands on both."""
+    runtime()
+    d0, d1 = filled(1, 2), filled(1, 2)
+    a0, h0 = receiver_node(d0, staging="shadow")
+    a1, h1 = receiver_node(d1, staging="shadow")
+    entered, release = threading.Event(), threading.Event()
+
+    def section() -> None:
+        with a1.weight_receiver.serving():
+            entered.set()
+            release.wait(30)
+
+    th = threading.Thread(target=section)
+    th.start()
+    assert entered.wait(10)
+    sender = WeightSender(filled(7, 2), bucket_bytes=4096, source_reads=False)
+    try:
+        with pytest.raises(ReceiverError, match="serving\\(\\) sections") as err:
+            sender.stream([h0, h1], version=1, timeout_s=2.0)
+    finally:
+        release.set()
+        th.join(10)
+    e = err.value
+    assert e.receiver == 1 and e.stalled and e.committed == (0,)
+    assert a0.weight_receiver.version == 1 and values(d0) == [7.0] * 2
+    assert a1.weight_receiver.version == 0 and values(d1) == [1.0] * 2
+    assert sender.stream([h0, h1], version=2, timeout_s=10).version == 2
+    assert values(d1) == [7.0] * 2
