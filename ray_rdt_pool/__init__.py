@@ -7,9 +7,9 @@ the functions, so importing the package does nothing at import time.
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
-from ray_rdt_pool.config import PoolConfig, Tuning
+from ray_rdt_pool.config import Options, PoolConfig, Tuning
 from ray_rdt_pool.errors import (
     ConfigurationError,
     InvalidInputError,
@@ -24,15 +24,16 @@ from ray_rdt_pool.obs.stats import TransportStats
 
 if TYPE_CHECKING:
     import torch
+    from typing_extensions import Unpack
 
 try:
     __version__ = version("ray-rdt-pool")
 except PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = "0+unknown"
 
-#: The name Ray knows the transport by. Ray upper-cases transport names, so
-#: ``tensor_transport="nixl_pool"`` works as well.
-TRANSPORT = "NIXL_POOL"
+#: What users pass: ``tensor_transport="nixl_pool"`` (Ray keys transports by the
+#: upper-cased name, ``NIXL_POOL``, which its errors show).
+TRANSPORT = "nixl_pool"
 
 
 def register() -> str:
@@ -62,30 +63,7 @@ def setup_worker() -> None:
     register()
 
 
-def configure(
-    *,
-    pool_bytes: int | None = None,
-    arena_bytes: int | None = None,
-    device: str | None = None,
-    strict: bool | None = None,
-    prefault: bool | None = None,
-    fetch_timeout_s: float | None = None,
-    metrics: bool | None = None,
-    debug_transfers: bool | None = None,
-    registration_cache_bytes: int | None = None,
-    same_node: str | None = None,
-    overflow_linger_s: float | None = None,
-    tuning: Tuning | None = None,
-    progress_interval_s: float | None = None,
-    progress_idle_interval_s: float | None = None,
-    pack_threads: int | None = None,
-    pack_threshold_bytes: int | None = None,
-    stream_copy_bytes: int | None = None,
-    read_lanes: int | None = None,
-    read_split_bytes: int | None = None,
-    native: bool | None = None,
-    **unknown: NoReturn,
-) -> PoolConfig:
+def configure(**options: Unpack[Options]) -> PoolConfig:
     """Configure this process's transport before its first put or get.
 
     Each option left None comes from its environment variable (``RAY_RDT_POOL_`` plus
@@ -95,8 +73,8 @@ def configure(
     - ``pool_bytes``: size of the sender pool (default 1 GiB).
     - ``arena_bytes``: size of the receive arena (default 1 GiB).
     - ``device``: where the sender pool lives, ``"cpu"`` or ``"cuda"``.
-    - ``strict``: raise ``PoolExhaustedError`` for an object the pool cannot hold,
-      instead of copying it into overflow memory.
+    - ``overflow``: copy an object the pool cannot hold into overflow memory (default
+      True); False raises ``PoolExhaustedError`` instead.
     - ``prefault``: touch every pool and arena page when they are created.
     - ``fetch_timeout_s``: upper bound for one READ, in seconds (default 60).
     - ``metrics``: export metrics through ``ray.util.metrics`` (default True).
@@ -114,12 +92,9 @@ def configure(
     Raises ConfigurationError for an unknown option or a bad value, when called after
     first use, or again with different values.
     """
-    given = dict(locals())  # the parameters, before any other name is bound
-    options = {k: v for k, v in given.items() if k != "unknown" and v is not None}
-    options.update(unknown)  # runtime.configure refuses them by name
     from ray_rdt_pool._ray.runtime import configure as _configure
 
-    return _configure(**options)
+    return _configure(**options)  # it refuses an unknown name, by name
 
 
 def set_cuda_stream(stream: Any) -> None:

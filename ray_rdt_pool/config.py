@@ -7,28 +7,24 @@ Pure module (no torch, Ray or NIXL). A process builds its :class:`PoolConfig` on
 :class:`PoolConfig` holds what a user sizes and decides; the measured tuning values sit
 in :class:`Tuning`, reachable as ``PoolConfig.tuning``. Every option, tuning ones
 included, is set by the variable ``RAY_RDT_POOL_`` + its name in upper case
-(:func:`env_name`); :data:`DEPRECATED_ENV_VARS` lists the names from before that rule,
-still read with a ``FutureWarning``.
+(:func:`env_name`).
 """
 
 from __future__ import annotations
 
 import difflib
-import functools
 import math
 import os
-import threading
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, TypedDict
 
 from ray_rdt_pool.core.layout import BLOCK_ALIGN
 from ray_rdt_pool.errors import ConfigurationError
 
 __all__ = [
-    "DEFAULT_POOL_BYTES", "DEFAULT_REGISTRATION_CACHE_BYTES", "DEPRECATED_ENV_VARS",
-    "ENV_PREFIX", "ENV_VARS", "OPTIONS", "TUNING_OPTIONS", "PoolConfig", "Tuning",
+    "DEFAULT_POOL_BYTES", "DEFAULT_REGISTRATION_CACHE_BYTES",
+    "ENV_PREFIX", "ENV_VARS", "OPTIONS", "TUNING_OPTIONS", "Options", "PoolConfig", "Tuning",
     "env_name", "from_env",
 ]
 
@@ -248,8 +244,9 @@ class PoolConfig:
         pool_bytes: Size of the sender pool, registered with NIXL once.
         arena_bytes: Size of the receive arena, registered once on first receive.
         device: Where the sender pool lives, ``"cpu"`` or ``"cuda"``.
-        strict: Raise ``PoolExhaustedError`` for an object that does not fit the
-            pool, instead of copying it into overflow memory (still a snapshot).
+        overflow: Copy an object that does not fit the pool into overflow memory
+            registered for it (still a snapshot); ``False`` raises
+            ``PoolExhaustedError`` instead.
         prefault: Touch every page of the pool and arena when they are created,
             so the first transfers pay no page faults.
         fetch_timeout_s: Upper bound for one READ on the receiver; Ray's own
@@ -284,8 +281,8 @@ class PoolConfig:
     arena_bytes: int = field(default=DEFAULT_POOL_BYTES, metadata=_env(
         "receive arena size in bytes (K, M, G allowed)"))
     device: str = field(default="cpu", metadata=_env("where the sender pool lives: cpu or cuda"))
-    strict: bool = field(default=False, metadata=_env(
-        "1: raise instead of using overflow memory for oversized objects"))
+    overflow: bool = field(default=True, metadata=_env(
+        "0: raise PoolExhaustedError instead of using overflow memory for oversized objects"))
     prefault: bool = field(default=False, metadata=_env(
         "1: touch every pool and arena page up front"))
     fetch_timeout_s: float = field(default=60.0, metadata=_env(
@@ -304,7 +301,7 @@ class PoolConfig:
     tuning: Tuning = field(default_factory=Tuning)
 
     def __post_init__(self) -> None:
-        _check_bools(self, ("strict", "prefault", "metrics", "debug_transfers"))
+        _check_bools(self, ("overflow", "prefault", "metrics", "debug_transfers"))
         _check_seconds(self, ("fetch_timeout_s", "overflow_linger_s"))
         for name in ("pool_bytes", "arena_bytes", "registration_cache_bytes"):
             value = getattr(self, name)
@@ -377,6 +374,33 @@ OPTIONS: tuple[str, ...] = (
     *(f.name for f in fields(PoolConfig) if f.name != "tuning"), *_TUNING_ORDER)
 
 
+class Options(TypedDict, total=False):
+    """The keywords of ``configure()``, for editors and type checkers: every option of
+    :class:`PoolConfig` and :class:`Tuning` (None leaves it unset) and ``tuning`` whole.
+    A test keeps it in step with :data:`OPTIONS`."""
+
+    pool_bytes: int | None
+    arena_bytes: int | None
+    device: str | None
+    overflow: bool | None
+    prefault: bool | None
+    fetch_timeout_s: float | None
+    metrics: bool | None
+    debug_transfers: bool | None
+    registration_cache_bytes: int | None
+    same_node: str | None
+    overflow_linger_s: float | None
+    tuning: Tuning | None
+    progress_interval_s: float | None
+    progress_idle_interval_s: float | None
+    pack_threads: int | None
+    pack_threshold_bytes: int | None
+    stream_copy_bytes: int | None
+    read_lanes: int | None
+    read_split_bytes: int | None
+    native: bool | None
+
+
 def _unknown_message(unknown: list[str]) -> str:
     hints = [f"{u!r}: did you mean {m[0]!r}?" for u in unknown
              if (m := difflib.get_close_matches(u, OPTIONS, n=1))]
@@ -391,70 +415,6 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     env_name(f.name): (f.name, f.metadata.get("env", ""))
     for f in (*fields(PoolConfig), *fields(Tuning)) if f.name != "tuning"
 }
-
-#: The names some variables had before they followed the rule: old -> new. Still read,
-#: with a FutureWarning once per process; the new name wins where both are set.
-DEPRECATED_ENV_VARS: dict[str, str] = {
-    "RAY_RDT_POOL_BYTES": env_name("pool_bytes"),
-    "RAY_RDT_POOL_DEBUG": env_name("debug_transfers"),
-    "RAY_RDT_POOL_REG_CACHE_BYTES": env_name("registration_cache_bytes"),
-    "RAY_RDT_POOL_PACK_THRESHOLD": env_name("pack_threshold_bytes"),
-    "RAY_RDT_POOL_STREAM_COPY": env_name("stream_copy_bytes"),
-    "RAY_RDT_POOL_READ_SPLIT": env_name("read_split_bytes"),
-}
-_OLD_NAME = {new: old for old, new in DEPRECATED_ENV_VARS.items()}
-
-# Keys of the deprecation warnings this process gave: each is given once.
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
-
-
-def _warn_once(key: str, message: str, stacklevel: int = 2) -> None:
-    with _warned_lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    warnings.warn(message, FutureWarning, stacklevel=stacklevel + 1)
-
-
-# The tuning fields (and their derived counts) stay readable on PoolConfig, and
-# PoolConfig() still takes them, as deprecated aliases of ``tuning``.
-_fields_init = PoolConfig.__init__
-
-
-@functools.wraps(_fields_init)
-def _init_taking_tuning_fields(self: PoolConfig, *args: Any, **kwargs: Any) -> None:
-    moved = {k: kwargs.pop(k) for k in [k for k in kwargs if k in TUNING_OPTIONS]}
-    if moved:
-        for name in moved:
-            _warn_once(f"PoolConfig({name}=)",
-                       f"PoolConfig({name}=...) is deprecated: {name} is a tuning value "
-                       f"now; pass PoolConfig(tuning=Tuning({name}=...)) or "
-                       f"configure({name}=...)")
-        base = kwargs.get("tuning", Tuning())
-        if not isinstance(base, Tuning):
-            raise ConfigurationError(
-                f"tuning must be a ray_rdt_pool.config.Tuning, got {base!r}; pass e.g. "
-                "tuning=Tuning(read_lanes=2)")
-        kwargs["tuning"] = replace(base, **moved)
-    _fields_init(self, *args, **kwargs)
-
-
-def _moved_to_tuning(name: str) -> property:
-    def read(self: PoolConfig) -> Any:
-        _warn_once(f"PoolConfig.{name}", f"PoolConfig.{name} is deprecated: read "
-                   f"PoolConfig.tuning.{name}")
-        return getattr(self.tuning, name)
-
-    read.__doc__ = f"Deprecated alias of ``tuning.{name}``."
-    return property(read)
-
-
-PoolConfig.__init__ = _init_taking_tuning_fields  # type: ignore[method-assign]
-for _name in (*_TUNING_ORDER, "pack_thread_count", "read_lane_count"):
-    setattr(PoolConfig, _name, _moved_to_tuning(_name))
-del _name
-
 
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -517,38 +477,17 @@ def _parse(option: str, var: str, text: str) -> Any:
     return text.strip().lower()
 
 
-def _variable(env: Mapping[str, str], var: str) -> str | None:
-    """Which variable sets ``var``'s option: ``var``, or its deprecated old name (warned
-    once per process), or None when neither is set."""
-    old = _OLD_NAME.get(var)
-    if old is None or old not in env:
-        return var if var in env else None
-    if var in env:
-        _warn_once(f"{old}+{var}",
-                   f"{old} and {var} are both set: {var}={env[var]!r} wins and "
-                   f"{old}={env[old]!r} is ignored; {old} is a deprecated name of {var}, "
-                   "remove it", stacklevel=3)
-        return var
-    _warn_once(old, f"{old} is deprecated: rename it to {var} (every variable is "
-               f"{ENV_PREFIX} plus the option's name, here {ENV_VARS[var][0]})",
-               stacklevel=3)
-    return old
-
-
 def from_env(environ: Mapping[str, str] | None = None) -> PoolConfig:
-    """Build the config from the defaults overlaid with the variables in :data:`ENV_VARS`
-    (and their deprecated names in :data:`DEPRECATED_ENV_VARS`)."""
+    """Build the config from the defaults overlaid with the variables in :data:`ENV_VARS`."""
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     tuned: dict[str, Any] = {}
     set_by: dict[str, str] = {}  # option -> the variable that set it
     for var, (option, _doc) in ENV_VARS.items():
-        source = _variable(env, var)
-        if source is None:
+        if var not in env:
             continue
-        (tuned if option in TUNING_OPTIONS else values)[option] = _parse(
-            option, source, env[source])
-        set_by[option] = source
+        (tuned if option in TUNING_OPTIONS else values)[option] = _parse(option, var, env[var])
+        set_by[option] = var
     try:
         return PoolConfig(**values, tuning=Tuning(**tuned))
     except ConfigurationError as e:

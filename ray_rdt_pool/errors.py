@@ -97,11 +97,11 @@ class RdtPoolError(Exception):
 class PoolExhaustedError(RdtPoolError, MemoryError):
     """An object does not fit in the free space of a pool.
 
-    Raised by the transport in strict mode (``strict=True``) when the sender pool cannot
+    Raised by the transport with ``overflow=False`` when the sender pool cannot
     hold an object, instead of copying it into overflow memory, and by
     ``WeightSender.stream`` for a bucket larger than the pool (a stream never uses
     overflow memory). What to do: raise ``pool_bytes`` (or ``RAY_RDT_POOL_POOL_BYTES``),
-    free objects sooner by dropping their refs, or leave strict mode off so oversized
+    free objects sooner by dropping their refs, or leave ``overflow`` on so oversized
     objects are copied into overflow memory (still a snapshot, at the cost of a NIXL
     registration); for a stream, lower ``bucket_bytes``.
     """

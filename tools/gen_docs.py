@@ -171,21 +171,14 @@ def _class(name: str, cls: type) -> list[str]:
             out.append(f"| `{f.name}` | `{_cell(_type(f.type))}` | "
                        f"{_cell(notes.get(f.name, ''))} |")
         out.append("")
-    aliases = []
     for mname, member in _members(cls):
         if isinstance(member, property):
             title, doc = f"`{name}.{mname}` (property)", _doc(member.fget)
-            if doc.startswith("Deprecated alias of "):
-                aliases.append(f"`{mname}`")
-                continue
         else:
             title = f"`{name}.{_signature(mname, member)}`"
             doc = _doc(member, first_paragraph=True)
         if doc:
             out += [f"#### {title}", "", doc, ""]
-    if aliases:
-        out += [f"Deprecated aliases (properties) of `{name}` for the `tuning` fields of the "
-                f"same names: {', '.join(aliases)}.", ""]
     return out
 
 

@@ -30,6 +30,9 @@ from ray_rdt_pool.errors import ConfigurationError, WireFormatError
 
 logger = logging.getLogger(__name__)
 
+#: The key Ray 2.60 files the transport under (it upper-cases names) and passes around.
+RAY_NAME = TRANSPORT.upper()
+
 
 def apply() -> None:
     """Install this package's changes to Ray in this process; a no-op the second time."""
@@ -379,7 +382,7 @@ def _flat_values_as_one_object() -> None:
     state = conversions.state
 
     def serialize_rdt_objects(self: Any, value: Any, tensor_transport: str) -> Any:
-        ours = tensor_transport == TRANSPORT
+        ours = tensor_transport == RAY_NAME
         noting = getattr(state, "dtypes", None) is not None
         if noting:  # notes of Parameters are for the put being serialized now only
             state.aliases = None
@@ -532,7 +535,7 @@ def _transfers_before_their_tasks() -> None:
             if not isinstance(arg, ObjectRef):
                 continue
             info = self.get_rdt_metadata(arg.hex())
-            if info is None or info.tensor_transport_backend != TRANSPORT:
+            if info is None or info.tensor_transport_backend != RAY_NAME:
                 continue
             if info.tensor_transport_meta is None and _made_by_this_actor(arg):
                 # Its producer is queued behind the task running this call: waiting could

@@ -23,13 +23,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from ray_rdt_pool._ray.conversions import put_conversions
 from ray_rdt_pool._ray.directory import KVDirectory, ray_node_id
 from ray_rdt_pool._ray.metadata import PoolFetch, PoolTransportMetadata
 from ray_rdt_pool._ray.stats import collect
-from ray_rdt_pool.config import PoolConfig, Tuning, from_env
+from ray_rdt_pool.config import Options, PoolConfig, from_env
 from ray_rdt_pool.core.clock import SYSTEM_CLOCK, Clock
 from ray_rdt_pool.core.mailbox import Mailbox
 from ray_rdt_pool.core.selection import check_selection_count
@@ -47,6 +47,7 @@ from ray_rdt_pool.send.sender import Sender
 
 if TYPE_CHECKING:
     import torch
+    from typing_extensions import Unpack
 
     from ray_rdt_pool.obs.stats import TransportStats
 
@@ -224,7 +225,7 @@ class Runtime:
         process (a notebook, a test harness): free the objects put in the ended session.
         Ray never frees those whose refs were alive at its shutdown, and no ref of the
         new session can name them, so their blocks would stay taken for the life of the
-        process (with ``strict``, every later put that needs them fails). Blocks that
+        process (with ``overflow=False``, every later put that needs them fails). Blocks that
         same-node receivers still hold views of wait for their leases, as on any free.
         The shared pool's same-node entry is published again in the new session."""
         session = getattr(self.directory, "session", None)
@@ -428,43 +429,18 @@ _configured = False  # configure() was called: later calls must agree with it
 _cuda_stream: Any = None
 
 
-def configure(
-    *,
-    pool_bytes: int | None = None,
-    arena_bytes: int | None = None,
-    device: str | None = None,
-    strict: bool | None = None,
-    prefault: bool | None = None,
-    fetch_timeout_s: float | None = None,
-    metrics: bool | None = None,
-    debug_transfers: bool | None = None,
-    registration_cache_bytes: int | None = None,
-    same_node: str | None = None,
-    overflow_linger_s: float | None = None,
-    tuning: Tuning | None = None,
-    progress_interval_s: float | None = None,
-    progress_idle_interval_s: float | None = None,
-    pack_threads: int | None = None,
-    pack_threshold_bytes: int | None = None,
-    stream_copy_bytes: int | None = None,
-    read_lanes: int | None = None,
-    read_split_bytes: int | None = None,
-    native: bool | None = None,
-    **unknown: NoReturn,
-) -> PoolConfig:
+def configure(**options: Unpack[Options]) -> PoolConfig:
     """Set this process's configuration before its first put or get.
 
     The options are ``ray_rdt_pool.configure()``'s (documented there); None leaves one
     unset. Accepted until the NIXL agent exists (``stats()`` does not create it); raises
     ``ConfigurationError`` after that if the values differ, and for an unknown option.
     """
-    given = dict(locals())  # the parameters, before any other name is bound
-    options = {k: v for k, v in given.items() if k != "unknown" and v is not None}
-    options.update(unknown)  # for with_overrides to refuse by name
+    given = {k: v for k, v in options.items() if v is not None}
     global _config, _runtime, _configured
     with _runtime_lock:
         base = _config if _config is not None else from_env()
-        new = base.with_overrides(**options)
+        new = base.with_overrides(**given)  # it refuses an unknown name, by name
         if _runtime is not None and _runtime.started() and new != _runtime.config:
             raise ConfigurationError(
                 "configure() was called after nixl_pool was first used in this process "

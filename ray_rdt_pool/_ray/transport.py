@@ -23,6 +23,7 @@ from ray.experimental.rdt.tensor_transport_manager import (
 from ray_rdt_pool import TRANSPORT
 from ray_rdt_pool._ray import patches
 from ray_rdt_pool._ray.metadata import PoolFetch, PoolTransportMetadata, as_pool_meta
+from ray_rdt_pool._ray.patches import RAY_NAME
 from ray_rdt_pool._ray.runtime import runtime
 from ray_rdt_pool.errors import ConfigurationError
 
@@ -59,7 +60,7 @@ class NixlPoolTransport(TensorTransportManager):
         self._has_transport: dict[str, bool] = {}
 
     def tensor_transport_backend(self) -> str:
-        return TRANSPORT
+        return RAY_NAME
 
     @staticmethod
     def is_one_sided() -> bool:
@@ -140,7 +141,7 @@ def register() -> str:
     patches.check_ray_version()
     patches.apply()
 
-    registered = patches.registered_transport_class(TRANSPORT)
+    registered = patches.registered_transport_class(RAY_NAME)
     if registered is not None:
         if registered is not NixlPoolTransport:
             raise ConfigurationError(
@@ -151,7 +152,7 @@ def register() -> str:
         register_tensor_transport(TRANSPORT, ["cpu", "cuda"], NixlPoolTransport, torch.Tensor)
     except ValueError:
         # Ray registered it on this actor concurrently (on _ray_system); same class.
-        if patches.registered_transport_class(TRANSPORT) is not NixlPoolTransport:
+        if patches.registered_transport_class(RAY_NAME) is not NixlPoolTransport:
             raise
     return TRANSPORT
 

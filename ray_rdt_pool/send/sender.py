@@ -10,8 +10,8 @@ Where an object goes (one placement each, decided under the sender lock):
 
 * **pool**: blocks of the pool region (one contiguous block when a CUDA copy is
   involved, otherwise as few blocks as the allocator can find);
-* **overflow**: when the pool cannot hold it and ``strict`` is off, blocks of an
-  overflow region (:mod:`ray_rdt_pool.send.overflow`). Still a snapshot. ``strict=True``
+* **overflow**: when the pool cannot hold it and ``overflow`` is on, blocks of an
+  overflow region (:mod:`ray_rdt_pool.send.overflow`). Still a snapshot. ``overflow=False``
   raises ``PoolExhaustedError`` instead;
 * either of those **mixed** with by-reference tensors of ``register_memory()`` storages;
 * **by reference** (``put_by_reference``, the weights API's stream across nodes): no
@@ -236,11 +236,11 @@ class Sender:
                 return Placement(obj_id, pool, tuple(blocks), nbytes, False, key=key)
             except PoolExhaustedError as e:
                 leased = self.leased.note_locked()
-                if self.config.strict:
+                if not self.config.overflow:
                     raise PoolExhaustedError(
                         e.needed, e.free, e.largest_free, e.capacity, what="sender pool",
                         remedy=f"{leased + '; or ' if leased else ''}raise pool_bytes "
-                               "(RAY_RDT_POOL_POOL_BYTES), or turn strict mode off to copy "
+                               "(RAY_RDT_POOL_POOL_BYTES), or leave overflow=True to copy "
                                "oversized objects into overflow memory") from None
                 self._warn_overflow(nbytes, e, leased)
         region, blocks = self.overflow.place(key, nbytes, max_blocks)
@@ -272,7 +272,7 @@ class Sender:
             "largest block %s of %s); it is copied into overflow memory registered for it, "
             "which costs a NIXL registration and makes receivers reload this sender's "
             "metadata. %sRaise pool_bytes (RAY_RDT_POOL_POOL_BYTES) to keep objects in the pool, "
-            "or set strict=True to raise instead. This warning is shown once per process.",
+            "or set overflow=False to raise instead. This warning is shown once per process.",
             f"{nbytes:,}", f"{e.free:,}", f"{e.largest_free:,}", f"{e.capacity:,}",
             leased + ". " if leased else "")
 

@@ -297,9 +297,9 @@ def small():
 
 
 @pytest.fixture(scope="module")
-def strict():
-    """A sender with a 1 MiB pool in strict mode (no overflow), which never puts."""
-    return Sender.remote(pool_bytes=1 << 20, strict=True)
+def no_overflow():
+    """A sender with a 1 MiB pool and no overflow memory, which never puts."""
+    return Sender.remote(pool_bytes=1 << 20, overflow=False)
 
 
 def test_all_dtypes_round_trip_between_actors(pair):
@@ -598,23 +598,23 @@ def test_full_pool_still_sends_snapshots(small, pair):
     assert ray.get(s.stats.remote()).overflow_objects == 1 and len(held) == 3
 
 
-def test_strict_mode_raises_pool_exhausted_with_sizes(strict):
-    s = strict
+def test_without_overflow_a_full_pool_raises_pool_exhausted_with_sizes(no_overflow):
+    s = no_overflow
     with pytest.raises(ray.exceptions.RayTaskError) as ei:
         ray.get(s.put.remote([torch.randn(1 << 19)]))
     msg = str(ei.value)
     assert "PoolExhaustedError" in msg
     assert "2,097,152 bytes" in msg and "1,048,576" in msg
-    assert "raise pool_bytes" in msg and "strict mode" in msg
+    assert "raise pool_bytes" in msg and "overflow=True" in msg
     st = ray.get(s.stats.remote())
     assert st.pool_used == 0 and st.live_objects == 0 and st.fallbacks == 0
 
 
-def test_a_failed_put_or_return_lets_go_of_the_tensors(strict):
+def test_a_failed_put_or_return_lets_go_of_the_tensors(no_overflow):
     """Ray stores an object's tensors in its RDT store before it calls our extract, and
     registers the ref only after extract returned: when extract raised, nothing ever
     popped the entry and the caller's tensors stayed referenced for the process's life."""
-    s = strict  # it never put an object
+    s = no_overflow  # it never put an object
     assert ray.get(s.store_size.remote()) == 0
     assert ray.get(s.put_that_fails.remote(2 << 20)) == ("PoolExhaustedError", False, 0)
     with pytest.raises(ray.exceptions.RayTaskError, match="PoolExhaustedError"):
@@ -624,8 +624,8 @@ def test_a_failed_put_or_return_lets_go_of_the_tensors(strict):
     assert (st.pool_used, st.live_objects, st.objects_put) == (0, 0, 0)
 
 
-def test_bad_input_gives_typed_errors_and_leaves_pool_unchanged(strict):
-    s = strict  # not the pair's: that sender may still hold objects awaiting GC
+def test_bad_input_gives_typed_errors_and_leaves_pool_unchanged(no_overflow):
+    s = no_overflow  # not the pair's: that sender may still hold objects awaiting GC
     live_refs, _ = ray.get(s.put.remote([torch.ones(3)]))  # create the pool
     before = ray.get(s.stats.remote())
     with pytest.raises(ray.exceptions.RayTaskError) as ei:

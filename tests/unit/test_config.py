@@ -1,7 +1,7 @@
 """PoolConfig, Tuning and the environment table: every bad value is a ConfigurationError
 that names the value (and, from the environment, the variable) and the fix; every option
-has the variable ``RAY_RDT_POOL_`` + its name, the names from before that rule still
-work with a FutureWarning, and ``configure()`` takes every option as a typed keyword.
+has the variable ``RAY_RDT_POOL_`` + its name (and no other), and ``configure()`` takes
+every option as a typed keyword.
 No Ray cluster, no NIXL."""
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import pytest
 import ray_rdt_pool
 from ray_rdt_pool import config as C
 from ray_rdt_pool.config import (
-    DEPRECATED_ENV_VARS,
     ENV_VARS,
     OPTIONS,
     TUNING_OPTIONS,
@@ -31,20 +30,14 @@ from ray_rdt_pool.config import (
 from ray_rdt_pool.errors import ConfigurationError
 
 
-@pytest.fixture(autouse=True)
-def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test starts with no deprecation warning given yet in this process."""
-    monkeypatch.setattr(C, "_warned", set())
-
-
 def _make(option: str, value: Any) -> Any:
     """The object that owns ``option``, built with it."""
     return (Tuning if option in TUNING_OPTIONS else PoolConfig)(**{option: value})
 
 
 @pytest.mark.parametrize(("option", "value", "text"), [
-    # A string was truthy: strict="no" turned strict mode on, metrics="0" left it on.
-    ("strict", "no", "strict must be True or False, got 'no'"),
+    # A string was truthy: overflow="no" left overflow on, metrics="0" left it on.
+    ("overflow", "no", "overflow must be True or False, got 'no'"),
     ("metrics", "0", "metrics must be True or False, got '0'"),
     ("native", "false", "native must be True or False"),
     ("prefault", 1, "prefault must be True or False, got 1"),
@@ -68,9 +61,9 @@ def test_options_of_the_wrong_type_are_refused(option: str, value: Any, text: st
 
 
 def test_options_of_the_right_type_are_taken() -> None:
-    cfg = PoolConfig(strict=True, metrics=False, fetch_timeout_s=30,
+    cfg = PoolConfig(overflow=False, metrics=False, fetch_timeout_s=30,
                      tuning=Tuning(progress_interval_s=0.01))
-    assert cfg.strict and not cfg.metrics and cfg.fetch_timeout_s == 30
+    assert not cfg.overflow and not cfg.metrics and cfg.fetch_timeout_s == 30
     assert cfg.tuning.progress_interval_s == 0.01
 
 
@@ -85,7 +78,7 @@ def test_options_of_the_right_type_are_taken() -> None:
     ({"RAY_RDT_POOL_FETCH_TIMEOUT_S": "inf"}, "set by RAY_RDT_POOL_FETCH_TIMEOUT_S='inf'"),
     ({"RAY_RDT_POOL_READ_LANES": "99"}, r"read_lanes must be an int in \[0, .*set by "
                                         "RAY_RDT_POOL_READ_LANES='99'"),
-    ({"RAY_RDT_POOL_STRICT": "maybe"}, "RAY_RDT_POOL_STRICT='maybe' is not a boolean"),
+    ({"RAY_RDT_POOL_OVERFLOW": "maybe"}, "RAY_RDT_POOL_OVERFLOW='maybe' is not a boolean"),
 ])
 def test_bad_environment_values_name_the_variable(env: dict[str, str], text: str) -> None:
     with pytest.raises(ConfigurationError, match=text):
@@ -94,10 +87,10 @@ def test_bad_environment_values_name_the_variable(env: dict[str, str], text: str
 
 def test_environment_values_parse() -> None:
     cfg = from_env({"RAY_RDT_POOL_POOL_BYTES": "64M", "RAY_RDT_POOL_READ_LANES": "2",
-                    "RAY_RDT_POOL_PACK_THREADS": " 3 ", "RAY_RDT_POOL_STRICT": "yes",
+                    "RAY_RDT_POOL_PACK_THREADS": " 3 ", "RAY_RDT_POOL_OVERFLOW": "no",
                     "RAY_RDT_POOL_FETCH_TIMEOUT_S": "2.5", "RAY_RDT_POOL_SAME_NODE": "Copy"})
     assert (cfg.pool_bytes, cfg.tuning.read_lanes, cfg.tuning.pack_threads) == (64 << 20, 2, 3)
-    assert cfg.strict and cfg.fetch_timeout_s == 2.5 and cfg.same_node == "copy"
+    assert not cfg.overflow and cfg.fetch_timeout_s == 2.5 and cfg.same_node == "copy"
 
 
 def test_a_longer_progress_interval_alone_is_accepted() -> None:
@@ -138,7 +131,7 @@ def test_a_followed_idle_interval_follows_every_later_progress_interval() -> Non
 #: A value other than the default for each option, as a variable's text and as parsed.
 _OTHER: dict[str, tuple[str, Any]] = {
     "pool_bytes": ("3M", 3 << 20), "arena_bytes": ("3M", 3 << 20), "device": ("cuda", "cuda"),
-    "strict": ("1", True), "prefault": ("1", True), "fetch_timeout_s": ("0.5", 0.5),
+    "overflow": ("0", False), "prefault": ("1", True), "fetch_timeout_s": ("0.5", 0.5),
     "metrics": ("0", False), "debug_transfers": ("1", True),
     "registration_cache_bytes": ("3M", 3 << 20), "same_node": ("copy", "copy"),
     "overflow_linger_s": ("0.5", 0.5), "progress_interval_s": ("0.5", 0.5),
@@ -167,82 +160,18 @@ def test_every_option_has_the_variable_the_rule_names() -> None:
             assert from_env({var: text}).options()[option] == value, var
 
 
-def test_the_old_names_are_the_ones_that_broke_the_rule() -> None:
-    assert DEPRECATED_ENV_VARS == {
-        "RAY_RDT_POOL_BYTES": "RAY_RDT_POOL_POOL_BYTES",
-        "RAY_RDT_POOL_DEBUG": "RAY_RDT_POOL_DEBUG_TRANSFERS",
-        "RAY_RDT_POOL_REG_CACHE_BYTES": "RAY_RDT_POOL_REGISTRATION_CACHE_BYTES",
-        "RAY_RDT_POOL_PACK_THRESHOLD": "RAY_RDT_POOL_PACK_THRESHOLD_BYTES",
-        "RAY_RDT_POOL_STREAM_COPY": "RAY_RDT_POOL_STREAM_COPY_BYTES",
-        "RAY_RDT_POOL_READ_SPLIT": "RAY_RDT_POOL_READ_SPLIT_BYTES",
-    }
-    assert not set(DEPRECATED_ENV_VARS) & set(ENV_VARS)
-
-
-def _future_warnings(record: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in record if issubclass(w.category, FutureWarning)]
-
-
-@pytest.mark.parametrize(("old", "new"), sorted(DEPRECATED_ENV_VARS.items()))
-def test_an_old_variable_still_works_and_warns_once(old: str, new: str) -> None:
-    option = ENV_VARS[new][0]
-    text, value = _OTHER[option]
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")  # count ours, not the filter's de-duplication
-        assert from_env({old: text}).options()[option] == value
-        assert from_env({old: text}).options()[option] == value
-    said = _future_warnings(record)
-    assert len(said) == 1 and old in said[0] and f"rename it to {new}" in said[0], said
-
-
-@pytest.mark.parametrize(("old", "new"), sorted(DEPRECATED_ENV_VARS.items()))
-def test_with_both_names_set_the_new_one_wins_and_the_warning_says_so(old: str, new: str) -> None:
-    option = ENV_VARS[new][0]
-    text, value = _OTHER[option]
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        # The old one holds a value that would be refused: it is not even parsed.
-        assert from_env({old: "not a value", new: text}).options()[option] == value
-        from_env({old: "not a value", new: text})
-    said = _future_warnings(record)
-    assert len(said) == 1 and f"{new}={text!r} wins" in said[0], said
-    assert f"{old}='not a value' is ignored" in said[0]
-
-
-def test_a_bad_value_names_the_old_variable_that_set_it() -> None:
-    with pytest.warns(FutureWarning, match="RAY_RDT_POOL_BYTES is deprecated"), \
-            pytest.raises(ConfigurationError, match="RAY_RDT_POOL_BYTES='lots' is not a size"):
-        from_env({"RAY_RDT_POOL_BYTES": "lots"})
-    with pytest.warns(FutureWarning, match="RAY_RDT_POOL_READ_SPLIT is deprecated"), \
-            pytest.raises(ConfigurationError, match=r"set by RAY_RDT_POOL_READ_SPLIT='0'"):
-        from_env({"RAY_RDT_POOL_READ_SPLIT": "0"})
-
-
-# --------------------------------------------------------------------------- Tuning's aliases
-
-
-def test_tuning_values_read_on_pool_config_and_passed_to_it_still_work_and_warn_once() -> None:
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        cfg = PoolConfig(pool_bytes=1 << 20, read_lanes=3, native=False)
-        again = PoolConfig(read_lanes=3, native=False, pool_bytes=1 << 20)
-        assert cfg == again == PoolConfig(pool_bytes=1 << 20,
-                                          tuning=Tuning(read_lanes=3, native=False))
-        assert (cfg.read_lanes, cfg.read_lanes, cfg.read_lane_count) == (3, 3, 3)
-        assert cfg.native is False and cfg.pack_thread_count == cfg.tuning.pack_thread_count
-        over = PoolConfig(tuning=Tuning(pack_threads=2), read_lanes=1).tuning
-        assert (over.pack_threads, over.read_lanes) == (2, 1)
-    said = _future_warnings(record)
-    assert sorted(said) == sorted([
-        "PoolConfig(read_lanes=...) is deprecated: read_lanes is a tuning value now; pass "
-        "PoolConfig(tuning=Tuning(read_lanes=...)) or configure(read_lanes=...)",
-        "PoolConfig(native=...) is deprecated: native is a tuning value now; pass "
-        "PoolConfig(tuning=Tuning(native=...)) or configure(native=...)",
-        "PoolConfig.read_lanes is deprecated: read PoolConfig.tuning.read_lanes",
-        "PoolConfig.read_lane_count is deprecated: read PoolConfig.tuning.read_lane_count",
-        "PoolConfig.native is deprecated: read PoolConfig.tuning.native",
-        "PoolConfig.pack_thread_count is deprecated: read PoolConfig.tuning.pack_thread_count",
-    ]), said
+def test_no_old_name_or_alias_is_read() -> None:
+    """0.1.0 is the first release: a variable or keyword from before the naming rule is
+    not read, and tuning values live on ``Tuning`` only."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = from_env({"RAY_RDT_POOL_BYTES": "1M", "RAY_RDT_POOL_READ_SPLIT": "0",
+                        "RAY_RDT_POOL_STRICT": "1"})
+    assert cfg == PoolConfig()
+    with pytest.raises(TypeError, match="read_lanes"):
+        PoolConfig(read_lanes=3)  # type: ignore[call-arg]
+    assert not hasattr(PoolConfig(), "read_lane_count")
+    assert PoolConfig(tuning=Tuning(read_lanes=3)).tuning.read_lane_count == 3
 
 
 def test_tuning_must_be_a_tuning() -> None:
@@ -263,23 +192,27 @@ def fresh_transport(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
     for name, value in (("_runtime", None), ("_config", None), ("_configured", False)):
         monkeypatch.setattr(tp, name, value)
-    for var in [*ENV_VARS, *DEPRECATED_ENV_VARS]:
+    for var in ENV_VARS:
         monkeypatch.delenv(var, raising=False)
     yield tp
 
 
 def test_configure_has_a_typed_keyword_for_every_option() -> None:
-    """An editor completes configure()'s options: one keyword-only parameter each, None
-    meaning unset, in the package's function and the runtime's alike."""
+    """An editor completes configure()'s options: its keywords are one TypedDict, with a
+    type for every option (None meaning unset), in the package's function and the
+    runtime's alike."""
+    from typing import get_type_hints
+
     from ray_rdt_pool._ray import runtime as tp
 
+    hints = get_type_hints(C.Options)
+    assert set(hints) == {*OPTIONS, "tuning"}
+    for option, hint in hints.items():
+        assert type(None) in hint.__args__, option
     for fn in (ray_rdt_pool.configure, tp.configure):
-        params = inspect.signature(fn).parameters
-        named = {n: p for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
-        assert set(named) == {*OPTIONS, "tuning"}, fn
-        assert all(p.default is None and p.annotation != inspect.Parameter.empty
-                   for p in named.values())
-        assert [p.kind for p in params.values()].count(inspect.Parameter.VAR_KEYWORD) == 1
+        params = list(inspect.signature(fn).parameters.values())
+        assert [(p.kind, p.annotation) for p in params] == [
+            (inspect.Parameter.VAR_KEYWORD, "Unpack[Options]")], fn
     doc = inspect.getdoc(ray_rdt_pool.configure) or ""
     assert all(f"``{option}``" in doc for option in (*OPTIONS, "tuning"))
 
@@ -305,7 +238,7 @@ def test_configure_takes_tuning_whole_and_one_by_one(fresh_transport: Any) -> No
 def test_configure_refuses_an_unknown_keyword_with_the_typed_error(fresh_transport: Any) -> None:
     with pytest.raises(ConfigurationError, match=r"unknown configuration option\(s\) "
                        r"\['pool_size'\]; 'pool_size': did you mean 'pool_bytes'\? known "
-                       r"options are \['arena_bytes', .*'strict'\] and tuning"):
+                       r"options are \['arena_bytes', .*'stream_copy_bytes'\] and tuning"):
         ray_rdt_pool.configure(pool_size=1 << 20)  # type: ignore[arg-type]
     assert fresh_transport._config is None and not fresh_transport._configured
     with pytest.raises(ConfigurationError, match=r"\['bogus'\]; known options"):

@@ -73,7 +73,7 @@ def test_names_the_docs_use_exist() -> None:
     """``stats().x``, ``RAY_RDT_POOL_*`` and ``ray_rdt_pool_*`` metric names in the README
     and docs/ are fields, variables and series the code has."""
     from ray_rdt_pool._ray.patches import ALLOW_UNTESTED_ENV
-    from ray_rdt_pool.config import DEPRECATED_ENV_VARS, ENV_VARS
+    from ray_rdt_pool.config import ENV_VARS
     from ray_rdt_pool.memory.native import DIR_ENV
     from ray_rdt_pool.obs import metrics
     from ray_rdt_pool.obs.stats import TransportStats
@@ -87,7 +87,7 @@ def test_names_the_docs_use_exist() -> None:
     used_fields = set(re.findall(r"stats\(\)\.(\w+)", text))
     assert used_fields - fields == set()
     used_vars = set(re.findall(r"\bRAY_RDT_POOL_[A-Z_]*[A-Z]\b", text))
-    known = set(ENV_VARS) | set(DEPRECATED_ENV_VARS) | {DIR_ENV, ALLOW_UNTESTED_ENV}
+    known = set(ENV_VARS) | {DIR_ENV, ALLOW_UNTESTED_ENV}
     assert used_vars - known == set()
     used_series = {m.removeprefix("ray_") for m in re.findall(r"\bray_rdt_pool_[a-z_]+", text)}
     assert used_series - series == set()

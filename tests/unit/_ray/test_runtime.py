@@ -311,10 +311,10 @@ def test_a_pool_or_arena_the_host_cannot_map_is_a_configuration_error(
 def test_objects_of_an_ended_ray_session_are_freed_at_the_first_put_of_the_next(world):
     """A driver that calls ray.shutdown() and ray.init() again never got back the pool
     blocks of objects whose refs were alive at the shutdown: Ray never frees them, so
-    every later session had less pool, and with strict=True its puts failed."""
+    every later session had less pool, and with overflow=False its puts failed."""
     session = ["s1"]
     world.session = lambda: session[0]  # type: ignore[attr-defined]
-    rt = make(world, pool_bytes=1 << 20, strict=True)
+    rt = make(world, pool_bytes=1 << 20, overflow=False)
     for i in range(3):
         rt.put(f"old{i}", [torch.ones(60_000)])  # 240 KB each: the pool holds four
     assert rt.stats().live_objects == 3

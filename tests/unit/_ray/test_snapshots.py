@@ -55,7 +55,7 @@ def test_get_snapshot_follows_the_sender_through_retried_puts():
 
     world = World()
     rt = Runtime(PoolConfig(pool_bytes=1 << 20, arena_bytes=1 << 20, metrics=False,
-                            strict=True), backend_factory=world.factory, directory=world)
+                            overflow=False), backend_factory=world.factory, directory=world)
     ts = [torch.zeros(1000), torch.ones(4, 4)[:, 1]]
     rt.put("a", ts)
     ts[0].add_(1)

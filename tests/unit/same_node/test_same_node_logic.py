@@ -77,7 +77,7 @@ def test_a_leased_block_is_not_reused_until_the_views_die(world: World) -> None:
 
 
 def test_free_returns_at_once_and_a_full_pool_waits_for_no_lease(world: World) -> None:
-    s, r = make(world, pool_bytes=1 << 20, strict=True), make(world)
+    s, r = make(world, pool_bytes=1 << 20, overflow=False), make(world)
     kept = get(s, r, "a", [torch.ones(200_000, dtype=torch.float32)])
     s.sender.free("a")
     from ray_rdt_pool.errors import PoolExhaustedError
@@ -1156,7 +1156,7 @@ def test_a_pool_full_of_leased_blocks_says_so(world, caplog):
     import logging
 
     for strict in (True, False):
-        s, r = make(world, pool_bytes=1 << 20, strict=strict), make(world)
+        s, r = make(world, pool_bytes=1 << 20, overflow=not strict), make(world)
         kept = get(s, r, "a", [torch.ones((1 << 20) // 4 - 4096)])
         s.sender.free("a")
         settle(s)

@@ -227,9 +227,9 @@ def test_a_read_running_through_shutdown_keeps_its_memory_until_the_agent_is_gon
         r.registry.publish(r.agent_name)  # a put still registering writes no key back
 
 
-def test_strict_mode_raises_instead_of_overflowing(world):
-    s = make(world, pool_bytes=1 << 20, strict=True)
-    with pytest.raises(PoolExhaustedError, match="strict mode") as e:
+def test_without_overflow_a_full_pool_raises(world):
+    s = make(world, pool_bytes=1 << 20, overflow=False)
+    with pytest.raises(PoolExhaustedError, match="leave overflow=True") as e:
         s.put("big", [torch.zeros(1 << 19)])
     assert e.value.needed == 2 << 20 and e.value.capacity == 1 << 20
     st = s.stats()
@@ -291,8 +291,8 @@ def test_overflow_regions_made_at_once_by_two_puts_leave_none_empty(world, linge
 
 
 def test_an_object_no_overflow_memory_can_hold_is_a_pool_exhausted_error(world):
-    """Outside strict mode an object too large for any memory (mmap refuses the overflow
-    region) raised a raw OSError or OverflowError; strict mode already raised
+    """With overflow on, an object too large for any memory (mmap refuses the overflow
+    region) raised a raw OSError or OverflowError; overflow=False already raised
     PoolExhaustedError."""
     s = make(world)
     # An expanded view of 2**64 bytes: no mapping can be that large, on any host. (A
