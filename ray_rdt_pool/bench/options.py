@@ -16,6 +16,17 @@ _MIB = 1 << 20
 IDLE_SETTLE_S = PROGRESS_HOLD_S + 0.5
 
 
+_EXAMPLES = """examples:
+  ray-rdt-pool bench --quick                  a few minutes on one node
+  ray-rdt-pool bench --out results/           every workload; JSON, table and chart
+  ray-rdt-pool bench --nodes 2                sender and receiver on two Ray nodes
+  ray-rdt-pool bench --quick --address auto   on the running cluster
+  ray-rdt-pool bench --netns-nodes 3 --rate 1gbit
+                                              the weight sync across network-namespace
+                                              nodes of this host (needs root)
+"""
+
+
 class BenchError(RuntimeError):
     """A variant could not be set up or measured as configured."""
 
@@ -73,8 +84,10 @@ def _csv(text: str, allowed: Sequence[str], what: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ray-rdt-pool bench",
-        description="Side-by-side RDT benchmark: object store, Ray NIXL variants, NIXL_POOL.",
-        epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description="Side-by-side benchmark of moving tensors between Ray actors: Ray's "
+                    "object store and its NIXL variants against nixl_pool, on the same "
+                    "workloads, checksummed.",
+        epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="small sizes and few repetitions (2 to 4 minutes here with Ray start-up, "
                         "depending on the load)")

@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog="example: python -m ray_rdt_pool.bench.testbed --nodes 3 --rate 500mbit -- "
                "driver.py ARGS")
     add_bed_args(ap)
-    ap.add_argument("--timeout", type=float, default=1800.0, help="driver timeout, seconds")
+    ap.add_argument("--timeout-s", type=float, default=1800.0, help="driver timeout, seconds")
     ap.add_argument("--check", action="store_true", help="say whether a test bed can run here")
     ap.add_argument("--cleanup", action="store_true",
                     help="remove the leftovers of crashed test-bed runs, then exit")
@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{bed.rate or 'unlimited'}, up in {bed.timings['bring_up']:.1f} s",
               file=sys.stderr)
         try:
-            bed.run_driver(args.driver, driver_args, timeout=args.timeout, echo=True)
+            bed.run_driver(args.driver, driver_args, timeout=args.timeout_s, echo=True)
         except TestBedError as e:
             print(str(e).split("\n", 1)[0], file=sys.stderr)
             return 1

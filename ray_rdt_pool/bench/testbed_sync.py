@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "and notifications between bare agents, no Ray)")
     ap.add_argument("--pool-mib", type=int, default=32, help="each actor's nixl_pool, MiB")
     ap.add_argument("--out", default=None, help="folder for testbed_sync.json")
-    ap.add_argument("--timeout", type=float, default=1800.0, help="driver timeout, seconds")
+    ap.add_argument("--timeout-s", type=float, default=1800.0, help="driver timeout, seconds")
     ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
     add_bed_args(ap, nodes=None)
     args = ap.parse_args(argv)
@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     floors: dict[str, dict[int, list[float]]] = {k: {} for k in args.floor_kinds}
     with bed:
         out = bed.run_driver(_DRIVER, [*(argv if argv is not None else sys.argv[1:]),
-                                        "--driver"], timeout=args.timeout,
+                                        "--driver"], timeout=args.timeout_s,
                              echo_stderr=True)
         # The floors, on the same links, once Ray's actors are gone.
         from ray_rdt_pool.bench.chains import run_chain

@@ -13,9 +13,6 @@ from collections.abc import Callable, Sequence
 
 __all__ = ["main"]
 
-#: What ``bench`` imports beyond the library (``pip install 'ray-rdt-pool[bench]'``).
-_BENCH_EXTRA = ("psutil",)
-
 _USAGE = """usage: ray-rdt-pool {bench,stats,doctor} [options]
 
   bench    the side-by-side benchmark: Ray's object store and NIXL against nixl_pool
@@ -30,14 +27,8 @@ ray-rdt-pool COMMAND --help for each command's options.
 
 
 def _bench(argv: Sequence[str]) -> int:
-    try:
-        from ray_rdt_pool.bench.run import main
-    except ModuleNotFoundError as e:
-        if e.name not in _BENCH_EXTRA:
-            raise
-        print(f"ray-rdt-pool bench needs {e.name}, from the bench extra: pip install "
-              "'ray-rdt-pool[bench]' (or pip install psutil matplotlib)", file=sys.stderr)
-        return 2
+    from ray_rdt_pool.bench.run import main
+
     return main(argv)
 
 

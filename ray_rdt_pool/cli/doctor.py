@@ -393,8 +393,16 @@ def render(checks: Sequence[Check]) -> str:
     return "\n".join(lines)
 
 
+def plain(doc: str) -> str:
+    """A docstring as help text: reST roles and literals without their markup."""
+    import re
+
+    doc = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", doc)
+    return doc.replace("``", "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="ray-rdt-pool doctor", description=__doc__,
+    p = argparse.ArgumentParser(prog="ray-rdt-pool doctor", description=plain(__doc__ or ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", metavar="ADDR",
                    help="run the actor check on this running cluster (two distinct nodes "

@@ -14,7 +14,7 @@ Calls go to the ``_ray_system`` concurrency group that Ray creates for actors wi
 long method. Command line (best effort, for an attached cluster; ``ray-rdt-pool stats``
 runs the same)::
 
-    python -m ray_rdt_pool.obs.view --address auto [--namespace NS] [--json] [--timeout 10]
+    python -m ray_rdt_pool.obs.view --address auto [--namespace NS] [--json] [--timeout-s 10]
     python -m ray_rdt_pool.obs.view --prometheus http://127.0.0.1:PORT/metrics
 
 The first form lists the alive actors and asks the *named* ones that loaded the
@@ -275,7 +275,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ray_rdt_pool.
                     "the transport's metrics (--prometheus).")
     parser.add_argument("--address", default="auto", help="Ray cluster address (auto)")
     parser.add_argument("--namespace", default=None, help="namespace of the named actors")
-    parser.add_argument("--timeout", type=float, default=10.0,
+    parser.add_argument("--timeout-s", type=float, default=10.0,
                         help="seconds to wait for all actors together")
     parser.add_argument("--prometheus", metavar="URL", default=None,
                         help="build the table from Ray's metrics export instead, e.g. "
@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ray_rdt_pool.
 
     if args.prometheus:
         try:
-            rows = rows_from_prometheus(scrape(args.prometheus, timeout=args.timeout))
+            rows = rows_from_prometheus(scrape(args.prometheus, timeout=args.timeout_s))
         except InvalidInputError as e:
             print(f"{args.prometheus}: {e}", file=sys.stderr)
             return 2
@@ -297,7 +297,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ray_rdt_pool.
         try:
             alive = _alive_actors()
             handles, missed = _reachable_handles(alive, args.namespace)
-            rows = collect(handles, include_driver=False, timeout=args.timeout,
+            rows = collect(handles, include_driver=False, timeout=args.timeout_s,
                            only_if_loaded=True)
         finally:
             ray.shutdown()

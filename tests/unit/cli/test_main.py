@@ -1,9 +1,10 @@
-"""The ``ray-rdt-pool`` command without a cluster: its declaration, its dispatch, what
-``bench`` says without its extra, the ``--nodes`` placement on a running cluster, and
+"""The ``ray-rdt-pool`` command without a cluster: its declaration, its dispatch, a
+benchmark that needs no extra, the ``--nodes`` placement on a running cluster, and
 ``--netns-nodes`` where the test bed cannot run."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +19,24 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_console_script_and_extras_are_declared() -> None:
+    """The benchmark, the project's main job, runs from a plain install: what it needs is
+    a dependency; the bench extra adds only its charts and an optional variant."""
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert meta["scripts"]["ray-rdt-pool"] == "ray_rdt_pool.cli:main"
+    assert any(d.startswith("psutil") for d in meta["dependencies"])
     bench = " ".join(meta["optional-dependencies"]["bench"])
-    assert "psutil" in bench and "matplotlib" in bench
-    # The library itself needs neither: they come with the bench extra.
-    assert not any(d.startswith(("psutil", "matplotlib")) for d in meta["dependencies"])
+    assert "matplotlib" in bench and "psutil" not in bench
+
+
+def test_the_benchmark_imports_only_the_dependencies() -> None:
+    """Imported with every optional package blocked, the benchmark's entry point loads."""
+    code = ("import sys\n"
+            "for m in ('matplotlib', 'transferqueue', 'transformers', 'pytest'):\n"
+            "    sys.modules[m] = None\n"
+            "import ray_rdt_pool.bench.run\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_help_lists_the_commands() -> None:
@@ -32,20 +45,19 @@ def test_help_lists_the_commands() -> None:
     assert top.returncode == 0 and all(c in top.stdout for c in ("bench", "stats", "doctor"))
 
 
+@pytest.mark.parametrize("command", ["bench", "stats", "doctor"])
+def test_each_command_s_help_is_plain_text_with_one_timeout_spelling(command: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "ray_rdt_pool.cli", command, "--help"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--timeout-s" in out.stdout and not re.search(r"--timeout\b(?!-)", out.stdout)
+    assert not re.search(r"``|:(data|func|class|mod|meth|attr):`", out.stdout), out.stdout
+
+
 def test_no_or_unknown_command_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([]) == 2
     assert cli.main(["benchmark"]) == 2
     assert "unknown command 'benchmark'" in capsys.readouterr().err
-
-
-def test_bench_without_its_extra_says_what_to_install(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    for name in ("run", "runner", "progress"):  # progress imports psutil
-        monkeypatch.delitem(sys.modules, f"ray_rdt_pool.bench.{name}", raising=False)
-    monkeypatch.setitem(sys.modules, "psutil", None)  # import psutil now fails
-    assert cli.main(["bench", "--quick"]) == 2
-    err = capsys.readouterr().err
-    assert "needs psutil" in err and "pip install 'ray-rdt-pool[bench]'" in err
 
 
 def test_nodes_places_the_actors_on_distinct_nodes() -> None:
