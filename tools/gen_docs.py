@@ -41,6 +41,9 @@ SECTIONS: list[tuple[str, list[str] | None, str, str]] = [
     ("ray_rdt_pool.weights", None, "`ray_rdt_pool.weights`",
      "Weight sync from a trainer actor to inference actors (guide: "
      "[weight-sync.md](weight-sync.md))."),
+    ("ray_rdt_pool.weights.advanced", None, "`ray_rdt_pool.weights.advanced`",
+     "The layout and planning types below the weight-sync API, for tools that inspect "
+     "a manifest or a receiver's plan. Most users need none of them."),
 ]
 
 #: Records of the weights API that its own code builds and reads; users meet them only in

@@ -27,31 +27,24 @@ stream relayed down a chain of receivers), ``late`` (buckets of failed streams),
 ``validate`` and ``loadplan`` (checking and planning a load), ``loading`` (one bucket),
 ``receiver`` (:class:`WeightReceiver`), ``remote`` (the calls between actors),
 ``driver`` (:func:`sync`), ``ranks`` (a sync from many trainer ranks), ``reports``. The
-errors live in :mod:`ray_rdt_pool.errors`.
+errors live in :mod:`ray_rdt_pool.errors`; the layout and planning types a tool may
+inspect are in :mod:`ray_rdt_pool.weights.advanced`.
 """
 
 from __future__ import annotations
 
 from ray_rdt_pool.errors import (
     CommitHookError,
-    DtypeMismatchError,
     DuplicateNameError,
-    DuplicateTargetError,
     LoaderError,
     ManifestMismatchError,
     ManifestReleasedError,
-    MissingWeightsError,
     RankLayoutError,
-    RankMissingError,
-    RankOverlapError,
     ReceiverError,
     RelayReceiverError,
-    SelectError,
-    ShapeMismatchError,
     SourceExhaustedError,
     StaleVersionError,
     TrainerRankError,
-    UnexpectedWeightsError,
     WeightSyncError,
     WeightSyncTimeoutError,
     WireDtypeError,
@@ -60,69 +53,42 @@ from ray_rdt_pool.weights import manifest as _manifest
 from ray_rdt_pool.weights import remote as _remote
 from ray_rdt_pool.weights.catchup import catch_up
 from ray_rdt_pool.weights.driver import SyncHandle, sync
-from ray_rdt_pool.weights.loadplan import BucketPlan, LoadPlan
-from ray_rdt_pool.weights.manifest import (
-    Bucket,
-    BucketLayout,
-    Manifest,
-    SourceBucket,
-    TensorEntry,
-    WeightLayout,
-)
-from ray_rdt_pool.weights.manifest import PoolBucket as PoolBucket  # not in __all__
-from ray_rdt_pool.weights.planning import plan_layout
+from ray_rdt_pool.weights.manifest import Manifest
 from ray_rdt_pool.weights.receiver import WeightReceiver, load_manifest
 from ray_rdt_pool.weights.reports import BucketReport, LoadReport, StreamReport, SyncReport
 from ray_rdt_pool.weights.sender import WeightSender
-from ray_rdt_pool.weights.state import named_tensors
-from ray_rdt_pool.weights.validate import can_cast
 
+#: What a user calls or catches. The layout and planning types are in
+#: :mod:`ray_rdt_pool.weights.advanced`; every error (the mismatch kinds included) is in
+#: :mod:`ray_rdt_pool.errors`.
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "RECEIVER_ATTR",
     "SENDER_ATTR",
-    "Bucket",
-    "BucketLayout",
-    "BucketPlan",
     "BucketReport",
     "CommitHookError",
-    "DtypeMismatchError",
     "DuplicateNameError",
-    "DuplicateTargetError",
-    "LoadPlan",
     "LoadReport",
     "LoaderError",
     "Manifest",
     "ManifestMismatchError",
     "ManifestReleasedError",
-    "MissingWeightsError",
     "RankLayoutError",
-    "RankMissingError",
-    "RankOverlapError",
     "ReceiverError",
     "RelayReceiverError",
-    "SelectError",
-    "ShapeMismatchError",
-    "SourceBucket",
     "SourceExhaustedError",
     "StaleVersionError",
     "StreamReport",
     "SyncHandle",
     "SyncReport",
-    "TensorEntry",
     "TrainerRankError",
-    "UnexpectedWeightsError",
-    "WeightLayout",
     "WeightReceiver",
     "WeightSender",
     "WeightSyncError",
     "WeightSyncTimeoutError",
     "WireDtypeError",
-    "can_cast",
     "catch_up",
     "load_manifest",
-    "named_tensors",
-    "plan_layout",
     "sync",
 ]
 

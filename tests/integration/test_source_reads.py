@@ -27,13 +27,8 @@ import torch
 from ray import cloudpickle
 
 import ray_rdt_pool
-from ray_rdt_pool.weights import (
-    ReceiverError,
-    WeightReceiver,
-    WeightSender,
-    plan_layout,
-    sync,
-)
+from ray_rdt_pool.weights import ReceiverError, WeightReceiver, WeightSender, sync
+from ray_rdt_pool.weights.advanced import plan_layout
 from tests.support.raycluster import call, node_class, shared_actors, wait_drained
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -19,10 +19,9 @@ import torch
 from ray import cloudpickle
 
 import ray_rdt_pool
-from ray_rdt_pool.errors import PoolExhaustedError
+from ray_rdt_pool.errors import PoolExhaustedError, ShapeMismatchError
 from ray_rdt_pool.weights import (
     ManifestReleasedError,
-    ShapeMismatchError,
     WeightReceiver,
     WeightSender,
     WeightSyncTimeoutError,

@@ -19,9 +19,8 @@ import torch
 from ray import cloudpickle
 
 import ray_rdt_pool
-from ray_rdt_pool.errors import InvalidInputError
+from ray_rdt_pool.errors import InvalidInputError, ShapeMismatchError
 from ray_rdt_pool.weights import (
-    ShapeMismatchError,
     StaleVersionError,
     WeightReceiver,
     WeightSender,

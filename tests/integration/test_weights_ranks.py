@@ -16,15 +16,8 @@ import pytest
 import torch
 
 import ray_rdt_pool
-from ray_rdt_pool.weights import (
-    MissingWeightsError,
-    RankMissingError,
-    RankOverlapError,
-    TrainerRankError,
-    WeightReceiver,
-    WeightSender,
-    sync,
-)
+from ray_rdt_pool.errors import MissingWeightsError, RankMissingError, RankOverlapError
+from ray_rdt_pool.weights import TrainerRankError, WeightReceiver, WeightSender, sync
 from tests.support.raycluster import call, env_options, node_class, shared_actors, wait_for
 
 pytestmark = pytest.mark.ray

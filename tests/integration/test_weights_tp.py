@@ -26,13 +26,8 @@ import torch
 from ray import cloudpickle
 
 import ray_rdt_pool
-from ray_rdt_pool.weights import (
-    SelectError,
-    WeightReceiver,
-    WeightSender,
-    WireDtypeError,
-    sync,
-)
+from ray_rdt_pool.errors import SelectError
+from ray_rdt_pool.weights import WeightReceiver, WeightSender, WireDtypeError, sync
 from tests.support import tp_model
 from tests.support.raycluster import call, node_class, shared_actors
 from tests.support.tp_model import (

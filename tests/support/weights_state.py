@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ray_rdt_pool.weights import (
+from ray_rdt_pool.errors import (
     DtypeMismatchError,
     DuplicateTargetError,
     MissingWeightsError,

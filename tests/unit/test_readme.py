@@ -109,3 +109,15 @@ def test_docs_stay_small_and_name_no_machine_paths() -> None:
     assert sum(p.stat().st_size for p in DOCS) <= 150_000
     for page in PAGES:
         assert "/work/" not in page.read_text(), page.name
+
+
+def test_the_weights_api_is_small_and_holds_no_planning_internal() -> None:
+    """``ray_rdt_pool.weights`` exports what a user calls or catches; the layout and
+    planning types live in ``ray_rdt_pool.weights.advanced``."""
+    import ray_rdt_pool.weights as W
+    from ray_rdt_pool.weights import advanced
+
+    assert len(W.__all__) <= 30 and len(set(W.__all__)) == len(W.__all__)
+    assert not set(W.__all__) & set(advanced.__all__)
+    for name in (*W.__all__, *advanced.__all__):
+        assert hasattr(W if name in W.__all__ else advanced, name), name

@@ -27,13 +27,8 @@ from ray_rdt_pool.same_node.source import (
     this_process,
 )
 from ray_rdt_pool.testing import World
-from ray_rdt_pool.weights import (
-    SourceBucket,
-    WeightReceiver,
-    WeightSender,
-    WeightSyncError,
-    plan_layout,
-)
+from ray_rdt_pool.weights import WeightReceiver, WeightSender, WeightSyncError
+from ray_rdt_pool.weights.advanced import SourceBucket, plan_layout
 
 
 def _dt(t: torch.Tensor) -> str:

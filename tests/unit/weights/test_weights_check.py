@@ -7,16 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ray_rdt_pool.errors import RdtPoolError
-from ray_rdt_pool.weights import (
-    DtypeMismatchError,
-    ManifestMismatchError,
-    UnexpectedWeightsError,
-    WeightReceiver,
-    WeightSender,
-    can_cast,
-    plan_layout,
-)
+from ray_rdt_pool.errors import DtypeMismatchError, RdtPoolError, UnexpectedWeightsError
+from ray_rdt_pool.weights import ManifestMismatchError, WeightReceiver, WeightSender
+from ray_rdt_pool.weights.advanced import can_cast, plan_layout
 from tests.support.weights_state import KINDS, SMALL, make_state
 from tests.support.weights_state import mismatch as _mismatch
 

@@ -16,22 +16,22 @@ import pytest
 import torch
 from ray import cloudpickle
 
-from ray_rdt_pool.weights import (
-    BucketLayout,
-    DuplicateNameError,
+from ray_rdt_pool.errors import (
     DuplicateTargetError,
-    LoaderError,
-    Manifest,
     MissingWeightsError,
     ShapeMismatchError,
+)
+from ray_rdt_pool.weights import (
+    DuplicateNameError,
+    LoaderError,
+    Manifest,
     SourceExhaustedError,
     StaleVersionError,
-    WeightLayout,
     WeightReceiver,
     WeightSender,
     WeightSyncError,
-    plan_layout,
 )
+from ray_rdt_pool.weights.advanced import BucketLayout, WeightLayout, plan_layout
 
 BUCKET = 4096
 

@@ -21,22 +21,23 @@ import torch
 
 from ray_rdt_pool._ray.owned import free_owned, put_owned
 from ray_rdt_pool._ray.runtime import Runtime
-from ray_rdt_pool.errors import InvalidInputError, PoolExhaustedError
-from ray_rdt_pool.weights import (
-    BucketLayout,
+from ray_rdt_pool.errors import (
     DuplicateTargetError,
-    Manifest,
+    InvalidInputError,
     MissingWeightsError,
-    StaleVersionError,
+    PoolExhaustedError,
     UnexpectedWeightsError,
-    WeightLayout,
+)
+from ray_rdt_pool.weights import (
+    Manifest,
+    StaleVersionError,
     WeightReceiver,
     WeightSender,
     WeightSyncError,
     WeightSyncTimeoutError,
-    plan_layout,
     sync,
 )
+from ray_rdt_pool.weights.advanced import BucketLayout, WeightLayout, plan_layout
 from tests.support.fakeray import Actor, Handle, _get, make_runtime, receiver_node
 
 # ---------------------------------------------------------------------------------------
@@ -1058,7 +1059,7 @@ def _stream_direct(layout: WeightLayout | None, objects: list[list[torch.Tensor]
                    **opts: Any) -> WeightReceiver:
     """Stream ``objects`` (bucket k's tensors) to a receiver of ``dest`` under
     ``layout`` (or the lazy ``specs``), as a sender whose layout disagrees would."""
-    from ray_rdt_pool.weights import PoolBucket
+    from ray_rdt_pool.weights.advanced import PoolBucket
 
     recv = WeightReceiver(dest, **opts)
     recv._begin_stream("s", layout, 1)
@@ -1085,7 +1086,7 @@ def test_a_bucket_unlike_its_layout_is_refused_before_it_is_written(
     destination (a (4,) row into every row of a (4, 4) weight, one value into all of
     them) and the version committed; fewer tensors than listed raised a raw IndexError.
     Landed directly, the error blamed the destination."""
-    from ray_rdt_pool.weights import Bucket, TensorEntry
+    from ray_rdt_pool.weights.advanced import Bucket, TensorEntry
 
     runtime()
     layout = WeightLayout((TensorEntry("w", (4, 4), "float32", 0, 0, 64),
@@ -1110,7 +1111,7 @@ def test_a_layout_that_contradicts_itself_is_refused(runtime: Any, case: str) ->
     does not list was never written (strict or not) and the version committed; two
     entries at one position gave one the other's bytes when copied, and buckets listed
     out of order swapped two weights in a stream."""
-    from ray_rdt_pool.weights import Bucket, TensorEntry
+    from ray_rdt_pool.weights.advanced import Bucket, TensorEntry
 
     runtime()
 

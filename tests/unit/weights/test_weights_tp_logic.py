@@ -15,17 +15,15 @@ import pytest
 import torch
 from ray import cloudpickle
 
+from ray_rdt_pool.errors import SelectError, ShapeMismatchError
 from ray_rdt_pool.weights import (
     Manifest,
-    SelectError,
-    ShapeMismatchError,
-    WeightLayout,
     WeightReceiver,
     WeightSender,
     WeightSyncError,
     WireDtypeError,
-    plan_layout,
 )
+from ray_rdt_pool.weights.advanced import WeightLayout, plan_layout
 from tests.support.tp_model import (
     CFG,
     TP,
@@ -216,7 +214,7 @@ def test_select_errors_before_anything_is_read(in_process: list[Any]) -> None:
 
 def test_select_in_a_lazy_stream(in_process: list[Any]) -> None:
     """A lazy stream validates each bucket's selections before reading that bucket."""
-    from ray_rdt_pool.weights import BucketLayout
+    from ray_rdt_pool.weights.advanced import BucketLayout
 
     st = trainer_state(CFG, 2)
     layout, groups = plan_layout(st, 1 << 20)
