@@ -362,7 +362,8 @@ def check_actors(address: str | None, timeout_s: float) -> list[Check]:
         out.append(Check("actors", "FAIL", f"put/get with nixl_pool failed: "
                          f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
                          "fix the checks above first; else see docs/troubleshooting.md and "
-                         "the actor logs (RAY_RDT_POOL_LOG_LEVEL=DEBUG)"))
+                         "the actor logs (RAY_RDT_POOL_DEBUG_TRANSFERS=1 logs every put "
+                         "and fetch)"))
     finally:
         if started and ray.is_initialized():
             ray.shutdown()

@@ -108,8 +108,8 @@ class WeightSender:
             given as ``source``, each receiver READs them by reference over NIXL (their
             storages stay registered in the transport's storage cache until a stream no
             longer sends them, or :meth:`close`). Either way the source tensors must not
-            change while ``stream()`` runs (see docs/weight-sync.md, "Source reads" and
-            "By reference across nodes"). ``False``: always the pool.
+            change while ``stream()`` runs (see docs/weight-sync.md, "How the bytes
+            move"). ``False``: always the pool.
         shard: ``(rank, world)`` when this sender is one of ``world`` trainer ranks whose
             tensors are dim-0 shards (FSDP): a name that several ranks hold is the
             concatenation, along dim 0 and in rank order, of their tensors (each rank's

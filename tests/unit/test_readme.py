@@ -7,8 +7,9 @@ The docs. ``python tools/gen_docs.py --check`` must pass (docs/api.md and the op
 table of docs/configuration.md are what the code generates); every error class of
 ``ray_rdt_pool.errors`` and ``ray_rdt_pool.weights`` has its section in
 docs/troubleshooting.md; the names the README and docs/ use for ``stats()`` fields,
-environment variables and metrics exist; relative links resolve; docs/ holds at most
-150 KB of Markdown and no path of the machine it was written on.
+environment variables (the code's messages included) and metrics exist; relative links
+and their anchors resolve; docs/ holds at most 150 KB of Markdown and no path of the
+machine it was written on.
 """
 
 from __future__ import annotations
@@ -86,23 +87,47 @@ def test_names_the_docs_use_exist() -> None:
     text = "\n".join(p.read_text() for p in PAGES if p.name != "CHANGELOG.md")
     used_fields = set(re.findall(r"stats\(\)\.(\w+)", text))
     assert used_fields - fields == set()
-    used_vars = set(re.findall(r"\bRAY_RDT_POOL_[A-Z_]*[A-Z]\b", text))
+    # The code's messages too: a hint that names a variable nothing reads misleads.
+    code = "\n".join(p.read_text() for p in (ROOT / "ray_rdt_pool").rglob("*.py"))
+    used_vars = set(re.findall(r"\bRAY_RDT_POOL_[A-Z_]*[A-Z]\b", text + code))
     known = set(ENV_VARS) | {DIR_ENV, ALLOW_UNTESTED_ENV}
     assert used_vars - known == set()
     used_series = {m.removeprefix("ray_") for m in re.findall(r"\bray_rdt_pool_[a-z_]+", text)}
     assert used_series - series == set()
 
 
-def test_relative_links_resolve() -> None:
+def _anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces
+    to hyphens, ``-1``, ``-2`` for repeats (headings inside code blocks are not headings)."""
+    out: set[str] = set()
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} +(.+?) *$", _FENCE.sub("", text), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_relative_links_and_their_anchors_resolve() -> None:
     broken = []
-    for page in PAGES:
-        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
-            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+    pages = [*PAGES, ROOT / "ARCHITECTURE.md"]
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", _FENCE.sub("", page.read_text())):
+            if re.match(r"[a-z]+:", target):
                 continue
-            path = target.split("#", 1)[0]
-            if not (page.parent / path).exists():
+            path, _, anchor = target.partition("#")
+            dest = page if not path else page.parent / path
+            if not dest.exists():
                 broken.append(f"{page.name}: {target}")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text()):
+                broken.append(f"{page.name}: {target} (no such heading)")
     assert broken == []
+
+
+def test_anchors_follow_github_s_rule() -> None:
+    text = "# Weight sync\n## `sync(..., wait=False)`\n## Limits\n## Limits\n```\n# no\n```\n"
+    assert _anchors(text) == {"weight-sync", "sync-waitfalse", "limits", "limits-1"}
 
 
 def test_docs_stay_small_and_name_no_machine_paths() -> None:
