@@ -9,7 +9,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-from ray_rdt_pool.config import Options, PoolConfig, Tuning
+from ray_rdt_pool.config import TRANSPORT, Options, PoolConfig, Tuning
 from ray_rdt_pool.errors import (
     ConfigurationError,
     InvalidInputError,
@@ -31,9 +31,6 @@ try:
 except PackageNotFoundError:  # imported from a source tree that was never installed
     __version__ = "0+unknown"
 
-#: What users pass: ``tensor_transport="nixl_pool"`` (Ray keys transports by the
-#: upper-cased name, ``NIXL_POOL``, which its errors show).
-TRANSPORT = "nixl_pool"
 
 
 def register() -> str:

@@ -24,8 +24,8 @@ from ray_rdt_pool.errors import ConfigurationError
 
 __all__ = [
     "DEFAULT_POOL_BYTES", "DEFAULT_REGISTRATION_CACHE_BYTES",
-    "ENV_PREFIX", "ENV_VARS", "OPTIONS", "TUNING_OPTIONS", "Options", "PoolConfig", "Tuning",
-    "env_name", "from_env",
+    "ENV_PREFIX", "ENV_VARS", "OPTIONS", "TRANSPORT", "TUNING_OPTIONS", "Options",
+    "PoolConfig", "Tuning", "env_name", "from_env",
 ]
 
 #: 1 GiB: holds a 7B-parameter bf16 shard in a few buckets, or two copies of the
@@ -52,6 +52,10 @@ MAX_OVERFLOW_LINGER_S = 3600.0
 
 #: The default of ``Tuning.progress_idle_interval_s``.
 _IDLE_DEFAULT_S = 0.02
+
+#: What users pass: ``tensor_transport="nixl_pool"`` (Ray keys transports by the
+#: upper-cased name, ``NIXL_POOL``, which its errors show).
+TRANSPORT = "nixl_pool"
 
 #: Every environment variable of an option is this prefix plus the option's name.
 ENV_PREFIX = "RAY_RDT_POOL_"
@@ -444,7 +448,7 @@ def _parse_count(var: str, text: str) -> int:
             f"{var}={text!r} is not a whole number; e.g. {var}=2 (0: automatic)") from e
 
 
-def _parse_bool(var: str, text: str) -> bool:
+def parse_bool(var: str, text: str) -> bool:
     t = text.strip().lower()
     if t in ("1", "true", "yes", "on"):
         return True
@@ -467,7 +471,7 @@ def _option_default(option: str) -> Any:
 def _parse(option: str, var: str, text: str) -> Any:
     default = _option_default(option)
     if isinstance(default, bool):
-        return _parse_bool(var, text)
+        return parse_bool(var, text)
     if option in _COUNTS:
         return _parse_count(var, text)
     if isinstance(default, int):

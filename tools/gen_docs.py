@@ -186,8 +186,12 @@ def _class(name: str, cls: type) -> list[str]:
 
 
 def _value(name: str, value: Any, module: Any) -> list[str]:
-    source = inspect.getsource(module)
-    m = re.search(rf"((?:^#:.*\n)+)^{re.escape(name)}\b", source, re.M)
+    """A constant's entry: its value and the ``#:`` comment above it, where the module
+    defines it, or in the configuration module it re-exports it from."""
+    m = None
+    config = importlib.import_module("ray_rdt_pool.config")
+    for source in (inspect.getsource(module), inspect.getsource(config)):
+        m = m or re.search(rf"((?:^#:.*\n)+)^{re.escape(name)}\b", source, re.M)
     out = [f"### `{name}`", "", f"`{name} = {value!r}`", ""]
     if m:
         out += [_md(" ".join(line[2:].strip() for line in m.group(1).splitlines())), ""]

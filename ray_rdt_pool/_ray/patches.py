@@ -4,8 +4,10 @@ Ray 2.60's RDT offers no hook for what these do, so each one reaches into a priv
 module. Each section says which Ray it targets, why it exists, the upstream issue, and
 when it can go. :func:`apply` installs the changes, once per process (``register()``
 calls it after :func:`check_ray_version`); each finds Ray's original by name and leaves
-a Ray laid out otherwise alone. The Parameter reducer is installed by ``pack_as`` and the
-tensor reducer by each put, since Ray installs its own reducer late.
+a Ray laid out otherwise alone. The tensor reducer is installed by each put, since Ray
+installs its own reducer late; the Parameter reducer lives with the ``pack_as`` state it
+writes, in conversions.py, and is installed by ``pack_as``. This module imports no other
+module of ``_ray`` but that one: what it needs of the runtime is handed to :func:`apply`.
 
 Threads: the serializer changes run in whichever thread serializes (``ray.put``, a method
 return) or deserializes a value; the object-store fetch on the sender's ``_ray_system``;
@@ -24,8 +26,8 @@ from typing import Any
 
 import ray
 
-from ray_rdt_pool import TRANSPORT
 from ray_rdt_pool._ray import conversions
+from ray_rdt_pool.config import TRANSPORT
 from ray_rdt_pool.errors import ConfigurationError, WireFormatError
 
 logger = logging.getLogger(__name__)
@@ -33,9 +35,16 @@ logger = logging.getLogger(__name__)
 #: The key Ray 2.60 files the transport under (it upper-cases names) and passes around.
 RAY_NAME = TRANSPORT.upper()
 
+#: The tensors of an object this process put, as the put copied them (the runtime's
+#: ``get_snapshot``), or None; set by :func:`apply`.
+_snapshot_of: Callable[[str], Any] | None = None
 
-def apply() -> None:
-    """Install this package's changes to Ray in this process; a no-op the second time."""
+
+def apply(snapshot_of: Callable[[str], Any]) -> None:
+    """Install this package's changes to Ray in this process; a no-op the second time.
+    ``snapshot_of(obj_id)``: the copy a put made of an object, for object-store gets."""
+    global _snapshot_of
+    _snapshot_of = snapshot_of
     _transfers_before_their_tasks()
     _flat_values_as_one_object()
     _snapshots_through_the_object_store()
@@ -56,7 +65,7 @@ def check_ray_version(installed: str | None = None) -> None:
     """ConfigurationError unless Ray is the tested minor release (or the escape hatch is
     set): the private code patched below changes between Ray releases without notice."""
     global _warned_untested
-    from ray_rdt_pool.config import _parse_bool
+    from ray_rdt_pool.config import parse_bool
 
     installed = ray.__version__ if installed is None else installed
     if ".".join(installed.split(".")[:2]) == TESTED_RAY:
@@ -65,7 +74,7 @@ def check_ray_version(installed: str | None = None) -> None:
                "installed, and it patches private parts of Ray that change between "
                f"releases; install the tested Ray (pip install 'ray[default]=={TESTED_RAY}.*')"
                f", or set {ALLOW_UNTESTED_ENV}=1 to run on this one at your own risk")
-    if not _parse_bool(ALLOW_UNTESTED_ENV, os.environ.get(ALLOW_UNTESTED_ENV, "")):
+    if not parse_bool(ALLOW_UNTESTED_ENV, os.environ.get(ALLOW_UNTESTED_ENV, "")):
         raise ConfigurationError(message)
     if not _warned_untested:
         _warned_untested = True
@@ -231,41 +240,6 @@ def by_reference_tensor_reducer() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# The nn.Parameter reducer that pack_as needs
-# ---------------------------------------------------------------------------------------
-# Not a change to Ray's code but to its pickler's dispatch table (Ray 2.60's
-# ``ray.cloudpickle``). Why: a Parameter reduces through ``Parameter.__reduce_ex__`` to a
-# new tensor over ``p.data``, which is the tensor Ray lists for the object, so a pack_as
-# mapping keyed by ``id(p)`` would never match it. While a pack_as block serializes a
-# value of this transport, this reducer notes the dtype each mapped Parameter's listed
-# tensor is to be packed as; outside such a block it is ``Parameter.__reduce_ex__``.
-# Upstream issue: none (torch's reduction, not a Ray defect). Can go: when Ray hands the
-# transport the objects the user put rather than the tensors pickle made of them.
-
-
-def _reduce_parameter(p: Any) -> Any:
-    red = p.__reduce_ex__(5)
-    state = conversions.state
-    aliases = getattr(state, "aliases", None)
-    if aliases is not None:
-        dt = state.dtypes.get(id(p))
-        if dt is not None and type(red) is tuple and len(red) > 1 and red[1]:
-            aliases[id(red[1][0])] = dt
-    return red
-
-
-def parameters_seen_through() -> None:
-    """Install :func:`_reduce_parameter` for ``nn.Parameter`` in Ray's pickler, once,
-    unless a reducer of someone else's is there."""
-    import torch
-    from ray import cloudpickle
-
-    dispatch = cloudpickle.CloudPickler.dispatch
-    if dispatch.get(torch.nn.Parameter) is None:
-        dispatch[torch.nn.Parameter] = _reduce_parameter
-
-
-# ---------------------------------------------------------------------------------------
 # A flat list, tuple or dict of tensors: one Python object for Ray's serializer
 # ---------------------------------------------------------------------------------------
 # Ray 2.60: ``SerializationContext.serialize_rdt_objects`` serializes an RDT object's
@@ -425,12 +399,9 @@ _rays_fetch_rdt_object: Callable[[Any, str], Any] | None = None  # Ray's, once r
 def _fetch_rdt_object(self: Any, obj_id: str) -> Any:
     from ray.experimental.rdt import rdt_store
 
-    from ray_rdt_pool._ray.runtime import current
-
     fetch = _rays_fetch_rdt_object or rdt_store.__ray_fetch_rdt_object__
     live = fetch(self, obj_id)  # waits until the object exists, raises its error
-    rt = current()
-    snapshot = rt.get_snapshot(obj_id) if rt is not None else None
+    snapshot = _snapshot_of(obj_id) if _snapshot_of is not None else None
     if snapshot is None:
         return live
     return [_StoredTensor(t) if t.device.type == "cpu" else t for t in snapshot]

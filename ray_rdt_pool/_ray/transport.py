@@ -20,11 +20,11 @@ from ray.experimental.rdt.tensor_transport_manager import (
     TensorTransportManager,
 )
 
-from ray_rdt_pool import TRANSPORT
 from ray_rdt_pool._ray import patches
 from ray_rdt_pool._ray.metadata import PoolFetch, PoolTransportMetadata, as_pool_meta
 from ray_rdt_pool._ray.patches import RAY_NAME
 from ray_rdt_pool._ray.runtime import runtime
+from ray_rdt_pool.config import TRANSPORT
 from ray_rdt_pool.errors import ConfigurationError
 
 
@@ -139,7 +139,7 @@ def register() -> str:
     from ray.experimental import register_tensor_transport
 
     patches.check_ray_version()
-    patches.apply()
+    patches.apply(_snapshot_of)
 
     registered = patches.registered_transport_class(RAY_NAME)
     if registered is not None:
@@ -155,6 +155,14 @@ def register() -> str:
         if patches.registered_transport_class(RAY_NAME) is not NixlPoolTransport:
             raise
     return TRANSPORT
+
+
+def _snapshot_of(obj_id: str) -> Any:
+    """The copy this process's put made of ``obj_id``, or None (see ``patches.apply``)."""
+    from ray_rdt_pool._ray.runtime import current
+
+    rt = current()
+    return rt.get_snapshot(obj_id) if rt is not None else None
 
 
 __all__ = ["NixlPoolTransport", "register"]

@@ -31,8 +31,8 @@ from typing import Any
 from ray_rdt_pool.bench import workloads as W
 from ray_rdt_pool.bench.hooks import (
     PutTimer,
-    _process_info,
     install_transport_timer,
+    process_info,
     timed_weight_receiver,
 )
 from ray_rdt_pool.bench.tq import tq_batch, tq_unbatch
@@ -92,7 +92,7 @@ class Sender:
         store.pop_object = pop_object
 
     def info(self) -> dict[str, Any]:
-        return {**_process_info(self.variant), "registered": self.registered}
+        return {**process_info(self.variant), "registered": self.registered}
 
     def build(self, spec: W.WorkloadSpec, seed: int) -> dict[str, Any]:
         self.spec = spec
@@ -305,7 +305,7 @@ class Receiver:
             self._ours_time = install_transport_timer()
 
     def info(self) -> dict[str, Any]:
-        return {**_process_info(self.variant), "registered": self.registered}
+        return {**process_info(self.variant), "registered": self.registered}
 
     def prepare(self, spec: W.WorkloadSpec) -> None:
         """Pre-allocate target buffers (target variants) or, for ``sync_stream``, the

@@ -85,9 +85,9 @@ def _native_helper() -> bool | None:
 
 
 def start_ucx_probe() -> subprocess.Popen[str]:
-    """Start the UCX probe (:mod:`~ray_rdt_pool.bench.ucx`) in the background; finish
+    """Start the UCX probe (:mod:`~ray_rdt_pool.nixl.ucx`) in the background; finish
     with :func:`finish_ucx_probe`."""
-    code = ("import json; from ray_rdt_pool.bench.ucx import probe_ucx; "
+    code = ("import json; from ray_rdt_pool.nixl.ucx import probe_ucx; "
             "print(json.dumps(probe_ucx()))")
     # The folder that holds this copy of the package, so the child imports it too.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

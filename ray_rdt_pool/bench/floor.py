@@ -41,6 +41,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ray_rdt_pool.nixl.ucx import make_agent, timed_reads
+
 _MIB = 1 << 20
 
 
@@ -172,19 +174,13 @@ def measure_memcpy_threads(sizes: list[int], reps: int, threads: int = 2) -> dic
 # --------------------------------------------------------------------------- NIXL READ
 
 
-def _make_agent(name: str, prog_thread: bool) -> Any:
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    return nixl_agent(name, nixl_agent_config(enable_prog_thread=prog_thread, backends=["UCX"]))
-
-
 def _read_target(conn: Connection, nbytes: int, prog_thread: bool) -> None:
     """Target process: register one buffer, publish it, then keep the agent alive."""
     import torch
 
     from ray_rdt_pool.bench.workloads import checksum
 
-    agent = _make_agent(f"floor-target-{os.getpid()}", prog_thread)
+    agent = make_agent(f"floor-target-{os.getpid()}", prog_thread)
     buf = torch.randint(-(2**31), 2**31 - 1, (nbytes // 4,), dtype=torch.int32)
     agent.register_memory(buf)
     conn.send((agent.get_agent_metadata(), buf.data_ptr(), nbytes, checksum([buf])))
@@ -192,21 +188,6 @@ def _read_target(conn: Connection, nbytes: int, prog_thread: bool) -> None:
     while not conn.poll(0.001):
         agent.get_new_notifs()
     conn.recv()
-
-
-def _timed_reads(agent: Any, local: Any, remote: Any, peer: str, reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        handle = agent.initialize_xfer("READ", local, remote, peer)
-        state = agent.transfer(handle)
-        while state != "DONE":
-            if state == "ERR":
-                raise RuntimeError("NIXL READ failed")
-            state = agent.check_xfer_state(handle)
-        agent.release_xfer_handle(handle)
-        out.append(time.perf_counter() - t)
-    return out
 
 
 def measure_nixl_read(nbytes: int, reps: int, prog_thread: bool,
@@ -221,7 +202,7 @@ def measure_nixl_read(nbytes: int, reps: int, prog_thread: bool,
     proc = ctx.Process(target=_read_target, args=(child, nbytes, prog_thread), daemon=True)
     proc.start()
     try:
-        agent = _make_agent(f"floor-initiator-{os.getpid()}", prog_thread)
+        agent = make_agent(f"floor-initiator-{os.getpid()}", prog_thread)
         dst = torch.zeros(nbytes // 4, dtype=torch.int32)  # zero_ pre-faults
         agent.register_memory(dst)
         if not parent.poll(60):
@@ -230,12 +211,12 @@ def measure_nixl_read(nbytes: int, reps: int, prog_thread: bool,
         peer = agent.add_remote_agent(meta)
         local = agent.get_xfer_descs([(dst.data_ptr(), n, 0)], "DRAM")
         remote = agent.get_xfer_descs([(addr, n, 0)], "DRAM")
-        first = _timed_reads(agent, local, remote, peer, 1)[0]
-        times = _timed_reads(agent, local, remote, peer, reps)
+        first = timed_reads(agent, local, remote, peer, 1)[0]
+        times = timed_reads(agent, local, remote, peer, reps)
         ok = checksum([dst]) == expected
         small_l = agent.get_xfer_descs([(dst.data_ptr(), small_bytes, 0)], "DRAM")
         small_r = agent.get_xfer_descs([(addr, small_bytes, 0)], "DRAM")
-        small = _timed_reads(agent, small_l, small_r, peer, small_reps)
+        small = timed_reads(agent, small_l, small_r, peer, small_reps)
         parent.send("stop")
     finally:
         proc.join(10)
@@ -255,8 +236,8 @@ def measure_nixl_read(nbytes: int, reps: int, prog_thread: bool,
 def _read_halves(pool: Any, agents: list[Any], halves: list[tuple[Any, Any]],
                  peers: list[str]) -> None:
     """One READ cut in two: half 1 on ``pool``'s thread (agent 1), half 0 here (agent 0)."""
-    fut = pool.submit(_timed_reads, agents[1], *halves[1], peers[1], 1)
-    _timed_reads(agents[0], *halves[0], peers[0], 1)
+    fut = pool.submit(timed_reads, agents[1], *halves[1], peers[1], 1)
+    timed_reads(agents[0], *halves[0], peers[0], 1)
     fut.result()
 
 
@@ -283,7 +264,7 @@ def measure_nixl_lanes(nbytes: int, reps: int) -> dict[str, Any]:
     proc.start()
     backend: NixlBackend | None = None
     try:
-        agents = [_make_agent(f"floor-lane{k}-{os.getpid()}", False) for k in range(2)]
+        agents = [make_agent(f"floor-lane{k}-{os.getpid()}", False) for k in range(2)]
         dst = torch.zeros(nbytes // 4, dtype=torch.int32)  # zero_ pre-faults
         for a in agents:
             a.register_memory(dst)
@@ -331,7 +312,7 @@ def measure_nixl_lanes(nbytes: int, reps: int) -> dict[str, Any]:
 
         with ThreadPoolExecutor(max_workers=1) as pool:
             runs: dict[str, Callable[[], Any]] = {
-                "one_agent": lambda: _timed_reads(agents[0], *full, peers[0], 1),
+                "one_agent": lambda: timed_reads(agents[0], *full, peers[0], 1),
                 "two_agents": lambda: _read_halves(pool, agents, halves, peers),
                 "read_lanes": lanes_read,
             }
@@ -524,15 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small-floats", type=int, default=256, help="float32 per small tensor")
     p.add_argument("--skip", default="", help="comma list of: memcpy,nixl,serializer,ucx")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
-    p.add_argument("--_ucx-probe-child", dest="ucx_child", action="store_true",
-                   help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    # Imported here: ray_rdt_pool.bench.ucx imports this module's NIXL helpers.
-    from ray_rdt_pool.bench.ucx import _ucx_probe_child, probe_ucx
+    from ray_rdt_pool.nixl.ucx import probe_ucx
 
-    if args.ucx_child:
-        _ucx_probe_child()
-        return 0
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     nbytes = args.mib * _MIB
     res: dict[str, Any] = {"env": _env(), "config": vars(args)}

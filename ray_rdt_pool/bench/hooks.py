@@ -17,7 +17,7 @@ from typing import Any
 from ray_rdt_pool.bench.variants import ZERO_COPY_ENV, Variant
 
 
-def _process_info(variant: Variant) -> dict[str, Any]:
+def process_info(variant: Variant) -> dict[str, Any]:
     import ray
     import torch
 

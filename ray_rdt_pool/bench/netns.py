@@ -39,13 +39,13 @@ INNER_DEV = "eth0"
 SUBNET_POOL = ipaddress.IPv4Network("198.18.0.0/15")
 #: Linux limits interface names to 15 characters; "rtb" + tag + "v" + 3 digits fits.
 MAX_NODES = 200
-_TAG_LEN = 4
+TAG_LEN = 4
 _TAG_CHARS = string.ascii_lowercase + string.digits
 #: Namespaces: nodes ("n<i>"), the switch ("s"), the probe ("p"); host links of that form
 #: are never made, but would be removed too.
-_NAME_RE = re.compile(rf"^{PREFIX}([a-z0-9]{{{_TAG_LEN}}})(?:n\d+|s|p|v\d+|b)$")
+NAME_RE = re.compile(rf"^{PREFIX}([a-z0-9]{{{TAG_LEN}}})(?:n\d+|s|p|v\d+|b)$")
 #: The bridge in the switch namespace (which also holds the veths' switch ends, "v<i>").
-_BRIDGE = "br0"
+BRIDGE = "br0"
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps)$")
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
                "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
@@ -76,11 +76,11 @@ def parse_size(size: str) -> int:
     return int(m.group(1)) * _SIZE_UNITS[m.group(2)]
 
 
-def _ns_name(tag: str, i: int) -> str:
+def ns_name(tag: str, i: int) -> str:
     return f"{PREFIX}{tag}n{i}"
 
 
-def _switch_name(tag: str) -> str:
+def switch_name(tag: str) -> str:
     return f"{PREFIX}{tag}s"
 
 
@@ -88,12 +88,12 @@ def _probe_name(tag: str) -> str:
     return f"{PREFIX}{tag}p"
 
 
-def _own(name: str, tag: str) -> bool:
-    m = _NAME_RE.match(name)
+def own_netns(name: str, tag: str) -> bool:
+    m = NAME_RE.match(name)
     return m is not None and m.group(1) == tag
 
 
-def _lock(tag: str, create: bool) -> int | None:
+def netns_lock(tag: str, create: bool) -> int | None:
     """Open and flock the tag's lock file; None when another live process holds it (or,
     with ``create``, when the tag is taken)."""
     path = BASE_DIR / f"{tag}.lock"
@@ -113,19 +113,19 @@ def _lock(tag: str, create: bool) -> int | None:
     return fd
 
 
-def _new_tag() -> tuple[str, int]:
+def new_tag() -> tuple[str, int]:
     BASE_DIR.mkdir(parents=True, exist_ok=True)
     for _ in range(100):
-        tag = "".join(secrets.choice(_TAG_CHARS) for _ in range(_TAG_LEN))
+        tag = "".join(secrets.choice(_TAG_CHARS) for _ in range(TAG_LEN))
         if (BASE_DIR / tag).exists():
             continue  # the kept logs of an earlier run
-        fd = _lock(tag, create=True)
+        fd = netns_lock(tag, create=True)
         if fd is not None:
             return tag, fd
     raise TestBedError(f"no free test-bed tag in {BASE_DIR} after 100 tries")
 
 
-def _sh(argv: Sequence[str], check: bool = True, timeout: float = 30.0,
+def sh(argv: Sequence[str], check: bool = True, timeout: float = 30.0,
         log: list[str] | None = None) -> subprocess.CompletedProcess[str]:
     cmd = shlex.join(argv)
     logger.debug("testbed: %s", cmd)
@@ -139,13 +139,13 @@ def _sh(argv: Sequence[str], check: bool = True, timeout: float = 30.0,
     return r
 
 
-def _netns_list() -> list[str]:
-    r = _sh(["ip", "netns", "list"], check=False)
+def netns_list() -> list[str]:
+    r = sh(["ip", "netns", "list"], check=False)
     return [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
 
 
-def _link_names() -> list[str]:
-    r = _sh(["ip", "-o", "link", "show"], check=False)
+def link_names() -> list[str]:
+    r = sh(["ip", "-o", "link", "show"], check=False)
     names = []
     for line in r.stdout.splitlines():
         parts = line.split(":", 2)
@@ -158,14 +158,14 @@ def _used_networks() -> list[ipaddress.IPv4Network]:
     nets = []
     for argv in (["ip", "-4", "-o", "addr", "show"], ["ip", "-4", "route", "show", "table",
                                                      "all"]):
-        out = _sh(argv, check=False).stdout
+        out = sh(argv, check=False).stdout
         for tok in re.findall(r"\b(\d+\.\d+\.\d+\.\d+(?:/\d+)?)\b", out):
             with contextlib.suppress(ValueError):
                 nets.append(ipaddress.IPv4Network(tok, strict=False))
     return nets
 
 
-def _pick_subnet() -> ipaddress.IPv4Network:
+def pick_subnet() -> ipaddress.IPv4Network:
     used = _used_networks()
     candidates = [ipaddress.IPv4Network(n) for n in SUBNET_POOL.subnets(new_prefix=24)]
     secrets.SystemRandom().shuffle(candidates)
@@ -185,7 +185,7 @@ def probe_namespaces() -> str | None:
         if shutil.which(tool) is None:
             return f"needs the `{tool}` command (iproute2)"
     try:
-        tag, fd = _new_tag()
+        tag, fd = new_tag()
     except OSError as e:
         return f"cannot write its lock file in {BASE_DIR}: {e}"
     ns = _probe_name(tag)
@@ -199,7 +199,7 @@ def probe_namespaces() -> str | None:
                  ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "v0", "root",
                   "tbf", "rate", "100mbit", "burst", "64kb", "latency", "50ms"]]
         for argv in steps:
-            r = _sh(argv, check=False)
+            r = sh(argv, check=False)
             if r.returncode != 0:
                 return (f"`{shlex.join(argv)}` failed here: "
                         f"{(r.stderr or r.stdout).strip()[-300:]}")
@@ -207,8 +207,8 @@ def probe_namespaces() -> str | None:
     except (OSError, subprocess.SubprocessError) as e:
         return f"network namespaces do not work here: {e}"
     finally:
-        if ns in _netns_list():
-            _sh(["ip", "netns", "del", ns], check=False)
+        if ns in netns_list():
+            sh(["ip", "netns", "del", ns], check=False)
         with contextlib.suppress(FileNotFoundError):
             (BASE_DIR / f"{tag}.lock").unlink()
         os.close(fd)

@@ -19,21 +19,21 @@ from pathlib import Path
 from typing import Any
 
 from ray_rdt_pool.bench.netns import (
-    _NAME_RE,
-    _TAG_LEN,
     BASE_DIR,
-    _link_names,
-    _lock,
-    _netns_list,
-    _own,
-    _sh,
+    NAME_RE,
+    TAG_LEN,
+    link_names,
+    netns_list,
+    netns_lock,
+    own_netns,
+    sh,
 )
 
 logger = logging.getLogger(__name__)
 
 
-def _ns_pids(ns: str) -> list[int]:
-    r = _sh(["ip", "netns", "pids", ns], check=False)
+def ns_pids(ns: str) -> list[int]:
+    r = sh(["ip", "netns", "pids", ns], check=False)
     return [int(p) for p in r.stdout.split() if p.isdigit()]
 
 
@@ -41,13 +41,13 @@ def _kill_namespaces(namespaces: Sequence[str], tag: str, grace_s: float = 2.0,
                      log: list[str] | None = None) -> list[str]:
     """SIGTERM every process in the namespaces, SIGKILL what is left after ``grace_s``,
     and wait until none is left; returns the problems."""
-    assert all(_own(ns, tag) for ns in namespaces), namespaces
+    assert all(own_netns(ns, tag) for ns in namespaces), namespaces
     me = os.getpid()
 
     def signal_all(sig: int) -> int:
         n = 0
         for ns in namespaces:
-            for pid in _ns_pids(ns):
+            for pid in ns_pids(ns):
                 if pid == me:
                     continue
                 with contextlib.suppress(ProcessLookupError):
@@ -61,36 +61,36 @@ def _kill_namespaces(namespaces: Sequence[str], tag: str, grace_s: float = 2.0,
     if signal_all(signal.SIGTERM) == 0:
         return []
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_ns_pids(ns) for ns in namespaces):
+    while time.monotonic() < deadline and any(ns_pids(ns) for ns in namespaces):
         time.sleep(0.1)
-    if any(_ns_pids(ns) for ns in namespaces):
+    if any(ns_pids(ns) for ns in namespaces):
         if log is not None:
             log.append(f"{time.strftime('%H:%M:%S')} kill -KILL $(ip netns pids ...)")
         signal_all(signal.SIGKILL)
         deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline and any(_ns_pids(ns) for ns in namespaces):
+        while time.monotonic() < deadline and any(ns_pids(ns) for ns in namespaces):
             time.sleep(0.1)
-    left = {ns: _ns_pids(ns) for ns in namespaces}
+    left = {ns: ns_pids(ns) for ns in namespaces}
     return [f"processes {pids} still run in namespace {ns}" for ns, pids in left.items()
             if pids]
 
 
-def _delete_tag(tag: str, log: list[str] | None = None) -> list[str]:
+def delete_tag(tag: str, log: list[str] | None = None) -> list[str]:
     """Remove every namespace of a tag, processes first (deleting a namespace takes its
     veths and bridge with it), and any host link of the tag. A namespace whose processes
     would not end is kept, so that a later cleanup can still find them. Returns the
     problems."""
-    namespaces = [ns for ns in _netns_list() if _own(ns, tag)]
+    namespaces = [ns for ns in netns_list() if own_netns(ns, tag)]
     problems = _kill_namespaces(namespaces, tag, log=log)
     for ns in namespaces:
-        if _ns_pids(ns):
+        if ns_pids(ns):
             continue
-        r = _sh(["ip", "netns", "del", ns], check=False, log=log)
+        r = sh(["ip", "netns", "del", ns], check=False, log=log)
         if r.returncode != 0:
             problems.append(f"ip netns del {ns}: {r.stderr.strip()}")
-    for name in [name for name in _link_names() if _own(name, tag)]:
-        r = _sh(["ip", "link", "del", name], check=False, log=log)
-        if r.returncode != 0 and name in _link_names():
+    for name in [name for name in link_names() if own_netns(name, tag)]:
+        r = sh(["ip", "link", "del", name], check=False, log=log)
+        if r.returncode != 0 and name in link_names():
             problems.append(f"ip link del {name}: {r.stderr.strip()}")
     return problems
 
@@ -102,24 +102,24 @@ def cleanup_stale() -> list[str]:
     if os.geteuid() != 0 or shutil.which("ip") is None:
         return []
     BASE_DIR.mkdir(parents=True, exist_ok=True)
-    tags = {m.group(1) for name in [*_netns_list(), *_link_names()]
-            if (m := _NAME_RE.match(name)) is not None}
+    tags = {m.group(1) for name in [*netns_list(), *link_names()]
+            if (m := NAME_RE.match(name)) is not None}
     tags |= {p.stem for p in BASE_DIR.glob("*.lock")}
     tags |= {p.name for p in BASE_DIR.iterdir() if p.is_dir()
-             and re.fullmatch(f"[a-z0-9]{{{_TAG_LEN}}}", p.name)}
+             and re.fullmatch(f"[a-z0-9]{{{TAG_LEN}}}", p.name)}
     removed = []
     for tag in sorted(tags):
-        if not re.fullmatch(f"[a-z0-9]{{{_TAG_LEN}}}", tag):
+        if not re.fullmatch(f"[a-z0-9]{{{TAG_LEN}}}", tag):
             continue
-        fd = _lock(tag, create=False)
+        fd = netns_lock(tag, create=False)
         if fd is None:
             continue  # a live run holds it
         try:
             d = BASE_DIR / tag
             kept = (d / "KEEP").exists()
-            if kept and not any(_own(name, tag) for name in [*_netns_list(), *_link_names()]):
+            if kept and not any(own_netns(name, tag) for name in [*netns_list(), *link_names()]):
                 continue  # the logs of a finished run, kept on purpose
-            problems = _delete_tag(tag)
+            problems = delete_tag(tag)
             if problems:
                 logger.warning("testbed: leftovers of run %s not removed: %s", tag, problems)
                 continue
@@ -136,20 +136,20 @@ def cleanup_stale() -> list[str]:
     return removed
 
 
-def _default_cluster_file() -> Path:
+def default_cluster_file() -> Path:
     """Ray's ``ray_current_cluster`` in its default temp dir (as Ray computes it)."""
     tmp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
     return Path(tmp) / "ray" / "ray_current_cluster"
 
 
-def _read(path: Path) -> bytes | None:
+def read_text_of(path: Path) -> bytes | None:
     try:
         return path.read_bytes()
     except OSError:
         return None
 
 
-def _kill_group(p: subprocess.Popen[Any]) -> None:
+def kill_group(p: subprocess.Popen[Any]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, signal.SIGTERM)
     try:
@@ -163,8 +163,8 @@ def _kill_group(p: subprocess.Popen[Any]) -> None:
 def restore_cluster_file(before: bytes | None, address: str) -> list[str]:
     """Remove Ray's default ``ray_current_cluster`` if it names ``address`` (put back
     ``before``, what it held before the test bed started, if anything)."""
-    path = _default_cluster_file()
-    now = _read(path)
+    path = default_cluster_file()
+    now = read_text_of(path)
     if now is None or now == before:
         return []
     if now.decode(errors="replace").strip() != address:

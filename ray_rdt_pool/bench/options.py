@@ -11,7 +11,7 @@ from ray_rdt_pool.bench import workloads as W
 from ray_rdt_pool.bench.variants import VARIANT_NAMES
 from ray_rdt_pool.nixl.backend import PROGRESS_HOLD_S
 
-_MIB = 1 << 20
+MIB = 1 << 20
 #: Default wait before the idle CPU window: past ours' fast-progress hold after a put.
 IDLE_SETTLE_S = PROGRESS_HOLD_S + 0.5
 
@@ -181,8 +181,8 @@ def parse_config(argv: Sequence[str] | None) -> Config:
         if secs is not None and not secs > 0:
             parser.error(f"{flag} {secs:g}: must be > 0 seconds")
     largest = max(W.payload_bytes(W.make_spec(w, sizes)) for w in workloads)
-    pool = (a.pool_mib * _MIB if a.pool_mib is not None
-            else _round_up(int(largest * 1.25) + 8 * _MIB, _MIB))
+    pool = (a.pool_mib * MIB if a.pool_mib is not None
+            else _round_up(int(largest * 1.25) + 8 * MIB, MIB))
     reps = a.reps if a.reps is not None else (3 if a.quick else 5)
     if reps < 1 or a.warmup < 0:
         parser.error(f"--reps {reps} and --warmup {a.warmup}: --reps must be >= 1 and "
@@ -194,7 +194,7 @@ def parse_config(argv: Sequence[str] | None) -> Config:
         idle_s=a.idle_s if a.idle_s is not None else (0.5 if a.quick else 1.0),
         idle_settle_s=max(0.0, a.idle_settle_s),
         timeout_s=a.timeout_s, release_timeout_s=min(30.0, a.timeout_s), pool_bytes=pool,
-        object_store_bytes=a.object_store_mib * _MIB, seed=a.seed, actor_logs=a.actor_logs,
+        object_store_bytes=a.object_store_mib * MIB, seed=a.seed, actor_logs=a.actor_logs,
         ucx_probe=not a.no_ucx_probe, floor=not a.no_floor, json_path=a.json,
         plot_path=a.plot, out_dir=a.out)
 

@@ -96,7 +96,7 @@ def measure_idle(pids: dict[str, dict[str, int]], window_s: float,
     return out
 
 
-def _pid_gone(pid: int) -> bool:
+def pid_gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
     except psutil.Error:

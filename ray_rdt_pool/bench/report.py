@@ -98,7 +98,7 @@ def _all_or_none(values: Iterable[bool | None]) -> bool | None:
     return all(vals) if vals else None
 
 
-def _median_e2e(row: dict[str, Any] | None) -> float | None:
+def median_e2e(row: dict[str, Any] | None) -> float | None:
     if not row or row["errors"] or not row["checksums_ok"]:
         return None
     e2e = row["phases"]["e2e_s"]
@@ -130,8 +130,8 @@ def _ratios(rows: dict[str, Any], ray_variants: Sequence[str], our_variants: Seq
     bound. ``failed`` gives the reason of every variant that failed.
     """
     failed = {v: why for v, row in rows.items() if (why := _failure(row))}
-    ray_times = {v: t for v in ray_variants if (t := _median_e2e(rows.get(v))) is not None}
-    other_times = {v: t for v in other_variants if (t := _median_e2e(rows.get(v))) is not None}
+    ray_times = {v: t for v in ray_variants if (t := median_e2e(rows.get(v))) is not None}
+    other_times = {v: t for v in other_variants if (t := median_e2e(rows.get(v))) is not None}
     best = min(ray_times, key=ray_times.__getitem__) if ray_times else None
     ray_failed = [v for v in ray_variants if v in failed]
     res: dict[str, Any] = {
@@ -147,7 +147,7 @@ def _ratios(rows: dict[str, Any], ray_variants: Sequence[str], our_variants: Seq
         "speedup": {},
     }
     for ours in our_variants:
-        t = _median_e2e(rows.get(ours))
+        t = median_e2e(rows.get(ours))
         if t is None:
             continue
         res["speedup"][ours] = {
@@ -167,7 +167,7 @@ def _ms(stat: dict[str, float] | None) -> str:
     return f"{stat['median'] * 1e3:.1f}/{stat['min'] * 1e3:.1f}"
 
 
-def _num(x: float | None, fmt: str) -> str:
+def num(x: float | None, fmt: str) -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
@@ -205,15 +205,15 @@ def format_workload(workload: str, description: str, summary: dict[str, Any],
             ok += " (not into targets)"
         first_ms = r["first_e2e_s"] * 1e3 if r["first_e2e_s"] is not None else None
         lines.append(f"{v:<17}{_ms(p['put_s']):>15}{_ms(p['fetch_s']):>15}{_ms(p['e2e_s']):>15}"
-                     f"{_ms(p['release_s']):>15}{_num(first_ms, '.1f'):>11}"
-                     f"{_num(r['gbps'], '.2f'):>7}{_num(r['meta_bytes'], ','):>9}  {ok}")
+                     f"{_ms(p['release_s']):>15}{num(first_ms, '.1f'):>11}"
+                     f"{num(r['gbps'], '.2f'):>7}{num(r['meta_bytes'], ','):>9}  {ok}")
         if r["errors"]:
             lines.append(f"{'':<17}ERROR: {_failure(r)}; the medians are of the others")
     lines.append(format_ratios(summary["ratios"], unavailable))
     return "\n".join(lines)
 
 
-def _x(ratio: float | None) -> str:
+def times_x(ratio: float | None) -> str:
     return "n/a" if ratio is None else f"x{ratio:.2f}"
 
 
@@ -244,14 +244,14 @@ def format_ratios(ratios: dict[str, Any], unavailable: dict[str, str]) -> str:
                    else f"ERROR: {failed[ours]}" if ours in failed else "no data")
             lines.append(f"  {ours:<17}n/a ({why})")
             continue
-        others = "".join(f", {_x(x)} vs {k[3:]}" for k, x in sp.items()
+        others = "".join(f", {times_x(x)} vs {k[3:]}" for k, x in sp.items()
                          if k not in ("vs_best_ray", "vs_ray_pool"))
         others += "".join(f", n/a vs {v} (failed)" for v in ratios.get("failed_other", ()))
         pool = ("nixl_pool_ray failed" if "nixl_pool_ray" in failed else "nixl_pool_ray")
         bound = "<= " if incomplete and sp["vs_best_ray"] is not None else ""
-        lines.append(f"  {ours:<17}{bound}{_x(sp['vs_best_ray'])} vs best "
+        lines.append(f"  {ours:<17}{bound}{times_x(sp['vs_best_ray'])} vs best "
                      f"Ray ({best or 'none completed'}), "
-                     f"{_x(sp['vs_ray_pool'])} vs Ray's pool ({pool}){others}")
+                     f"{times_x(sp['vs_ray_pool'])} vs Ray's pool ({pool}){others}")
     return "\n".join(lines)
 
 
@@ -262,7 +262,7 @@ def format_idle(idle: dict[str, dict[str, Any]], window_s: float,
              f"{'variant':<17}{'sender':>8}{'receiver':>10}{'threads S/R':>13}"]
     for v, d in idle.items():
         s, r = d.get("sender"), d.get("receiver")
-        lines.append(f"{v:<17}{_num(s and s['cores'], '.2f'):>8}{_num(r and r['cores'], '.2f'):>10}"
+        lines.append(f"{v:<17}{num(s and s['cores'], '.2f'):>8}{num(r and r['cores'], '.2f'):>10}"
                      f"{(s or {}).get('threads', '?')!s:>8}/{(r or {}).get('threads', '?')!s}")
     return "\n".join(lines)
 
@@ -299,8 +299,8 @@ def stream_vs_sync(summary: dict[str, Any], order: Sequence[str]) -> dict[str, A
     if "sync" not in summary or "sync_stream" not in summary:
         return out
     for v in order:
-        a = _median_e2e(summary["sync"]["variants"].get(v))
-        b = _median_e2e(summary["sync_stream"]["variants"].get(v))
+        a = median_e2e(summary["sync"]["variants"].get(v))
+        b = median_e2e(summary["sync_stream"]["variants"].get(v))
         if a is not None and b is not None:
             out[v] = {"sync_e2e_s": a, "sync_stream_e2e_s": b, "speedup": a / b}
     return out
@@ -312,7 +312,7 @@ def format_stream_vs_sync(cmp: dict[str, Any]) -> str:
              f"{'variant':<17}{'sync ms':>10}{'stream ms':>11}{'speedup':>9}"]
     for v, c in cmp.items():
         lines.append(f"{v:<17}{c['sync_e2e_s'] * 1e3:>10.1f}{c['sync_stream_e2e_s'] * 1e3:>11.1f}"
-                     f"{_x(c['speedup']):>9}")
+                     f"{times_x(c['speedup']):>9}")
     return "\n".join(lines)
 
 
@@ -331,7 +331,7 @@ def format_inside_ours(workload: str, summary: dict[str, Any],
 
         def ms(key: str, ph: dict[str, Any] = ph) -> str:
             st = ph.get(key)
-            return _num(st and st["median"] * 1e3, ".1f")
+            return num(st and st["median"] * 1e3, ".1f")
 
         lines.append(f"  {v:<17}put {ms('put_s')} ms, of which in ray_rdt_pool "
                      f"{ms('ours_put_s')}; fetch {ms('fetch_s')} ms, of which in ray_rdt_pool "
@@ -464,9 +464,9 @@ def format_experience(cmp: dict[str, Any], n_batched: int, n_samples: int) -> st
         target = "" if c["target"] is None else ("met" if c["met"] else "NOT met")
         if c["target"] is not None and c.get("judged_on") == "put+get":
             target += " (on the whole put+get: no time inside ours measured)"
-        inside_x = _x(c["inside_ratio"]) if c.get("inside_ratio") is not None else ""
+        inside_x = times_x(c["inside_ratio"]) if c.get("inside_ratio") is not None else ""
         lines.append(f"{v:<17}{c['batched_s'] * 1e3:>12.1f}{c['per_sample_s'] * 1e3:>15.1f}"
-                     f"{_x(c['ratio']):>8}{inside_x:>8}  {target}")
+                     f"{times_x(c['ratio']):>8}{inside_x:>8}  {target}")
     inside = {v: c["inside_ours"] for v, c in cmp.items() if c.get("inside_ours")}
     if inside:
         lines.append("  of which inside ray_rdt_pool (its put, and its fetch + wait under "
@@ -475,8 +475,8 @@ def format_experience(cmp: dict[str, Any], n_batched: int, n_samples: int) -> st
             parts = []
             for label, what in (("batched", "batched"), ("per_sample", "per-sample")):
                 put, get = d.get(f"{label}_ours_put_s"), d.get(f"{label}_ours_get_s")
-                parts.append(f"{what} put {_num(put and put * 1e3, '.1f')} + get "
-                             f"{_num(get and get * 1e3, '.1f')}")
+                parts.append(f"{what} put {num(put and put * 1e3, '.1f')} + get "
+                             f"{num(get and get * 1e3, '.1f')}")
             lines.append(f"  {v:<17}" + "; ".join(parts))
     floors = {v: c["inside_floor"] for v, c in cmp.items() if c.get("inside_floor")}
     for v, f in floors.items():
@@ -485,8 +485,8 @@ def format_experience(cmp: dict[str, Any], n_batched: int, n_samples: int) -> st
             f"work no transport avoids ({f['read_s'] * 1e3:.1f} ms to read dtype, shape and "
             f"address{' in C++' if f.get('read_kind') == 'native' else ''}, "
             f"{f['view_s'] * 1e3:.1f} ms for torch to make one view each) = "
-            f"{f['per_sample_floor_s'] * 1e3:.1f} ms, {_x(f['ratio'])} of batched; measured "
-            f"{_x(f['measured_ratio'])}")
+            f"{f['per_sample_floor_s'] * 1e3:.1f} ms, {times_x(f['ratio'])} of batched; measured "
+            f"{times_x(f['measured_ratio'])}")
     if not cmp:
         lines.append("  n/a: put and get are not observable (--fetch arg) or a layout failed")
     return "\n".join(lines)

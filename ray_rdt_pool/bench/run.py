@@ -81,7 +81,7 @@ from ray_rdt_pool.bench import plot
 from ray_rdt_pool.bench import report as R
 from ray_rdt_pool.bench import targets as T
 from ray_rdt_pool.bench import workloads as W
-from ray_rdt_pool.bench.options import _MIB, BenchError, Config, parse_config
+from ray_rdt_pool.bench.options import MIB, BenchError, Config, parse_config
 from ray_rdt_pool.bench.progress import Progress
 from ray_rdt_pool.bench.runner import Runner
 from ray_rdt_pool.bench.variants import (
@@ -206,7 +206,7 @@ def measure_floor(runner: Runner, reps: int = 5) -> dict[str, Any]:
 
     sync = [w for w in W.SYNC_WORKLOADS if w in runner.payloads]
     size = runner.payloads[sync[0]] if sync else max(runner.payloads.values(), default=0)
-    nbytes = min(size, 256 * _MIB) // _MIB * _MIB or _MIB
+    nbytes = min(size, 256 * MIB) // MIB * MIB or MIB
     out: dict[str, Any] = {"bytes": nbytes, "reps": reps}
 
     def rate(key: str, fn: Callable[[], float]) -> None:
@@ -228,7 +228,7 @@ def measure_floor(runner: Runner, reps: int = 5) -> dict[str, Any]:
     rate("read_lanes_gbps", lambda: checked(F.measure_nixl_lanes(nbytes, reps),
                                             "checksum_ok", "read_lanes_gbps", "split READ"))
     rate("fp8_pack_gbps", lambda: float(
-        bench_pack.measure_fp8_pack_gbps(min(nbytes, 64 * _MIB), reps)["fp8_gbps"]))
+        bench_pack.measure_fp8_pack_gbps(min(nbytes, 64 * MIB), reps)["fp8_gbps"]))
     return out
 
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from ray_rdt_pool.bench import workloads as W
 from ray_rdt_pool.bench.actors import Receiver, Sender
-from ray_rdt_pool.bench.options import _MIB, BenchError, Config
-from ray_rdt_pool.bench.progress import Progress, _pid_gone, measure_idle
+from ray_rdt_pool.bench.options import MIB, BenchError, Config
+from ray_rdt_pool.bench.progress import Progress, measure_idle, pid_gone
 from ray_rdt_pool.bench.variants import (
     OUR_VARIANTS,
     ZERO_COPY_ENV,
@@ -124,7 +124,7 @@ def kill_pair(pair: Pair, wait_s: float = 20.0) -> None:
             pass
     deadline = time.monotonic() + wait_s
     pids = list(pair.pids.values())
-    while time.monotonic() < deadline and not all(_pid_gone(p) for p in pids):
+    while time.monotonic() < deadline and not all(pid_gone(p) for p in pids):
         time.sleep(0.05)
 
 
@@ -172,7 +172,7 @@ class Runner:
             s = self.cfg.sizes
             serialized = s.views_rows * s.views_rows * s.views_cols * 4
             if serialized > self.cfg.object_store_bytes // 2:
-                return (f"pickle writes each view's whole {self.payloads[workload] / _MIB:.1f}"
+                return (f"pickle writes each view's whole {self.payloads[workload] / MIB:.1f}"
                         f" MiB base storage: {s.views_rows:,} views would serialize "
                         f"{serialized / (1 << 30):.1f} GiB (> half the object store)")
         return None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ray_rdt_pool.bench.report import _median_e2e, _num, _x
+from ray_rdt_pool.bench.report import median_e2e, num, times_x
 
 
 def pipeline_floor_s(bucket_bytes: Sequence[int], pack_gbps: float, read_gbps: float) -> float:
@@ -99,7 +99,7 @@ def format_floors(floor: dict[str, Any], floors: dict[str, Any], summary: dict[s
                          "(ours reads large buckets on two)")
         for ours in our_variants:
             row = summary.get(w, {}).get("variants", {}).get(ours)
-            e2e = _median_e2e(row)
+            e2e = median_e2e(row)
             if e2e is not None:
                 lines.append(f"  {'':<12} {ours:<17}e2e {e2e * 1e3:.1f} ms = "
                              f"x{e2e / f['floor_s']:.2f} of the floor, "
@@ -143,7 +143,7 @@ def target_floors(summary: dict[str, Any], payloads: dict[str, int], floor: dict
     for w, want in TARGETS.get(nodes, {}).items():
         ratios = summary.get(w, {}).get("ratios", {})
         row = summary.get(w, {}).get("variants", {}).get(ours)
-        best, e2e = ratios.get("best_ray_e2e_s"), _median_e2e(row)
+        best, e2e = ratios.get("best_ray_e2e_s"), median_e2e(row)
         ray_failed = ratios.get("best_ray_incomplete", [])
         ours_failed = ratios.get("failed", {}).get(ours)
         if row is None or (e2e is None and not ours_failed) or (best is None and not ray_failed):
@@ -191,9 +191,9 @@ def format_targets(targets: dict[str, Any], floor: dict[str, Any], nodes: int) -
                       f"{t['read_s'] * 1e3:>7.1f}{t['floor_s'] * 1e3:>8.1f}  "
                       f"{'yes' if t['reachable'] else 'NO'}" if "floor_s" in t else "  n/a")
         verdict = {True: "met", False: "NOT met", None: "unknown"}[t["met"]]
-        lines.append(f"{w:<13}{t['target']:>6g}x{_num(ms(t['best_ray_e2e_s']), '.1f'):>13}"
-                     f"{_num(ms(t['allowance_s']), '.1f'):>11}{_num(ms(t['e2e_s']), '.1f'):>9}"
-                     f"{_x(t['speedup']):>8}{verdict:>9}" + floor_cols)
+        lines.append(f"{w:<13}{t['target']:>6g}x{num(ms(t['best_ray_e2e_s']), '.1f'):>13}"
+                     f"{num(ms(t['allowance_s']), '.1f'):>11}{num(ms(t['e2e_s']), '.1f'):>9}"
+                     f"{times_x(t['speedup']):>8}{verdict:>9}" + floor_cols)
         if t.get("incomplete"):
             lines.append(f"{'':<13}INCOMPLETE: {t['incomplete']}"
                          + ("; missed even against the best Ray variant that completed"

@@ -21,8 +21,8 @@ instead of going through cma or shared memory (the namespaces share one host).
 
 or from the shell (the driver runs on the head, in namespace 0, with ``RAY_ADDRESS`` set)::
 
-    python -m ray_rdt_pool.bench.testbed --nodes 3 --rate 500mbit -- driver.py ARGS
-    python -m ray_rdt_pool.bench.testbed --check | --cleanup
+    python -m ray_rdt_pool.bench.testbed_cli --nodes 3 --rate 500mbit -- driver.py ARGS
+    python -m ray_rdt_pool.bench.testbed_cli --check | --cleanup
 
 Rules it keeps (the host is shared):
 
@@ -74,27 +74,27 @@ from types import TracebackType
 from typing import IO, Any
 
 from ray_rdt_pool.bench.netns import (
-    _BRIDGE,
     BASE_DIR,
+    BRIDGE,
     INNER_DEV,
     MAX_NODES,
     TestBedError,
-    _new_tag,
-    _ns_name,
-    _pick_subnet,
-    _sh,
-    _switch_name,
+    new_tag,
+    ns_name,
     parse_rate,
     parse_size,
+    pick_subnet,
     probe_namespaces,
+    sh,
+    switch_name,
 )
 from ray_rdt_pool.bench.netns_cleanup import (
-    _default_cluster_file,
-    _delete_tag,
-    _kill_group,
-    _ns_pids,
-    _read,
     cleanup_stale,
+    default_cluster_file,
+    delete_tag,
+    kill_group,
+    ns_pids,
+    read_text_of,
     restore_cluster_file,
 )
 
@@ -300,9 +300,9 @@ class TestBed:
             raise TestBedError(f"the test bed cannot run here: {reason}")
         t0 = time.monotonic()
         cleanup_stale()
-        self.tag, self._lock_fd = _new_tag()
+        self.tag, self._lock_fd = new_tag()
         self.dir = BASE_DIR / self.tag
-        self._ray_cluster_file_before = _read(_default_cluster_file())
+        self._ray_cluster_file_before = read_text_of(default_cluster_file())
         try:
             self.dir.mkdir(parents=True)
             self._build_network()
@@ -321,7 +321,7 @@ class TestBed:
 
     def _run(self, argv: Sequence[str], check: bool = True, timeout: float = 30.0
              ) -> subprocess.CompletedProcess[str]:
-        return _sh(argv, check=check, timeout=timeout, log=self.commands)
+        return sh(argv, check=check, timeout=timeout, log=self.commands)
 
     def _ns(self, i: int) -> list[str]:
         return ["ip", "netns", "exec", self.nodes[i].namespace]
@@ -332,20 +332,20 @@ class TestBed:
                 self.latency]
 
     def _build_network(self) -> None:
-        self.subnet = _pick_subnet()
+        self.subnet = pick_subnet()
         hosts = list(self.subnet.hosts())
-        sw = self.switch = _switch_name(self.tag)
+        sw = self.switch = switch_name(self.tag)
         self._run(["ip", "netns", "add", sw])
-        self._run(["ip", "-n", sw, "link", "add", _BRIDGE, "type", "bridge"])
-        self._run(["ip", "-n", sw, "link", "set", _BRIDGE, "up"])
+        self._run(["ip", "-n", sw, "link", "add", BRIDGE, "type", "bridge"])
+        self._run(["ip", "-n", sw, "link", "set", BRIDGE, "up"])
         for i in range(self.n):
-            node = Node(i, _ns_name(self.tag, i), str(hosts[i]), f"v{i}", self.dir / f"n{i}")
+            node = Node(i, ns_name(self.tag, i), str(hosts[i]), f"v{i}", self.dir / f"n{i}")
             self.nodes.append(node)
             ns, veth = node.namespace, node.veth
             self._run(["ip", "netns", "add", ns])
             self._run(["ip", "-n", sw, "link", "add", veth, "type", "veth", "peer", "name",
                        INNER_DEV, "netns", ns])
-            self._run(["ip", "-n", sw, "link", "set", veth, "master", _BRIDGE])
+            self._run(["ip", "-n", sw, "link", "set", veth, "master", BRIDGE])
             self._run(["ip", "-n", sw, "link", "set", veth, "up"])
             self._run(["ip", "-n", ns, "addr", "add", f"{node.ip}/{self.subnet.prefixlen}",
                        "dev", INNER_DEV])
@@ -495,10 +495,10 @@ class TestBed:
         except subprocess.TimeoutExpired:
             timed_out = True
         except BaseException:
-            _kill_group(p)
+            kill_group(p)
             raise
         if timed_out:
-            _kill_group(p)
+            kill_group(p)
         for t in pumps:
             t.join(timeout=10)
         out = b"".join(chunks["out"]).decode(errors="replace")
@@ -512,7 +512,7 @@ class TestBed:
 
     def pids(self) -> dict[int, list[int]]:
         """The PIDs in each node's namespace."""
-        return {node.index: _ns_pids(node.namespace) for node in self.nodes}
+        return {node.index: ns_pids(node.namespace) for node in self.nodes}
 
     def _check_up(self) -> None:
         if not self._started or self._closed or not self.nodes:
@@ -540,7 +540,7 @@ class TestBed:
         self._closed = True
         if not self.tag:
             return []
-        problems = _delete_tag(self.tag, log=self.commands)
+        problems = delete_tag(self.tag, log=self.commands)
         problems += self._restore_cluster_file()
         with contextlib.suppress(OSError):
             (self.dir / "commands.log").write_text("\n".join(self.commands) + "\n")
@@ -581,9 +581,3 @@ def _node_report(node: Node, bed_dir: Path, short: bool) -> str:
         if text.strip():
             parts.append(f"\n--- node {i}: {name} ---\n{text}")
     return "".join(parts)
-
-
-if __name__ == "__main__":
-    from ray_rdt_pool.bench.testbed_cli import main
-
-    sys.exit(main())

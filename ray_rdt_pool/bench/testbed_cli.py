@@ -69,7 +69,7 @@ def bed_from_args(args: argparse.Namespace, nodes: int, env: Mapping[str, str] |
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m ray_rdt_pool.bench.testbed",
+        prog="python -m ray_rdt_pool.bench.testbed_cli",
         description="Run a Ray driver on a multi-node test bed: N Ray nodes in network "
                     "namespaces of this host, each link limited to --rate.",
         epilog="example: python -m ray_rdt_pool.bench.testbed --nodes 3 --rate 500mbit -- "

@@ -265,7 +265,7 @@ def judge_transfer(got: dict[str, Any], want: int, n: int, where: str) -> Check:
 
 def judge_ucx(text: str, ucx_version: str | None, where: str) -> Check:
     """The ``ucx`` verdict from what UCX printed in the receiver during its READ."""
-    from ray_rdt_pool.bench.ucx import parse_proto_info
+    from ray_rdt_pool.nixl.ucx import parse_proto_info
 
     protocols = parse_proto_info(text)
     reads = [r for k, v in protocols.items() if k.startswith("remote memory read") for r in v]
@@ -311,7 +311,7 @@ def check_actors(address: str | None, timeout_s: float) -> list[Check]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from ray_rdt_pool.bench.ucx import ucx_version
+    from ray_rdt_pool.nixl.ucx import ucx_version
 
     out = []
     started = not ray.is_initialized()

@@ -25,11 +25,11 @@ from ray_rdt_pool.errors import InvalidInputError, WeightSyncError
 from ray_rdt_pool.weights.manifest import DEFAULT_BUCKET_BYTES
 from ray_rdt_pool.weights.remote import (
     RECEIVER_ATTR,
-    _actor_handles,
-    _find,
-    _is_actor,
-    _timeout,
-    _wait_moving,
+    actor_handles,
+    check_timeout,
+    find_attr,
+    is_actor,
+    wait_moving,
 )
 from ray_rdt_pool.weights.reports import StreamReport, SyncReport
 
@@ -46,7 +46,7 @@ def _remote_serve_peer(actor: Any, attr: str, receivers: list[Any], max_inflight
     from ray_rdt_pool.weights.receiver import WeightReceiver
     from ray_rdt_pool.weights.sender import WeightSender
 
-    rec = _find(actor, attr, WeightReceiver)
+    rec = find_attr(actor, attr, WeightReceiver)
     if rec.dest is None:
         raise WeightSyncError(
             "the peer engine's receiver has no destination tensors (load_weights only): "
@@ -97,12 +97,12 @@ def catch_up(peer: ActorHandle, receivers: Sequence[ActorHandle], *,
     from ray_rdt_pool.weights.remote import source_watch
     from ray_rdt_pool.weights.stream import check_relay, new_session
 
-    timeout_s = _timeout(timeout_s)
+    timeout_s = check_timeout(timeout_s)
     check_relay(relay, relay_order)
-    if not _is_actor(peer):
+    if not is_actor(peer):
         raise InvalidInputError(f"catch_up() takes the peer engine's actor handle first, "
                                 f"got {type(peer).__name__}")
-    receivers = _actor_handles(receivers, "catch_up()")
+    receivers = actor_handles(receivers, "catch_up()")
     if any(r._actor_id.hex() == peer._actor_id.hex() for r in receivers):
         raise InvalidInputError("catch_up() got the peer among its receivers: an engine "
                                 "cannot catch up from itself")
@@ -115,7 +115,7 @@ def catch_up(peer: ActorHandle, receivers: Sequence[ActorHandle], *,
     count_ray_calls(1)
     session = new_session(0)
     with source_watch(receivers, receiver_attr, session, timeout_s, "the peer engine"):
-        rep: StreamReport = _wait_moving(
+        rep: StreamReport = wait_moving(
             [peer.__ray_call__.remote(_remote_serve_peer, receiver_attr, list(receivers),
                                       max_inflight, timeout_s, relay, relay_order,
                                       bucket_bytes, key, session)],

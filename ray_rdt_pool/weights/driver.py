@@ -26,18 +26,18 @@ from ray_rdt_pool.weights.pool import count_ray_calls
 from ray_rdt_pool.weights.remote import (
     RECEIVER_ATTR,
     SENDER_ATTR,
-    _actor_handles,
-    _find,
-    _get_all,
-    _is_actor,
-    _remote_load,
-    _timeout,
-    _wait_moving,
+    actor_handles,
+    check_timeout,
+    find_attr,
+    get_all,
+    is_actor,
+    remote_load,
     source_watch,
+    wait_moving,
 )
 from ray_rdt_pool.weights.reports import StreamReport, SyncReport
 from ray_rdt_pool.weights.sender import WeightSender
-from ray_rdt_pool.weights.state import _check_flag
+from ray_rdt_pool.weights.state import check_flag
 from ray_rdt_pool.weights.stream import check_relay, new_session
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 
 def _remote_publish(actor: Any, attr: str, version: int | None = None) -> Manifest:
-    return _find(actor, attr, WeightSender).publish(version=version)
+    return find_attr(actor, attr, WeightSender).publish(version=version)
 
 
 def _remote_stream(actor: Any, attr: str, receivers: list[ActorHandle], receiver_attr: str,
@@ -56,7 +56,7 @@ def _remote_stream(actor: Any, attr: str, receivers: list[ActorHandle], receiver
 
     beat = Beat(beat_key, timeout_s / 4)
     try:
-        return _find(actor, attr, WeightSender)._stream(
+        return find_attr(actor, attr, WeightSender)._stream(
             receivers, version=version, receiver_attr=receiver_attr,
             max_inflight=max_inflight, timeout_s=timeout_s, relay=relay,
             relay_order=relay_order, beat=beat, session=session)
@@ -165,19 +165,19 @@ def sync(trainer: ActorHandle | Sequence[ActorHandle], receivers: Sequence[Actor
     ``"placement"``; one chain per rank with many ranks). ``wait=False`` returns a
     :class:`SyncHandle` at once.
     """
-    timeout_s = _timeout(timeout_s)
+    timeout_s = check_timeout(timeout_s)
     check_relay(relay, relay_order)
-    _check_flag("wait", wait)
+    check_flag("wait", wait)
     if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
         raise InvalidInputError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
     if relay is not None and mode != "stream":
         raise InvalidInputError(f"relay={relay!r} needs mode='stream', got mode={mode!r}")
-    if (not _is_actor(trainer) and isinstance(trainer, Sequence)
+    if (not is_actor(trainer) and isinstance(trainer, Sequence)
             and not isinstance(trainer, (str, bytes))):
         from ray_rdt_pool.weights.ranks import sync_ranks
 
-        ranks = _actor_handles(trainer, "sync() (trainer ranks)")
-        receivers = _actor_handles(receivers, "sync()")
+        ranks = actor_handles(trainer, "sync() (trainer ranks)")
+        receivers = actor_handles(receivers, "sync()")
         if mode not in ("stream", "publish"):
             raise InvalidInputError(f"mode must be 'stream' or 'publish', got {mode!r}")
         if len(ranks) == 1:
@@ -198,10 +198,10 @@ def sync(trainer: ActorHandle | Sequence[ActorHandle], receivers: Sequence[Actor
                                   cancelled=control.check)
 
             return run_ranks(_Control()) if wait else SyncHandle(run_ranks)
-    if not _is_actor(trainer) or isinstance(trainer, Sequence):
+    if not is_actor(trainer) or isinstance(trainer, Sequence):
         raise InvalidInputError(f"sync() takes the trainer's actor handle first, got "
                                 f"{type(trainer).__name__}")
-    receivers = _actor_handles(receivers, "sync()")
+    receivers = actor_handles(receivers, "sync()")
     if mode not in ("stream", "publish"):
         raise InvalidInputError(f"mode must be 'stream' or 'publish', got {mode!r}")
 
@@ -227,7 +227,7 @@ def _sync_one(trainer: ActorHandle, receivers: list[ActorHandle], mode: str,
         control.watch([key])
         session = new_session(version or 0)
         with source_watch(receivers, receiver_attr, session, timeout_s, "the trainer"):
-            rep: StreamReport = _wait_moving(
+            rep: StreamReport = wait_moving(
                 [trainer.__ray_call__.remote(_remote_stream, sender_attr, receivers,
                                              receiver_attr, max_inflight, timeout_s, version,
                                              relay, relay_order, key, session)],
@@ -239,7 +239,7 @@ def _sync_one(trainer: ActorHandle, receivers: list[ActorHandle], mode: str,
     count_ray_calls(1 + len(receivers))
     published = [trainer.__ray_call__.remote(_remote_publish, sender_attr, version)]
     try:
-        manifest: Manifest = _get_all(
+        manifest: Manifest = get_all(
             published, timeout_s,
             f"publishing on the trainer (WeightSender.publish at {sender_attr!r})")[0]
     finally:
@@ -251,11 +251,11 @@ def _sync_one(trainer: ActorHandle, receivers: list[ActorHandle], mode: str,
         control.check()
         keys = [new_key() for _ in receivers]
         control.watch(keys)
-        refs = [r.__ray_call__.remote(_remote_load, receiver_attr, manifest, k,
+        refs = [r.__ray_call__.remote(remote_load, receiver_attr, manifest, k,
                                       timeout_s / 4, timeout_s)
                 for r, k in zip(receivers, keys)]
         try:
-            loads = tuple(_wait_moving(refs, keys, timeout_s,
+            loads = tuple(wait_moving(refs, keys, timeout_s,
                                        "loading the manifest on the receivers"))
         except CommitHookError as e:
             # That receiver committed: wait for the others, to say who else did.

@@ -1,6 +1,6 @@
 """Buckets of failed streams that a receiver may still read: freed once its calls end.
 
-Owns :data:`_LATE`, the one per process, and :class:`_InFlight`, the record of buckets
+Owns :data:`LATE`, the one per process, and :class:`InFlight`, the record of buckets
 in flight that a stream hands over to it. Lifetime: the process; a stream's clean-up
 adds what it could not free, and a daemon thread frees each bucket once every receiver
 call for it has ended (or Ray was shut down), then ends when nothing is left.
@@ -15,13 +15,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ray_rdt_pool.weights.pool import _free_owned
-from ray_rdt_pool.weights.remote import _ended
+from ray_rdt_pool.weights.pool import free_bucket
+from ray_rdt_pool.weights.remote import calls_ended
 
 logger = logging.getLogger(__name__)
 
 
-class _InFlight(NamedTuple):
+class InFlight(NamedTuple):
     """Stream buckets in flight (one, or a run sent together)."""
 
     acks: list[Any]  #: one receiver call per receiver, in receiver order
@@ -45,10 +45,10 @@ class _LateBuckets:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._items: list[_InFlight] = []
+        self._items: list[InFlight] = []
         self._thread: threading.Thread | None = None
 
-    def add(self, items: list[_InFlight], session: str) -> None:
+    def add(self, items: list[InFlight], session: str) -> None:
         logger.warning("stream %s failed while %d bucket(s) were still being read by a "
                        "receiver; they stay in the sender pool until those calls end",
                        session, len(items))
@@ -73,14 +73,14 @@ class _LateBuckets:
             # After ray.shutdown() no receiver call runs any more, and none ends either.
             down = not ray.is_initialized()
             for item in items:
-                if not down and not _ended(item.acks):
+                if not down and not calls_ended(item.acks):
                     continue
                 with self._lock:  # by identity: == on tensors is elementwise
                     self._items = [i for i in self._items if i is not item]
                 if item.kept is not None:
                     item.kept.clear()
                 try:
-                    _free_owned(item.owned)
+                    free_bucket(item.owned)
                 except Exception:
                     logger.warning("freeing a late stream bucket failed", exc_info=True)
             with self._lock:
@@ -89,4 +89,4 @@ class _LateBuckets:
                     return
 
 
-_LATE = _LateBuckets()
+LATE = _LateBuckets()

@@ -20,10 +20,10 @@ import torch
 from ray_rdt_pool.errors import DuplicateTargetError, LoaderError, WeightSyncError
 from ray_rdt_pool.weights.fp8 import dequantize
 from ray_rdt_pool.weights.loadplan import BucketPlan
-from ray_rdt_pool.weights.manifest import PoolBucket, SourceBucket, _dtype_str
+from ray_rdt_pool.weights.manifest import PoolBucket, SourceBucket, dtype_str
 from ray_rdt_pool.weights.reports import BucketReport
 from ray_rdt_pool.weights.state import LoadWeights
-from ray_rdt_pool.weights.validate import _selected_shape
+from ray_rdt_pool.weights.validate import selected_shape
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     Relay = Callable[[BucketPlan, Sequence[torch.Tensor]], None]
 
 
-def _copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """``d.copy_(src)`` for each pair as a load does it: outside autograd, and for a
     destination made under ``torch.inference_mode()`` (an engine's weights, often)
     inside that mode, the only one that lets it be written in place."""
@@ -73,11 +73,11 @@ def _check_arrived(plan: BucketPlan, got: Sequence[torch.Tensor] | None = None,
     from ray_rdt_pool.core.codec import decode
 
     facts = list(decode(wire).shapes_dtypes()) if wire is not None else [
-        (tuple(g.shape), _dtype_str(g.dtype)) for g in got or ()]
+        (tuple(g.shape), dtype_str(g.dtype)) for g in got or ()]
     entries = plan.entries
     # The metadata describes whole tensors; what a partial read returns, the parts.
     whole = wire is not None or plan.select is None
-    want = [(e.shape if whole else _selected_shape(plan.select[e.index], e.shape),  # type: ignore[index]
+    want = [(e.shape if whole else selected_shape(plan.select[e.index], e.shape),  # type: ignore[index]
              e.dtype) for e in entries]
     if len(facts) == len(entries) and all(
             facts[e.index] == (tuple(w), d) for e, (w, d) in zip(entries, want)):
@@ -136,7 +136,7 @@ def load_bucket(plan: BucketPlan, ref: ObjectRef | SourceBucket | PoolBucket,
             # Ray ignored the targets (e.g. one was collected): copy instead.
             direct = False
             _check_arrived(plan, got)
-            _copy_all(zip(plan.targets, got))
+            copy_all(zip(plan.targets, got))
         src = plan.targets
     else:
         got = ray.get(ref)
@@ -153,7 +153,7 @@ def load_bucket(plan: BucketPlan, ref: ObjectRef | SourceBucket | PoolBucket,
                 "the sender, map one of them to None, or untie the destination",
                 [("duplicate", what, "different bytes into one destination tensor")])
     if plan.copies:
-        _copy_all((d, src[idx]) for idx, d in plan.copies)
+        copy_all((d, src[idx]) for idx, d in plan.copies)
     if plan.dequant:
         with torch.no_grad():
             for i, j, block, d in plan.dequant:

@@ -18,20 +18,20 @@ from dataclasses import dataclass, field
 import torch
 
 from ray_rdt_pool.core.selection import Slices
-from ray_rdt_pool.weights.manifest import TensorEntry, WeightLayout, _dtype_of, _itemsize
-from ray_rdt_pool.weights.state import _identity_key
+from ray_rdt_pool.weights.manifest import TensorEntry, WeightLayout, dtype_of, itemsize
+from ray_rdt_pool.weights.state import identity_key
 from ray_rdt_pool.weights.validate import (
+    CheckState,
+    Claims,
     ReceiverOptions,
-    _Check,
-    _check_layout,
-    _Claims,
-    _dests,
-    _missing,
-    _raise,
-    _resolve,
-    _selected_shape,
-    _Target,
-    _ToLoader,
+    Target,
+    ToLoader,
+    check_layout,
+    dest_targets,
+    find_missing,
+    raise_problems,
+    resolve,
+    selected_shape,
 )
 
 
@@ -52,7 +52,7 @@ class BucketPlan:
     entries: list[TensorEntry] = field(default_factory=list)
     #: (idx, dest, what): destinations an earlier bucket of a lazy stream wrote from
     #: another manifest tensor; compared, not written, before anything of the bucket is
-    #: (:class:`_Check`)
+    #: (:class:`CheckState`)
     verify: list[tuple[int, torch.Tensor, str]] = field(default_factory=list)
     #: (idx, scale idx, block, dest): FP8 weights dequantized into their destination
     dequant: list[tuple[int, int, tuple[int, ...], torch.Tensor]] = field(
@@ -82,7 +82,7 @@ def _skip(e: TensorEntry) -> Slices | None:
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.device == b.device and _identity_key(a) == _identity_key(b)
+    return a.device == b.device and identity_key(a) == identity_key(b)
 
 
 def plan_load(opts: ReceiverOptions, layout: WeightLayout) -> LoadPlan:
@@ -91,21 +91,21 @@ def plan_load(opts: ReceiverOptions, layout: WeightLayout) -> LoadPlan:
     Raises a :class:`ManifestMismatchError` subclass listing every problem, or
     :class:`WeightSyncError` for a layout that contradicts itself.
     """
-    _check_layout(layout.entries, layout.buckets)
-    dests = _dests(opts)
+    check_layout(layout.entries, layout.buckets)
+    dests = dest_targets(opts)
     by_name = layout.by_name()
     sources = [(e.name, e) for e in layout.entries if e.scale_of is None]
     sources += [(a, by_name[c]) for a, c in layout.aliases if c in by_name]
     problems: list[tuple[str, str, str]] = []
     claimed: dict[str, str] = {}
-    mem = _Claims()
-    resolved, skipped, selections = _resolve(opts, sources, dests, claimed, problems, mem)
-    _missing(opts, dests, claimed, problems, mem)
-    _raise(problems)
-    return LoadPlan(layout, _plan_buckets(opts, layout, resolved, selections), skipped)
+    mem = Claims()
+    resolved, skipped, selections = resolve(opts, sources, dests, claimed, problems, mem)
+    find_missing(opts, dests, claimed, problems, mem)
+    raise_problems(problems)
+    return LoadPlan(layout, plan_buckets(opts, layout, resolved, selections), skipped)
 
 
-def _plan_buckets(opts: ReceiverOptions, layout: WeightLayout, resolved: Mapping[str, _Target],
+def plan_buckets(opts: ReceiverOptions, layout: WeightLayout, resolved: Mapping[str, Target],
                   selections: Mapping[str, Slices | None] | None = None
                   ) -> list[BucketPlan]:
     selections = selections or {}
@@ -122,8 +122,8 @@ def _plan_buckets(opts: ReceiverOptions, layout: WeightLayout, resolved: Mapping
         dests = [t if isinstance(t, torch.Tensor) else None for t in targets]
         # A bucket that must first be compared with what an earlier bucket wrote into
         # a tied destination is read into the arena, so a refusal writes none of it.
-        checked = any(isinstance(t, _Check) for t in targets) or any(
-            isinstance(resolved.get(a), _Check) for e in entries
+        checked = any(isinstance(t, CheckState) for t in targets) or any(
+            isinstance(resolved.get(a), CheckState) for e in entries
             for a in alias_of.get(e.name, ()))
         land = opts.direct and not checked and all(
             d is not None and _can_land(d, e) for d, e in zip(dests, entries))
@@ -147,26 +147,26 @@ def _plan_buckets(opts: ReceiverOptions, layout: WeightLayout, resolved: Mapping
         if select is not None:
             plan.select = select
             plan.nbytes = sum(
-                math.prod(_selected_shape(sl, e.shape)) * _itemsize(e.torch_dtype)
+                math.prod(selected_shape(sl, e.shape)) * itemsize(e.torch_dtype)
                 for sl, e in zip(select, entries))
         for e, t in zip(entries, targets):
             fp8 = e.block is not None
-            if fp8 and isinstance(t, _ToLoader) and not opts.keep_fp8:
+            if fp8 and isinstance(t, ToLoader) and not opts.keep_fp8:
                 plan.dequant_loads.append((e.index, e.index + 1, e.block, t.name,  # type: ignore[arg-type]
-                                           _dtype_of(e.orig or "float32")))
+                                           dtype_of(e.orig or "float32")))
             elif fp8 and isinstance(t, torch.Tensor) and t.dtype != e.torch_dtype:
                 plan.dequant.append((e.index, e.index + 1, e.block, t))  # type: ignore[arg-type]
-            elif isinstance(t, _ToLoader):
+            elif isinstance(t, ToLoader):
                 plan.loads.append((e.index, t.name))
-            elif isinstance(t, _Check):
+            elif isinstance(t, CheckState):
                 plan.verify.append((e.index, t.dest, t.what))
             elif not land and t is not None:
                 plan.copies.append((e.index, t))
             for a in alias_of.get(e.name, ()):
                 at = resolved.get(a)
-                if isinstance(at, _ToLoader):
+                if isinstance(at, ToLoader):
                     plan.loads.append((e.index, at.name))
-                elif isinstance(at, _Check):
+                elif isinstance(at, CheckState):
                     plan.verify.append((e.index, at.dest, at.what))
                 elif fp8 and isinstance(at, torch.Tensor) and at.dtype != e.torch_dtype:
                     plan.dequant.append((e.index, e.index + 1, e.block, at))  # type: ignore[arg-type]
@@ -177,8 +177,8 @@ def _plan_buckets(opts: ReceiverOptions, layout: WeightLayout, resolved: Mapping
     return plans
 
 
-def _taken(e: TensorEntry, t: _Target, alias_of: Mapping[str, list[str]],
-           resolved: Mapping[str, _Target]) -> bool:
+def _taken(e: TensorEntry, t: Target, alias_of: Mapping[str, list[str]],
+           resolved: Mapping[str, Target]) -> bool:
     """Does any name of entry ``e`` (itself or an alias) have a target?"""
     return t is not None or any(resolved.get(a) is not None
                                 for a in alias_of.get(e.name, ()))

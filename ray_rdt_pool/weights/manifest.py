@@ -30,18 +30,18 @@ DEFAULT_BUCKET_BYTES = 32 << 20
 DEFAULT_WIRE_SCALE: tuple[int, int] = (128, 128)
 
 
-def _dtype_str(dtype: torch.dtype) -> str:
+def dtype_str(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _dtype_of(name: str) -> torch.dtype:
+def dtype_of(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
         raise InvalidInputError(f"dtype {name!r} is not available in this torch build")
     return dt
 
 
-def _itemsize(dtype: torch.dtype) -> int:
+def itemsize(dtype: torch.dtype) -> int:
     # Not torch.empty(0, dtype=dtype).element_size(): under deterministic algorithms
     # torch fills what it allocates, and has no fill for float4_e2m1fn_x2.
     return dtype.itemsize
@@ -66,7 +66,7 @@ class TensorEntry:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _dtype_of(self.dtype)
+        return dtype_of(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ class PoolBucket:
     device: str
 
 
-def _layout_of(specs: Sequence[BucketLayout], bucket_bytes: int) -> WeightLayout:
+def layout_of(specs: Sequence[BucketLayout], bucket_bytes: int) -> WeightLayout:
     return WeightLayout(tuple(e for s in specs for e in s.entries),
                         tuple(s.bucket for s in specs),
                         tuple(a for s in specs for a in s.aliases), bucket_bytes)

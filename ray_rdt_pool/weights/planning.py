@@ -4,7 +4,7 @@ lazy source as its pairs arrive, and the wire dtype of each tensor.
 Owns the bucketing rule (in order, at most ``bucket_bytes`` packed bytes per bucket, a
 larger tensor alone; ties within a bucket become aliases) and ``wire_dtype`` checks.
 Stateless but for :class:`LayoutMemo` (a sender's last layout): :func:`plan_layout`
-returns a new layout, :func:`_iter_buckets` is a generator that holds at most the
+returns a new layout, :func:`iter_buckets` is a generator that holds at most the
 bucket being filled. Runs on the sender's thread.
 """
 
@@ -34,25 +34,25 @@ from ray_rdt_pool.weights.manifest import (
     BucketLayout,
     TensorEntry,
     WeightLayout,
-    _dtype_str,
-    _itemsize,
+    dtype_str,
+    itemsize,
 )
 from ray_rdt_pool.weights.state import (
     StateLike,
     WireDtype,
-    _check_weight,
-    _identity_key,
-    _memory_key,
+    check_weight,
+    identity_key,
+    memory_key,
     named_tensors,
 )
 
 
-def _check_bucket_bytes(bucket_bytes: Any) -> None:
+def check_bucket_bytes(bucket_bytes: Any) -> None:
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise InvalidInputError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
 
 
-def _check_wire_dtype(wire_dtype: WireDtype) -> None:
+def check_wire_dtype(wire_dtype: WireDtype) -> None:
     if wire_dtype is None or callable(wire_dtype):
         return
     if not isinstance(wire_dtype, torch.dtype) or not wire_dtype.is_floating_point:
@@ -66,7 +66,7 @@ def _check_wire_dtype(wire_dtype: WireDtype) -> None:
 def _wire_carries(dt: torch.dtype, name: str | None) -> None:
     from ray_rdt_pool.core.runs import DTYPES
 
-    if _dtype_str(dt) not in DTYPES:
+    if dtype_str(dt) not in DTYPES:
         who = f" for {name!r}" if name is not None else ""
         raise WireDtypeError(f"wire_dtype{who} is {dt}, which the nixl_pool wire does not "
                              f"carry; use one of {', '.join(DTYPES)}", name)
@@ -89,15 +89,15 @@ def _wire_of(wire_dtype: WireDtype, name: str, t: torch.Tensor) -> torch.dtype:
         return t.dtype
     if not isinstance(got, torch.dtype):
         raise WireDtypeError(
-            f"wire_dtype({name!r}, <{_dtype_str(t.dtype)} tensor>) returned "
+            f"wire_dtype({name!r}, <{dtype_str(t.dtype)} tensor>) returned "
             f"{type(got).__name__} {got!r}; return a torch.dtype, or None to send {name!r} "
             "as it is", name)
     _wire_carries(got, name)
     if not torch.can_cast(t.dtype, got):
         raise WireDtypeError(
-            f"wire_dtype asks to send {name!r} ({_dtype_str(t.dtype)}) as "
-            f"{_dtype_str(got)}, a cast down the order bool -> integer -> floating -> "
-            f"complex; return None for {name!r} to send it as {_dtype_str(t.dtype)}", name)
+            f"wire_dtype asks to send {name!r} ({dtype_str(t.dtype)}) as "
+            f"{dtype_str(got)}, a cast down the order bool -> integer -> floating -> "
+            f"complex; return None for {name!r} to send it as {dtype_str(t.dtype)}", name)
     return got
 
 
@@ -123,8 +123,8 @@ def _plan_layout(state: StateLike, bucket_bytes: int, wire_dtype: WireDtype,
                  wire_scale: WireScale = DEFAULT_WIRE_SCALE
                  ) -> tuple[WeightLayout, list[list[torch.Tensor]], list[list[int]]]:
     """:func:`plan_layout`, plus each bucket's positions in ``named_tensors(state)``."""
-    _check_bucket_bytes(bucket_bytes)
-    _check_wire_dtype(wire_dtype)
+    check_bucket_bytes(bucket_bytes)
+    check_wire_dtype(wire_dtype)
     items = named_tensors(state)
     seen: dict[tuple[Any, ...], str] = {}
     aliases: list[tuple[str, str]] = []
@@ -133,7 +133,7 @@ def _plan_layout(state: StateLike, bucket_bytes: int, wire_dtype: WireDtype,
     picks: list[list[int]] = []
     end = 0
     for i, (name, t) in enumerate(items):
-        key = _identity_key(t)
+        key = identity_key(t)
         if t.numel() > 0 and key in seen:
             aliases.append((name, seen[key]))
             continue
@@ -163,7 +163,7 @@ def _plan_layout(state: StateLike, bucket_bytes: int, wire_dtype: WireDtype,
 
 class LayoutMemo:
     """One sender's last :func:`plan_layout`, made again only when a fact of the state
-    it read changed (:func:`_memory_key`) or the bucket size or wire dtype did: each
+    it read changed (:func:`memory_key`) or the bucket size or wire dtype did: each
     sync of one model has the same layout. Holds no tensor, only the layout and each
     bucket's positions in the state. Used by the sender's task thread only."""
 
@@ -178,7 +178,7 @@ class LayoutMemo:
         # A callable wire_dtype may answer otherwise next time: never kept.
         if wire_dtype is None or isinstance(wire_dtype, torch.dtype):
             items = named_tensors(state, None)
-            facts = _memory_key(items)
+            facts = memory_key(items)
             if facts is not None:
                 key = (bucket_bytes, wire_dtype, wire_scale, facts)
             last = self._last
@@ -194,7 +194,7 @@ def _parts(wire: torch.dtype, t: torch.Tensor, wire_scale: WireScale
            ) -> list[tuple[int, int]]:
     """What a tensor sent as ``wire`` puts in its bucket: (item size, elements) of its
     weight and, sent as FP8, of its scales."""
-    parts = [(_itemsize(wire), t.numel())]
+    parts = [(itemsize(wire), t.numel())]
     if _scaled(wire, t):
         parts.append((4, math.prod(scale_shape(t.shape, block_of(t.shape, wire_scale)))))
     return parts
@@ -227,17 +227,17 @@ def _bucket_spec(k: int, group: Sequence[tuple[str, torch.Tensor, torch.dtype]],
         shape = tuple(t.shape)
         if _scaled(w, t):
             block = block_of(shape, wire_scale)
-            entries.append(TensorEntry(name, shape, _dtype_str(w), k, len(entries),
-                                       t.numel(), block, _dtype_str(t.dtype)))
+            entries.append(TensorEntry(name, shape, dtype_str(w), k, len(entries),
+                                       t.numel(), block, dtype_str(t.dtype)))
             sshape = scale_shape(shape, block)
             entries.append(TensorEntry(name + SCALE_SUFFIX, sshape, "float32", k,
                                        len(entries), math.prod(sshape) * 4,
                                        scale_of=name))
         else:
-            entries.append(TensorEntry(name, shape, _dtype_str(w), k, len(entries),
-                                       t.numel() * _itemsize(w)))
+            entries.append(TensorEntry(name, shape, dtype_str(w), k, len(entries),
+                                       t.numel() * itemsize(w)))
     _offsets, total = packed_offsets([e.nbytes for e in entries],
-                                     [_itemsize(e.torch_dtype) for e in entries])
+                                     [itemsize(e.torch_dtype) for e in entries])
     return BucketLayout(Bucket(k, tuple(e.name for e in entries), total), tuple(entries),
                         tuple(aliases))
 
@@ -274,11 +274,11 @@ def quantized(tensors: Sequence[torch.Tensor], entries: Sequence[TensorEntry]
     return out
 
 
-def _conversions(tensors: Sequence[torch.Tensor], entries: Sequence[TensorEntry]
+def conversions(tensors: Sequence[torch.Tensor], entries: Sequence[TensorEntry]
                  ) -> dict[int, torch.dtype]:
     """``id(tensor)`` -> the wire dtype, for the tensors whose entry names another dtype."""
     return {id(t): e.torch_dtype for t, e in zip(tensors, entries)
-            if _dtype_str(t.dtype) != e.dtype}
+            if dtype_str(t.dtype) != e.dtype}
 
 
 @dataclass
@@ -287,7 +287,7 @@ class _Packed:
     tensors: list[torch.Tensor]
 
 
-def _pairs(source: Iterable[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+def named_pairs(source: Iterable[Any]) -> Iterator[tuple[str, torch.Tensor]]:
     for item in source:
         pair = tuple(item) if isinstance(item, (tuple, list)) else None
         if pair is None or len(pair) != 2 or not isinstance(pair[0], str) \
@@ -309,7 +309,7 @@ def _pack(k: int, cur: list[tuple[str, torch.Tensor, torch.dtype]],
     return packed
 
 
-def _iter_buckets(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+def iter_buckets(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
                   wire_dtype: WireDtype = None, wire_scale: WireScale = DEFAULT_WIRE_SCALE
                   ) -> Iterator[_Packed]:
     """Bucket ``pairs`` as they arrive, with :func:`plan_layout`'s rule.
@@ -335,8 +335,8 @@ def _iter_buckets(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
         if name in names:
             raise DuplicateNameError(name, k)
         names.add(name)
-        _check_weight(name, t, "weight")
-        key = _identity_key(t)
+        check_weight(name, t, "weight")
+        key = identity_key(t)
         if t.numel() > 0 and key in keys:
             aliases.append((name, keys[key]))
             continue

@@ -2,9 +2,9 @@
 kept registrations.
 
 Owns the calls into ``ray_rdt_pool._ray.transport`` on the sender's side: pool
-statistics and waits for room (:func:`_wait_for_pool`), stream buckets put as objects a
-stream owns and freed by id (:func:`_owned_bucket`, :func:`_free_owned`), and the
-storage registrations kept for by-reference buckets (:func:`_forget_registrations`).
+statistics and waits for room (:func:`wait_for_pool`), stream buckets put as objects a
+stream owns and freed by id (:func:`owned_bucket`, :func:`free_bucket`), and the
+storage registrations kept for by-reference buckets (:func:`release_registrations`).
 Each imports the transport when called, so importing ``ray_rdt_pool.weights`` loads no
 Ray. Called from the stream's thread and from the late-bucket thread (frees only).
 """
@@ -19,10 +19,10 @@ import torch
 
 from ray_rdt_pool.errors import PoolExhaustedError, WeightSyncTimeoutError, fmt_bytes
 from ray_rdt_pool.weights.manifest import Bucket, PoolBucket, TensorEntry
-from ray_rdt_pool.weights.planning import _conversions, quantized
+from ray_rdt_pool.weights.planning import conversions, quantized
 
 
-def _stats() -> Any:
+def pool_stats() -> Any:
     from ray_rdt_pool import stats
 
     return stats()
@@ -35,8 +35,8 @@ def count_ray_calls(n: int) -> None:
     runtime().events.add("weight_sync_ray_calls", n)
 
 
-def _pool_capacity() -> int:
-    s = _stats()
+def sender_pool_capacity() -> int:
+    s = pool_stats()
     if s.pool_capacity:
         return int(s.pool_capacity)
     from ray_rdt_pool._ray.runtime import runtime
@@ -44,20 +44,20 @@ def _pool_capacity() -> int:
     return int(runtime().config.pool_capacity)
 
 
-def _registration_cache_bytes() -> int:
+def registration_cache_bytes() -> int:
     from ray_rdt_pool._ray.runtime import runtime
 
     return int(runtime().config.registration_cache_bytes)
 
 
-def _forget_registrations(keys: set[Any]) -> None:
+def release_registrations(keys: set[Any]) -> None:
     if keys:
         from ray_rdt_pool._ray.owned import forget_registrations
 
         forget_registrations(keys)
 
 
-def _free_owned(obj_ids: Sequence[str | None]) -> None:
+def free_bucket(obj_ids: Sequence[str | None]) -> None:
     from ray_rdt_pool._ray.owned import free_owned
 
     for oid in obj_ids:
@@ -65,7 +65,7 @@ def _free_owned(obj_ids: Sequence[str | None]) -> None:
             free_owned(oid)
 
 
-def _owned_bucket(obj_id: str, tensors: list[torch.Tensor], entries: Sequence[TensorEntry],
+def owned_bucket(obj_id: str, tensors: list[torch.Tensor], entries: Sequence[TensorEntry],
                   by_reference: bool = False) -> PoolBucket:
     """Put one stream bucket as an object the stream owns: packed into the pool (a
     snapshot; tensors whose entry names another dtype are converted by the pack copy
@@ -75,13 +75,13 @@ def _owned_bucket(obj_id: str, tensors: list[torch.Tensor], entries: Sequence[Te
 
     if not by_reference:
         tensors = quantized(tensors, entries)
-    convert = None if by_reference else _conversions(tensors, entries) or None
+    convert = None if by_reference else conversions(tensors, entries) or None
     wire, device = put_owned(obj_id, tensors, convert, by_reference=by_reference)
     return PoolBucket(obj_id, wire, device)
 
 
-def _too_big(b: Bucket, capacity: int) -> PoolExhaustedError:
-    s = _stats()
+def too_big(b: Bucket, capacity: int) -> PoolExhaustedError:
+    s = pool_stats()
     return PoolExhaustedError(
         b.nbytes, int(s.pool_free) if s.pool_capacity else capacity,
         int(s.pool_largest_free_block) if s.pool_capacity else capacity,
@@ -90,7 +90,7 @@ def _too_big(b: Bucket, capacity: int) -> PoolExhaustedError:
                "pool_bytes (RAY_RDT_POOL_POOL_BYTES) above the largest tensor")
 
 
-def _fits(s: Any, nbytes: int, limit: int, capacity: int, one_block: bool = False) -> bool:
+def bucket_fits(s: Any, nbytes: int, limit: int, capacity: int, one_block: bool = False) -> bool:
     """Does a pack of ``nbytes`` fit the pool (stats ``s``) with its use within ``limit``?"""
     used = s.pool_used if s.pool_capacity else 0
     if not s.pool_capacity:
@@ -102,7 +102,7 @@ def _fits(s: Any, nbytes: int, limit: int, capacity: int, one_block: bool = Fals
     return bool(free >= nbytes and used + nbytes <= limit)
 
 
-def _wait_for_pool(nbytes: int, limit: int, capacity: int, timeout_s: float,
+def wait_for_pool(nbytes: int, limit: int, capacity: int, timeout_s: float,
                    one_block: bool = False) -> float:
     """Block until ``nbytes`` fit the sender pool with its use staying within ``limit``.
 
@@ -111,11 +111,11 @@ def _wait_for_pool(nbytes: int, limit: int, capacity: int, timeout_s: float,
     from ray_rdt_pool._ray.runtime import runtime
 
     def fits(s: Any) -> bool:
-        return _fits(s, nbytes, limit, capacity, one_block)
+        return bucket_fits(s, nbytes, limit, capacity, one_block)
 
     t0 = time.monotonic()
     if runtime().wait_for(fits, timeout_s) is None:
-        s = _stats()
+        s = pool_stats()
         used = s.pool_used if s.pool_capacity else 0
         raise WeightSyncTimeoutError(
             f"for {timeout_s}s the sender pool had {fmt_bytes(int(used))} in use of "

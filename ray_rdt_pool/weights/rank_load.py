@@ -1,6 +1,6 @@
 """A receiver's side of a many-rank sync (see :mod:`.ranks`): its job and its load.
 
-Owns nothing past one call: :class:`_RankedLoad` (what the driver hands each receiver)
+Owns nothing past one call: :class:`RankedLoad` (what the driver hands each receiver)
 is validated whole by :func:`load_ranks`, which reads each bucket from the rank that
 holds it, on up to :data:`MAX_RANK_READS` threads (one per rank), and commits only once
 every byte landed. Runs on the receiver actor's task thread, holding its write lock.
@@ -37,10 +37,10 @@ from ray_rdt_pool.weights.links import (
 )
 from ray_rdt_pool.weights.loadplan import BucketPlan, plan_load
 from ray_rdt_pool.weights.manifest import PoolBucket, SourceBucket, WeightLayout
-from ray_rdt_pool.weights.rank_offer import _piece_name
+from ray_rdt_pool.weights.rank_offer import piece_name
 from ray_rdt_pool.weights.receiving import Relayed
-from ray_rdt_pool.weights.reports import BucketReport, LoadReport, _summarise
-from ray_rdt_pool.weights.validate import ReceiverOptions, _dests, _mapper, _normalize_select
+from ray_rdt_pool.weights.reports import BucketReport, LoadReport, summarise
+from ray_rdt_pool.weights.validate import ReceiverOptions, dest_targets, mapper, normalize_select
 
 if TYPE_CHECKING:
     from ray_rdt_pool.same_node.source import SourceProcess
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class _Sharded:
+class Sharded:
     """A name held by every rank as dim-0 shards: its full shape and, per rank, the rows
     ``[start, stop)`` of the full tensor it holds."""
 
@@ -57,7 +57,7 @@ class _Sharded:
 
 
 @dataclass(frozen=True)
-class _RankedLoad:
+class RankedLoad:
     """One receiver's part of a many-rank sync (what :func:`load_ranks` runs)."""
 
     group: str  #: the sync's id: the receiver's stream session, the signals' topic
@@ -69,18 +69,18 @@ class _RankedLoad:
     rank_of: tuple[int, ...]  #: per merged bucket, the rank that holds it
     local: tuple[int, ...]  #: per merged bucket, its index on that rank
     sources: tuple[SourceProcess | None, ...]  #: per rank
-    sharded: Mapping[str, _Sharded]
+    sharded: Mapping[str, Sharded]
     ranks: int
     counts: tuple[int, ...]  #: per rank, its bucket count
     mds: tuple[bytes, ...]  #: per rank, its signal endpoint
     timeout_s: float
     #: per rank, this receiver's place in that rank's relay chain (None: no relay)
-    chains: tuple[_Chain | None, ...] = ()
+    chains: tuple[Chain | None, ...] = ()
     max_inflight: int = 2  #: snapshots a relaying receiver holds at once, per chain
 
 
 @dataclass(frozen=True)
-class _Chain:
+class Chain:
     """This receiver's place in one rank's relay chain: the receivers before and after
     it (signal endpoints; ``up`` None: it reads from the rank itself)."""
 
@@ -95,7 +95,7 @@ class _Feed:
     published as they arrived and signalled READY to the receiver after it, which says
     HELLO first (a late one gets nothing). Lives for one load; one thread reads it."""
 
-    def __init__(self, job: _RankedLoad, r: int, chain: _Chain) -> None:
+    def __init__(self, job: RankedLoad, r: int, chain: Chain) -> None:
         self.topic = f"{job.group}/{r}"
         self.link = Link(self.topic)
         self.up = self.link.connect(chain.up) if chain.up is not None else None
@@ -191,7 +191,7 @@ class _RankOptions(ReceiverOptions):
     receiver's ``select`` keeps), with the part of the piece to read; a piece it needs
     nothing of maps to None (never read). Other names are the receiver's own."""
 
-    def __init__(self, rec: WeightReceiver, job: _RankedLoad,
+    def __init__(self, rec: WeightReceiver, job: RankedLoad,
                  problems: list[tuple[str, str, str]]) -> None:
         view = rec._view()
         self.load_weights = view.load_weights
@@ -200,14 +200,14 @@ class _RankOptions(ReceiverOptions):
         self.direct = rec.direct
         self.keep_fp8 = rec.keep_fp8
         self.scale_name = rec.scale_name
-        base = _mapper(rec.name_map)
-        dests = _dests(view)
+        base = mapper(rec.name_map)
+        dests = dest_targets(view)
         dest: dict[str, torch.Tensor] = dict(dests)
         pieces: dict[str, str | None] = {}
         parts: dict[str, Slices | None] = {}
         taken: dict[str, str] = {}  # destination name -> the sharded name mapped to it
         for name, sh in job.sharded.items():
-            names = [_piece_name(name, r) for r in range(job.ranks)]
+            names = [piece_name(name, r) for r in range(job.ranks)]
             pieces.update(dict.fromkeys(names))
             try:
                 dn = base(name)
@@ -238,7 +238,7 @@ class _RankOptions(ReceiverOptions):
             sel = None
             if rec.select is not None:
                 try:
-                    sel = _normalize_select(rec.select(name, sh.shape), sh.shape)
+                    sel = normalize_select(rec.select(name, sh.shape), sh.shape)
                 except Exception as err:
                     problems.append(("select", name, f"select({name!r}, {sh.shape}) "
                                      f"failed: {err}"))
@@ -255,11 +255,11 @@ class _RankOptions(ReceiverOptions):
                 x, y = max(a, lo), min(b, hi)
                 if x >= y:
                     continue  # this receiver needs none of rank r's rows
-                key = _piece_name(dn, r)
+                key = piece_name(dn, r)
                 dest[key] = d[x - lo:y - lo]
                 pieces[names[r]] = key
                 part = (slice(x - a, y - a), *(sel[1:] if sel else ()))
-                parts[names[r]] = _normalize_select(part, (b - a, *sh.shape[1:]))
+                parts[names[r]] = normalize_select(part, (b - a, *sh.shape[1:]))
         self.dest = dest
         self.name_map = lambda n: pieces[n] if n in pieces else base(n)
         user = rec.select
@@ -274,20 +274,20 @@ class _RankOptions(ReceiverOptions):
             self.select = select
 
 
-def _remote_load_ranks(actor: Any, attr: str, job: _RankedLoad) -> LoadReport:
+def remote_load_ranks(actor: Any, attr: str, job: RankedLoad) -> LoadReport:
     from ray_rdt_pool.weights.receiver import WeightReceiver
-    from ray_rdt_pool.weights.remote import _find
+    from ray_rdt_pool.weights.remote import find_attr
 
-    return load_ranks(_find(actor, attr, WeightReceiver), job)
+    return load_ranks(find_attr(actor, attr, WeightReceiver), job)
 
 
-def load_ranks(rec: WeightReceiver, job: _RankedLoad) -> LoadReport:
+def load_ranks(rec: WeightReceiver, job: RankedLoad) -> LoadReport:
     """Validate the merged layout whole, say HELLO to every rank and wait for its GO,
     then read each bucket from its rank and say BYE. Commits nothing: the receiver holds
     the sync as a stream (``job.group``) that the driver's commit call finishes once
     every receiver and rank is done. A failure signals FAIL to the ranks; buckets read
     before it stay written, the version stays."""
-    from ray_rdt_pool.weights.validate import _raise
+    from ray_rdt_pool.weights.validate import raise_problems
 
     link = Link(job.group)
     ranks = [link.connect(md) for md in job.mds]
@@ -298,7 +298,7 @@ def load_ranks(rec: WeightReceiver, job: _RankedLoad) -> LoadReport:
         try:
             problems: list[tuple[str, str, str]] = []
             opts = _RankOptions(rec, job, problems)
-            _raise(problems)
+            raise_problems(problems)
             try:
                 plan = plan_load(opts, job.layout)
             except ManifestMismatchError as e:
@@ -348,10 +348,10 @@ def load_ranks(rec: WeightReceiver, job: _RankedLoad) -> LoadReport:
         raise
     finally:
         link.close()
-    return _summarise(v, sorted(reports, key=lambda x: x.bucket), plan.skipped)
+    return summarise(v, sorted(reports, key=lambda x: x.bucket), plan.skipped)
 
 
-def _hello(link: Link, ranks: list[str], job: _RankedLoad) -> None:
+def _hello(link: Link, ranks: list[str], job: RankedLoad) -> None:
     """Say HELLO to every rank and wait for each one's GO: a rank that gave the sync up
     (this receiver came late) answers nothing, or ABORT, and nothing is read."""
     import time
@@ -379,7 +379,7 @@ def _hello(link: Link, ranks: list[str], job: _RankedLoad) -> None:
             deadline = time.monotonic() + job.timeout_s
 
 
-def _read_ranks(rec: WeightReceiver, job: _RankedLoad, todo: Mapping[int, list[BucketPlan]],
+def _read_ranks(rec: WeightReceiver, job: RankedLoad, todo: Mapping[int, list[BucketPlan]],
                 readable: Mapping[int, bool], done: Callable[[int, int], None],
                 feeds: Mapping[int, _Feed]) -> list[BucketReport]:
     """Load every bucket of ``todo``: one thread per rank (at most

@@ -2,15 +2,16 @@
 serve.
 
 Owns the offers a rank holds, per sync, in its :class:`WeightSender` (``_offers``),
-from :func:`_remote_offer` (its layout and one message per bucket, read in place or
-packed) until its :func:`_remote_serve` ends: the serve answers each receiver's
+from :func:`remote_offer` (its layout and one message per bucket, read in place or
+packed) until its :func:`remote_serve` ends: the serve answers each receiver's
 ``HELLO`` with ``GO`` (only then may it read), takes their progress, and frees the offer
 once every receiver said ``BYE``. A serve that fails (a receiver failed or died,
 nothing moved for ``timeout_s``) signals ``ABORT``, and lets go of what a receiver that
 got ``GO`` may still read only once that receiver's call ends. An offer whose serve never
-came (its driver died) is freed after ``2 * timeout_s``, at this sender's next offer,
-stream or publish. Also the ``shard=`` check and the name a dim-0 shard travels under
-(:func:`_piece_name`). Runs on the rank's task thread.
+came (its driver died) is freed after ``2 * timeout_s``, at this sender's next offer or
+stream. The sender keeps the offers and its versions itself (its ``_hold_offer``,
+``_take_offer``, ``_served``); this module only makes and serves them. Also the name a
+dim-0 shard travels under (:func:`piece_name`). Runs on the rank's task thread.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ray_rdt_pool.errors import (
     WeightSyncError,
     WeightSyncTimeoutError,
 )
-from ray_rdt_pool.weights.late import _LATE, _InFlight
+from ray_rdt_pool.weights.late import LATE, InFlight
 from ray_rdt_pool.weights.links import ABORT, BYE, DONE, FAIL, GO, HELLO, Link, mailbox
 from ray_rdt_pool.weights.manifest import PoolBucket, TensorEntry, WeightLayout
 
@@ -39,27 +40,13 @@ if TYPE_CHECKING:
 CHECK_CALLS_S = 0.05
 
 
-def _check_shard(shard: Any) -> tuple[int, int] | None:
-    """``WeightSender(shard=)`` as ``(rank, world)``, or InvalidInputError."""
-    if shard is None:
-        return None
-    ok = (isinstance(shard, (tuple, list)) and len(shard) == 2
-          and all(isinstance(x, int) and not isinstance(x, bool) for x in shard)
-          and 0 <= shard[0] < shard[1])
-    if not ok:
-        raise InvalidInputError(f"shard must be (rank, world) with 0 <= rank < world, got "
-                                f"{shard!r}; e.g. shard=(dist.get_rank(), "
-                                "dist.get_world_size())")
-    return int(shard[0]), int(shard[1])
-
-
-def _piece_name(name: str, rank: int) -> str:
+def piece_name(name: str, rank: int) -> str:
     """The name rank ``rank``'s dim-0 shard of ``name`` travels under."""
     return f"{name}@rank{rank}"
 
 
 @dataclass(frozen=True)
-class _Offer:
+class Offer:
     """What one rank offers for a sync: its layout and one message per bucket."""
 
     version: int  #: the version this rank would use (the driver takes the highest)
@@ -84,7 +71,7 @@ class _Held:
 
     group: str
     version: int
-    deadline: float  #: monotonic: freed by release_stale after this, if not served
+    deadline: float  #: monotonic: freed by the sender after this, if not served
     kept: list[torch.Tensor] = field(default_factory=list)
     owned: list[str] = field(default_factory=list)
     refs: list[Any] = field(default_factory=list)
@@ -92,49 +79,39 @@ class _Held:
     serving: bool = False
 
     def release(self) -> None:
-        from ray_rdt_pool.weights.pool import _free_owned
+        from ray_rdt_pool.weights.pool import free_bucket
 
         self.kept.clear()
         self.refs.clear()
-        _free_owned(self.owned)
+        free_bucket(self.owned)
         self.owned.clear()
 
 
-def release_stale(sender: WeightSender) -> None:
-    """Free the offers of ``sender`` whose serve never came in time (a driver died
-    between its offer and its serve)."""
-    now = time.monotonic()
-    for group, held in list(sender._offers.items()):
-        if not held.serving and now >= held.deadline:
-            del sender._offers[group]
-            held.release()
-
-
-def _remote_offer(actor: Any, attr: str, group: str, version: int | None, mode: str,
-                  timeout_s: float) -> _Offer:
+def remote_offer(actor: Any, attr: str, group: str, version: int | None, mode: str,
+                  timeout_s: float) -> Offer:
     """On a trainer rank: plan its part and make every bucket's message (see module)."""
     from ray_rdt_pool.registry import storage_key
     from ray_rdt_pool.weights.pool import (
-        _owned_bucket,
-        _pool_capacity,
-        _registration_cache_bytes,
-        _stats,
-        _too_big,
+        owned_bucket,
+        pool_stats,
+        registration_cache_bytes,
+        sender_pool_capacity,
+        too_big,
     )
-    from ray_rdt_pool.weights.remote import _find
+    from ray_rdt_pool.weights.remote import find_attr
     from ray_rdt_pool.weights.sender import WeightSender
-    from ray_rdt_pool.weights.stream import _source_readable
+    from ray_rdt_pool.weights.stream import source_readable
 
-    sender: WeightSender = _find(actor, attr, WeightSender)
-    release_stale(sender)
+    sender: WeightSender = find_attr(actor, attr, WeightSender)
+    sender._release_stale_offers()
     md = mailbox().metadata()
     v = sender._next_version(version)
     held = _Held(group, v, time.monotonic() + 2 * timeout_s)
     if mode == "publish":
         m = sender._publish(None, v, False)
         held.refs.extend(m.refs)
-        sender._offers[group] = held
-        return _Offer(v, m.layout, sender.shard, tuple(m.refs), (None,) * len(m.refs),
+        sender._hold_offer(group, held)
+        return Offer(v, m.layout, sender.shard, tuple(m.refs), (None,) * len(m.refs),
                       None, m.sender_pool_used, 0, md)
     from ray_rdt_pool.weights.planning import plan_layout
 
@@ -150,15 +127,15 @@ def _remote_offer(actor: Any, attr: str, group: str, version: int | None, mode: 
     for e in layout.entries:
         per_bucket[e.bucket].append(e)
     by_ref = (sender.source_reads
-              and layout.total_bytes <= _registration_cache_bytes())
+              and layout.total_bytes <= registration_cache_bytes())
     packed = [b for b, g, es in zip(layout.buckets, groups, per_bucket)
-              if not (by_ref and _source_readable(g, es))]
-    capacity = _pool_capacity()
-    free = capacity - int(_stats().pool_used)
+              if not (by_ref and source_readable(g, es))]
+    capacity = sender_pool_capacity()
+    free = capacity - int(pool_stats().pool_used)
     need = sum(b.nbytes for b in packed)
     for b in packed:
         if b.nbytes > capacity:
-            raise _too_big(b, capacity)
+            raise too_big(b, capacity)
     if need > free:
         raise PoolExhaustedError(
             need, free, free, capacity,
@@ -176,8 +153,8 @@ def _remote_offer(actor: Any, attr: str, group: str, version: int | None, mode: 
     try:
         for k, (g, es) in enumerate(zip(groups, per_bucket)):
             oid = f"wr:{group}/{k}"
-            ref = by_ref and _source_readable(g, es)
-            boxes.append(_owned_bucket(oid, g, es, by_reference=ref))
+            ref = by_ref and source_readable(g, es)
+            boxes.append(owned_bucket(oid, g, es, by_reference=ref))
             held.owned.append(oid)
             if ref:
                 held.kept.extend(g)
@@ -189,35 +166,33 @@ def _remote_offer(actor: Any, attr: str, group: str, version: int | None, mode: 
         held.release()
         raise
     groups.clear()
-    sender._offers[group] = held
-    sender._used = max(sender._used, v)
-    return _Offer(v, layout, sender.shard, tuple(boxes), tuple(addrs), src,
-                  int(_stats().pool_used), sum(a is not None for a in addrs), md)
+    sender._hold_offer(group, held, v)
+    return Offer(v, layout, sender.shard, tuple(boxes), tuple(addrs), src,
+                  int(pool_stats().pool_used), sum(a is not None for a in addrs), md)
 
 
-def _remote_release(actor: Any, attr: str, group: str) -> None:
+def remote_release(actor: Any, attr: str, group: str) -> None:
     """On a trainer rank: drop the offer of a sync that ended before it was served
     (nothing was signalled ``GO``, so no receiver reads it)."""
-    from ray_rdt_pool.weights.remote import _find
+    from ray_rdt_pool.weights.remote import find_attr
     from ray_rdt_pool.weights.sender import WeightSender
 
-    sender = _find(actor, attr, WeightSender)
-    held = sender._offers.pop(group, None)
+    sender = find_attr(actor, attr, WeightSender)
+    held = sender._take_offer(group)
     if held is not None:
         held.release()
 
 
-def _remote_serve(actor: Any, attr: str, group: str, calls: list[list[Any]],
+def remote_serve(actor: Any, attr: str, group: str, calls: list[list[Any]],
                   expect: list[int], timeout_s: float) -> None:
     """On a trainer rank: serve its offer to the receivers ``expect`` of sync ``group``
     (``calls[0]``: every receiver's load call, in receiver order; a relay's chain reads
     from its first receiver only), then free it (see module)."""
-    from ray_rdt_pool.weights.pool import _forget_registrations
-    from ray_rdt_pool.weights.remote import _find
+    from ray_rdt_pool.weights.remote import find_attr
     from ray_rdt_pool.weights.sender import WeightSender
 
-    sender: WeightSender = _find(actor, attr, WeightSender)
-    held = sender._offers.get(group)
+    sender: WeightSender = find_attr(actor, attr, WeightSender)
+    held = sender._offer(group)
     if held is None:
         raise WeightSyncError(
             f"the offer of many-rank sync {group} is gone from this rank: it waited more "
@@ -227,19 +202,14 @@ def _remote_serve(actor: Any, attr: str, group: str, calls: list[list[Any]],
     try:
         serve.run()
     except BaseException:
-        del sender._offers[group]
+        sender._take_offer(group)
         serve.abort(held)
         raise
     finally:
         serve.link.close()
-    del sender._offers[group]
+    sender._take_offer(group)
     held.release()
-    # Storages no longer sent by reference (replaced tensors) need not stay
-    # registered; the rest stay for the next sync.
-    if held.ref_keys or sender._ref_keys:
-        _forget_registrations(sender._ref_keys - held.ref_keys)
-        sender._ref_keys = held.ref_keys
-    sender.version = max(sender.version, held.version)
+    sender._served(held.version, held.ref_keys)
 
 
 class _Serve:
@@ -311,5 +281,5 @@ class _Serve:
         if not readers:
             held.release()
             return
-        _LATE.add([_InFlight(readers, held.kept, held.owned)], held.group)
+        LATE.add([InFlight(readers, held.kept, held.owned)], held.group)
         held.refs.clear()

@@ -1,17 +1,17 @@
 """Many trainer ranks: one sync whose model is spread over several trainer actors.
 
 Owns :func:`sync_ranks` (what :func:`~ray_rdt_pool.weights.sync` runs for a list of
-trainers) and its three steps. Each rank *offers* its part (:func:`_remote_offer`: its
+trainers) and its three steps. Each rank *offers* its part (:func:`remote_offer`: its
 layout and one message per bucket, read in place or packed). The driver merges the
 offers into one model (:func:`_merge`: names held by one rank, dim-0 shards of a name
 held by every rank of a ``shard=(rank, world)`` world) and hands every receiver its
-load (:class:`_RankedLoad`), which :func:`load_ranks` validates whole, reads bucket by
+load (:class:`RankedLoad`), which :func:`load_ranks` validates whole, reads bucket by
 bucket from the rank that holds it, and commits only once every byte landed. Each rank
 meanwhile *holds* (:func:`_remote_hold`): it waits for the receivers' loads, so its
 tensors stay unchanged under their reads, then frees what it offered.
 
 A shard of name ``n`` from rank ``r`` travels as its own tensor, named
-:func:`_piece_name`; a receiver writes it into rows of its destination tensor (or the
+:func:`piece_name`; a receiver writes it into rows of its destination tensor (or the
 part of them its ``select`` keeps), and reads nothing of a shard it does not need.
 
 The rank's side lives in :mod:`.rank_offer`, the receiver's in :mod:`.rank_load`; this
@@ -38,20 +38,20 @@ from ray_rdt_pool.errors import (
 from ray_rdt_pool.weights.fp8 import SCALE_SUFFIX
 from ray_rdt_pool.weights.manifest import Bucket, TensorEntry, WeightLayout
 from ray_rdt_pool.weights.pool import count_ray_calls
-from ray_rdt_pool.weights.rank_load import _Chain, _RankedLoad, _remote_load_ranks, _Sharded
+from ray_rdt_pool.weights.rank_load import Chain, RankedLoad, Sharded, remote_load_ranks
 from ray_rdt_pool.weights.rank_offer import (
-    _Offer,
-    _piece_name,
-    _remote_offer,
-    _remote_release,
-    _remote_serve,
+    Offer,
+    piece_name,
+    remote_offer,
+    remote_release,
+    remote_serve,
 )
 from ray_rdt_pool.weights.remote import (
-    _get_all,
-    _remote_abort,
-    _remote_finish,
-    _remote_md,
-    _wait_quietly,
+    get_all,
+    remote_abort,
+    remote_finish,
+    remote_md,
+    wait_quietly,
 )
 from ray_rdt_pool.weights.reports import LoadReport, SyncReport
 from ray_rdt_pool.weights.stream import commit_all
@@ -67,11 +67,11 @@ class _Merged:
 
     entries: list[list[TensorEntry]]
     aliases: list[list[tuple[str, str]]]
-    sharded: dict[str, _Sharded]
+    sharded: dict[str, Sharded]
     total_bytes: int
 
 
-def _merge(offers: Sequence[_Offer]) -> _Merged:
+def _merge(offers: Sequence[Offer]) -> _Merged:
     """Check that the ranks' parts add up to one model and rename shards to pieces;
     RankOverlapError / RankMissingError name the tensor and the ranks."""
     m = len(offers)
@@ -95,7 +95,7 @@ def _merge(offers: Sequence[_Offer]) -> _Merged:
             holders.setdefault(a, []).append(r)
             ce = by_name[c]
             facts[(a, r)] = (ce.shape, ce.dtype)
-    sharded: dict[str, _Sharded] = {}
+    sharded: dict[str, Sharded] = {}
     for name, rs in holders.items():
         if len(rs) == 1:
             continue
@@ -125,8 +125,8 @@ def _merge(offers: Sequence[_Offer]) -> _Merged:
         for s, _d in shapes:
             rows.append((start, start + s[0]))
             start += s[0]
-        sharded[name] = _Sharded((start, *s0[1:]), tuple(rows))
-    pieces = {_piece_name(n, r) for n in sharded for r in range(m)}
+        sharded[name] = Sharded((start, *s0[1:]), tuple(rows))
+    pieces = {piece_name(n, r) for n in sharded for r in range(m)}
     clash = sorted(pieces & set(holders))
     if clash:
         raise RankOverlapError(f"tensor {clash[0]!r} has the name a shard travels under; "
@@ -138,8 +138,8 @@ def _merge(offers: Sequence[_Offer]) -> _Merged:
 
         def rename(n: str, r: int = r) -> str:
             if n.endswith(SCALE_SUFFIX) and n[:-len(SCALE_SUFFIX)] in sharded:
-                return _piece_name(n[:-len(SCALE_SUFFIX)], r) + SCALE_SUFFIX
-            return _piece_name(n, r) if n in sharded else n
+                return piece_name(n[:-len(SCALE_SUFFIX)], r) + SCALE_SUFFIX
+            return piece_name(n, r) if n in sharded else n
 
         entries.append([dataclasses.replace(
             e, name=rename(e.name), scale_of=None if e.scale_of is None else rename(e.scale_of))
@@ -170,9 +170,9 @@ def chains(m: int, n: int) -> list[list[int]]:
     return [[(r * n // m + p) % n for p in range(n)] for r in range(m)]
 
 
-def _receiver_load(merged: _Merged, offers: Sequence[_Offer], version: int, j: int,
+def _receiver_load(merged: _Merged, offers: Sequence[Offer], version: int, j: int,
                    bucket_bytes: int, group: str, timeout_s: float,
-                   roles: tuple[_Chain | None, ...], max_inflight: int) -> _RankedLoad:
+                   roles: tuple[Chain | None, ...], max_inflight: int) -> RankedLoad:
     counts = [len(o.layout.buckets) for o in offers]
     order = _order(counts, j)
     entries: list[TensorEntry] = []
@@ -183,7 +183,7 @@ def _receiver_load(merged: _Merged, offers: Sequence[_Offer], version: int, j: i
         entries.extend(dataclasses.replace(e, bucket=g) for e in es)
     layout = WeightLayout(tuple(entries), tuple(buckets),
                           tuple(a for al in merged.aliases for a in al), bucket_bytes)
-    return _RankedLoad(group, j, version, layout,
+    return RankedLoad(group, j, version, layout,
                        tuple(offers[r].boxes[k] for r, k in order),
                        tuple(offers[r].addrs[k] for r, k in order),
                        tuple(r for r, _k in order), tuple(k for _r, k in order),
@@ -220,12 +220,12 @@ def sync_ranks(trainers: Sequence[ActorHandle], receivers: list[ActorHandle], *,
 
     t0 = time.perf_counter()
     group = uuid.uuid4().hex[:12]
-    calls = [t.__ray_call__.remote(_remote_offer, sender_attr, group, version, mode,
+    calls = [t.__ray_call__.remote(remote_offer, sender_attr, group, version, mode,
                                    timeout_s)
              for t in trainers]
     ray_calls = len(calls)
     ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
-    offers: list[_Offer | None] = []
+    offers: list[Offer | None] = []
     failure: BaseException | None = None
     for r, c in enumerate(calls):
         try:
@@ -250,33 +250,33 @@ def sync_ranks(trainers: Sequence[ActorHandle], receivers: list[ActorHandle], *,
         ok = [o for o in offers if o is not None]
         merged = _merge(ok)
     except BaseException:
-        _wait_quietly([t.__ray_call__.remote(_remote_release, sender_attr, group)
+        wait_quietly([t.__ray_call__.remote(remote_release, sender_attr, group)
                        for _r, t in offered], min(timeout_s, 30.0))
         raise
     bb = max(o.layout.bucket_bytes for o in ok)
     n, m = len(receivers), len(ok)
-    roles: list[list[_Chain | None]] = [[None] * m for _ in receivers]
+    roles: list[list[Chain | None]] = [[None] * m for _ in receivers]
     expect = [list(range(n)) for _ in ok]
     if relay is not None:
         try:
-            mds = _get_all([r.__ray_call__.remote(_remote_md) for r in receivers],
+            mds = get_all([r.__ray_call__.remote(remote_md) for r in receivers],
                            timeout_s, "asking the receivers for their signal endpoints")
         except BaseException:
-            _wait_quietly([t.__ray_call__.remote(_remote_release, sender_attr, group)
+            wait_quietly([t.__ray_call__.remote(remote_release, sender_attr, group)
                            for _r, t in offered], min(timeout_s, 30.0))
             raise
         ray_calls += n
         for r, chain in enumerate(chains(m, n)):
             expect[r] = chain[:1]
             for p, j in enumerate(chain):
-                roles[j][r] = _Chain(mds[chain[p - 1]] if p else None,
+                roles[j][r] = Chain(mds[chain[p - 1]] if p else None,
                                      mds[chain[p + 1]] if p < n - 1 else None)
     loads = [rec.__ray_call__.remote(
-        _remote_load_ranks, receiver_attr,
+        remote_load_ranks, receiver_attr,
         _receiver_load(merged, ok, v, j, bb, group, timeout_s,
                        tuple(roles[j]) if relay is not None else (), max_inflight))
         for j, rec in enumerate(receivers)]
-    serves = [t.__ray_call__.remote(_remote_serve, sender_attr, group, [loads], expect[r],
+    serves = [t.__ray_call__.remote(remote_serve, sender_attr, group, [loads], expect[r],
                                     timeout_s)
               for r, t in enumerate(trainers)]
     ray_calls += len(loads) + len(serves)
@@ -290,7 +290,7 @@ def sync_ranks(trainers: Sequence[ActorHandle], receivers: list[ActorHandle], *,
     count = sum(len(o.layout.buckets) for o in ok)
     # A receiver commits by then or never (see StreamSession._commit).
     deadline = time.time() + timeout_s
-    finishes = [rec.__ray_call__.remote(_remote_finish, receiver_attr, group, count,
+    finishes = [rec.__ray_call__.remote(remote_finish, receiver_attr, group, count,
                                         deadline)
                 for rec in receivers]
     ray_calls += len(finishes)
@@ -342,10 +342,10 @@ def _abort(receivers: Sequence[ActorHandle], serves: list[Any], receiver_attr: s
     """After a failure: let the serves end (a rank signals ABORT to the receivers it
     served, and keeps what one may still read until its load ends), then have every
     receiver drop the sync (after its load: nothing commits it)."""
-    _wait_quietly(serves, min(timeout_s, 30.0))
+    wait_quietly(serves, min(timeout_s, 30.0))
     for rec in receivers:
         try:
-            rec.__ray_call__.remote(_remote_abort, receiver_attr, group)
+            rec.__ray_call__.remote(remote_abort, receiver_attr, group)
         except Exception:
             pass
 

@@ -32,7 +32,7 @@ from ray_rdt_pool.errors import (
     WeightSyncTimeoutError,
 )
 from ray_rdt_pool.weights.loading import load_bucket
-from ray_rdt_pool.weights.loadplan import BucketPlan, LoadPlan, _plan_buckets, plan_load
+from ray_rdt_pool.weights.loadplan import BucketPlan, LoadPlan, plan_buckets, plan_load
 from ray_rdt_pool.weights.manifest import (
     BucketLayout,
     Manifest,
@@ -40,7 +40,7 @@ from ray_rdt_pool.weights.manifest import (
     SourceBucket,
     WeightLayout,
 )
-from ray_rdt_pool.weights.reports import BucketReport, LoadReport, _ranges, _summarise
+from ray_rdt_pool.weights.reports import BucketReport, LoadReport, ranges, summarise
 from ray_rdt_pool.weights.staging import STAGINGS, ServingLock, Shadow
 from ray_rdt_pool.weights.state import (
     Casting,
@@ -48,19 +48,19 @@ from ray_rdt_pool.weights.state import (
     NameMap,
     Select,
     StateLike,
-    _check_flag,
-    _memory_key,
+    check_flag,
+    memory_key,
     named_tensors,
 )
 from ray_rdt_pool.weights.validate import (
-    _check_layout,
-    _Claims,
-    _dests,
-    _mapper,
-    _missing,
-    _raise,
-    _resolve,
+    Claims,
     can_cast,
+    check_layout,
+    dest_targets,
+    find_missing,
+    mapper,
+    raise_problems,
+    resolve,
 )
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ class _Stream:
     reserved: bool = True
     draining: bool = False
     #: lazy: destination memory written so far, across buckets (see :class:`_Check`)
-    mem: _Claims = field(default_factory=_Claims)
+    mem: Claims = field(default_factory=Claims)
     #: the sender process this receiver accepted source-read buckets from, if any
     source: SourceProcess | None = None
     #: a relayed stream's hook, handed each bucket once it is written (see weights.relay)
@@ -164,9 +164,9 @@ class WeightReceiver:
         if select is not None and not callable(select):
             raise InvalidInputError(f"select must be callable (name, full_shape) -> slices | "
                                     f"None, got {type(select).__name__}")
-        _check_flag("strict", strict)
-        _check_flag("direct", direct)
-        _check_flag("keep_fp8", keep_fp8)
+        check_flag("strict", strict)
+        check_flag("direct", direct)
+        check_flag("keep_fp8", keep_fp8)
         if scale_name is not None and not callable(scale_name):
             raise InvalidInputError(f"scale_name must be callable (name) -> name, got "
                                     f"{type(scale_name).__name__}")
@@ -184,7 +184,7 @@ class WeightReceiver:
         if dest is not None:
             named_tensors(dest, "destination tensor")  # validate early
         can_cast(torch.float32, torch.float32, casting)
-        _mapper(name_map)
+        mapper(name_map)
         self.dest = dest
         self.load_weights = load_weights
         self.name_map = name_map
@@ -351,7 +351,7 @@ class WeightReceiver:
         """What :meth:`check` reads besides the layout, or None when it cannot be told."""
         if self.select is not None or callable(self.name_map):
             return None
-        dest = _memory_key(named_tensors(self.dest, None)) if self.dest is not None else ()
+        dest = memory_key(named_tensors(self.dest, None)) if self.dest is not None else ()
         if dest is None:
             return None
         names = tuple(self.name_map.items()) if self.name_map is not None else None
@@ -413,7 +413,7 @@ class WeightReceiver:
         ``before_commit()`` before the version is committed (a driver's wait: either may
         raise to stop the load); the commit waits at most ``commit_wait_s`` for the
         serving sections in progress (the driver stops waiting after that)."""
-        _check_flag("release", release)
+        check_flag("release", release)
         if not isinstance(manifest, Manifest):
             raise InvalidInputError(f"load() takes a Manifest (from WeightSender.publish), "
                                     f"got {type(manifest).__name__}")
@@ -458,7 +458,7 @@ class WeightReceiver:
             del box
             if progress is not None:
                 progress()
-        return _summarise(manifest.version, reports, plan.skipped)
+        return summarise(manifest.version, reports, plan.skipped)
 
     async def load_async(self, manifest: Manifest, *, release: bool = True) -> LoadReport:
         """:meth:`load` in a worker thread, for ``async def`` actor methods.
@@ -668,19 +668,19 @@ class WeightReceiver:
         if spec.bucket.index != k:
             raise WeightSyncError(f"bucket {k} arrived with the layout of bucket "
                                   f"{spec.bucket.index}")
-        _check_layout(spec.entries, (spec.bucket,), k)
+        check_layout(spec.entries, (spec.bucket,), k)
         by_name = {e.name: e for e in spec.entries}
         sources = [(e.name, e) for e in spec.entries if e.scale_of is None]
         sources += [(a, by_name[c]) for a, c in spec.aliases if c in by_name]
         problems: list[tuple[str, str, str]] = []
         claimed, mem = dict(st.claimed), st.mem.copy()
         view = self._view()
-        resolved, skipped, selections = _resolve(view, sources, _dests(view), claimed,
+        resolved, skipped, selections = resolve(view, sources, dest_targets(view), claimed,
                                                  problems, mem, lazy=True)
-        _raise(problems, f"bucket {k} was not written; bucket(s) {_ranges(range(k))} "
+        raise_problems(problems, f"bucket {k} was not written; bucket(s) {ranges(range(k))} "
                          f"were, and the version stays {self._version}")
         layout = WeightLayout(spec.entries, (spec.bucket,), spec.aliases)
-        rep = self._load_bucket(_plan_buckets(view, layout, resolved, selections)[0], ref,
+        rep = self._load_bucket(plan_buckets(view, layout, resolved, selections)[0], ref,
                                 st.source, *extra)
         st.claimed, st.mem, st.skipped = claimed, mem, st.skipped + skipped
         return rep
@@ -709,10 +709,10 @@ class WeightReceiver:
             problems: list[tuple[str, str, str]] = []
             if st.plan is None:
                 view = self._view()
-                _missing(view, _dests(view), st.claimed, problems, st.mem)
+                find_missing(view, dest_targets(view), st.claimed, problems, st.mem)
             if problems:
                 self._drop_locked(st, "destination tensors received nothing")
-            _raise(problems, f"all {buckets} bucket(s) were written, but the version "
+            raise_problems(problems, f"all {buckets} bucket(s) were written, but the version "
                              f"stays {self._version}")
             wait_s = None if deadline is None else deadline - time.time()
             try:

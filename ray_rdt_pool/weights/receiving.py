@@ -38,7 +38,7 @@ from ray_rdt_pool.weights.links import (
     box_body,
 )
 from ray_rdt_pool.weights.manifest import PoolBucket
-from ray_rdt_pool.weights.pool import _free_owned
+from ray_rdt_pool.weights.pool import free_bucket
 
 if TYPE_CHECKING:
     import torch
@@ -95,7 +95,7 @@ class Relayed:
             gone = [k for k in self.held if upto is None or k <= upto]
             oids = [self.held.pop(k).obj_id for k in gone]
             self.snapshots.difference_update(gone)
-        _free_owned(oids)
+        free_bucket(oids)
 
 
 #: The most snapshots a receiver held for its successor in its last relayed stream.

@@ -4,8 +4,8 @@ the checks and waits around such calls.
 Owns the functions a trainer's stream (and the driver's :func:`~ray_rdt_pool.weights.sync`)
 runs on a receiver actor through ``ActorHandle.__ray_call__`` (``_remote_*``: each finds
 the actor's :class:`WeightReceiver` by attribute name), the actor-handle and timeout
-checks, and the waits on such calls (:func:`_get_all` raises a typed timeout,
-:func:`_wait_quietly` never raises, :func:`_ended` never blocks). Stateless. The
+checks, and the waits on such calls (:func:`get_all` raises a typed timeout,
+:func:`wait_quietly` never raises, :func:`calls_ended` never blocks). Stateless. The
 ``_remote_*`` functions run on the receiver actor's task thread (or event loop); the
 rest on the caller's thread.
 """
@@ -42,11 +42,11 @@ SENDER_ATTR = "weight_sender"
 RECEIVER_ATTR = "weight_receiver"
 
 
-def _actor_handles(receivers: Any, what: str) -> list[ActorHandle]:
+def actor_handles(receivers: Any, what: str) -> list[ActorHandle]:
     """``receivers`` as a list of distinct actor handles, or InvalidInputError: anything
     else would fail later as an AttributeError deep in a Ray call, after the stream's
     version was used."""
-    if _is_actor(receivers):
+    if is_actor(receivers):
         raise InvalidInputError(f"{what} takes a list of receiver actors, got one actor "
                                 f"handle; pass [handle]")
     try:
@@ -57,7 +57,7 @@ def _actor_handles(receivers: Any, what: str) -> list[ActorHandle]:
     if not handles:
         raise InvalidInputError(f"{what} needs at least one receiver actor")
     for i, r in enumerate(handles):
-        if not _is_actor(r):
+        if not is_actor(r):
             raise InvalidInputError(f"{what}: receiver {i} is a {type(r).__name__}, not an "
                                     f"actor handle; pass the handles that .remote() on an "
                                     f"actor class returned")
@@ -67,12 +67,12 @@ def _actor_handles(receivers: Any, what: str) -> list[ActorHandle]:
     return handles
 
 
-def _is_actor(obj: Any) -> bool:
+def is_actor(obj: Any) -> bool:
     """Whether ``obj`` can be called as an actor here (what a stream uses of a handle)."""
     return hasattr(obj, "__ray_call__") and hasattr(obj, "_actor_id")
 
 
-def _timeout(timeout_s: Any) -> float:
+def check_timeout(timeout_s: Any) -> float:
     """``timeout_s`` as a float, or InvalidInputError: Ray's waits refuse a negative one
     and overflow on an infinite one, which would surface half-way through a stream."""
     import numbers
@@ -84,7 +84,7 @@ def _timeout(timeout_s: Any) -> float:
     return float(timeout_s)
 
 
-def _get_all(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
+def get_all(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
     import ray
     from ray.exceptions import GetTimeoutError
 
@@ -97,7 +97,7 @@ def _get_all(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
         raise WeightSyncTimeoutError(f"{what} took longer than {timeout_s}s") from e
 
 
-def _wait_moving(refs: list[Any], keys: list[str], timeout_s: float, what: str) -> list[Any]:
+def wait_moving(refs: list[Any], keys: list[str], timeout_s: float, what: str) -> list[Any]:
     """``ray.get`` of ``refs``, calls that beat under ``keys`` (one each, see
     :mod:`ray_rdt_pool._ray.beats`): waits as long as they move. Once none ended and
     none beat for ``timeout_s`` plus a grace of ``min(timeout_s, 30)`` seconds, it
@@ -151,7 +151,7 @@ def _wait_moving(refs: list[Any], keys: list[str], timeout_s: float, what: str) 
     return ray.get(list(refs), timeout=0)
 
 
-def _wait_quietly(refs: list[Any], timeout_s: float) -> None:
+def wait_quietly(refs: list[Any], timeout_s: float) -> None:
     """Wait for ``refs`` during a failed stream's clean-up, whose aborts and frees must run
     whatever the wait raises (the stream's own error is the one raised)."""
     import ray
@@ -162,7 +162,7 @@ def _wait_quietly(refs: list[Any], timeout_s: float) -> None:
         logger.warning("waiting for receivers while a stream failed raised %r", e)
 
 
-def _ended(refs: list[Any]) -> bool:
+def calls_ended(refs: list[Any]) -> bool:
     """Whether every call of ``refs`` has ended (done or failed); False if that cannot be
     told now."""
     import ray
@@ -174,7 +174,7 @@ def _ended(refs: list[Any]) -> bool:
     return len(ready) == len(refs)
 
 
-def _find(actor: Any, attr: str, cls: type) -> Any:
+def find_attr(actor: Any, attr: str, cls: type) -> Any:
     obj = getattr(actor, attr, None)
     if not isinstance(obj, cls):
         raise WeightSyncError(
@@ -210,7 +210,7 @@ class Role(NamedTuple):
     timeout_s: float  #: no progress for this long ends the receive
 
 
-def _remote_begin(actor: Any, attr: str, session: str, layout: WeightLayout | None,
+def remote_begin(actor: Any, attr: str, session: str, layout: WeightLayout | None,
                   version: int, source: SourceProcess | None = None,
                   relay: bool = False, peer: bool = False) -> Began:
     """Begin a stream on a receiver (see :class:`Began`); ``peer``: from another
@@ -219,7 +219,7 @@ def _remote_begin(actor: Any, attr: str, session: str, layout: WeightLayout | No
 
     from ray_rdt_pool.weights.links import mailbox
 
-    rec = _find(actor, attr, WeightReceiver)
+    rec = find_attr(actor, attr, WeightReceiver)
     md = mailbox().metadata()  # before the stream holds the receiver: this may fail
     skipped = rec._begin_stream(session, layout, version, peer)
     ok = source is not None and rec._accept_source(session, source)
@@ -233,26 +233,26 @@ def _remote_begin(actor: Any, attr: str, session: str, layout: WeightLayout | No
                  actor_is_asyncio())
 
 
-def _remote_md(actor: Any) -> bytes:
+def remote_md(actor: Any) -> bytes:
     """This actor's signal endpoint (a relayed many-rank sync chains its receivers)."""
     from ray_rdt_pool.weights.links import mailbox
 
     return mailbox().metadata()
 
 
-def _remote_receive(actor: Any, attr: str, session: str, role: Role) -> list[BucketReport]:
+def remote_receive(actor: Any, attr: str, session: str, role: Role) -> list[BucketReport]:
     """A receiver's one call of a stream's buckets (see :mod:`.receiving`)."""
     from ray_rdt_pool.weights.receiving import receive
 
-    return receive(_find(actor, attr, WeightReceiver), session, role)
+    return receive(find_attr(actor, attr, WeightReceiver), session, role)
 
 
-def _remote_finish(actor: Any, attr: str, session: str, buckets: int,
+def remote_finish(actor: Any, attr: str, session: str, buckets: int,
                    deadline: float | None = None) -> int:
-    return _find(actor, attr, WeightReceiver)._finish_stream(session, buckets, deadline)
+    return find_attr(actor, attr, WeightReceiver)._finish_stream(session, buckets, deadline)
 
 
-def _remote_abort(actor: Any, attr: str, session: str) -> bool:
+def remote_abort(actor: Any, attr: str, session: str) -> bool:
     """Drop stream ``session`` on this receiver; True if it had committed it already."""
     rec = getattr(actor, attr, None)
     if isinstance(rec, WeightReceiver):
@@ -300,11 +300,11 @@ def _abort_session(receivers: Sequence[ActorHandle], attr: str, session: str,
     refs: list[Any] = []
     for r in receivers:
         try:
-            refs.append(error_path_call(r).remote(_remote_abort, attr, session))
+            refs.append(error_path_call(r).remote(remote_abort, attr, session))
         except Exception as e:  # a handle that cannot be called: nothing to drop there
             logger.warning("could not abort stream %s on a receiver: %r", session, e)
             refs.append(None)
-    _wait_quietly([r for r in refs if r is not None], timeout_s)
+    wait_quietly([r for r in refs if r is not None], timeout_s)
     committed = []
     for i, ref in enumerate(refs):
         try:
@@ -315,13 +315,13 @@ def _abort_session(receivers: Sequence[ActorHandle], attr: str, session: str,
     return committed
 
 
-def _remote_load(actor: Any, attr: str, manifest: Manifest, beat_key: str | None = None,
+def remote_load(actor: Any, attr: str, manifest: Manifest, beat_key: str | None = None,
                  every_s: float = 60.0, commit_wait_s: float | None = None) -> LoadReport:
     from ray_rdt_pool._ray.beats import Beat
 
     beat = Beat(beat_key, every_s)
     try:
-        return _find(actor, attr, WeightReceiver)._load_manifest(
+        return find_attr(actor, attr, WeightReceiver)._load_manifest(
             manifest, True, beat.tick, beat.check, commit_wait_s)
     finally:
         beat.close()

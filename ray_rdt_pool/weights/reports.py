@@ -88,13 +88,13 @@ class SyncReport:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-def _summarise(version: int, reports: Sequence[BucketReport], skipped: int = 0) -> LoadReport:
+def summarise(version: int, reports: Sequence[BucketReport], skipped: int = 0) -> LoadReport:
     direct = sum(r.direct for r in reports)
     return LoadReport(version, len(reports), sum(r.nbytes for r in reports), direct,
                       len(reports) - direct, skipped, sum(r.seconds for r in reports))
 
 
-def _ranges(ks: Sequence[int]) -> str:
+def ranges(ks: Sequence[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2, 5"``; ``"none"`` when empty."""
     if not ks:
         return "none"

@@ -26,22 +26,29 @@ from ray_rdt_pool.weights.manifest import (
     Manifest,
     TensorEntry,
     WeightLayout,
-    _layout_of,
+    layout_of,
 )
 from ray_rdt_pool.weights.planning import (
     LayoutMemo,
-    _check_bucket_bytes,
-    _check_wire_dtype,
-    _conversions,
-    _iter_buckets,
-    _pairs,
+    check_bucket_bytes,
+    check_wire_dtype,
+    conversions,
+    iter_buckets,
+    named_pairs,
     plan_layout,
     quantized,
 )
-from ray_rdt_pool.weights.pool import _forget_registrations, _stats
-from ray_rdt_pool.weights.remote import RECEIVER_ATTR, _actor_handles, _timeout
+from ray_rdt_pool.weights.pool import pool_stats, release_registrations
+from ray_rdt_pool.weights.remote import RECEIVER_ATTR, actor_handles, check_timeout
 from ray_rdt_pool.weights.reports import StreamReport
-from ray_rdt_pool.weights.state import Source, SourceLike, StateLike, WireDtype, _check_flag
+from ray_rdt_pool.weights.state import (
+    Source,
+    SourceLike,
+    StateLike,
+    WireDtype,
+    check_flag,
+    check_shard,
+)
 from ray_rdt_pool.weights.stream import StreamSession, check_relay
 
 if TYPE_CHECKING:
@@ -63,7 +70,7 @@ def _put_bucket(tensors: list[torch.Tensor], entries: Sequence[TensorEntry]) -> 
     import ray
 
     tensors = quantized(tensors, entries)
-    convert = _conversions(tensors, entries)
+    convert = conversions(tensors, entries)
     if not convert:
         return ray.put(tensors, _tensor_transport=_transport())
     from ray_rdt_pool._ray.conversions import pack_as
@@ -132,12 +139,10 @@ class WeightSender:
                  wire_dtype: WireDtype = None, source_reads: bool = True,
                  shard: tuple[int, int] | None = None,
                  wire_scale: WireScale = DEFAULT_WIRE_SCALE) -> None:
-        _check_bucket_bytes(bucket_bytes)
-        from ray_rdt_pool.weights.rank_offer import _check_shard
-
-        self.shard = _check_shard(shard)
-        _check_flag("source_reads", source_reads)
-        _check_wire_dtype(wire_dtype)
+        check_bucket_bytes(bucket_bytes)
+        self.shard = check_shard(shard)
+        check_flag("source_reads", source_reads)
+        check_wire_dtype(wire_dtype)
         self.wire_scale = check_wire_scale(wire_scale)
         self.source = source
         self.bucket_bytes = bucket_bytes
@@ -160,7 +165,40 @@ class WeightSender:
         usable: a later stream registers them again. A sender that is dropped without
         ``close()`` leaves them to the cache's LRU bound (``registration_cache_bytes``)."""
         keys, self._ref_keys = self._ref_keys, set()
-        _forget_registrations(keys)
+        release_registrations(keys)
+
+    # -- many-rank offers (weights.rank_offer makes and serves them) --
+
+    def _hold_offer(self, group: str, held: Any, version: int | None = None) -> None:
+        """Keep what this rank offered for many-rank sync ``group`` until it is served;
+        ``version``: the version offered, used up from now on whatever happens."""
+        self._offers[group] = held
+        if version is not None:
+            self._used = max(self._used, version)
+
+    def _offer(self, group: str) -> Any | None:
+        return self._offers.get(group)
+
+    def _take_offer(self, group: str) -> Any | None:
+        return self._offers.pop(group, None)
+
+    def _release_stale_offers(self) -> None:
+        """Free the offers whose serve never came in time (their driver died between the
+        offer and the serve)."""
+        now = time.monotonic()
+        for group, held in list(self._offers.items()):
+            if not held.serving and now >= held.deadline:
+                del self._offers[group]
+                held.release()
+
+    def _served(self, version: int, ref_keys: set[Any]) -> None:
+        """A many-rank sync served from this rank ended: ``version`` was sent, and the
+        storages it read by reference stay registered; those it no longer sends
+        (replaced tensors) go."""
+        if ref_keys or self._ref_keys:
+            release_registrations(self._ref_keys - ref_keys)
+            self._ref_keys = ref_keys
+        self.version = max(self.version, version)
 
     def _acquire(self, state: SourceLike | None
                  ) -> tuple[StateLike | None, Iterator[tuple[str, torch.Tensor]] | None]:
@@ -178,14 +216,14 @@ class WeightSender:
                         "callable that returns a fresh iterable, e.g. WeightSender(lambda: "
                         "model.named_parameters()), or pass state= to each call")
                 self._spent = True
-                return None, _pairs(src)
+                return None, named_pairs(src)
             if callable(src) and not isinstance(src, torch.nn.Module):
                 src = src()
             state = src
         if isinstance(state, (torch.nn.Module, Mapping)):
             return state, None
         if isinstance(state, Iterable) and not isinstance(state, (str, bytes, torch.Tensor)):
-            return None, _pairs(state)
+            return None, named_pairs(state)
         raise InvalidInputError(
             f"a weight source is an nn.Module, a Mapping[str, Tensor], an iterable of "
             f"(name, tensor) pairs or a callable returning one; got {type(state).__name__}")
@@ -208,11 +246,11 @@ class WeightSender:
             return plan_layout(eager, self.bucket_bytes, self.wire_dtype, self.wire_scale)[0]
         assert pairs is not None
         specs = []
-        for packed in _iter_buckets(pairs, self.bucket_bytes, self.wire_dtype,
+        for packed in iter_buckets(pairs, self.bucket_bytes, self.wire_dtype,
                                     self.wire_scale):
             specs.append(packed.spec)
             del packed
-        return _layout_of(specs, self.bucket_bytes)
+        return layout_of(specs, self.bucket_bytes)
 
     def publish(self, state: SourceLike | None = None, *, version: int | None = None
                 ) -> Manifest:
@@ -242,12 +280,12 @@ class WeightSender:
         eager, pairs = self._acquire(state)
         refs: list[list[ObjectRef] | None] = []
         overflow: list[int] = []
-        fallbacks = _stats().fallbacks
+        fallbacks = pool_stats().fallbacks
 
         def put(k: int, tensors: list[torch.Tensor], entries: Sequence[TensorEntry]) -> None:
             nonlocal fallbacks
             refs.append([_put_bucket(tensors, entries)])
-            now = _stats().fallbacks
+            now = pool_stats().fallbacks
             if now != fallbacks:
                 overflow.append(k)
                 fallbacks = now
@@ -261,7 +299,7 @@ class WeightSender:
             assert pairs is not None
             specs: list[BucketLayout] = []
             try:
-                for packed in _iter_buckets(pairs, self.bucket_bytes, self.wire_dtype,
+                for packed in iter_buckets(pairs, self.bucket_bytes, self.wire_dtype,
                                             self.wire_scale):
                     specs.append(packed.spec)
                     put(packed.spec.bucket.index, packed.tensors, packed.spec.entries)
@@ -274,11 +312,11 @@ class WeightSender:
             except BaseException:
                 refs.clear()
                 raise
-            layout = _layout_of(specs, self.bucket_bytes)
+            layout = layout_of(specs, self.bucket_bytes)
         if final:
             self.version = v
         self._used = max(self._used, v)  # the next default is past every version used
-        return Manifest(layout, refs, v, tuple(overflow), int(_stats().pool_used),
+        return Manifest(layout, refs, v, tuple(overflow), int(pool_stats().pool_used),
                         uuid.uuid4().hex)
 
     def stream(self, receivers: Sequence[ActorHandle], state: SourceLike | None = None, *,
@@ -365,13 +403,13 @@ class WeightSender:
                 peer: bool = False, session: str = "") -> StreamReport:
         """:meth:`stream`; ``beat``: the driver's wait, told of progress (and able to
         cancel the stream before it commits); ``session``: the driver's id for it."""
-        receivers = _actor_handles(receivers, "stream()")
+        receivers = actor_handles(receivers, "stream()")
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) \
                 or max_inflight < 1:
             raise InvalidInputError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
-        deadline_s = _timeout(timeout_s)
+        deadline_s = check_timeout(timeout_s)
         check_relay(relay, relay_order)
-        _release_stale_offers(self)
+        self._release_stale_offers()
         t0 = time.perf_counter()
         v = self._next_version(version)
         eager, pairs = self._acquire(state)
@@ -394,13 +432,6 @@ class WeightSender:
         self.version = v
         if st.by_ref or self._ref_keys:
             # Tensors the source no longer holds (replaced) need not stay registered.
-            _forget_registrations(self._ref_keys - st.ref_keys)
+            release_registrations(self._ref_keys - st.ref_keys)
             self._ref_keys = st.ref_keys
         return st.report(t0)
-
-
-def _release_stale_offers(sender: WeightSender) -> None:
-    """Free this sender's many-rank offers whose driver never came back for them."""
-    from ray_rdt_pool.weights.rank_offer import release_stale
-
-    release_stale(sender)

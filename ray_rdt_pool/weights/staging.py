@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ray_rdt_pool.errors import LoaderError, WeightSyncTimeoutError
-from ray_rdt_pool.weights.state import StateLike, _identity_key, named_tensors
+from ray_rdt_pool.weights.state import StateLike, identity_key, named_tensors
 
 #: The stagings a receiver may use.
 STAGINGS = ("inplace", "shadow")
@@ -111,7 +111,7 @@ class Shadow:
             copies: dict[str, torch.Tensor] = {}
             made: dict[Any, torch.Tensor] = {}
             for name, t in named_tensors(self._dest, "destination tensor"):
-                key = _identity_key(t)
+                key = identity_key(t)
                 c = made.get(key)
                 if c is None:
                     with torch.no_grad():
@@ -147,7 +147,7 @@ class Shadow:
         ``wait_s`` for the sections in progress): hand a loader what it staged, copy
         every tensor over, then ``on_commit()``. A loader that raises is a
         :class:`LoaderError`, with the live tensors untouched and nothing committed."""
-        from ray_rdt_pool.weights.loading import _copy_all
+        from ray_rdt_pool.weights.loading import copy_all
 
         with lock.write(wait_s):
             t0 = time.perf_counter()
@@ -156,7 +156,7 @@ class Shadow:
                 # hold the old one, as the version number says.
                 if load_weights is not None and self.staged:
                     _hand_over(load_weights, self.staged)
-                _copy_all((live, c) for c, live in self._pairs)
+                copy_all((live, c) for c, live in self._pairs)
                 self.clean = True
             finally:
                 self.staged.clear()

@@ -2,8 +2,8 @@
 
 Owns the type aliases of the API (a state, a lazy source, a loader, a name map, a wire
 dtype, a selection), :func:`named_tensors` and the checks every sent or written tensor
-passes (:func:`_check_weight`), and tensor identity (:func:`_identity_key`: ties;
-:func:`_memory_key`: every fact a check reads, to tell that nothing changed).
+passes (:func:`check_weight`), and tensor identity (:func:`identity_key`: ties;
+:func:`memory_key`: every fact a check reads, to tell that nothing changed).
 Stateless: plain functions, called from the sender's and the receiver's threads alike.
 """
 
@@ -35,7 +35,7 @@ Select = Callable[[str, tuple[int, ...]], Sequence[slice] | slice | None]
 def named_tensors(state: StateLike, what: str | None = "weight"
                   ) -> list[tuple[str, torch.Tensor]]:
     """The ``(name, tensor)`` pairs of a state, in order, each checked with
-    :func:`_check_weight` (``what`` names the tensors in its errors; None: not checked).
+    :func:`check_weight` (``what`` names the tensors in its errors; None: not checked).
 
     For an ``nn.Module`` these are ``state_dict(keep_vars=True)``: parameters and
     persistent buffers, under every name a tied tensor has, as the module's own
@@ -55,11 +55,11 @@ def named_tensors(state: StateLike, what: str | None = "weight"
                 f"weight state entry {name!r} is {type(t).__name__}; every entry must map a "
                 "str name to a torch.Tensor")
         if what is not None:
-            _check_weight(name, t, what)
+            check_weight(name, t, what)
     return items
 
 
-def _check_weight(name: str, t: torch.Tensor, what: str) -> None:
+def check_weight(name: str, t: torch.Tensor, what: str) -> None:
     """InvalidInputError unless ``t`` is a dense CPU or CUDA tensor whose bytes have
     memory behind them (not on the meta device, a ZeroTensor, a DTensor, or a storage
     resized or shrunk under it), and, as a destination, one whose elements each have
@@ -85,14 +85,14 @@ def _check_weight(name: str, t: torch.Tensor, what: str) -> None:
             "tensor with memory of its own (t.contiguous()) and expand that")
 
 
-def _identity_key(t: torch.Tensor) -> tuple[Any, ...]:
+def identity_key(t: torch.Tensor) -> tuple[Any, ...]:
     # The lazy conjugate and negative bits are part of what a tensor reads as: c.conj()
     # shares c's memory but is another tensor.
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
             tuple(t.stride()), t.dtype, t.device, t.is_conj(), t.is_neg())
 
 
-def _memory_key(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[Any, ...] | None:
+def memory_key(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[Any, ...] | None:
     """Every fact of named tensors that a layout, a check or a plan reads (name, kind,
     where the bytes lie and how far the storage reaches, shape, strides, dtype, device,
     lazy bits), without the tensors themselves; None where a fact cannot be read (the
@@ -110,7 +110,21 @@ def _memory_key(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[Any, ...] | 
         return None
 
 
-def _check_flag(name: str, value: Any) -> None:
+def check_flag(name: str, value: Any) -> None:
     """A bool option, or InvalidInputError: a string such as "no" is truthy."""
     if not isinstance(value, bool):
         raise InvalidInputError(f"{name} must be True or False, got {value!r}")
+
+
+def check_shard(shard: Any) -> tuple[int, int] | None:
+    """``WeightSender(shard=)`` as ``(rank, world)``, or InvalidInputError."""
+    if shard is None:
+        return None
+    ok = (isinstance(shard, (tuple, list)) and len(shard) == 2
+          and all(isinstance(x, int) and not isinstance(x, bool) for x in shard)
+          and 0 <= shard[0] < shard[1])
+    if not ok:
+        raise InvalidInputError(f"shard must be (rank, world) with 0 <= rank < world, got "
+                                f"{shard!r}; e.g. shard=(dist.get_rank(), "
+                                "dist.get_world_size())")
+    return int(shard[0]), int(shard[1])

@@ -15,7 +15,7 @@ call.
 
 Owns the stream's buckets from the moment they are made until every reader signalled
 ``DONE`` (or, on failure, until every receiver call that may read them ended: then
-freed at once, or handed to :data:`~ray_rdt_pool.weights.late._LATE`), and the
+freed at once, or handed to :data:`~ray_rdt_pool.weights.late.LATE`), and the
 session's signals on the trainer. A session is made for one ``stream()`` call, runs
 once and is dropped when it returns or raises. Only the calling thread touches it.
 """
@@ -43,7 +43,7 @@ from ray_rdt_pool.errors import (
 )
 from ray_rdt_pool.registry import storage_key
 from ray_rdt_pool.weights.fp8 import WireScale
-from ray_rdt_pool.weights.late import _LATE, _InFlight
+from ray_rdt_pool.weights.late import LATE, InFlight
 from ray_rdt_pool.weights.links import (
     ABORT,
     DONE,
@@ -62,37 +62,37 @@ from ray_rdt_pool.weights.manifest import (
     SourceBucket,
     TensorEntry,
     WeightLayout,
-    _dtype_str,
+    dtype_str,
 )
 from ray_rdt_pool.weights.planning import (
     LayoutMemo,
-    _conversions,
-    _iter_buckets,
+    conversions,
+    iter_buckets,
     plan_layout,
 )
 from ray_rdt_pool.weights.pool import (
-    _fits,
-    _free_owned,
-    _owned_bucket,
-    _pool_capacity,
-    _registration_cache_bytes,
-    _stats,
-    _too_big,
-    _wait_for_pool,
+    bucket_fits,
     count_ray_calls,
+    free_bucket,
+    owned_bucket,
+    pool_stats,
+    registration_cache_bytes,
+    sender_pool_capacity,
+    too_big,
+    wait_for_pool,
 )
 from ray_rdt_pool.weights.remote import (
     Began,
     Role,
-    _ended,
-    _get_all,
-    _remote_abort,
-    _remote_begin,
-    _remote_finish,
-    _remote_receive,
-    _wait_quietly,
+    calls_ended,
+    get_all,
+    remote_abort,
+    remote_begin,
+    remote_finish,
+    remote_receive,
+    wait_quietly,
 )
-from ray_rdt_pool.weights.reports import BucketReport, StreamReport, _ranges, _summarise
+from ray_rdt_pool.weights.reports import BucketReport, StreamReport, ranges, summarise
 from ray_rdt_pool.weights.state import StateLike, WireDtype
 
 if TYPE_CHECKING:
@@ -186,12 +186,12 @@ def chain_order(began: Sequence[Began], order: str, here: str | None) -> list[in
     return sorted(idx, key=lambda i: (began[i].node != here, first[began[i].node], i))
 
 
-def _source_readable(tensors: Sequence[torch.Tensor], entries: Sequence[TensorEntry]) -> bool:
+def source_readable(tensors: Sequence[torch.Tensor], entries: Sequence[TensorEntry]) -> bool:
     """Can receivers copy these bytes as they lie (CPU, contiguous, no lazy bit, no
     wire-dtype conversion)? Otherwise the bucket goes through the pool."""
     return len(tensors) == len(entries) and all(
         t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-        and _dtype_str(t.dtype) == e.dtype for t, e in zip(tensors, entries))
+        and dtype_str(t.dtype) == e.dtype for t, e in zip(tensors, entries))
 
 
 class _Out(NamedTuple):
@@ -201,7 +201,7 @@ class _Out(NamedTuple):
     k: int
     body: list[Any]
     spec: list[Any] | None
-    held: _InFlight
+    held: InFlight
 
 
 class StreamSession:
@@ -287,7 +287,7 @@ class StreamSession:
         """Bucket ``state`` now (a bucket larger than the pool raises here; ``memo``: the
         sender's last layout, reused if nothing changed), or get ready to bucket the lazy
         ``pairs`` as they come."""
-        self.capacity = capacity = _pool_capacity()
+        self.capacity = capacity = sender_pool_capacity()
         bb = self.bucket_bytes
         if state is not None:
             layout, groups = (memo.plan(state, bb, self.wire_dtype, self.wire_scale)
@@ -295,7 +295,7 @@ class StreamSession:
                               else plan_layout(state, bb, self.wire_dtype, self.wire_scale))
             for b in layout.buckets:
                 if b.nbytes > capacity:
-                    raise _too_big(b, capacity)
+                    raise too_big(b, capacity)
             self.biggest = max((b.nbytes for b in layout.buckets), default=0)
             per_bucket: list[list[TensorEntry]] = [[] for _ in layout.buckets]
             for e in layout.entries:
@@ -306,7 +306,7 @@ class StreamSession:
         else:
             assert pairs is not None
             self.items = ((p.spec.bucket.nbytes, p.tensors, p.spec, p.spec.entries)
-                          for p in _iter_buckets(pairs, bb, self.wire_dtype,
+                          for p in iter_buckets(pairs, bb, self.wire_dtype,
                                                  self.wire_scale))
         self.session = self.session or new_session(self.version)
         if self.source_reads:
@@ -325,11 +325,11 @@ class StreamSession:
         # seconds of a loaded host creating its signal agent before any bucket moves.
         self._beat_quietly()
         try:
-            st0 = _stats()
+            st0 = pool_stats()
             self.fallbacks0 = st0.fallbacks
             self.used0 = int(st0.pool_used)
             relay = self.relay is not None
-            self.begins = [r.__ray_call__.remote(_remote_begin, self.attr, self.session,
+            self.begins = [r.__ray_call__.remote(remote_begin, self.attr, self.session,
                                                  self.layout, self.version, self.src_proc,
                                                  relay, self.peer)
                            for r in self.receivers]
@@ -348,7 +348,7 @@ class StreamSession:
                 applied = list(range(min(self.done, default=-1) + 1))
                 raise DuplicateNameError(
                     e.name, e.bucket, applied,
-                    f"bucket(s) {_ranges(applied)} were loaded on every receiver before it; "
+                    f"bucket(s) {ranges(applied)} were loaded on every receiver before it; "
                     f"no receiver committed version {self.version} (their versions are "
                     "unchanged)") from None
             if e is first:
@@ -389,7 +389,7 @@ class StreamSession:
         # does not hold itself.
         self.by_ref = (self.source_reads and not self.direct and self.layout is not None
                        and self.by_reference
-                       and self.layout.total_bytes <= _registration_cache_bytes())
+                       and self.layout.total_bytes <= registration_cache_bytes())
 
     def _start(self) -> None:
         """One receive call per receiver: each runs its bucket loop until the end."""
@@ -409,7 +409,7 @@ class StreamSession:
                     call = call.options(concurrency_group="_ray_system")
                 except Exception:  # an actor without the transport's group
                     pass
-            self.calls[i] = call.remote(_remote_receive, self.attr, self.session, role)
+            self.calls[i] = call.remote(remote_receive, self.attr, self.session, role)
             self.ray_calls += 1
 
     def _send_all(self) -> None:
@@ -446,26 +446,26 @@ class StreamSession:
         self.sent += sum(e.nbytes for e in entries)
         if nbytes > self.capacity:
             assert spec is not None
-            raise _too_big(spec.bucket, self.capacity)
+            raise too_big(spec.bucket, self.capacity)
         self.biggest = max(self.biggest, nbytes)
         keep: list[torch.Tensor] | None = None
-        if self.direct and _source_readable(tensors, entries):
+        if self.direct and source_readable(tensors, entries):
             assert self.src_proc is not None
             box: Any = SourceBucket(self.src_proc, tuple(t.data_ptr() for t in tensors))
             keep = tensors
             self.direct_buckets += 1
-        elif self.by_ref and _source_readable(tensors, entries):
+        elif self.by_ref and source_readable(tensors, entries):
             self.owned = f"ws:{self.session}/{k}"
             self.ref_keys.update(storage_key(t) for t in tensors if t.numel())
-            box = _owned_bucket(self.owned, tensors, entries, by_reference=True)
+            box = owned_bucket(self.owned, tensors, entries, by_reference=True)
             keep = tensors
             self.ref_buckets += 1
         else:
             # A conversion or a CUDA tensor packs into one contiguous block.
-            one_block = any(t.is_cuda for t in tensors) or bool(_conversions(tensors, entries))
+            one_block = any(t.is_cuda for t in tensors) or bool(conversions(tensors, entries))
             self.wait_s += self._make_room(nbytes, self._limit(), one_block)
             self.owned = f"ws:{self.session}/{k}"
-            box = _owned_bucket(self.owned, tensors, entries)
+            box = owned_bucket(self.owned, tensors, entries)
             tensors.clear()  # the pool holds the snapshot; drop the source's tensors
         del tensors
         if keep is not None and self.samples:
@@ -473,9 +473,9 @@ class StreamSession:
             # (a stats() call per bucket costs as much as describing it).
             self.samples.append(self.samples[-1])
         else:
-            self.samples.append(int(_stats().pool_used))
+            self.samples.append(int(pool_stats().pool_used))
         out = _Out(k, box_body(box), spec_body(spec),
-                   _InFlight([], keep, [self.owned] if self.owned else []))
+                   InFlight([], keep, [self.owned] if self.owned else []))
         self.owned = None
         self.out.append(out)
         self.k += 1
@@ -594,19 +594,19 @@ class StreamSession:
         out = self.out.popleft()
         if out.held.kept is not None:
             out.held.kept.clear()
-        _free_owned(out.held.owned)
+        free_bucket(out.held.owned)
 
     def _make_room(self, nbytes: int, limit: int, one_block: bool = False) -> float:
-        """Block until ``nbytes`` fit the sender pool (see :func:`_fits`), retiring this
+        """Block until ``nbytes`` fit the sender pool (see :func:`bucket_fits`), retiring this
         stream's buckets out, oldest first, while they do not: their blocks are what
         usually holds the room, and only this thread frees them (a pool of fewer than
         ``max_inflight`` buckets would otherwise wait for itself). Then wait for the rest
         (blocks a same-node receiver still maps, other objects). Returns the seconds
         waited."""
         t0 = time.monotonic()
-        while self.out and not _fits(_stats(), nbytes, limit, self.capacity, one_block):
+        while self.out and not bucket_fits(pool_stats(), nbytes, limit, self.capacity, one_block):
             self._retire()
-        _wait_for_pool(nbytes, limit, self.capacity, self.timeout_s, one_block)
+        wait_for_pool(nbytes, limit, self.capacity, self.timeout_s, one_block)
         return time.monotonic() - t0
 
     def _drain(self) -> None:
@@ -629,7 +629,7 @@ class StreamSession:
         # A receiver commits by this time or never: serving sections may hold its commit
         # off, and a commit after the sender stopped waiting would go unreported.
         deadline = time.time() + self.timeout_s
-        self.finishes = [r.__ray_call__.remote(_remote_finish, self.attr, self.session,
+        self.finishes = [r.__ray_call__.remote(remote_finish, self.attr, self.session,
                                                self.count or 0, deadline)
                          for r in self.receivers]
         self.ray_calls += len(self.finishes)
@@ -658,7 +658,7 @@ class StreamSession:
         from ray.exceptions import RayActorError
 
         try:
-            return _get_all(refs, self.timeout_s, what)
+            return get_all(refs, self.timeout_s, what)
         except RayActorError as e:
             i = self._index_of(getattr(e, "actor_id", None))
             raise self._died(i, e, what) from e
@@ -703,7 +703,7 @@ class StreamSession:
             return e
         for i in self.chain:
             ref = self.calls[i]
-            if ref is None or not _ended([ref]):
+            if ref is None or not calls_ended([ref]):
                 continue
             try:
                 ray.get(ref, timeout=0)
@@ -755,15 +755,15 @@ class StreamSession:
             self.link.tell([n for n in self.names if n], ABORT, 0,
                            f"the trainer gave up: {type(self.failed).__name__}")
         ending = [c for i, c in enumerate(self.calls) if c is not None and i != self.stuck]
-        _wait_quietly([*ending, *self.begins, *self.finishes], min(self.timeout_s, 10.0))
+        wait_quietly([*ending, *self.begins, *self.finishes], min(self.timeout_s, 10.0))
         self._beat_quietly()
         self._take_done()
-        aborts = [r.__ray_call__.remote(_remote_abort, self.attr, self.session)
+        aborts = [r.__ray_call__.remote(remote_abort, self.attr, self.session)
                   for r in self.receivers]
         self.ray_calls += len(aborts)
         live = [a for i, a in enumerate(aborts)
-                if self.calls[i] is None or _ended([self.calls[i]])]
-        _wait_quietly(live, min(self.timeout_s, 10.0))
+                if self.calls[i] is None or calls_ended([self.calls[i]])]
+        wait_quietly(live, min(self.timeout_s, 10.0))
         self._release_out()
 
     def _take_done(self) -> None:
@@ -787,27 +787,27 @@ class StreamSession:
     def _release_out(self) -> None:
         """Free the buckets out whose readers' calls have all ended; those a call may
         still read go to the late list, freed when those calls end."""
-        late = [o.held for o in self.out if o.held.acks and not _ended(o.held.acks)]
+        late = [o.held for o in self.out if o.held.acks and not calls_ended(o.held.acks)]
         gone = {id(h) for h in late}
         for o in self.out:
             if id(o.held) not in gone:
                 if o.held.kept is not None:
                     o.held.kept.clear()
-                _free_owned(o.held.owned)
-        _free_owned([self.owned])
+                free_bucket(o.held.owned)
+        free_bucket([self.owned])
         if late:
-            _LATE.add(late, self.session)
+            LATE.add(late, self.session)
         self.out.clear()
 
     def report(self, t0: float) -> StreamReport:
         """The stream as the sender saw it, from ``t0`` (``time.perf_counter()``) on."""
-        loads = tuple(_summarise(self.version, sorted(reps, key=lambda r: r.bucket), sk)
+        loads = tuple(summarise(self.version, sorted(reps, key=lambda r: r.bucket), sk)
                       for reps, sk in zip(self.acked, self.skipped))
         return StreamReport(
             version=self.version, buckets=self.k, nbytes=self.sent,
             receivers=len(self.receivers), max_inflight=self.max_inflight,
             seconds=time.perf_counter() - t0, pool_capacity=self.capacity,
             peak_pool_used=max(self.samples, default=0), pool_used_samples=tuple(self.samples),
-            fallbacks=int(_stats().fallbacks - self.fallbacks0), pool_wait_seconds=self.wait_s,
+            fallbacks=int(pool_stats().fallbacks - self.fallbacks0), pool_wait_seconds=self.wait_s,
             loads=loads, source_read_buckets=self.direct_buckets,
             reference_buckets=self.ref_buckets, ray_calls=self.ray_calls)

@@ -1,10 +1,10 @@
 """The checks of a weight layout against a receiver's destination, before a byte moves.
 
-Owns the rules a load is held to: the layout agrees with itself (:func:`_check_layout`),
+Owns the rules a load is held to: the layout agrees with itself (:func:`check_layout`),
 names map to destinations (``name_map``), shapes match (after ``select``), dtypes cast
 (:func:`can_cast`), and no two manifest tensors write one destination's memory
-(:class:`_Claims`). :func:`_resolve` turns a layout's names into targets and collects
-every problem; :func:`_raise` raises them as one ``ManifestMismatchError``. Stateless
+(:class:`Claims`). :func:`resolve` turns a layout's names into targets and collects
+every problem; :func:`raise_problems` raises them as one ``ManifestMismatchError``. Stateless
 but for the claims a caller passes in; runs on whichever thread checks a load.
 """
 
@@ -29,15 +29,15 @@ from ray_rdt_pool.errors import (
     WeightSyncError,
 )
 from ray_rdt_pool.weights.fp8 import SCALE_SUFFIX, scale_selection, scale_shape
-from ray_rdt_pool.weights.manifest import Bucket, TensorEntry, _dtype_of, _dtype_str, _itemsize
+from ray_rdt_pool.weights.manifest import Bucket, TensorEntry, dtype_of, dtype_str, itemsize
 from ray_rdt_pool.weights.state import (
     Casting,
     LoadWeights,
     NameMap,
     Select,
     StateLike,
-    _check_weight,
-    _identity_key,
+    check_weight,
+    identity_key,
     named_tensors,
 )
 
@@ -75,7 +75,7 @@ def can_cast(src: torch.dtype, dst: torch.dtype, casting: Casting = "same_kind")
     raise InvalidInputError(f"casting must be 'no', 'same_kind' or 'unsafe', got {casting!r}")
 
 
-def _mapper(name_map: NameMap) -> Callable[[str], str | None]:
+def mapper(name_map: NameMap) -> Callable[[str], str | None]:
     if name_map is None:
         return lambda n: n
     if isinstance(name_map, Mapping):
@@ -87,7 +87,7 @@ def _mapper(name_map: NameMap) -> Callable[[str], str | None]:
                             f"{type(name_map).__name__}")
 
 
-def _check_layout(entries: Sequence[TensorEntry], buckets: Sequence[Bucket],
+def check_layout(entries: Sequence[TensorEntry], buckets: Sequence[Bucket],
                   first: int = 0) -> None:
     """WeightSyncError unless the layout agrees with itself, as the sender makes it:
     bucket ``i`` of ``buckets`` has index ``first + i``; each entry names one of them and
@@ -109,7 +109,7 @@ def _check_layout(entries: Sequence[TensorEntry], buckets: Sequence[Bucket],
         seen.add(e.name)
         shape_ok = type(e.shape) is tuple and all(type(k) is int and k >= 0 for k in e.shape)
         try:
-            size = _itemsize(_dtype_of(e.dtype)) if isinstance(e.dtype, str) else None
+            size = itemsize(dtype_of(e.dtype)) if isinstance(e.dtype, str) else None
         except InvalidInputError:
             size = None
         if not shape_ok or size is None:
@@ -135,7 +135,7 @@ def _check_layout(entries: Sequence[TensorEntry], buckets: Sequence[Bucket],
             "was written; run the same ray_rdt_pool version on the sender and the receivers")
 
 
-def _normalize_select(raw: Any, shape: tuple[int, ...]) -> Slices | None:
+def normalize_select(raw: Any, shape: tuple[int, ...]) -> Slices | None:
     """``select``'s answer as one step-1 slice per dimension, or None for the whole
     tensor. Raises ValueError (with what is wrong) for an answer that does not fit."""
     if raw is None:
@@ -168,11 +168,11 @@ def _normalize_select(raw: Any, shape: tuple[int, ...]) -> Slices | None:
     return tuple(out)
 
 
-def _selected_shape(sel: Slices | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+def selected_shape(sel: Slices | None, shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape if sel is None else tuple(sl.stop - sl.start for sl in sel)
 
 
-class _ToLoader:
+class ToLoader:
     """A manifest tensor that goes to ``load_weights`` under ``name``."""
 
     __slots__ = ("name",)
@@ -181,7 +181,7 @@ class _ToLoader:
         self.name = name
 
 
-class _Check:
+class CheckState:
     """A destination tensor an earlier bucket of a lazy stream already wrote from another
     manifest tensor (a tie the sender sent twice, or two tensors into one tied
     destination): the bucket compares its bytes instead of writing them, and refuses the
@@ -194,10 +194,10 @@ class _Check:
         self.what = what
 
 
-_Target = torch.Tensor | _ToLoader | _Check | None
+Target = torch.Tensor | ToLoader | CheckState | None
 
 
-class _Claims(dict[tuple[Any, ...], tuple[str, int, str, str]]):
+class Claims(dict[tuple[Any, ...], tuple[str, int, str, str]]):
     """Destination memory claimed so far: identity key -> (canonical manifest name, its
     bucket, the manifest name written there, the destination name). ``spans`` holds the
     byte ranges of the contiguous claimed tensors, (device, start, end, destination
@@ -212,8 +212,8 @@ class _Claims(dict[tuple[Any, ...], tuple[str, int, str, str]]):
         self.spans: list[tuple[str, int, int, str]] = []
         self.strided: list[tuple[str, int, int, str, tuple[Any, int] | None]] = []
 
-    def copy(self) -> _Claims:
-        c = _Claims()
+    def copy(self) -> Claims:
+        c = Claims()
         c.update(self)
         c.spans = list(self.spans)
         c.strided = list(self.strided)
@@ -269,17 +269,17 @@ def _one(addr: int) -> torch.Tensor:
     return torch.tensor([addr], dtype=torch.int64)
 
 
-def _dests(opts: ReceiverOptions) -> dict[str, torch.Tensor]:
+def dest_targets(opts: ReceiverOptions) -> dict[str, torch.Tensor]:
     # Unchecked: a lazy stream asks for them at every bucket, and only the ones a
     # manifest tensor writes need checking (_claim does, once per load or bucket).
     return dict(named_tensors(opts.dest, None)) if opts.dest is not None else {}
 
 
-def _resolve(opts: ReceiverOptions, sources: Sequence[tuple[str, TensorEntry]],
+def resolve(opts: ReceiverOptions, sources: Sequence[tuple[str, TensorEntry]],
              dests: Mapping[str, torch.Tensor], claimed: dict[str, str],
-             problems: list[tuple[str, str, str]], mem: _Claims | None = None,
+             problems: list[tuple[str, str, str]], mem: Claims | None = None,
              lazy: bool = False
-             ) -> tuple[dict[str, _Target], int, dict[str, Slices | None]]:
+             ) -> tuple[dict[str, Target], int, dict[str, Slices | None]]:
     """Map each source name to its target (a dest tensor, the loader, or skipped),
     and each entry with a target to its selection (``select``).
 
@@ -287,10 +287,10 @@ def _resolve(opts: ReceiverOptions, sources: Sequence[tuple[str, TensorEntry]],
     into one destination tensor (a tied destination, an untied sender) is a
     ``duplicate`` problem, since only the last one written would stay; in a ``lazy``
     stream, where a tie across buckets is sent twice, a later bucket's tensor is
-    compared with what the earlier one wrote instead (:class:`_Check`)."""
-    mem = _Claims() if mem is None else mem
-    mapname = _mapper(opts.name_map)
-    resolved: dict[str, _Target] = {}
+    compared with what the earlier one wrote instead (:class:`CheckState`)."""
+    mem = Claims() if mem is None else mem
+    mapname = mapper(opts.name_map)
+    resolved: dict[str, Target] = {}
     selections: dict[str, Slices | None] = {}
     bad_select: set[str] = set()
     skipped = 0
@@ -330,21 +330,21 @@ def _resolve(opts: ReceiverOptions, sources: Sequence[tuple[str, TensorEntry]],
                 problems.append(("select", e.name, str(err)))
         if e.name in bad_select:
             continue
-        shape = _selected_shape(selections[e.name], e.shape)
+        shape = selected_shape(selections[e.name], e.shape)
         what = "in the manifest" if shape == e.shape else \
             f"as selected (of {e.shape} in the manifest)"
         if e.block is not None:
             _resolve_scale(opts, name, dn, e, d, dests, claimed, resolved, selections,
                            problems)
         if d is None:
-            resolved[name] = _ToLoader(dn)
+            resolved[name] = ToLoader(dn)
             continue
         if tuple(d.shape) != shape:
             problems.append(("shape", name, f"{name!r} is {shape} {what} but "
                              f"{dn!r} is {tuple(d.shape)} in the destination"))
         elif not can_cast(e.torch_dtype, d.dtype, opts.casting):
             problems.append(("dtype", name, f"{name!r} is {e.dtype} in the manifest and "
-                             f"{dn!r} is {_dtype_str(d.dtype)}; casting={opts.casting!r} "
+                             f"{dn!r} is {dtype_str(d.dtype)}; casting={opts.casting!r} "
                              "does not allow that conversion"))
         else:
             resolved[name] = _claim(mem, lazy, name, dn, d, e, problems)
@@ -353,7 +353,7 @@ def _resolve(opts: ReceiverOptions, sources: Sequence[tuple[str, TensorEntry]],
 
 def _resolve_scale(opts: ReceiverOptions, name: str, dn: str, e: TensorEntry,
                    d: torch.Tensor | None, dests: Mapping[str, torch.Tensor],
-                   claimed: dict[str, str], resolved: dict[str, _Target],
+                   claimed: dict[str, str], resolved: dict[str, Target],
                    selections: dict[str, Slices | None],
                    problems: list[tuple[str, str, str]]) -> None:
     """Where the scales of FP8 weight ``name`` (entry ``e``, into ``dn``: ``d``, or the
@@ -374,7 +374,7 @@ def _resolve_scale(opts: ReceiverOptions, name: str, dn: str, e: TensorEntry,
     sd = dests.get(sdn)
     if sd is None:
         if opts.load_weights is not None:
-            resolved[sname] = _ToLoader(sdn)
+            resolved[sname] = ToLoader(sdn)
         else:
             problems.append(("missing", sdn, (
                 f"{name!r} arrives as FP8 with scales, kept as FP8 in {dn!r}, but its "
@@ -382,24 +382,24 @@ def _resolve_scale(opts: ReceiverOptions, name: str, dn: str, e: TensorEntry,
                 f"{scale_shape(e.shape, e.block or ())}), or let the receiver dequantize "
                 "into a wider dtype")))
         return
-    want = _selected_shape(selections[sname], scale_shape(e.shape, e.block or ()))
+    want = selected_shape(selections[sname], scale_shape(e.shape, e.block or ()))
     if tuple(sd.shape) != want or not sd.is_floating_point():
         problems.append(("shape", sdn, (
             f"the scales of {name!r} are {want} float32, but {sdn!r} is "
-            f"{tuple(sd.shape)} {_dtype_str(sd.dtype)} in the destination")))
+            f"{tuple(sd.shape)} {dtype_str(sd.dtype)} in the destination")))
         return
     claimed[sdn] = sname
     resolved[sname] = sd
 
 
-def _claim(mem: _Claims, lazy: bool, name: str, dn: str, d: torch.Tensor, e: TensorEntry,
-           problems: list[tuple[str, str, str]]) -> _Target:
+def _claim(mem: Claims, lazy: bool, name: str, dn: str, d: torch.Tensor, e: TensorEntry,
+           problems: list[tuple[str, str, str]]) -> Target:
     """``d`` as the target of manifest name ``name`` (entry ``e``), unless another
-    manifest tensor already writes that memory (see :func:`_resolve`)."""
+    manifest tensor already writes that memory (see :func:`resolve`)."""
     if d.numel() == 0:
         return d
-    _check_weight(dn, d, "destination tensor")  # its memory may have gone since
-    key = _identity_key(d)
+    check_weight(dn, d, "destination tensor")  # its memory may have gone since
+    key = identity_key(d)
     prior = mem.get(key)
     if prior is None:
         met = mem.overlap(d, dn)
@@ -423,7 +423,7 @@ def _claim(mem: _Claims, lazy: bool, name: str, dn: str, d: torch.Tensor, e: Ten
     if canon == e.name:
         return d  # one manifest tensor under two names (tied on both sides)
     if lazy and bucket != e.bucket:
-        return _Check(d, f"{name!r} (into {dn!r}) and {pname!r} (into {pdn!r}, bucket "
+        return CheckState(d, f"{name!r} (into {dn!r}) and {pname!r} (into {pdn!r}, bucket "
                          f"{bucket}) are one tensor in the destination")
     problems.append(("duplicate", name, (
         f"{name!r} and {pname!r} are different tensors in the manifest, but {dn!r} and "
@@ -446,7 +446,7 @@ def _select(opts: ReceiverOptions, e: TensorEntry) -> Slices | None:
             "select return a tuple of step-1 slices for every manifest tensor, or None "
             "for the whole tensor") from None
     try:
-        return _normalize_select(raw, e.shape)
+        return normalize_select(raw, e.shape)
     except ValueError as err:
         raise ValueError(
             f"select({e.name!r}, {e.shape}) returned {raw!r}: {err}. Return a tuple of "
@@ -454,22 +454,23 @@ def _select(opts: ReceiverOptions, e: TensorEntry) -> Slices | None:
             "a dim-0 shard), or None for the whole tensor") from None
 
 
-def _missing(opts: ReceiverOptions, dests: Mapping[str, torch.Tensor], claimed: Mapping[str, str],
-             problems: list[tuple[str, str, str]], written: _Claims) -> None:
+def find_missing(opts: ReceiverOptions, dests: Mapping[str, torch.Tensor],
+                 claimed: Mapping[str, str], problems: list[tuple[str, str, str]],
+                 written: Claims) -> None:
     """Destination names that receive nothing (``strict``). A name that is another
     name of a destination tensor that receives something (a tied weight: same
-    memory, shape, strides and dtype; ``written`` from :func:`_resolve`) is written
+    memory, shape, strides and dtype; ``written`` from :func:`resolve`) is written
     with it: a sender's ``named_parameters()`` lists a tied tensor once, a
     ``state_dict`` under every name."""
     if not opts.strict:
         return
     for dn, d in dests.items():
-        if dn not in claimed and not (d.numel() > 0 and _identity_key(d) in written):
+        if dn not in claimed and not (d.numel() > 0 and identity_key(d) in written):
             problems.append(("missing", dn, f"destination {dn!r} receives no tensor "
                              "from the manifest"))
 
 
-def _raise(problems: list[tuple[str, str, str]], written: str = "nothing was written"
+def raise_problems(problems: list[tuple[str, str, str]], written: str = "nothing was written"
            ) -> None:
     if problems:
         kinds = {p[0] for p in problems}

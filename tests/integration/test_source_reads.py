@@ -132,7 +132,7 @@ def _count_stats(node: Any, on: bool) -> int:
     from ray_rdt_pool.weights import stream
 
     if on:
-        orig = stream._stats
+        orig = stream.pool_stats
         node.stats_calls = 0
 
         def counted() -> Any:
@@ -140,9 +140,9 @@ def _count_stats(node: Any, on: bool) -> int:
             return orig()
 
         counted.orig = orig  # type: ignore[attr-defined]
-        stream._stats = counted  # type: ignore[assignment]
+        stream.pool_stats = counted  # type: ignore[assignment]
         return 0
-    stream._stats = stream._stats.orig  # type: ignore[attr-defined]
+    stream.pool_stats = stream.pool_stats.orig  # type: ignore[attr-defined]
     return int(node.stats_calls)
 
 

@@ -629,9 +629,9 @@ def test_two_drivers_syncing_the_same_ranks_at_once(cluster: None) -> None:
 
 def _orphan_offer(actor: Any) -> None:
     """A many-rank offer whose driver died before it asked the rank to hold."""
-    from ray_rdt_pool.weights.rank_offer import _remote_offer
+    from ray_rdt_pool.weights.rank_offer import remote_offer
 
-    _remote_offer(actor, "weight_sender", "orphan", None, "stream", 0.5)
+    remote_offer(actor, "weight_sender", "orphan", None, "stream", 0.5)
 
 
 def test_an_offer_whose_driver_died_is_freed_by_a_later_plain_stream(cluster: None) -> None:

@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.skipif(REASON is not None, reason=str
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
-CLUSTER_FILE = C._default_cluster_file()
+CLUSTER_FILE = C.default_cluster_file()
 
 #: A TCP receiver on port 5201 of its namespace: prints "ready", takes ``n`` connections,
 #: drains them all, prints bytes and the seconds from "ready" to the last byte.
@@ -71,7 +71,7 @@ SEND = textwrap.dedent("""
 
 def _names(tag: str) -> list[str]:
     """Every namespace and link of the host that carries the tag."""
-    return [n for n in N._netns_list() + N._link_names() if tag in n]
+    return [n for n in N.netns_list() + N.link_names() if tag in n]
 
 
 def _running(pids: list[int]) -> list[int]:
@@ -136,9 +136,9 @@ def _transfer(bed: TestBed, to: int, senders: list[int], nbytes: int) -> float:
 def test_each_link_is_limited_both_ways_as_a_full_duplex_nic() -> None:
     rate, burst = "80mbit", "32kb"
     nbytes = 4 << 20
-    host_links = N._link_names()
+    host_links = N.link_names()
     with TestBed(nodes=3, rate=rate, burst=burst, ray=False) as bed:
-        assert N._link_names() == host_links  # the bridge and veths are in namespaces
+        assert N.link_names() == host_links  # the bridge and veths are in namespaces
         # Every node's egress (in its namespace) and ingress (host end) carry the bucket.
         for node in bed.nodes:
             inner = subprocess.run(["ip", "netns", "exec", node.namespace, "tc", "qdisc",
@@ -284,7 +284,7 @@ def test_leftovers_of_a_killed_run_are_removed_and_a_live_run_is_not() -> None:
         tag = crashed.stdout.split()[0]
         left = _names(tag)
         assert len(left) == 3, left  # 2 nodes and the switch
-        sleeper = _running(C._ns_pids(N._ns_name(tag, 1)))
+        sleeper = _running(C.ns_pids(N.ns_name(tag, 1)))
         assert sleeper
         removed = cleanup_stale()
         assert tag in removed and live.tag not in removed
@@ -301,7 +301,7 @@ def test_leftovers_of_a_killed_run_are_removed_and_a_live_run_is_not() -> None:
 def test_ray_current_cluster_is_removed_only_when_it_names_the_bed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
-    path = C._default_cluster_file()
+    path = C.default_cluster_file()
     assert path == tmp_path / "ray" / "ray_current_cluster"
     path.parent.mkdir()
     bed = TestBed(nodes=1)

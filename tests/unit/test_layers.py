@@ -99,3 +99,93 @@ def test_the_library_never_imports_the_bench_or_the_cli() -> None:
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             found += [(rel, n) for n in names if n.startswith(above)]
     assert found == []
+
+
+def _module_of(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> tuple[set[str], list[str]]:
+    """The package modules ``path`` imports at run time (anywhere but under ``if
+    TYPE_CHECKING``), and the underscore names it imports from another module."""
+    deps: set[str] = set()
+    private: list[str] = []
+
+    def visit(node: ast.AST, typing_only: bool) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                visit(child, True)
+            for child in node.orelse:
+                visit(child, typing_only)
+            return
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.startswith("ray_rdt_pool"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                target = full if full in modules else node.module
+                if not typing_only and target in modules:
+                    deps.add(target)
+                if alias.name.startswith("_") and full not in modules:
+                    private.append(f"{full}")
+        elif isinstance(node, ast.Import) and not typing_only:
+            deps.update(a.name for a in node.names if a.name in modules)
+        for child in ast.iter_child_nodes(node):
+            visit(child, typing_only)
+
+    visit(ast.parse(path.read_text()), False)
+    return deps, private
+
+
+def _graph() -> tuple[dict[str, set[str]], dict[str, list[str]]]:
+    paths = {_module_of(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    edges: dict[str, set[str]] = {}
+    private: dict[str, list[str]] = {}
+    for name, path in paths.items():
+        deps, names = _imports(path, set(paths))
+        edges[name] = deps - {name}
+        if names:
+            private[name] = names
+    return edges, private
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``edges``, as a path that returns to its start, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def walk(v: str) -> list[str] | None:
+        state[v] = 1
+        path.append(v)
+        for w in sorted(edges.get(v, ())):
+            if state.get(w) == 1:
+                return [*path[path.index(w):], w]
+            if w not in state and (found := walk(w)) is not None:
+                return found
+        path.pop()
+        state[v] = 2
+        return None
+
+    for v in sorted(edges):
+        if v not in state and (found := walk(v)) is not None:
+            return found
+    return None
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_no_import_circle_outside_type_checking() -> None:
+    """Each module's run-time imports (those inside functions included) form no circle:
+    layers import downwards only, and a module that needs another's state is handed it."""
+    edges, _private = _graph()
+    assert _cycle(edges) is None
+
+
+def test_no_module_imports_another_s_underscore_names() -> None:
+    """A helper that another module uses is public within its sub-package: an
+    underscore name is its own module's business."""
+    _edges, private = _graph()
+    assert private == {}

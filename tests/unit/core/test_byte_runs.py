@@ -1,7 +1,7 @@
 """``extent.spanned_runs`` and ``extent.runs_meet`` against a byte-by-byte enumeration.
 
 Fast unit tests, no Ray and no NIXL. The weights receiver refuses destinations that share
-bytes on these two functions (``weights.validate._Claims``), so a run left out or a meeting missed
+bytes on these two functions (``weights.validate.Claims``), so a run left out or a meeting missed
 would let two weights overwrite each other; a meeting invented would refuse interleaved
 views that load correctly.
 """

@@ -494,10 +494,10 @@ def test_an_untied_sender_into_a_tied_receiver_is_refused_up_front(runtime: Any,
 def _lazy_buckets(state: dict[str, torch.Tensor], bucket_bytes: int
                   ) -> tuple[WeightLayout, list[list[torch.Tensor]], list[BucketLayout]]:
     """The buckets a lazy source makes of ``state`` (a tie across buckets is sent twice)."""
-    from ray_rdt_pool.weights.planning import _iter_buckets
+    from ray_rdt_pool.weights.planning import iter_buckets
 
     specs, groups = [], []
-    for p in _iter_buckets(iter(state.items()), bucket_bytes):
+    for p in iter_buckets(iter(state.items()), bucket_bytes):
         specs.append(p.spec)
         groups.append(list(p.tensors))
     entries = tuple(e for s in specs for e in s.entries)
@@ -764,7 +764,7 @@ def test_the_default_version_is_past_every_version_published(
     import ray_rdt_pool.weights.sender as S
 
     monkeypatch.setattr(S, "_put_bucket", lambda tensors, entries: [tensors])
-    monkeypatch.setattr(S, "_stats", lambda: type("S", (), {"fallbacks": 0, "pool_used": 0}))
+    monkeypatch.setattr(S, "pool_stats", lambda: type("S", (), {"fallbacks": 0, "pool_used": 0}))
     sender = WeightSender({"w": torch.zeros(4)})
     assert [sender.publish().version for _ in range(2)] == [1, 2]
     assert sender.publish(version=1).version == 1
@@ -789,9 +789,9 @@ def _late_freed(rt: Runtime, live: int) -> None:
     import ray_rdt_pool.weights.late as L
 
     deadline = time.monotonic() + 10
-    while L._LATE.held() and time.monotonic() < deadline:
+    while L.LATE.held() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert L._LATE.held() == 0 and rt.stats().live_objects == live
+    assert L.LATE.held() == 0 and rt.stats().live_objects == live
 
 
 def test_a_bucket_a_receiver_still_reads_after_a_timeout_is_not_freed_under_it(
@@ -829,7 +829,7 @@ def test_a_receive_call_that_starts_after_the_sender_gave_up_reads_nothing(
     its version and weights stay."""
     rt = runtime()
     r, h = receiver_node(filled(0, 4), direct=False)
-    h.busy(lambda name: name == "_remote_receive")
+    h.busy(lambda name: name == "remote_receive")
     sender = WeightSender(filled(6, 4), bucket_bytes=4096, source_reads=False)
     with pytest.raises(WeightSyncTimeoutError, match="never started"):
         sender.stream([h], max_inflight=1, timeout_s=0.2)
@@ -855,7 +855,7 @@ def test_a_receive_call_that_cannot_be_made_leaves_nothing_behind(runtime: Any) 
     class Refusing:
         @staticmethod
         def remote(fn: Callable[..., Any], *args: Any) -> Any:
-            if fn.__name__ == "_remote_receive":
+            if fn.__name__ == "remote_receive":
                 raise RuntimeError("the call cannot be submitted")
             return real.remote(fn, *args)
 
@@ -881,13 +881,13 @@ def test_late_buckets_go_once_ray_is_shut_down(runtime: Any,
     rt = runtime()
     monkeypatch.setattr(L._LateBuckets, "POLL_S", 0.05)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(L, "_ended", lambda refs: False)  # the calls never end
+    monkeypatch.setattr(L, "calls_ended", lambda refs: False)  # the calls never end
     rt.put("late", [torch.ones(10)])
-    L._LATE.add([L._InFlight([object()], None, ["late"])], "s")
+    L.LATE.add([L.InFlight([object()], None, ["late"])], "s")
     deadline = time.monotonic() + 10
-    while L._LATE.held() and time.monotonic() < deadline:
+    while L.LATE.held() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert L._LATE.held() == 0 and rt.stats().live_objects == 0
+    assert L.LATE.held() == 0 and rt.stats().live_objects == 0
 
 
 # ---------------------------------------------------------------------------------------

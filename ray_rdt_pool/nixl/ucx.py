@@ -1,8 +1,10 @@
 """Which UCX protocols and transports a NIXL READ uses on this machine (``UCX_PROTO_INFO``).
 
-:func:`probe_ucx` runs one small READ in a child (``python -m ray_rdt_pool.bench.floor
---_ucx-probe-child``) and parses what UCX prints; part of the floors of
-:mod:`ray_rdt_pool.bench.floor`.
+:func:`probe_ucx` runs one small READ in a child (``python -m ray_rdt_pool.nixl.ucx``)
+and parses what UCX prints: ``ray-rdt-pool doctor`` judges it, and the benchmark's floors
+(:mod:`ray_rdt_pool.bench.floor`) report it. Also the bare NIXL agent and timed READs
+that the probe and the floors share (:func:`make_agent`, :func:`timed_reads`).
+Stateless; the probe runs in a child process, so nothing of UCX outlives it here.
 """
 
 from __future__ import annotations
@@ -13,10 +15,9 @@ import os
 import re
 import subprocess
 import sys
+import time
 from multiprocessing.connection import Connection
 from typing import Any
-
-from ray_rdt_pool.bench.floor import _make_agent, _timed_reads
 
 _PROTO_ROW = re.compile(r"\|\s*([0-9.]+\.\.(?:inf|[0-9]+))\s*\|\s*([^|]+?)\s*\|\s*([^|]+?)\s*\|")
 
@@ -24,10 +25,31 @@ _PROTO_ROW = re.compile(r"\|\s*([0-9.]+\.\.(?:inf|[0-9]+))\s*\|\s*([^|]+?)\s*\|\
 _PROBE_TAG = "UCX_PROBE_JSON "
 
 
+def make_agent(name: str, prog_thread: bool) -> Any:
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=prog_thread, backends=["UCX"]))
+
+
+def timed_reads(agent: Any, local: Any, remote: Any, peer: str, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        handle = agent.initialize_xfer("READ", local, remote, peer)
+        state = agent.transfer(handle)
+        while state != "DONE":
+            if state == "ERR":
+                raise RuntimeError("NIXL READ failed")
+            state = agent.check_xfer_state(handle)
+        agent.release_xfer_handle(handle)
+        out.append(time.perf_counter() - t)
+    return out
+
+
 def _probe_target(conn: Connection) -> None:
     import numpy as np
 
-    agent = _make_agent(f"ucx-probe-target-{os.getpid()}", False)
+    agent = make_agent(f"ucx-probe-target-{os.getpid()}", False)
     buf = np.ones(1 << 20, dtype=np.uint8)
     agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
     conn.send((agent.get_agent_metadata(), buf.ctypes.data, buf.nbytes))
@@ -36,7 +58,7 @@ def _probe_target(conn: Connection) -> None:
     conn.recv()
 
 
-def _ucx_probe_child() -> None:
+def ucx_probe_child() -> None:
     """Child of :func:`probe_ucx`: one small READ with UCX_PROTO_INFO set by the parent.
 
     Forks its peer (cheaper than a second interpreter; nothing UCX exists before the
@@ -49,14 +71,14 @@ def _ucx_probe_child() -> None:
     proc = ctx.Process(target=_probe_target, args=(child,), daemon=True)
     proc.start()
     try:
-        agent = _make_agent(f"ucx-probe-initiator-{os.getpid()}", False)
+        agent = make_agent(f"ucx-probe-initiator-{os.getpid()}", False)
         dst = np.zeros(1 << 20, dtype=np.uint8)
         agent.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
         meta, addr, n = parent.recv()
         peer = agent.add_remote_agent(meta)
         local = agent.get_xfer_descs([(dst.ctypes.data, n, 0)], "DRAM")
         remote = agent.get_xfer_descs([(addr, n, 0)], "DRAM")
-        _timed_reads(agent, local, remote, peer, 1)
+        timed_reads(agent, local, remote, peer, 1)
         assert int(dst.sum()) == n, "probe READ returned wrong bytes"
         parent.send("stop")
     finally:
@@ -120,7 +142,7 @@ def probe_ucx(timeout_s: float = 60) -> dict[str, Any]:
     env = dict(os.environ, UCX_PROTO_INFO="y")
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "ray_rdt_pool.bench.floor", "--_ucx-probe-child"],
+            [sys.executable, "-m", "ray_rdt_pool.nixl.ucx"],
             env=env, capture_output=True, text=True, timeout=timeout_s,
             preexec_fn=lambda: os.nice(10),  # stay out of the way of what it overlaps
             # The folder that holds this copy of the package, so the child imports it too.
@@ -146,3 +168,7 @@ def probe_ucx(timeout_s: float = 60) -> dict[str, Any]:
         "protocols": protocols,
         "error": error,
     }
+
+
+if __name__ == "__main__":  # the child of probe_ucx
+    ucx_probe_child()
