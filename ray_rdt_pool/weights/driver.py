@@ -99,7 +99,11 @@ class SyncHandle:
             raise WeightSyncTimeoutError(f"the sync has not ended within {timeout}s; it "
                                          "goes on (call result() again, or cancel())")
         if self._error is not None:
-            if self._control.cancelled.is_set():
+            # A cancel that came too late (the commit had begun) did not cause the error:
+            # one that says who committed is the truth, and is raised as it is.
+            committed = isinstance(self._error, CommitHookError) or bool(
+                getattr(self._error, "committed", ()))
+            if self._control.cancelled.is_set() and not committed:
                 raise WeightSyncError("the sync was cancelled before it committed; every "
                                       "receiver keeps its version") from self._error
             raise self._error

@@ -13,6 +13,7 @@ the state, ``_writing`` serialises the writers.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import threading
 import time
@@ -217,6 +218,9 @@ class WeightReceiver:
         # The session of the last stream this receiver committed (an abort after a
         # source died tells the driver which receivers got that far).
         self._committed = ""
+        # Sessions aborted before they began here (their begin call, sent by a source
+        # that died, may still come): such a begin is refused. The newest few only.
+        self._aborted: collections.deque[str] = collections.deque(maxlen=64)
         # (options and destination key, layout, plan) of the last check (see check()).
         self._checked: tuple[tuple[object, ...], WeightLayout, LoadPlan] | None = None
 
@@ -492,6 +496,10 @@ class WeightReceiver:
             else:
                 plan = self.check(layout)
             with self._lock:
+                if session in self._aborted:
+                    raise WeightSyncError(
+                        f"stream {session} was aborted before it began on this receiver "
+                        "(its source died or gave up); nothing was written")
                 self._take_over_locked(version, "stream")
                 self._stream = _Stream(session, version, plan)
         except BaseException:
@@ -569,6 +577,8 @@ class WeightReceiver:
         with self._lock:
             st = self._stream
             if st is None or (session is not None and st.session != session):
+                if session is not None and session != self._committed:
+                    self._aborted.append(session)
                 return session is not None and session == self._committed
             self._drop_locked(st, "the stream was aborted")
             return False

@@ -272,7 +272,9 @@ def source_watch(receivers: Sequence[ActorHandle], attr: str, session: str,
     try:
         yield
     except BaseException as e:
-        committed = _abort_session(receivers, attr, session, min(timeout_s, 10.0))
+        # As long as a commit may still run there (serving sections may hold it off for
+        # timeout_s): only then does each answer say whether it committed.
+        committed = _abort_session(receivers, attr, session, timeout_s + min(timeout_s, 30.0))
         if not isinstance(e, RayActorError):
             raise
         kept = (f"receiver(s) {committed} had committed the version, the others keep "

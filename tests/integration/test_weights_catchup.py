@@ -307,3 +307,46 @@ def test_a_peer_killed_mid_catch_up_leaves_the_receivers_free_for_a_retry(
         assert all(call(a, _drained) for a in (p0, r1, r2))
     finally:
         _kill(trainer, p0, peer, r1, r2)
+
+
+def _generate(actor: Any, seconds: float) -> str:
+    time.sleep(seconds)  # a long request on the engine's one thread
+    return "tokens"
+
+
+def test_a_peer_that_dies_before_its_begin_ran_leaves_no_stream_behind(
+        cluster: None) -> None:
+    """The late engine is busy serving a request (its one thread), so the catch-up's
+    begin waits in its queue; the peer dies meanwhile. The driver's abort reaches the
+    engine first (on Ray's error-path thread) and finds nothing; the begin that runs
+    later must not hold the engine at that version: a retry from another engine
+    succeeds as soon as the request ended."""
+    import ray
+
+    trainer, p0, peer, late = _nodes(4)
+    try:
+        call(trainer, _trainer)
+        for e in (p0, peer, late):
+            call(e, _engine)
+        v1 = sync(trainer, [p0, peer], timeout_s=60).version
+        busy = late.__ray_call__.remote(_generate, 3.0)
+        box: dict[str, Any] = {}
+
+        def doomed() -> None:
+            try:
+                box["rep"] = catch_up(peer, [late], timeout_s=60)
+            except BaseException as e:
+                box["error"] = e
+
+        run = threading.Thread(target=doomed)
+        run.start()
+        time.sleep(1.0)  # the begin is queued behind the request
+        ray.kill(peer)
+        run.join(120)
+        assert isinstance(box.get("error"), WeightSyncError), box
+        assert ray.get(busy, timeout=60) == "tokens"
+        rep = catch_up(p0, [late], timeout_s=60)
+        assert rep.version == v1 and call(late, _version) == v1
+        assert call(late, _digests) == call(p0, _digests)
+    finally:
+        _kill(trainer, p0, peer, late)

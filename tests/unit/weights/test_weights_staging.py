@@ -269,3 +269,35 @@ def test_a_serving_section_longer_than_timeout_s_gets_no_late_commit(runtime: An
     assert a1.weight_receiver.version == 0 and values(d1) == [1.0] * 2
     assert sender.stream([h0, h1], version=2, timeout_s=10).version == 2
     assert values(d1) == [7.0] * 2
+
+
+def test_a_cancel_that_came_after_the_commit_began_does_not_hide_it() -> None:
+    """``cancel()`` while the commit ran: the version stood, so ``result()`` raises the
+    sync's own error saying so (here a hook's), not "cancelled, nothing committed"; a
+    cancel that stopped the sync before its commit still says it was cancelled."""
+    from ray_rdt_pool.weights import SyncHandle, WeightSyncError
+
+    committing, go = threading.Event(), threading.Event()
+
+    def late(control: Any) -> Any:
+        committing.set()
+        assert go.wait(10)
+        raise CommitHookError("version 3 was committed on this receiver, then on_commit "
+                              "raised", 3, 0, (0, 1))
+
+    handle = SyncHandle(late)
+    assert committing.wait(10)
+    assert handle.cancel()
+    go.set()
+    with pytest.raises(CommitHookError) as err:
+        handle.result(10)
+    assert err.value.committed == (0, 1)
+
+    def early(control: Any) -> Any:
+        assert control.cancelled.wait(10)
+        raise WeightSyncError("the sync was cancelled")
+
+    handle = SyncHandle(early)
+    handle.cancel()
+    with pytest.raises(WeightSyncError, match="cancelled before it committed"):
+        handle.result(10)
