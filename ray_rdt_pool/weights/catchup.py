@@ -66,12 +66,19 @@ def _remote_serve_peer(actor: Any, attr: str, receivers: list[Any], max_inflight
                     f"not committed (in progress, or failed) over version {rec.version}: "
                     "no version names them; catch up once a sync has committed on it, or "
                     "from another engine")
+            if rec.select is not None and rec._shard is None:
+                raise WeightSyncError(
+                    "the peer engine holds a shard (select=) but cannot tell which part of "
+                    "the full weights it is (its version came from a lazy stream or a "
+                    "many-rank sync); catch up from another engine, or from the trainer")
             sender = WeightSender(rec.dest, bucket_bytes=bucket_bytes)
             try:
                 return sender._stream(receivers, version=rec.version, receiver_attr=attr,
                                       max_inflight=max_inflight, timeout_s=timeout_s,
                                       relay=relay, relay_order=relay_order, beat=beat,
-                                      peer=True, session=session)
+                                      peer=True, session=session,
+                                      peer_shard=rec._shard if rec.select is not None
+                                      else None)
             finally:
                 sender.close()  # a one-off: its registrations need not stay
     finally:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ray_rdt_pool.core.selection import Slices
 from ray_rdt_pool.errors import (
     CommitHookError,
     InvalidInputError,
@@ -60,9 +61,13 @@ from ray_rdt_pool.weights.validate import (
     dest_targets,
     find_missing,
     mapper,
+    normalize_select,
     raise_problems,
     resolve,
 )
+
+#: Per destination name: (manifest name, full shape, selection read; None: all of it).
+Shard = dict[str, tuple[str, tuple[int, ...], "Slices | None"]]
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -95,6 +100,9 @@ class _Stream:
     source: SourceProcess | None = None
     #: a relayed stream's hook, handed each bucket once it is written (see weights.relay)
     relay: Relay | None = None
+    #: where each destination tensor lies in the full weights once this stream commits
+    #: (see ``WeightReceiver._shard``)
+    shard: Shard | None = None
 
 
 class WeightReceiver:
@@ -218,6 +226,10 @@ class WeightReceiver:
         # The session of the last stream this receiver committed (an abort after a
         # source died tells the driver which receivers got that far).
         self._committed = ""
+        # With select=: per destination name, the manifest name, full shape and selection
+        # the committed version was read as, so that as a catch-up's peer this receiver
+        # can say which shard it holds (None: unknown, or select is None).
+        self._shard: Shard | None = None
         # Sessions aborted before they began here (their begin call, sent by a source
         # that died, may still come): such a begin is refused. The newest few only.
         self._aborted: collections.deque[str] = collections.deque(maxlen=64)
@@ -303,16 +315,16 @@ class WeightReceiver:
         self._fail_locked(st, why)
 
     def _commit_locked(self, version: int, what: str, manifest_id: str = "",
-                       wait_s: float | None = None) -> None:
-        """Make ``version`` live, waiting at most ``wait_s`` for the serving sections in
-        progress; then call ``on_commit`` (:class:`CommitHookError` if it raises: the
-        version stands)."""
+                       wait_s: float | None = None, shard: Shard | None = None) -> None:
+        """Make ``version`` live (its destination tensors read as ``shard`` says), waiting
+        at most ``wait_s`` for the serving sections in progress; then call ``on_commit``
+        (:class:`CommitHookError` if it raises: the version stands)."""
         self._newer_locked(version, what, manifest_id)  # never lets the version go down
         self._unreserve_locked(version)
 
         def live() -> None:
             self._version, self._loaded, self._last_id = version, True, manifest_id
-            self._torn = False
+            self._torn, self._shard = False, shard
             if self.on_commit is None:
                 return
             try:
@@ -435,7 +447,8 @@ class WeightReceiver:
                 if before_commit is not None:
                     before_commit()
                 with self._lock:
-                    self._commit_locked(v, "manifest", mid, commit_wait_s)
+                    self._commit_locked(v, "manifest", mid, commit_wait_s,
+                                        self._shard_of(manifest.layout))
         finally:
             self._unreserve(v)
         return report
@@ -475,7 +488,7 @@ class WeightReceiver:
     # -- streaming (called through __ray_call__ by WeightSender.stream) --
 
     def _begin_stream(self, session: str, layout: WeightLayout | None, version: int,
-                      peer: bool = False) -> int:
+                      peer: bool = False, peer_shard: Shard | None = None) -> int:
         """Validate a streamed layout and get ready for its buckets.
 
         ``layout=None`` starts a lazy stream, whose buckets each bring their own
@@ -485,41 +498,92 @@ class WeightReceiver:
         later buckets and its commit are refused. Returns the number of manifest tensors
         this receiver will skip (0 for a lazy stream; :meth:`_finish_stream` returns its
         count). ``peer``: the stream comes from another engine's receiver
-        (:func:`~ray_rdt_pool.weights.catch_up`), whose names are destination names.
+        (:func:`~ray_rdt_pool.weights.catch_up`), whose names are destination names,
+        holding the shard ``peer_shard`` says (None: whole tensors).
         """
         self._reserve(version, "peer stream" if peer else "stream")
         try:
+            shard = peer_shard if peer and self.select is not None else None
             if layout is None:
                 plan = None
             elif peer:
-                plan = self._peer_plan(layout)
+                plan = self._peer_plan(layout, peer_shard)
             else:
                 plan = self.check(layout)
+                shard = self._shard_of(layout)
             with self._lock:
                 if session in self._aborted:
                     raise WeightSyncError(
                         f"stream {session} was aborted before it began on this receiver "
                         "(its source died or gave up); nothing was written")
                 self._take_over_locked(version, "stream")
-                self._stream = _Stream(session, version, plan)
+                self._stream = _Stream(session, version, plan, shard=shard)
         except BaseException:
             self._unreserve(version)
             raise
         return plan.skipped if plan is not None else 0
 
-    def _peer_plan(self, layout: WeightLayout) -> LoadPlan:
+    def _peer_plan(self, layout: WeightLayout, peer_shard: Shard | None = None) -> LoadPlan:
         """The plan of a peer's stream: its names are destination names (no
         ``name_map``), and each lands in the destination tensor of that name, of the
-        same dtype (no ``load_weights``, no ``select``: the peer sends what it holds)."""
+        same dtype (no ``load_weights``, no ``select``: the peer sends what it holds).
+        With ``select``, each tensor the peer holds in part must be the part this
+        receiver selects (:class:`SelectError` names those that are not)."""
         if self.dest is None:
             raise WeightSyncError(
                 "this receiver has no destination tensors (load_weights only), so it "
                 "cannot take an engine's weights by name; catch it up from the trainer")
+        self._check_peer_shard(layout, peer_shard)
         try:
             return plan_load(_PeerView(self), layout)
         except ManifestMismatchError as e:
             raise type(e)(f"{e} (from a peer engine, which sends the tensors it holds: "
                           "an engine with select= holds its shard only)", e.problems) from None
+
+    def _shard_of(self, layout: WeightLayout) -> Shard | None:
+        """Where each destination tensor lies in the full weights when ``layout`` is
+        read with this receiver's ``select`` (None without one)."""
+        if self.select is None or self.dest is None:
+            return None
+        to_dest = mapper(self.name_map)
+        dests = set(dest_targets(self))
+        out: Shard = {}
+        for e in layout.entries:
+            if e.scale_of is not None:
+                continue
+            try:
+                name = to_dest(e.name)
+                sel = normalize_select(self.select(e.name, tuple(e.shape)), tuple(e.shape))
+            except Exception:  # check() has refused such a layout already
+                continue
+            if name is not None and name in dests:
+                out[name] = (e.name, tuple(e.shape), sel)
+        return out
+
+    def _check_peer_shard(self, layout: WeightLayout, peer_shard: Shard | None) -> None:
+        """SelectError unless every tensor of a peer's ``layout`` that the peer holds in
+        part is the part this receiver's ``select`` reads (shapes alone cannot tell one
+        rank's rows from another's)."""
+        if peer_shard is None or self.select is None:
+            return  # whole tensors on one side: the shapes tell part from whole
+        problems: list[tuple[str, str, str]] = []
+        for e in layout.entries:
+            held = peer_shard.get(e.name)
+            if held is None:
+                continue
+            mname, full, theirs = held
+            try:
+                mine = normalize_select(self.select(mname, full), full)
+            except Exception as err:
+                problems.append(("select", e.name, f"select({mname!r}, {full}) failed: "
+                                                   f"{err}"))
+                continue
+            if mine != theirs:
+                problems.append(("select", e.name, (
+                    f"{e.name!r}: the peer holds {_part(theirs)} of {mname!r} {full}, and "
+                    f"this receiver selects {_part(mine)}")))
+        raise_problems(problems, "nothing was written; catch up from an engine that holds "
+                                 "the same shard")
 
     def _current(self, session: str) -> _Stream:
         """Stream ``session`` if it holds this receiver and has not failed (call with
@@ -732,13 +796,19 @@ class WeightReceiver:
                         f"{-wait_s:.1f}s after its sender stopped waiting (the receiver "
                         "was busy); it was not committed, the version stays "
                         f"{self._version}")
-                self._commit_locked(st.version, "stream", wait_s=wait_s)
+                self._commit_locked(st.version, "stream", wait_s=wait_s, shard=st.shard)
                 st.reserved = False  # the commit gave it back
             finally:
                 if self._loaded and self._version == st.version:
                     self._committed = session  # on_commit may have raised after it
                 self._drop_locked(st, "it was committed")  # or lost to a newer version
         return st.plan.skipped if st.plan is not None else st.skipped
+
+
+def _part(sel: Slices | None) -> str:
+    if sel is None:
+        return "all"
+    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in sel) + "]"
 
 
 class _ShadowView:

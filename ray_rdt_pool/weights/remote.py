@@ -212,7 +212,7 @@ class Role(NamedTuple):
 
 def remote_begin(actor: Any, attr: str, session: str, layout: WeightLayout | None,
                   version: int, source: SourceProcess | None = None,
-                  relay: bool = False, peer: bool = False) -> Began:
+                  relay: bool = False, peer: bool = False, peer_shard: Any = None) -> Began:
     """Begin a stream on a receiver (see :class:`Began`); ``peer``: from another
     engine's receiver, whose names are destination names."""
     import ray
@@ -221,7 +221,7 @@ def remote_begin(actor: Any, attr: str, session: str, layout: WeightLayout | Non
 
     rec = find_attr(actor, attr, WeightReceiver)
     md = mailbox().metadata()  # before the stream holds the receiver: this may fail
-    skipped = rec._begin_stream(session, layout, version, peer)
+    skipped = rec._begin_stream(session, layout, version, peer, peer_shard)
     ok = source is not None and rec._accept_source(session, source)
     plan = rec._stream_plan(session)
     in_place = None if plan is None else tuple(

@@ -400,9 +400,11 @@ class WeightSender:
                 version: int | None = None, receiver_attr: str = RECEIVER_ATTR,
                 max_inflight: int = 2, timeout_s: float = 300.0, relay: str | None = None,
                 relay_order: str = "caller", beat: Beat | None = None,
-                peer: bool = False, session: str = "") -> StreamReport:
+                peer: bool = False, session: str = "",
+                peer_shard: Any = None) -> StreamReport:
         """:meth:`stream`; ``beat``: the driver's wait, told of progress (and able to
-        cancel the stream before it commits); ``session``: the driver's id for it."""
+        cancel the stream before it commits); ``session``: the driver's id for it;
+        ``peer_shard``: a catch-up's peer says which shard it holds."""
         receivers = actor_handles(receivers, "stream()")
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) \
                 or max_inflight < 1:
@@ -419,7 +421,8 @@ class WeightSender:
             wire_scale=self.wire_scale,
             source_reads=self.source_reads,
             by_reference=state is None and isinstance(self.source, (torch.nn.Module, Mapping)),
-            relay=relay, order=relay_order, beat=beat, peer=peer, session=session)
+            relay=relay, order=relay_order, beat=beat, peer=peer, session=session,
+            peer_shard=peer_shard)
         st.plan(eager, pairs, self._layouts)
         # From here on ``v`` may be committed by some receiver, even if the stream fails:
         # the next default version is past it.

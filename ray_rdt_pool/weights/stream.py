@@ -216,7 +216,8 @@ class StreamSession:
                  wire_dtype: WireDtype, source_reads: bool, by_reference: bool,
                  wire_scale: WireScale = DEFAULT_WIRE_SCALE,
                  relay: str | None = None, order: str = "caller",
-                 beat: Beat | None = None, peer: bool = False, session: str = "") -> None:
+                 beat: Beat | None = None, peer: bool = False, session: str = "",
+                 peer_shard: Any = None) -> None:
         self.receivers = receivers
         self.version = version
         self.attr = receiver_attr
@@ -232,6 +233,7 @@ class StreamSession:
         self.relay = relay
         self.order = order
         self.peer = peer  # an engine's receiver serves its weights (catch_up)
+        self.peer_shard = peer_shard  # which shard it holds (see WeightReceiver._shard)
         # The driver's wait: progress is told to it, and it may cancel (no commit then).
         self.beat = beat if beat is not None else Beat(None, 1.0)
         # The id receivers know this stream by: the driver's, so that it can abort the
@@ -331,7 +333,7 @@ class StreamSession:
             relay = self.relay is not None
             self.begins = [r.__ray_call__.remote(remote_begin, self.attr, self.session,
                                                  self.layout, self.version, self.src_proc,
-                                                 relay, self.peer)
+                                                 relay, self.peer, self.peer_shard)
                            for r in self.receivers]
             self.ray_calls += len(self.begins)
             self._negotiate()

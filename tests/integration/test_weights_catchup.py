@@ -19,7 +19,7 @@ import torch
 from ray import cloudpickle
 
 import ray_rdt_pool
-from ray_rdt_pool.errors import InvalidInputError, ShapeMismatchError
+from ray_rdt_pool.errors import InvalidInputError, SelectError, ShapeMismatchError
 from ray_rdt_pool.weights import (
     StaleVersionError,
     WeightReceiver,
@@ -53,12 +53,13 @@ def _step(actor: Any) -> None:
             t.view(torch.int32).add_(3)
 
 
-def _engine(actor: Any, rows: int | None = None, slow: float = 0.0) -> None:
+def _engine(actor: Any, rows: int | None = None, slow: float = 0.0, rank: int = 0) -> None:
     """An engine: its weights under the trainer's names mapped to its own (``name_map``),
-    as an engine that renames does; ``rows``: a TP shard of that many rows."""
+    as an engine that renames does; ``rows``: a TP shard of that many rows, rank
+    ``rank``'s."""
 
     def select(name: str, shape: tuple[int, ...]) -> Any:
-        return None if rows is None else (slice(0, rows),)
+        return None if rows is None else (slice(rank * rows, (rank + 1) * rows),)
 
     class Slow(WeightReceiver):
         def _load_bucket(self, *a: Any) -> Any:
@@ -157,17 +158,28 @@ def test_a_restarted_engine_catches_up_from_a_peer_with_the_trainer_dead(
 
 
 def test_a_peer_that_cannot_serve_and_bad_arguments_are_typed(cluster: None) -> None:
-    trainer, tp0, full, loader = _nodes(4)
+    trainer, tp0, full, loader, tp1, tp0b = _nodes(6)
     try:
         call(trainer, _trainer)
         call(tp0, _engine, 32)  # TP rank 0: rows 0-31
         call(full, _engine)
         call(loader, _loader_engine)
+        call(tp1, _engine, 32, 0.0, 1)  # rank 1: rows 32-63, the same shapes
+        call(tp0b, _engine, 32)  # a restarted rank 0
         sync(trainer, [tp0], timeout_s=60)
         # A shard cannot fill a full engine: the shapes are named.
         with pytest.raises(ShapeMismatchError, match=r"shard|\(32, 64\)"):
             catch_up(tp0, [full], timeout_s=60)
         assert call(full, _version) == 0
+        # Nor another rank's shard of the same shape: the rows are named.
+        with pytest.raises(SelectError, match=r"holds \[0:32, 0:64\] .* selects \[32:64"):
+            catch_up(tp0, [tp1], timeout_s=60)
+        assert call(tp1, _version) == 0
+        # The same rank's shard is served exactly, and serves on in turn.
+        assert catch_up(tp0, [tp0b], timeout_s=60).version == call(tp0, _version)
+        assert call(tp0b, _digests) == call(tp0, _digests)
+        with pytest.raises(SelectError):
+            catch_up(tp0b, [tp1], timeout_s=60)
         # An engine that loads through load_weights holds nothing by name.
         with pytest.raises(WeightSyncError, match="load_weights only"):
             catch_up(loader, [full], timeout_s=60)
@@ -181,7 +193,7 @@ def test_a_peer_that_cannot_serve_and_bad_arguments_are_typed(cluster: None) -> 
         for e in (tp0, full):
             wait_for(lambda e=e: call(e, _drained), timeout=30)
     finally:
-        _kill(trainer, tp0, full, loader)
+        _kill(trainer, tp0, full, loader, tp1, tp0b)
 
 
 def test_a_trainer_sync_into_the_peer_waits_for_the_catch_up(cluster: None) -> None:
