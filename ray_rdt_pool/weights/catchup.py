@@ -69,8 +69,8 @@ def _remote_serve_peer(actor: Any, attr: str, receivers: list[Any], max_inflight
             if rec.select is not None and rec._shard is None:
                 raise WeightSyncError(
                     "the peer engine holds a shard (select=) but cannot tell which part of "
-                    "the full weights it is (its version came from a lazy stream or a "
-                    "many-rank sync); catch up from another engine, or from the trainer")
+                    "the full weights it is (its version came from a lazy stream); catch up "
+                    "from another engine, or from the trainer")
             sender = WeightSender(rec.dest, bucket_bytes=bucket_bytes)
             try:
                 return sender._stream(receivers, version=rec.version, receiver_attr=attr,

@@ -328,7 +328,8 @@ def load_ranks(rec: WeightReceiver, job: RankedLoad) -> LoadReport:
                 with rec._writing:
                     with rec._lock:
                         rec._take_over_locked(v, what)
-                        rec._hold_locked(job.group, v, plan)
+                        rec._hold_locked(job.group, v, plan, rec._shard_of(
+                            job.layout, {n: sh.shape for n, sh in job.sharded.items()}))
                     rec._begin_writing()
                     reports = _read_ranks(rec, job, todo, readable,
                                           lambda r, k: link.send(ranks[r], DONE, k), feeds)

@@ -17,7 +17,7 @@ import collections
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -540,24 +540,25 @@ class WeightReceiver:
             raise type(e)(f"{e} (from a peer engine, which sends the tensors it holds: "
                           "an engine with select= holds its shard only)", e.problems) from None
 
-    def _shard_of(self, layout: WeightLayout) -> Shard | None:
+    def _shard_of(self, layout: WeightLayout,
+                  sharded: Mapping[str, tuple[int, ...]] | None = None) -> Shard | None:
         """Where each destination tensor lies in the full weights when ``layout`` is
-        read with this receiver's ``select`` (None without one)."""
+        read with this receiver's ``select`` (None without one); ``sharded``: the full
+        shapes of names a many-rank sync sends as dim-0 pieces."""
         if self.select is None or self.dest is None:
             return None
         to_dest = mapper(self.name_map)
         dests = set(dest_targets(self))
         out: Shard = {}
-        for e in layout.entries:
-            if e.scale_of is not None:
-                continue
+        whole = [(e.name, tuple(e.shape)) for e in layout.entries if e.scale_of is None]
+        for mname, shape in [*whole, *(sharded or {}).items()]:
             try:
-                name = to_dest(e.name)
-                sel = normalize_select(self.select(e.name, tuple(e.shape)), tuple(e.shape))
+                name = to_dest(mname)
+                sel = normalize_select(self.select(mname, shape), shape)
             except Exception:  # check() has refused such a layout already
                 continue
             if name is not None and name in dests:
-                out[name] = (e.name, tuple(e.shape), sel)
+                out[name] = (mname, shape, sel)
         return out
 
     def _check_peer_shard(self, layout: WeightLayout, peer_shard: Shard | None) -> None:
@@ -605,10 +606,11 @@ class WeightReceiver:
         with self._lock:
             return self._current(session).source
 
-    def _hold_locked(self, session: str, version: int, plan: LoadPlan) -> None:
+    def _hold_locked(self, session: str, version: int, plan: LoadPlan,
+                     shard: Shard | None = None) -> None:
         """A many-rank load (its version reserved, the receiver taken over) holds the
         receiver as stream ``session`` until the driver's commit or abort."""
-        self._stream = _Stream(session, version, plan)
+        self._stream = _Stream(session, version, plan, shard=shard)
 
     def _all_loaded(self, session: str, buckets: int) -> None:
         """A many-rank load of ``session`` wrote its ``buckets`` buckets: it may commit."""

@@ -228,3 +228,24 @@ def test_select_in_a_lazy_stream(in_process: list[Any]) -> None:
     rec._finish_stream("s", len(groups))
     assert rec.version == 1
     assert_equal(eng.params(), reference(st, 1, TP))
+
+
+def test_a_tp_receiver_records_which_part_of_each_tensor_it_holds() -> None:
+    """What a catch-up's peer says it holds: per destination name, the manifest name,
+    the full shape and the part its select reads, for whole tensors and for names a
+    many-rank sync sends as dim-0 pieces (their full shape given)."""
+    from ray_rdt_pool.weights.advanced import plan_layout
+
+    def rank1(name: str, shape: tuple[int, ...]) -> Any:
+        return (slice(shape[0] // 2, shape[0]),) if name != "norm" else None
+
+    dest = {"model.w": torch.zeros(32, 8), "model.norm": torch.zeros(8),
+            "model.big": torch.zeros(4, 8)}
+    rec = WeightReceiver(dest, name_map=lambda n: f"model.{n}", select=rank1)
+    layout, _groups = plan_layout({"w": torch.ones(64, 8), "norm": torch.ones(8),
+                                   "other": torch.ones(2)}, 1 << 20)
+    shard = rec._shard_of(layout, {"big": (8, 8)})
+    assert shard == {"model.w": ("w", (64, 8), (slice(32, 64), slice(0, 8))),
+                     "model.norm": ("norm", (8,), None),
+                     "model.big": ("big", (8, 8), (slice(4, 8), slice(0, 8)))}
+    assert WeightReceiver(dest)._shard_of(layout) is None  # whole tensors: no record
