@@ -2,6 +2,7 @@
 in the trainer (q_proj, k_proj, ...), fused parameters in the engine (qkv_proj,
 gate_up_proj), each TP rank reading only its part of each tensor (select) and fusing it
 in load_weights. Run: python examples/vllm_style_engine.py (joins RAY_ADDRESS, if set)
+Needs transformers: pip install 'ray-rdt-pool[examples]'.
 """
 import hashlib
 import os

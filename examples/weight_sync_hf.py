@@ -3,6 +3,7 @@
 A tiny Llama built from a config (nothing is downloaded) trains in the trainer; after
 every optimizer step sync() streams its weights into each engine's model, in place.
 Run: python examples/weight_sync_hf.py   (joins RAY_ADDRESS's cluster, else starts one)
+Needs transformers: pip install 'ray-rdt-pool[examples]'.
 """
 import hashlib
 import os

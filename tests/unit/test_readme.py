@@ -146,3 +146,35 @@ def test_the_weights_api_is_small_and_holds_no_planning_internal() -> None:
     assert not set(W.__all__) & set(advanced.__all__)
     for name in (*W.__all__, *advanced.__all__):
         assert hasattr(W if name in W.__all__ else advanced, name), name
+
+
+def test_reliability_rows_cite_tests_that_exist_and_say_which_run_on_fake_nixl() -> None:
+    """Each test a row of docs/reliability.md cites exists (``file.py::name``, ``::name``
+    in the same file, or a bare name in test_reliability.py), and a row says *(fake
+    NIXL)* exactly when it cites a test of tests/unit (which runs on the fake)."""
+    tests = ROOT / "tests"
+    defs: dict[str, set[str]] = {}
+    for path in tests.rglob("test_*.py"):
+        found = re.findall(r"^(?:async )?def (test_\w+)", path.read_text(), re.M)
+        defs.setdefault(path.name, set()).update(found)
+    unit = {p.name for p in (tests / "unit").rglob("test_*.py")}
+    problems = []
+    for line in (ROOT / "docs" / "reliability.md").read_text().splitlines():
+        if not line.startswith("| ") or line.startswith("| what"):
+            continue
+        current, fake = "test_reliability.py", False
+        for token in re.findall(r"`([^`]+)`", line.split("|")[-2]):
+            m = re.fullmatch(r"(?:[\w/]+/)?(test_\w+\.py)(?:::(\w+))?|::(\w+)|(test_\w+)", token)
+            if m is None:
+                continue
+            if m.group(1):
+                current = m.group(1)
+            elif m.group(4):
+                current = "test_reliability.py"
+            name = m.group(2) or m.group(3) or m.group(4)
+            if current not in defs or (name and name not in defs[current]):
+                problems.append(f"{token}: no such test ({line[:60]}...)")
+            fake = fake or current in unit
+        if fake != ("fake NIXL" in line):
+            problems.append(f"{'unmarked' if fake else 'marked'} row: {line[:70]}...")
+    assert problems == []

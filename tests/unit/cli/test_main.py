@@ -117,3 +117,15 @@ def test_testbed_sync_tables_every_wire_and_relay_row_with_its_columns() -> None
     assert len(fp8_rows) == 4 and all("| 0.50x |" in ln for ln in fp8_rows)
     with pytest.raises(SystemExit):
         ts.parse_args(["--wire", "fp16"])
+
+
+def test_an_example_that_imports_an_optional_package_names_its_extra() -> None:
+    """Each example importing a package the library does not depend on says which extra
+    installs it, and that extra exists."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = meta["optional-dependencies"]
+    for path in sorted((ROOT / "examples").glob("*.py")):
+        text = path.read_text()
+        if re.search(r"^(from|import) transformers\b", text, re.M):
+            assert "pip install 'ray-rdt-pool[examples]'" in text, path.name
+            assert any(d.startswith("transformers") for d in extras["examples"])
