@@ -360,14 +360,18 @@ def _hello(link: Link, ranks: list[str], job: RankedLoad) -> None:
     for name in ranks:
         link.send(name, HELLO, job.index, link.md)
     waiting = set(ranks)
-    deadline = time.monotonic() + job.timeout_s
+    # Longer than a rank's serve waits for a receiver: two syncs of the same ranks may
+    # each hold a rank and a receiver the other needs (a plain actor runs one call at a
+    # time), and then the serve gives up first, so the receiver's sync can go on.
+    patience = job.timeout_s + min(job.timeout_s, 30.0)
+    deadline = time.monotonic() + patience
     while waiting:
         left = deadline - time.monotonic()
         if left <= 0:
             raise WeightSyncTimeoutError(
                 f"{len(waiting)} trainer rank(s) did not answer this receiver's start of "
-                f"many-rank sync {job.group} within {job.timeout_s}s (the sync was given "
-                "up before this receiver got to it?); nothing was read, the version stays "
+                f"many-rank sync {job.group} within {patience}s (the sync was given up "
+                "before this receiver got to it?); nothing was read, the version stays "
                 "as it was")
         msg = link.get(left)
         if msg is None:
@@ -377,7 +381,7 @@ def _hello(link: Link, ranks: list[str], job: RankedLoad) -> None:
                                   "receiver read anything; its version stays as it was")
         if msg.kind == GO:
             waiting.discard(msg.sender)
-            deadline = time.monotonic() + job.timeout_s
+            deadline = time.monotonic() + patience
 
 
 def _read_ranks(rec: WeightReceiver, job: RankedLoad, todo: Mapping[int, list[BucketPlan]],

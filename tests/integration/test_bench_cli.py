@@ -210,13 +210,13 @@ def test_checksum_word_width_follows_each_tensor() -> None:
 def test_stream_buckets_match_the_weights_api(kib: int) -> None:
     import torch
 
-    weights = pytest.importorskip("ray_rdt_pool.weights")
+    advanced = pytest.importorskip("ray_rdt_pool.weights.advanced")
     sizes = (W.QUICK_SIZES if kib >= 1024 else _tiny_sizes())
     spec = W.make_spec("sync_stream", dataclasses.replace(sizes, stream_bucket_kib=kib))
     # torch.empty does not touch the pages: the quick 66 MiB set costs nothing here.
     state = {name: torch.empty(shape, dtype=getattr(torch, dt))
              for name, shape, dt in W.named_layout(spec)}
-    layout, _groups = weights.plan_layout(state, bucket_bytes=spec.bucket_bytes)
+    layout, _groups = advanced.plan_layout(state, bucket_bytes=spec.bucket_bytes)
     names = list(state)
     ours = [[names[i] for i in idx] for idx in W.stream_buckets(spec)]
     assert ours == [list(b.names) for b in layout.buckets]

@@ -669,8 +669,8 @@ def test_receiver_without_nixl_gets_a_registration_error(pair):
 
 def test_the_environment_names_reach_the_workers():
     """An actor reads every setting from RAY_RDT_POOL_ + its option's name, tuning ones
-    included (the module's RAY_RDT_POOL_POOL_BYTES=32M among them), and still reads a
-    name from before that rule, which it warns about once."""
+    included (the module's RAY_RDT_POOL_POOL_BYTES=32M among them), and nothing from a
+    name from before that rule."""
     @ray.remote(enable_tensor_transport=True, runtime_env=actor_env(ENV))
     class Probe:
         def run(self):
@@ -680,16 +680,16 @@ def test_the_environment_names_reach_the_workers():
             ray_rdt_pool.register()
             self.kept = ray.put([torch.ones(4)], _tensor_transport="nixl_pool")  # the pool
             return (ray_rdt_pool.stats().pool_capacity, runtime().config.options(),
-                    sorted(config._warned))
+                    config.Tuning().read_split_bytes)
 
     env = {"RAY_RDT_POOL_PACK_THREADS": "3", "RAY_RDT_POOL_DEBUG_TRANSFERS": "1",
            "RAY_RDT_POOL_REGISTRATION_CACHE_BYTES": "64M", "RAY_RDT_POOL_READ_SPLIT": "4M"}
-    capacity, options, warned = ray.get(
+    capacity, options, default_split = ray.get(
         Probe.options(runtime_env=actor_env({**ENV, **env})).remote().run.remote())
     assert capacity == 32 << 20 and options["pool_bytes"] == 32 << 20
     assert (options["pack_threads"], options["debug_transfers"]) == (3, True)
     assert options["registration_cache_bytes"] == 64 << 20
-    assert options["read_split_bytes"] == 4 << 20 and warned == ["RAY_RDT_POOL_READ_SPLIT"]
+    assert options["read_split_bytes"] == default_split != 4 << 20  # the old name: unread
 
 
 def test_configure_errors_are_typed():
