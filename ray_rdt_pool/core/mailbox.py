@@ -142,6 +142,17 @@ class Mailbox:
             while len(self._closed) > CLOSED_KEPT:
                 self._closed.pop(next(iter(self._closed)))
 
+    def forget(self, topic: str) -> None:
+        """A topic that will never open here (its session was given up before it began):
+        drop what waits for it and what comes later. An open inbox is left alone."""
+        with self._lock:
+            if topic in self._inboxes:
+                return
+            self._pending.pop(topic, None)
+            self._closed[topic] = None
+            while len(self._closed) > CLOSED_KEPT:
+                self._closed.pop(next(iter(self._closed)))
+
     def pump(self) -> int:
         """Sort what the endpoint has now into the inboxes; returns how many arrived."""
         with self._lock:

@@ -66,6 +66,19 @@ def mailbox() -> Mailbox:
     return runtime().mailbox()
 
 
+def forget(topic: str) -> None:
+    """Drop the messages waiting for ``topic`` in this process's mailbox, and its later
+    ones (a session aborted before it began here); nothing if there is no mailbox yet."""
+    bound = getattr(_THREAD, "mailbox", None)
+    if bound is None:
+        from ray_rdt_pool._ray.runtime import current
+
+        rt = current()
+        bound = rt.current_mailbox() if rt is not None else None
+    if bound is not None:
+        bound.forget(topic)
+
+
 def bind(box: Mailbox | None) -> None:
     """Give this thread a mailbox of its own (None: the process's again). Tests that run
     several actors' sides of a sync in one process give each actor's thread its own

@@ -640,14 +640,19 @@ class WeightReceiver:
         """Drop the stream in progress (``session``, or any) and the buckets it holds.
         It never commits; a bucket being written now finishes, and is the last. Returns
         whether ``session`` had committed here already (nothing to drop then)."""
+        from ray_rdt_pool.weights.links import forget
+
         with self._lock:
             st = self._stream
             if st is None or (session is not None and st.session != session):
                 if session is not None and session != self._committed:
                     self._aborted.append(session)
+                    forget(session)  # the signals its source sent ahead go too
                 return session is not None and session == self._committed
             self._drop_locked(st, "the stream was aborted")
-            return False
+        # Signals for it that no receive loop will read (one that runs keeps its own).
+        forget(st.session)
+        return False
 
     def _holds(self, session: str) -> bool:
         """Whether stream ``session`` still holds this receiver, unfailed (its receive
