@@ -180,17 +180,24 @@ def load_bucket(plan: BucketPlan, ref: ObjectRef | SourceBucket | PoolBucket,
             del got, src
             # The loader's frames may hold the arena views: let the block return.
             traceback.clear_frames(e.__traceback__)
-            shown = ", ".join(repr(n) for n in names[:8])
-            more = f" and {len(names) - 8} more" if len(names) > 8 else ""
-            raise LoaderError(
-                f"load_weights raised {type(e).__name__}: {e} while loading bucket "
-                f"{plan.index} ({len(names)} tensor(s): {shown}{more}); the bucket's "
-                "arena block was released and the receiver's version is unchanged. Fix "
-                "the loader, or map names it does not take to None with name_map",
-                plan.index, names) from e
+            raise loader_error(e, names, f"while loading bucket {plan.index}",
+                               "the bucket's arena block was released and the receiver's "
+                               "version is unchanged", plan.index) from e
         batch.clear()
     del got, src
     return BucketReport(plan.index, plan.nbytes, direct, time.perf_counter() - t0)
+
+
+def loader_error(e: Exception, names: Sequence[str], when: str, left: str,
+                 bucket: int = -1) -> LoaderError:
+    """The error for ``load_weights`` raising ``e`` on ``names``: ``when`` it was called
+    and what that ``left`` as it was."""
+    shown = ", ".join(repr(n) for n in names[:8])
+    more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+    return LoaderError(
+        f"load_weights raised {type(e).__name__}: {e} {when} ({len(names)} tensor(s): "
+        f"{shown}{more}); {left}. Fix the loader, or map names it does not take to None "
+        "with name_map", bucket, names)
 
 
 def _read_source(plan: BucketPlan, sb: SourceBucket) -> list[torch.Tensor]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ray_rdt_pool.errors import LoaderError, WeightSyncTimeoutError
+from ray_rdt_pool.errors import WeightSyncTimeoutError
 from ray_rdt_pool.weights.state import StateLike, identity_key, named_tensors
 
 #: The stagings a receiver may use.
@@ -173,12 +173,9 @@ def _hand_over(load_weights: Callable[[Any], Any], staged: list[tuple[str, torch
         with torch.no_grad():
             load_weights(list(staged))
     except Exception as e:
-        names = [n for n, _t in staged]
-        shown = ", ".join(repr(n) for n in names[:8])
-        more = f" and {len(names) - 8} more" if len(names) > 8 else ""
-        raise LoaderError(
-            f"load_weights raised {type(e).__name__}: {e} at the commit ({len(names)} "
-            f"staged tensor(s): {shown}{more}); nothing was committed: the live tensors "
-            "and the version are unchanged (what the loader applied before it raised is "
-            "its own). Fix the loader, or map names it does not take to None with "
-            "name_map", -1, names) from e
+        from ray_rdt_pool.weights.loading import loader_error
+
+        raise loader_error(e, [n for n, _t in staged], "at the commit",
+                           "nothing was committed: the live tensors and the version are "
+                           "unchanged (what the loader applied before it raised is its "
+                           "own)") from e
