@@ -100,16 +100,36 @@ class _Cluster:
 
     def _start(self, argv: list[str]) -> None:
         # A loaded host starts the raylet's agent slowly; Ray's default wait then kills it.
-        self.starters.append(subprocess.Popen(
-            [self.ray_cli, "start", "--block", "--num-cpus", "1", "--disable-usage-stats",
-             "--object-store-memory", str(300 << 20), *_ports(*_NODE_PORTS), *argv],
-            env=_env(RAY_agent_register_timeout_ms="300000", **_OWN), start_new_session=True,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        log = open(os.path.join(self.temp_dir, f"start-{len(self.starters)}.log"), "wb")
+        with log:
+            self.starters.append(subprocess.Popen(
+                [self.ray_cli, "start", "--block", "--num-cpus", "1", "--disable-usage-stats",
+                 "--object-store-memory", str(300 << 20), *_ports(*_NODE_PORTS), *argv],
+                env=_env(RAY_agent_register_timeout_ms="300000", **_OWN),
+                start_new_session=True, stdout=log, stderr=subprocess.STDOUT))
+
+    def _log(self, i: int) -> str:
+        path = os.path.join(self.temp_dir, f"start-{i}.log")
+        with open(path, "rb") as f:
+            return f.read()[-3000:].decode(errors="replace")
 
     def start_head(self) -> None:
-        self._start(["--head", "--port", str(self.port), "--include-dashboard", "false",
-                     "--temp-dir", self.temp_dir, *_ports("--ray-client-server-port")])
-        self.wait_for(1)
+        # Each port was free when chosen, yet another test's cluster starting at the same
+        # moment may take one first; a head that exits is started again on new ports.
+        for attempt in range(3):
+            self._start(["--head", "--port", str(self.port), "--include-dashboard", "false",
+                         "--temp-dir", self.temp_dir, *_ports("--ray-client-server-port")])
+            try:
+                self.wait_for(1)
+                return
+            except AssertionError:
+                if attempt == 2 or self.starters[-1].poll() is None:
+                    raise
+                why = self._log(len(self.starters) - 1)
+                print(f"ray start --head exited, started again:\n{why}")
+                self.starters.pop()
+                self.port = _free_port()
+                self.address = f"127.0.0.1:{self.port}"
 
     def add_node(self) -> None:
         self._start(["--address", self.address])
@@ -125,7 +145,8 @@ class _Cluster:
                 timeout=120)
             if probe.returncode == 0 and probe.stdout.strip().endswith(str(nodes)):
                 return
-            assert all(p.poll() is None for p in self.starters), "a ray start exited"
+            exited = [i for i, p in enumerate(self.starters) if p.poll() is not None]
+            assert not exited, f"a ray start exited:\n{self._log(exited[0])}"
             assert time.monotonic() < deadline, \
                 f"{nodes} node(s) did not come up: {probe.stderr[-2000:]}"
             time.sleep(1)
