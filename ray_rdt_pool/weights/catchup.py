@@ -77,8 +77,8 @@ def _remote_serve_peer(actor: Any, attr: str, receivers: list[Any], max_inflight
                                       max_inflight=max_inflight, timeout_s=timeout_s,
                                       relay=relay, relay_order=relay_order, beat=beat,
                                       peer=True, session=session,
-                                      peer_shard=rec._shard if rec.select is not None
-                                      else None)
+                                      peer_shard=rec._held_shard()
+                                      if rec.select is not None else None)
             finally:
                 sender.close()  # a one-off: its registrations need not stay
     finally:

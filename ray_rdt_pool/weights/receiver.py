@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -68,6 +69,9 @@ from ray_rdt_pool.weights.validate import (
 
 #: Per destination name: (manifest name, full shape, selection read; None: all of it).
 Shard = dict[str, tuple[str, tuple[int, ...], "Slices | None"]]
+#: How to get a version's :data:`Shard` when a catch-up asks (rarely): a sync keeps
+#: the layout it read and works the record out only then, off its hot path.
+ShardRecord = Callable[[], Shard]
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -102,7 +106,7 @@ class _Stream:
     relay: Relay | None = None
     #: where each destination tensor lies in the full weights once this stream commits
     #: (see ``WeightReceiver._shard``)
-    shard: Shard | None = None
+    shard: ShardRecord | None = None
 
 
 class WeightReceiver:
@@ -229,7 +233,7 @@ class WeightReceiver:
         # With select=: per destination name, the manifest name, full shape and selection
         # the committed version was read as, so that as a catch-up's peer this receiver
         # can say which shard it holds (None: unknown, or select is None).
-        self._shard: Shard | None = None
+        self._shard: ShardRecord | None = None
         # Sessions aborted before they began here (their begin call, sent by a source
         # that died, may still come): such a begin is refused. The newest few only.
         self._aborted: collections.deque[str] = collections.deque(maxlen=64)
@@ -315,7 +319,8 @@ class WeightReceiver:
         self._fail_locked(st, why)
 
     def _commit_locked(self, version: int, what: str, manifest_id: str = "",
-                       wait_s: float | None = None, shard: Shard | None = None) -> None:
+                       wait_s: float | None = None, shard: ShardRecord | None = None
+                       ) -> None:
         """Make ``version`` live (its destination tensors read as ``shard`` says), waiting
         at most ``wait_s`` for the serving sections in progress; then call ``on_commit``
         (:class:`CommitHookError` if it raises: the version stands)."""
@@ -503,7 +508,9 @@ class WeightReceiver:
         """
         self._reserve(version, "peer stream" if peer else "stream")
         try:
-            shard = peer_shard if peer and self.select is not None else None
+            shard: ShardRecord | None = None
+            if peer and self.select is not None and peer_shard is not None:
+                shard = functools.partial(dict, peer_shard)
             if layout is None:
                 plan = None
             elif peer:
@@ -541,20 +548,34 @@ class WeightReceiver:
                           "an engine with select= holds its shard only)", e.problems) from None
 
     def _shard_of(self, layout: WeightLayout,
-                  sharded: Mapping[str, tuple[int, ...]] | None = None) -> Shard | None:
-        """Where each destination tensor lies in the full weights when ``layout`` is
-        read with this receiver's ``select`` (None without one); ``sharded``: the full
-        shapes of names a many-rank sync sends as dim-0 pieces."""
+                  sharded: Mapping[str, tuple[int, ...]] | None = None
+                  ) -> ShardRecord | None:
+        """The record of where each destination tensor lies in the full weights when
+        ``layout`` is read with this receiver's ``select`` (None without one), worked out
+        when asked; ``sharded``: the full shapes of names a many-rank sync sends as dim-0
+        pieces."""
         if self.select is None or self.dest is None:
             return None
+        return functools.partial(self._read_shard, layout, dict(sharded or {}))
+
+    def _held_shard(self) -> Shard | None:
+        """Where the committed version's tensors lie in the full weights (None: whole
+        tensors, or unknown)."""
+        return self._shard() if self._shard is not None else None
+
+    def _read_shard(self, layout: WeightLayout, sharded: Mapping[str, tuple[int, ...]]
+                    ) -> Shard:
+        """The :data:`Shard` a :func:`_shard_of` record stands for."""
         to_dest = mapper(self.name_map)
         dests = set(dest_targets(self))
+        select = self.select
+        assert select is not None  # _shard_of made the record only with one
         out: Shard = {}
         whole = [(e.name, tuple(e.shape)) for e in layout.entries if e.scale_of is None]
         for mname, shape in [*whole, *(sharded or {}).items()]:
             try:
                 name = to_dest(mname)
-                sel = normalize_select(self.select(mname, shape), shape)
+                sel = normalize_select(select(mname, shape), shape)
             except Exception:  # check() has refused such a layout already
                 continue
             if name is not None and name in dests:
@@ -607,7 +628,7 @@ class WeightReceiver:
             return self._current(session).source
 
     def _hold_locked(self, session: str, version: int, plan: LoadPlan,
-                     shard: Shard | None = None) -> None:
+                     shard: ShardRecord | None = None) -> None:
         """A many-rank load (its version reserved, the receiver taken over) holds the
         receiver as stream ``session`` until the driver's commit or abort."""
         self._stream = _Stream(session, version, plan, shard=shard)

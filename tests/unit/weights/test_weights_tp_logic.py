@@ -244,8 +244,9 @@ def test_a_tp_receiver_records_which_part_of_each_tensor_it_holds() -> None:
     rec = WeightReceiver(dest, name_map=lambda n: f"model.{n}", select=rank1)
     layout, _groups = plan_layout({"w": torch.ones(64, 8), "norm": torch.ones(8),
                                    "other": torch.ones(2)}, 1 << 20)
-    shard = rec._shard_of(layout, {"big": (8, 8)})
-    assert shard == {"model.w": ("w", (64, 8), (slice(32, 64), slice(0, 8))),
+    record = rec._shard_of(layout, {"big": (8, 8)})
+    assert record is not None
+    assert record() == {"model.w": ("w", (64, 8), (slice(32, 64), slice(0, 8))),
                      "model.norm": ("norm", (8,), None),
                      "model.big": ("big", (8, 8), (slice(4, 8), slice(0, 8)))}
     assert WeightReceiver(dest)._shard_of(layout) is None  # whole tensors: no record
