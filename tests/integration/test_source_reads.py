@@ -29,7 +29,7 @@ from ray import cloudpickle
 import ray_rdt_pool
 from ray_rdt_pool.weights import ReceiverError, WeightReceiver, WeightSender, sync
 from ray_rdt_pool.weights.advanced import plan_layout
-from tests.support.raycluster import call, node_class, shared_actors, wait_drained
+from tests.support.raycluster import call, node_class, shared_actors, wait_drained, wait_for
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -278,6 +278,11 @@ def _set_slow_receiver(node: Any, seed: int) -> None:
     node.weight_receiver = WeightReceiver(load_weights=load_weights)
 
 
+def _loads_begun(node: Any) -> bool:
+    st = node.weight_receiver._stream
+    return st is not None and st.next >= 1
+
+
 def _stream_to(node: Any, receivers: list[Any]) -> Any:
     return node.weight_sender.stream(receivers, timeout_s=60)
 
@@ -298,7 +303,10 @@ def test_receiver_killed_during_a_stream(actors: dict[str, Any], path: str) -> N
     call(tr, _set_sender, 16, path == "packed")  # a lazy source is packed
     before = call(tr, _stats)
     ref = tr.__ray_call__.remote(_stream_to, [victim])
-    time.sleep(1.0)  # begun, and a few buckets into its loads
+    # Begun, and a bucket into its loads (asked beside the busy receive call): a fixed
+    # sleep let a loaded host kill it before the first bucket.
+    loaded = victim.__ray_call__.options(concurrency_group="_ray_system")
+    wait_for(lambda: ray.get(loaded.remote(_loads_begun), timeout=60), 60, interval=0.05)
     ray.kill(victim)
     with pytest.raises(ray.exceptions.RayTaskError) as err:  # not a timeout: a failure
         ray.get(ref, timeout=120)
