@@ -28,7 +28,7 @@ from ray_rdt_pool.weights import (
     catch_up,
     sync,
 )
-from tests.support.raycluster import actor_env, call, digest, node_class, wait_for
+from tests.support.raycluster import NodePool, call, digest, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -98,28 +98,17 @@ def _drained(actor: Any) -> bool:
 ENV = {"RAY_RDT_POOL_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "8M"}
 
 
+#: This module's actors, handed out again from one test to the next.
+NODES = NodePool(ENV)
+
+
 @pytest.fixture(scope="module")
 def cluster(ray_cluster: str) -> Iterator[None]:
     yield
+    NODES.close()
 
 
-def _nodes(n: int) -> list[Any]:
-    # No CPU each: a test's actors fit the shared cluster beside other modules'.
-    Node = node_class(num_cpus=0, runtime_env=actor_env(ENV))
-    nodes = [Node.remote() for _ in range(n)]
-    for a in nodes:
-        call(a, lambda self: None)
-    return nodes
-
-
-def _kill(*actors: Any) -> None:
-    import ray
-
-    for a in actors:
-        try:
-            ray.kill(a)
-        except Exception:
-            pass
+_nodes, _kill = NODES.take, NODES.give_back
 
 
 @pytest.mark.parametrize("relay", [None, "chain"], ids=["fan-out", "relay"])
@@ -139,7 +128,7 @@ def test_a_restarted_engine_catches_up_from_a_peer_with_the_trainer_dead(
         ray.kill(e1)
         ray.kill(e2)
         ray.kill(trainer)  # the trainer is gone; the peer alone has the weights
-        e1, e2 = _nodes(2)  # restarted engines: version 0, zeros
+        e1, e2 = _nodes(2, fresh=True)  # restarted engines: version 0, zeros
         for e in (e1, e2):
             call(e, _engine)
         rep = catch_up(e0, [e1, e2], relay=relay, timeout_s=60)
@@ -237,7 +226,7 @@ def test_a_peer_that_a_sync_wrote_in_part_refuses_to_serve(cluster: None) -> Non
     its version; once the sync committed, the catch-up serves the new version exactly."""
     trainer, late = _nodes(2)
     # Threaded, as an engine that serves while it loads: its state can be read meanwhile.
-    peer = node_class(num_cpus=0, runtime_env=actor_env(ENV), max_concurrency=4).remote()
+    peer, = _nodes(1, max_concurrency=4)
     try:
         call(trainer, _trainer)
         call(peer, _engine, None, 0.3)  # 8 buckets x 0.3 s

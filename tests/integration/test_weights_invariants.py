@@ -38,7 +38,7 @@ from ray_rdt_pool.weights import (
     WeightSyncTimeoutError,
     sync,
 )
-from tests.support.raycluster import actor_env, call, digest, node_class, wait_for
+from tests.support.raycluster import NodePool, call, digest, held, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -119,13 +119,6 @@ def _busy(actor: Any, seconds: float) -> None:
     time.sleep(seconds)  # an engine in a long generate
 
 
-def _held(actor: Any) -> tuple[int, int]:
-    """(pool objects, pool bytes) held here, counting a signal session still open or a
-    signal waiting for a session as one object: all must be gone after a sync."""
-    st = ray_rdt_pool.stats()
-    return int(st.live_objects + st.signal_sessions + st.signals_waiting), int(st.pool_used)
-
-
 def _sender_version(actor: Any) -> int:
     return int(actor.weight_sender.version)
 
@@ -137,67 +130,17 @@ def _sender_version(actor: Any) -> int:
 ENV = {"RAY_RDT_POOL_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "8M"}
 
 
-#: Live actors of this module that the last test left clean, free for the next one: a
-#: fresh actor costs seconds (a worker process, torch, a NIXL agent), and what these
-#: tests attack is the sync, not an actor's birth.
-_FREE: list[Any] = []
-#: The actors made without options (only those are handed out again).
-_PLAIN: set[str] = set()
+#: This module's actors, handed out again from one test to the next.
+NODES = NodePool(ENV)
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster: str) -> Iterator[None]:
     yield
-    _end(*_FREE)
-    _FREE.clear()
+    NODES.close()
 
 
-def _nodes(n: int, **options: Any) -> list[Any]:
-    nodes = [] if options else [_FREE.pop() for _ in range(min(n, len(_FREE)))]
-    # No CPU each: a test's actors fit the shared cluster beside other modules'.
-    Node = node_class(num_cpus=0, runtime_env=actor_env(ENV), **options)
-    new = [Node.remote() for _ in range(n - len(nodes))]
-    for a in new:
-        call(a, lambda self: None)
-        if not options:
-            _PLAIN.add(a._actor_id.hex())
-    return nodes + new
-
-
-def _reset(actor: Any) -> tuple[int, int]:
-    """Drop everything a test left on ``actor``; what it still holds then."""
-    import gc
-
-    for k in list(vars(actor)):
-        delattr(actor, k)
-    gc.collect()
-    return _held(actor)
-
-
-def _kill(*actors: Any) -> None:
-    """A test is done with ``actors``: each that is alive and holds nothing once reset
-    serves a later test; the others are killed."""
-    import ray
-
-    for a in actors:
-        try:
-            if a._actor_id.hex() in _PLAIN and \
-                    ray.get(a.__ray_call__.remote(_reset), timeout=30) == (0, 0):
-                _FREE.append(a)
-                continue
-        except Exception:  # dead, or stuck: a fresh one takes its place
-            pass
-        _end(a)
-
-
-def _end(*actors: Any) -> None:
-    import ray
-
-    for a in actors:
-        try:
-            ray.kill(a)
-        except Exception:
-            pass
+_nodes, _kill = NODES.take, NODES.give_back
 
 
 def _merged(trainers: list[Any], dtype: torch.dtype | None = None) -> dict[str, str]:
@@ -209,7 +152,7 @@ def _merged(trainers: list[Any], dtype: torch.dtype | None = None) -> dict[str, 
 
 def _drained(actors: list[Any], timeout: float = 30.0) -> None:
     for a in actors:
-        wait_for(lambda a=a: call(a, _held) == (0, 0), timeout=timeout)
+        wait_for(lambda a=a: call(a, held) == (0, 0), timeout=timeout)
 
 
 # ---------------------------------------------------------------------------------------
@@ -649,7 +592,7 @@ def test_an_offer_whose_driver_died_is_freed_by_a_later_plain_stream(cluster: No
         call(trainer, _trainer, n, 81, source_reads=False)
         call(e, _receiver, n)
         call(trainer, _orphan_offer)  # its driver gave timeout_s=0.5
-        assert call(trainer, _held)[0] > 0
+        assert call(trainer, held)[0] > 0
         time.sleep(1.5)  # past 2 * timeout_s
         sync(trainer, [e], timeout_s=30)
         _drained([trainer])

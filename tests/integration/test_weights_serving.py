@@ -26,7 +26,7 @@ from ray_rdt_pool.weights import (
     WeightSyncTimeoutError,
     sync,
 )
-from tests.support.raycluster import actor_env, call, node_class
+from tests.support.raycluster import NodePool, call
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -85,25 +85,23 @@ def _stop(actor: Any) -> tuple[list[float], list[int], int, int]:
 
 #: The shared cluster's settings for this module's actors: small pools.
 ENV = {"RAY_RDT_POOL_POOL_BYTES": "8M", "RAY_RDT_POOL_ARENA_BYTES": "8M"}
+#: This module's actors (two threads: a serving loop beside the sync), handed out again
+#: from one test to the next.
+NODES = NodePool(ENV, max_concurrency=2)
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster: str) -> Iterator[None]:
     yield
+    NODES.close()
 
 
-def _nodes() -> tuple[Any, Any]:
-    Node = node_class(num_cpus=0, max_concurrency=2, runtime_env=actor_env(ENV))
-    tr, eng = Node.remote(), Node.remote()
-    for a in (tr, eng):
-        call(a, lambda self: None)
-    return tr, eng
+def _nodes(n: int = 2) -> list[Any]:
+    return NODES.take(n)
 
 
 def test_an_engine_serves_one_version_or_the_next_during_a_background_sync(
         cluster: None) -> None:
-    import ray
-
     tr, eng = _nodes()
     try:
         call(tr, _trainer, 1.0)
@@ -123,13 +121,10 @@ def test_an_engine_serves_one_version_or_the_next_during_a_background_sync(
         assert -1.0 not in outputs, "a forward pass saw two versions"
         assert outputs == sorted(outputs) and {1.0, 2.0} <= set(outputs)
     finally:
-        for a in (tr, eng):
-            ray.kill(a)
+        NODES.give_back(tr, eng)
 
 
 def test_a_cancelled_background_sync_commits_nothing(cluster: None) -> None:
-    import ray
-
     tr, eng = _nodes()
     try:
         call(tr, _trainer, 3.0)
@@ -144,8 +139,7 @@ def test_a_cancelled_background_sync_commits_nothing(cluster: None) -> None:
         with pytest.raises(InvalidInputError, match="wait must be True or False"):
             sync(tr, [eng], wait="no")  # type: ignore[call-overload]
     finally:
-        for a in (tr, eng):
-            ray.kill(a)
+        NODES.give_back(tr, eng)
 
 
 def _failing_hook(actor: Any) -> None:
@@ -161,13 +155,9 @@ def test_a_hook_that_raises_is_typed_and_names_who_committed(cluster: None,
     """``on_commit`` raises on the second engine: the driver gets CommitHookError (through
     Ray, still that class) naming it, with both engines committed, and both hold the
     new version's bytes."""
-    import ray
-
     from ray_rdt_pool.weights import CommitHookError
 
-    tr, e0 = _nodes()
-    _tr2, e1 = _nodes()
-    ray.kill(_tr2)
+    tr, e0, e1 = _nodes(3)
     try:
         call(tr, _trainer, 4.0)
         for e in (e0, e1):
@@ -180,5 +170,4 @@ def test_a_hook_that_raises_is_typed_and_names_who_committed(cluster: None,
             outputs, _commits, version, _staging = call(e, _stop)
             assert version == 7 and outputs[-1] == 4.0
     finally:
-        for a in (tr, e0, e1):
-            ray.kill(a)
+        NODES.give_back(tr, e0, e1)

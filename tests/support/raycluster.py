@@ -344,6 +344,77 @@ def node_class(**options: Any) -> Any:
     return Node
 
 
+def held(actor: Any) -> tuple[int, int]:
+    """Inside an actor: (pool objects, pool bytes) its transport holds, counting a signal
+    session still open or a signal waiting for a session as one object; (0, 0) after
+    every sync has ended."""
+    import ray_rdt_pool
+
+    st = ray_rdt_pool.stats()
+    return int(st.live_objects + st.signal_sessions + st.signals_waiting), int(st.pool_used)
+
+
+def _reset(actor: Any) -> tuple[int, int]:
+    """Inside an actor: drop everything a test set on it; what it still holds then."""
+    for k in list(vars(actor)):
+        delattr(actor, k)
+    gc.collect()
+    return held(actor)
+
+
+class NodePool:
+    """The bare actors (:func:`node_class`) of one module, all seeing ``env``, handed out
+    again from one test to the next.
+
+    A fresh actor costs about 2.4 CPU-seconds on this 2-core machine (a worker process,
+    torch, a NIXL agent), and most tests attack a sync, not an actor's birth. An actor a
+    test gives back serves a later test only if it is alive, was made without options, and
+    holds nothing of this package once every attribute the test set on it is dropped; any
+    other is killed. A test about a new process (a restarted engine) asks for ``fresh``.
+    """
+
+    def __init__(self, env: Mapping[str, str], **options: Any) -> None:
+        self.env = dict(env)
+        #: What every actor of the pool is made with (``ray.remote`` options).
+        self.options = options
+        self._free: list[Any] = []
+        self._plain: set[str] = set()
+
+    def take(self, n: int, *, fresh: bool = False, **options: Any) -> list[Any]:
+        """``n`` started actors, free ones first (unless ``fresh``, or with ``options``
+        for ``ray.remote`` beyond the pool's, which only a new actor takes)."""
+        reuse = 0 if fresh or options else min(n, len(self._free))
+        nodes = [self._free.pop() for _ in range(reuse)]
+        # No CPU each: a test's actors fit the shared cluster beside other modules'.
+        Node = node_class(num_cpus=0, runtime_env=actor_env(self.env),
+                          **{**self.options, **options})
+        new = [Node.remote() for _ in range(n - reuse)]
+        ray.get([a.__ray_call__.remote(_noop) for a in new], timeout=120)
+        if not options:
+            self._plain.update(a._actor_id.hex() for a in new)
+        return nodes + new
+
+    def give_back(self, *actors: Any) -> None:
+        """A test is done with ``actors``: the clean ones go back to the pool."""
+        for a in actors:
+            try:
+                if a._actor_id.hex() in self._plain and \
+                        ray.get(a.__ray_call__.remote(_reset), timeout=30) == (0, 0):
+                    self._free.append(a)
+                    continue
+            except Exception:  # dead, or stuck: a fresh one takes its place
+                pass
+            with contextlib.suppress(Exception):
+                ray.kill(a)
+
+    def close(self) -> None:
+        """Kill the free actors (the module's end)."""
+        for a in self._free:
+            with contextlib.suppress(Exception):
+                ray.kill(a)
+        self._free.clear()
+
+
 def _stats_of(actor: Any) -> Any:
     import ray_rdt_pool
 
