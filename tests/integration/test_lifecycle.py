@@ -1,10 +1,9 @@
 """Process lifecycle: configuration before first use, ``shutdown()``, interpreter exit.
 
-Own cluster: each driver but one starts its own: they test a driver's exit or a Ray restart.
-
 Each case runs in its own interpreter, because what is tested is what happens to a
-process (its configuration lock, its exit path). The ``shutdown()`` case joins the test
-process's shared cluster.
+process (its configuration lock, its exit path). Two drivers start a cluster of their
+own: the one that restarts Ray, and one plain driver, so that the exit of a driver that
+started its cluster is tested too; the others join the test process's shared cluster.
 """
 
 from __future__ import annotations
@@ -32,15 +31,16 @@ def run(args: list[str], timeout: float = 180, address: str | None = None
 
 
 @pytest.mark.ray
-def test_driver_that_received_objects_exits_cleanly() -> None:
+def test_driver_that_received_objects_exits_cleanly(ray_cluster: str) -> None:
     """The exit path (atexit) stops the progress thread and destroys the NIXL agent
     before the interpreter finalizes; a thread inside a NIXL binding at that point
-    aborts the process (std::terminate). Two runs in a row must both exit 0 (each starts
-    its own cluster: about 15 s). The second driver has also streamed weights by
-    reference, so it exits holding their storages' NIXL registrations (and the storages):
-    the exit path must deregister nothing out of order and crash nowhere."""
-    for i, mode in enumerate(("plain", "stream")):
-        p = run(["-m", "tests.support.exit_driver", mode])
+    aborts the process (std::terminate). Two runs in a row must both exit 0: the first
+    starts a cluster of its own, the second joins one. The second driver has also
+    streamed weights by reference, so it exits holding their storages' NIXL
+    registrations (and the storages): the exit path must deregister nothing out of
+    order and crash nowhere."""
+    for i, (mode, address) in enumerate((("plain", None), ("stream", ray_cluster))):
+        p = run(["-m", "tests.support.exit_driver", mode], address=address)
         bad = [w for w in ("terminate", "Aborted", "SIGABRT", "Fatal Python error",
                            "Segmentation") if w in p.stderr]
         assert p.returncode == 0 and not bad, (i, p.returncode, bad, p.stderr[-3000:])
@@ -60,11 +60,11 @@ def test_shutdown_stops_the_thread_and_removes_the_agent_key(ray_cluster: str) -
 
 
 @pytest.mark.ray
-def test_driver_exits_quietly_while_an_overflow_region_lingers() -> None:
+def test_driver_exits_quietly_while_an_overflow_region_lingers(ray_cluster: str) -> None:
     """The exit shutdown destroyed the NIXL agent before it dropped the empty overflow
     region kept for reuse: the deregistration failed with a WARNING and a traceback on
     stderr, and the region stayed mapped (stranded) to the end. Now it goes first."""
-    p = run(["-m", "tests.support.exit_driver", "overflow"])
+    p = run(["-m", "tests.support.exit_driver", "overflow"], address=ray_cluster)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [json.loads(x) for x in p.stdout.strip().splitlines() if x.startswith("{")]
     assert lines[-2]["regions"] == 1 and lines[-2]["overflow_objects"] == 0, lines

@@ -5,9 +5,11 @@ tests/integration/test_lifecycle.py.
 some views still alive), then leave the interpreter without any clean-up call: the
 ``atexit`` hook must stop the progress thread and destroy the agent before finalization.
 
+Every mode but ``restart`` joins the cluster ``RAY_ADDRESS`` names when one is set, and
+starts a cluster of its own otherwise.
+
 ``python -m tests.support.exit_driver shutdown``: the same, then call ``ray_rdt_pool.shutdown()``
-and print what it left behind as one JSON line. It joins the cluster ``RAY_ADDRESS``
-names when one is set (what it tests is the shutdown, not the process's exit).
+and print what it left behind as one JSON line.
 
 ``python -m tests.support.exit_driver stream``: as ``plain``, and the driver is also a trainer:
 it streams a dict of weights with ``WeightSender`` to an actor that cannot read it in
@@ -197,7 +199,7 @@ def main(mode: str) -> None:
         sys.stdout.flush()
         return
     env = {"env_vars": {"RAY_RDT_POOL_POOL_BYTES": "16M", "RAY_RDT_POOL_METRICS": "0"}}
-    if mode == "shutdown" and os.environ.get("RAY_ADDRESS"):
+    if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, runtime_env=env)
     else:
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
