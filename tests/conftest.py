@@ -90,11 +90,6 @@ _PER_TEST = {
     "integration/test_readme_blocks.py",
 }
 
-#: Long modules split into this many units: each starts its own actors, in parallel.
-_SPLIT = {
-    "integration/test_transport.py": 2,
-}
-
 #: Measured cost of the long units (a module, or module::test for a per-test module).
 # BEGIN COSTS (written by tools/test_costs.py from a measured run: make test-costs)
 _COST = {
@@ -135,26 +130,25 @@ _COST = {
 # END COSTS
 
 
-def _unit_of(nodeid: str, index_in_module: int, module_size: int) -> tuple[str, float]:
-    """The work unit of test ``nodeid`` (the ``index_in_module``-th of its module's
-    ``module_size``) and the unit's cost."""
+def _unit_of(nodeid: str, module_size: int) -> tuple[str, float]:
+    """The work unit of test ``nodeid`` (one of its module's ``module_size``) and the
+    unit's cost. No module is split in several units: the suite is CPU-bound (both
+    cores busy throughout a run), so a split buys no parallelism and pays for each
+    unit's module-scoped actors again."""
     path, _, name = nodeid.partition("::")
     rel = path.split("tests/", 1)[-1]
     test = f"{rel}::{name.split('[', 1)[0]}"
     if rel.split("/", 1)[0] not in ("integration", "stress", "gpu") or rel in _PER_TEST:
         return nodeid, _COST.get(test, _COST.get(rel, 1.0))
-    parts = _SPLIT.get(rel, 1)
-    part = index_in_module * parts // max(module_size, 1)
-    return f"{rel}#{part}", _COST.get(rel, module_size) / parts
+    return rel, _COST.get(rel, module_size)
 
 
 def _units(nodeids: list[str]) -> dict[str, tuple[str, float]]:
-    """The work unit and its cost of each of ``nodeids`` (in collection order)."""
+    """The work unit and its cost of each of ``nodeids``."""
     by_module: dict[str, list[str]] = {}
     for nodeid in nodeids:
         by_module.setdefault(nodeid.partition("::")[0], []).append(nodeid)
-    return {nodeid: _unit_of(nodeid, i, len(ids))
-            for ids in by_module.values() for i, nodeid in enumerate(ids)}
+    return {nodeid: _unit_of(nodeid, len(ids)) for ids in by_module.values() for nodeid in ids}
 
 
 def _distributed(config: Any) -> bool:
