@@ -553,7 +553,9 @@ def test_two_drivers_syncing_the_same_ranks_at_once(cluster: None) -> None:
 
         def one(v: int) -> None:
             try:
-                out.append(sync([t0, t1], [e0, e1], version=v, timeout_s=60))
+                # A short timeout: when each sync holds an actor the other needs, both
+                # wait it out (the sync itself takes about 2 s).
+                out.append(sync([t0, t1], [e0, e1], version=v, timeout_s=15))
             except BaseException as err:
                 out.append(err)
 
