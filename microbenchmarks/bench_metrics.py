@@ -30,7 +30,7 @@ import ray
 import torch
 
 import ray_rdt_pool
-from ray_rdt_pool.obs import view
+from ray_rdt_pool.cli import stats_table as stats_cli
 
 POOL_ENV = {"RAY_RDT_POOL_POOL_BYTES": "128M", "RAY_RDT_POOL_ARENA_BYTES": "128M",
             "RAY_DEDUP_LOGS": "0"}
@@ -194,7 +194,7 @@ def run_chart(args: argparse.Namespace) -> dict[str, Any]:
     def scraper() -> None:
         while not stop.is_set():
             try:
-                rows = view.scrape(url)
+                rows = stats_cli.scrape(url)
             except OSError:
                 rows = []
             t = time.monotonic() - t_start

@@ -115,14 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     if bad or not names:
         p.error(f"--workloads: {', '.join(bad) or 'none given'} is not a one-object workload; "
                 f"choose from {', '.join(w for w in W.WORKLOADS if w not in W.SYNC_WORKLOADS)}")
+    from ray_rdt_pool.memory.allocations import HostMemory
     from ray_rdt_pool.memory.describe import native_active
-    from ray_rdt_pool.memory.regions import HostRegion
 
     idle = a.idle_ms / 1e3
     print(f"put phases: {cpu_model()}, load average {loadavg()}, {a.reps} reps, "
           f"{a.idle_ms:g} ms idle before each; medians in ms")
     layouts = {name: W.build_tensors(W.make_spec(name, W.FULL_SIZES))[0] for name in names}
-    region = HostRegion(max(sum(t.nbytes for t in ts) for ts in layouts.values()) + (8 << 20),
+    region = HostMemory(max(sum(t.nbytes for t in ts) for ts in layouts.values()) + (8 << 20),
                         prefault=True)
     kinds = {"python": False, "native": True} if native_active() else {"python": False}
     if len(kinds) == 1:

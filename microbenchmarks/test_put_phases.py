@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from ray_rdt_pool.memory.regions import HostRegion
+from ray_rdt_pool.memory.allocations import HostMemory
 
 
 def test_put_phases_times_every_phase_and_leaves_the_packed_bytes(capsys: Any) -> None:
@@ -21,7 +21,7 @@ def test_put_phases_times_every_phase_and_leaves_the_packed_bytes(capsys: Any) -
 
     tensors = W.build_tensors(W.make_spec("experience_samples", W.QUICK_SIZES))[0][:50]
     total = sum(t.nbytes for t in tensors)
-    region = HostRegion(total + (1 << 20), prefault=True)
+    region = HostMemory(total + (1 << 20), prefault=True)
     try:
         ph = P.put_phases(tensors, region, reps=2, idle_s=0.0)
         assert set(ph) == {"describe", "group", "offsets", "pack", "wire", "put"}
@@ -32,7 +32,7 @@ def test_put_phases_times_every_phase_and_leaves_the_packed_bytes(capsys: Any) -
         assert torch.equal(region.tensor[:first.numel()], first)
     finally:
         region.close()
-    small = HostRegion(4096)
+    small = HostMemory(4096)
     try:
         with pytest.raises(ValueError, match="region holds 4,096"):
             P.put_phases(tensors, small, reps=1, idle_s=0.0)
@@ -47,7 +47,7 @@ def test_put_phases_times_every_phase_and_leaves_the_packed_bytes(capsys: Any) -
         P.main(["--workloads", "views,sync"])
     assert "sync is not a one-object workload" in capsys.readouterr().err
     # native=False keeps describe on its Python loop: the same phases, the same bytes.
-    region = HostRegion(total + (1 << 20), prefault=True)
+    region = HostMemory(total + (1 << 20), prefault=True)
     try:
         ph = P.put_phases(tensors, region, reps=1, idle_s=0.0, native=False)
         assert set(ph) == {"describe", "group", "offsets", "pack", "wire", "put"}

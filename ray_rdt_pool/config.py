@@ -118,7 +118,7 @@ class Tuning:
     The defaults were measured with the benchmarks in :mod:`ray_rdt_pool.bench` (on 2-core
     VMs; ``docs/benchmarks.md`` has the figures). Each one trades speed against CPU or
     latency; none changes what a transfer delivers. Leave them alone unless a benchmark
-    on your own hardware (``ray-rdt-pool bench``, ``python -m ray_rdt_pool.bench.pack``
+    on your own hardware (``ray-rdt-pool bench``, ``python -m ray_rdt_pool.bench.pack_threads``
     or ``python -m ray_rdt_pool.bench.floor``) shows a gain. Set them like any option:
     ``configure(read_lanes=4)``, ``configure(tuning=Tuning(read_lanes=4))`` or
     ``RAY_RDT_POOL_READ_LANES=4``.

@@ -77,7 +77,7 @@ from ray_rdt_pool.errors import (
 if TYPE_CHECKING:
     import torch
 
-    from ray_rdt_pool.memory.regions import CudaRegion, HostRegion
+    from ray_rdt_pool.memory.allocations import CudaMemory, HostMemory
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +102,10 @@ class Directory(Protocol):
     def lookup_host(self, name: str) -> bytes | None: ...
 
 
-def _default_region(capacity: int, device: str, prefault: bool) -> HostRegion | CudaRegion:
-    from ray_rdt_pool.memory.regions import CudaRegion, HostRegion
+def _default_region(capacity: int, device: str, prefault: bool) -> HostMemory | CudaMemory:
+    from ray_rdt_pool.memory.allocations import CudaMemory, HostMemory
 
-    return CudaRegion(capacity) if device == "cuda" else HostRegion(capacity, prefault=prefault)
+    return CudaMemory(capacity) if device == "cuda" else HostMemory(capacity, prefault=prefault)
 
 
 class Region:
@@ -116,9 +116,9 @@ class Region:
     """
 
     def __init__(self, mem: Any, name: str, named: bool = True) -> None:
-        self.mem = mem  # HostRegion or CudaRegion (or a test double with the same fields)
+        self.mem = mem  # HostMemory or CudaMemory (or a test double with the same fields)
         self.named = named  # objects may name it (not a receive arena): see the epoch
-        # A shared pool hands out whole pages (see shared.SharedHostRegion).
+        # A shared pool hands out whole pages (see shared.SharedHostMemory).
         self.alloc = BlockAllocator(mem.nbytes, align=getattr(mem, "align", BLOCK_ALIGN),
                                     name=name)
         self.handle: Any = None
@@ -344,9 +344,9 @@ class Registry:
         try:
             if shared and device == "cpu" and self._region_factory is _default_region:
                 try:
-                    from ray_rdt_pool.same_node.regions import SharedHostRegion
+                    from ray_rdt_pool.same_node.memfd import SharedHostMemory
 
-                    mem = SharedHostRegion(capacity, prefault=prefault)
+                    mem = SharedHostMemory(capacity, prefault=prefault)
                 except OSError as e:
                     logger.warning("no shared memory for the sender pool (%s); same-node "
                                    "receivers will read it with NIXL", e)

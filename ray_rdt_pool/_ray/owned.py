@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import ray
     import torch
 
-    from ray_rdt_pool.same_node.source import SourceProcess
+    from ray_rdt_pool.same_node.peer_memory import SourceProcess
 
 
 def put_owned(obj_id: str, tensors: Sequence[torch.Tensor],
@@ -120,7 +120,7 @@ def source_process() -> SourceProcess | None:
     """This process as a source of direct reads by same-node receivers (the weights
     API's stream), or None outside a Ray worker or driver, or where ``same_node`` is
     ``"off"``."""
-    from ray_rdt_pool.same_node.source import this_process
+    from ray_rdt_pool.same_node.peer_memory import this_process
 
     node = ray_node_id()
     if node is None or runtime().config.same_node == "off":

@@ -25,10 +25,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ray_rdt_pool._ray.collect import collect
 from ray_rdt_pool._ray.conversions import put_conversions
 from ray_rdt_pool._ray.directory import KVDirectory, ray_node_id
 from ray_rdt_pool._ray.metadata import PoolFetch, PoolTransportMetadata
-from ray_rdt_pool._ray.stats import collect
 from ray_rdt_pool.config import Options, PoolConfig, from_env
 from ray_rdt_pool.core.clock import SYSTEM_CLOCK, Clock
 from ray_rdt_pool.core.mailbox import Mailbox

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 
-from ray_rdt_pool.bench import targets as T
+from ray_rdt_pool.bench import speedup_targets as T
 from ray_rdt_pool.bench import workloads as W
 from ray_rdt_pool.bench.variants import VARIANT_NAMES
 from ray_rdt_pool.nixl.backend import PROGRESS_HOLD_S

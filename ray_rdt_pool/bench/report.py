@@ -1,6 +1,6 @@
 """Summaries and text tables of the side-by-side benchmark.
 
-The floors and targets are in :mod:`ray_rdt_pool.bench.targets`, the chart in
+The floors and targets are in :mod:`ray_rdt_pool.bench.speedup_targets`, the chart in
 :mod:`ray_rdt_pool.bench.plot`.
 
 Input is the list of per-transfer samples the runner records (one dict per repetition,

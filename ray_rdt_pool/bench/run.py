@@ -47,10 +47,10 @@ receivers copy the buckets straight out of the trainer's tensors (source reads: 
 measured and give the floors of ``sync`` (pack + READ) and ``sync_stream``
 (max(pack, READ) + one bucket; with source reads, one cma copy). So are the sender's own
 pack rate and the rate of a READ over two read lanes; the last table gives each speedup
-target of the topology (:data:`~ray_rdt_pool.bench.targets.TARGETS`), whether ours
+target of the topology (:data:`~ray_rdt_pool.bench.speedup_targets.TARGETS`), whether ours
 met it, and the least ours could reach in this run: its time outside ``ray_rdt_pool``
 plus the payload at those two rates (see
-:func:`~ray_rdt_pool.bench.targets.target_floors`).
+:func:`~ray_rdt_pool.bench.speedup_targets.target_floors`).
 
 ``experience`` and ``experience_samples`` send one RL batch (batched: a tensor per
 field; per sample: a tensor per (sample, field)); the report compares their put+get.
@@ -79,7 +79,7 @@ from typing import Any
 from ray_rdt_pool.bench import env as E
 from ray_rdt_pool.bench import plot
 from ray_rdt_pool.bench import report as R
-from ray_rdt_pool.bench import targets as T
+from ray_rdt_pool.bench import speedup_targets as T
 from ray_rdt_pool.bench import workloads as W
 from ray_rdt_pool.bench.options import MIB, BenchError, Config, parse_config
 from ray_rdt_pool.bench.progress import Progress
@@ -196,13 +196,13 @@ def measure_floor(runner: Runner, reps: int = 5) -> dict[str, Any]:
     a pre-faulted buffer; a READ between two processes with NIXL's progress thread off),
     at the weight set's size (at most 256 MiB), so the sync floors use rates from the
     same run. Also the best this design reaches at each of its two steps, for the target
-    floors (:func:`~ray_rdt_pool.bench.targets.target_floors`): the sender's own pack
+    floors (:func:`~ray_rdt_pool.bench.speedup_targets.target_floors`): the sender's own pack
     (its threads and streaming stores, ``pack_gbps``) and a READ split over two read
     lanes (``read_lanes_gbps``). Failures are recorded, never raised: the floor is
     context, not a result.
     """
     from ray_rdt_pool.bench import floor as F
-    from ray_rdt_pool.bench import pack as bench_pack
+    from ray_rdt_pool.bench import pack_threads as bench_pack
 
     sync = [w for w in W.SYNC_WORKLOADS if w in runner.payloads]
     size = runner.payloads[sync[0]] if sync else max(runner.payloads.values(), default=0)

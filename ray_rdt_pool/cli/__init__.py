@@ -1,7 +1,7 @@
 """The ``ray-rdt-pool`` command: ``bench``, ``stats`` and ``doctor``.
 
 Each subcommand hands the rest of the command line to its module's ``main``:
-:mod:`ray_rdt_pool.bench.run` (the side-by-side benchmark), :mod:`ray_rdt_pool.obs.view`
+:mod:`ray_rdt_pool.bench.run` (the side-by-side benchmark), :mod:`ray_rdt_pool.cli.stats_table`
 (the pool table of a cluster's actors) and :mod:`ray_rdt_pool.cli.doctor` (checks of this
 installation, each with its fix). The library never imports this package.
 """
@@ -33,7 +33,7 @@ def _bench(argv: Sequence[str]) -> int:
 
 
 def _stats(argv: Sequence[str]) -> int:
-    from ray_rdt_pool.obs.view import main
+    from ray_rdt_pool.cli.stats_table import main
 
     return main(argv, prog="ray-rdt-pool stats")
 

@@ -25,8 +25,8 @@ from ray_rdt_pool.memory.rebuild import contiguous_strides
 if TYPE_CHECKING:
     import torch
 
+    from ray_rdt_pool.memory.allocations import HostMemory
     from ray_rdt_pool.memory.describe import Described
-    from ray_rdt_pool.memory.regions import HostRegion
 
 __all__ = ["pack_into", "pack_torch"]
 
@@ -48,7 +48,7 @@ def _move_array(dst: Any, src: Any, nbytes: Any, at: int) -> Any:
 
 
 def _pack_threaded(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[int],
-                   blocks: Sequence[tuple[int, int]], region: HostRegion,
+                   blocks: Sequence[tuple[int, int]], region: HostMemory,
                    idx: Sequence[int], threads: int,
                    copy: Callable[[int, int, int], Any]) -> None:
     """:func:`pack_into` on up to ``threads`` threads (runs on the calling thread).
@@ -174,7 +174,7 @@ def _all_spans(idx: Sequence[int] | None, nbytes: Sequence[int], ptrs: Sequence[
 
 
 def pack_into(tensors: Sequence[torch.Tensor], d: Described, offsets: Sequence[int],
-              blocks: Sequence[tuple[int, int]], region: HostRegion,
+              blocks: Sequence[tuple[int, int]], region: HostMemory,
               which: Sequence[int] | None = None, *, threads: int = 1,
               threshold: int = _PACK_THRESHOLD, stream_min: int = 0) -> None:
     """Copy each tensor's own bytes to its packed offset in the object's pool blocks.

@@ -1,1 +1,1 @@
-"""Observability: counters, the stats snapshot, Ray metrics, the pool table, debug logs."""
+"""Observability: counters, the stats snapshot, Ray metrics, debug logs."""

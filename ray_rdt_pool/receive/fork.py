@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ray_rdt_pool.same_node.fork import ChildLeases, privatize
-from ray_rdt_pool.same_node.mapped import MappedPool
+from ray_rdt_pool.same_node.pool_handle import MappedPool
+from ray_rdt_pool.same_node.privatize import ChildLeases, privatize
 
 if TYPE_CHECKING:
     from ray_rdt_pool.receive.mapped import Mapped

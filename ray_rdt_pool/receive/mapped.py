@@ -1,6 +1,6 @@
 """Same-node gets: our handles on same-node senders' shared pools, and mapped objects.
 
-Owns: one handle (:class:`~ray_rdt_pool.same_node.mapped.MappedPool`) per same-node
+Owns: one handle (:class:`~ray_rdt_pool.same_node.pool_handle.MappedPool`) per same-node
 sender agent, and a lease on the sender's block for every object served out of its pool:
 its tensors are views of this process's one private mapping of the pool (or copied out
 of it) instead of a READ. Lifetime: a copy's lease drops as soon as the copy is done; a
@@ -27,7 +27,7 @@ from ray_rdt_pool.registry import Directory
 from ray_rdt_pool.same_node.cuda import NotVisibleError
 from ray_rdt_pool.same_node.info import HostInfo
 from ray_rdt_pool.same_node.leases import lease_slot
-from ray_rdt_pool.same_node.mapped import MappedPool, mappable_spans
+from ray_rdt_pool.same_node.pool_handle import MappedPool, mappable_spans
 
 if TYPE_CHECKING:
     import threading

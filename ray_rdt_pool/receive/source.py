@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ray_rdt_pool.core.selection import SelectionPlan, plan_selection
 from ray_rdt_pool.errors import InvalidInputError, TransferError
 from ray_rdt_pool.receive.arena import Landing, Landings
-from ray_rdt_pool.same_node.source import SourceProcess, peer_batch_reader, probe_source
+from ray_rdt_pool.same_node.peer_memory import SourceProcess, peer_batch_reader, probe_source
 
 if TYPE_CHECKING:
     import torch

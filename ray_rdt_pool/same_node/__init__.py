@@ -2,12 +2,12 @@
 
 One module per lifetime:
 
-* ``regions``: the sender's pool in a ``memfd`` (:class:`SharedHostRegion`);
+* ``memfd``: the sender's pool in a ``memfd`` (:class:`SharedHostMemory`);
 * ``leases``: the sender's lease table, which receiver holds which page;
 * ``info``: the directory entry a sender publishes, and how a process is named;
-* ``mapped``: a receiver's handle on one sender's pool and its private mapping;
-* ``fork``: what a forked child of a receiver does with the mappings it inherited;
+* ``pool_handle``: a receiver's handle on one sender's pool and its private mapping;
+* ``privatize``: what a forked child of a receiver does with the mappings it inherited;
 * ``cuda``: a CUDA pool's IPC export and a receiver's opening of it;
-* ``source``: copies straight out of a sender process (the weights stream);
+* ``peer_memory``: copies straight out of a sender process (the weights stream);
 * ``_libc``: the ctypes bindings they share.
 """

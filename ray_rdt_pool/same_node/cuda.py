@@ -3,7 +3,7 @@ receiver's opening of it.
 
 :class:`CudaExport` is published inside the sender's :class:`~.info.HostInfo` and lives
 with it. A :class:`CudaMapping` is made and held by a receiver's
-:class:`~.mapped.MappedPool` (one per sender, via torch's IPC cache) and goes with that
+:class:`~.pool_handle.MappedPool` (one per sender, via torch's IPC cache) and goes with that
 handle's last lease. The receiver copies each object out of it, device to device, under
 a lease held only for the copy: IPC memory cannot be mapped copy-on-write, so views of it
 would not be private. Called under the receiver's lock; torch is imported lazily.

@@ -3,7 +3,7 @@
 The table is a second ``memfd`` owned by the sender, with one row per receiver process
 and one ``uint32`` count per pool page (an object's *slot* is the page its first block
 starts at). A row has one writer, the receiver that claimed it under ``flock`` on the
-table (:class:`~.mapped.MappedPool`), so no atomic operations are needed across
+table (:class:`~.pool_handle.MappedPool`), so no atomic operations are needed across
 processes; the sender only reads counts, and clears a row only after its receiver died.
 Ray frees an object only when no ref to it is left, so a receiver always takes its lease
 before the sender can see the object freed. Each row also has a release log, so the

@@ -77,13 +77,13 @@ class Leased(Mapping[Hashable, "Placement"]):
         """Make the lease table of ``pool`` and publish the pool's same-node entry under
         ``agent``. A host pool is shared as its memfd, a CUDA pool through CUDA IPC.
         Raises (closing the new table) if any step fails."""
-        from ray_rdt_pool.memory.regions import CudaRegion
+        from ray_rdt_pool.memory.allocations import CudaMemory
         from ray_rdt_pool.same_node.cuda import export_cuda_pool
         from ray_rdt_pool.same_node.info import HostInfo, process_start
         from ray_rdt_pool.same_node.leases import LeaseTable, lease_slots
 
         mem = pool.mem
-        cuda = export_cuda_pool(mem.tensor) if isinstance(mem, CudaRegion) else None
+        cuda = export_cuda_pool(mem.tensor) if isinstance(mem, CudaMemory) else None
         start = process_start(os.getpid())
         if start is None:
             raise OSError("this process's start time cannot be read")

@@ -178,14 +178,14 @@ class Sender:
         Never fails the put: where any step fails (a GCS error publishing the entry, a
         CUDA export torch refuses), the pool stays private and same-node receivers read
         it with NIXL, as receivers on other nodes do."""
-        from ray_rdt_pool.memory.regions import CudaRegion
-        from ray_rdt_pool.same_node.regions import SharedHostRegion
+        from ray_rdt_pool.memory.allocations import CudaMemory
+        from ray_rdt_pool.same_node.memfd import SharedHostMemory
 
         node = self._node_id()
         directory = self._directory
         if node is None or directory is None or self.config.same_node == "off":
             return
-        if not isinstance(pool.mem, (CudaRegion, SharedHostRegion)):
+        if not isinstance(pool.mem, (CudaMemory, SharedHostMemory)):
             return
         try:
             self.leased.publish(pool, node, directory, self._agent_name())

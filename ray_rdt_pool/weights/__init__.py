@@ -3,7 +3,7 @@ buckets, written in place. Guide: docs/weight-sync.md.
 
 Usage::
 
-    from ray_rdt_pool.weights import WeightReceiver, WeightSender, sync
+    from ray_rdt_pool.weights import sync, WeightReceiver, WeightSender
 
     @ray.remote(enable_tensor_transport=True)
     class Trainer:
@@ -54,9 +54,9 @@ from ray_rdt_pool.weights import remote as _remote
 from ray_rdt_pool.weights.catchup import catch_up
 from ray_rdt_pool.weights.driver import SyncHandle, sync
 from ray_rdt_pool.weights.manifest import Manifest
-from ray_rdt_pool.weights.receiver import WeightReceiver, load_manifest
 from ray_rdt_pool.weights.reports import BucketReport, LoadReport, StreamReport, SyncReport
-from ray_rdt_pool.weights.sender import WeightSender
+from ray_rdt_pool.weights.weight_receiver import WeightReceiver, load_manifest
+from ray_rdt_pool.weights.weight_sender import WeightSender
 
 #: What a user calls or catches. The layout and planning types are in
 #: :mod:`ray_rdt_pool.weights.advanced`; every error (the mismatch kinds included) is in

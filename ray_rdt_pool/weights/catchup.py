@@ -43,8 +43,8 @@ def _remote_serve_peer(actor: Any, attr: str, receivers: list[Any], max_inflight
                        session: str = "") -> StreamReport:
     """On the peer: stream its receiver's destination at its version (see module)."""
     from ray_rdt_pool._ray.beats import Beat
-    from ray_rdt_pool.weights.receiver import WeightReceiver
-    from ray_rdt_pool.weights.sender import WeightSender
+    from ray_rdt_pool.weights.weight_receiver import WeightReceiver
+    from ray_rdt_pool.weights.weight_sender import WeightSender
 
     rec = find_attr(actor, attr, WeightReceiver)
     if rec.dest is None:

@@ -36,9 +36,9 @@ from ray_rdt_pool.weights.remote import (
     wait_moving,
 )
 from ray_rdt_pool.weights.reports import StreamReport, SyncReport
-from ray_rdt_pool.weights.sender import WeightSender
 from ray_rdt_pool.weights.state import check_flag
 from ray_rdt_pool.weights.stream import check_relay, new_session
+from ray_rdt_pool.weights.weight_sender import WeightSender
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle

@@ -44,7 +44,7 @@ from ray_rdt_pool.weights.manifest import (
 )
 
 if TYPE_CHECKING:
-    from ray_rdt_pool.same_node.source import SourceProcess
+    from ray_rdt_pool.same_node.peer_memory import SourceProcess
 
 HELLO, READY, END, GO, DONE, BYE, FAIL, ABORT = range(1, 9)
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from ray import ObjectRef
 
-    from ray_rdt_pool.same_node.source import SourceProcess
+    from ray_rdt_pool.same_node.peer_memory import SourceProcess
 
     #: Called with a bucket's plan and its tensors as they arrived, once it is written.
     Relay = Callable[[BucketPlan, Sequence[torch.Tensor]], None]

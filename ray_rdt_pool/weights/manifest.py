@@ -21,7 +21,7 @@ from ray_rdt_pool.errors import InvalidInputError
 if TYPE_CHECKING:
     from ray import ObjectRef
 
-    from ray_rdt_pool.same_node.source import SourceProcess
+    from ray_rdt_pool.same_node.peer_memory import SourceProcess
 
 #: The default ``bucket_bytes`` (``ray_rdt_pool.weights`` says why this size).
 DEFAULT_BUCKET_BYTES = 32 << 20

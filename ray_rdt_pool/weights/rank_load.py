@@ -43,8 +43,8 @@ from ray_rdt_pool.weights.reports import BucketReport, LoadReport, summarise
 from ray_rdt_pool.weights.validate import ReceiverOptions, dest_targets, mapper, normalize_select
 
 if TYPE_CHECKING:
-    from ray_rdt_pool.same_node.source import SourceProcess
-    from ray_rdt_pool.weights.receiver import WeightReceiver
+    from ray_rdt_pool.same_node.peer_memory import SourceProcess
+    from ray_rdt_pool.weights.weight_receiver import WeightReceiver
 
 
 @dataclass(frozen=True)
@@ -275,8 +275,8 @@ class _RankOptions(ReceiverOptions):
 
 
 def remote_load_ranks(actor: Any, attr: str, job: RankedLoad) -> LoadReport:
-    from ray_rdt_pool.weights.receiver import WeightReceiver
     from ray_rdt_pool.weights.remote import find_attr
+    from ray_rdt_pool.weights.weight_receiver import WeightReceiver
 
     return load_ranks(find_attr(actor, attr, WeightReceiver), job)
 

@@ -33,8 +33,8 @@ from ray_rdt_pool.weights.links import ABORT, BYE, DONE, FAIL, GO, HELLO, Link, 
 from ray_rdt_pool.weights.manifest import PoolBucket, TensorEntry, WeightLayout
 
 if TYPE_CHECKING:
-    from ray_rdt_pool.same_node.source import SourceProcess
-    from ray_rdt_pool.weights.sender import WeightSender
+    from ray_rdt_pool.same_node.peer_memory import SourceProcess
+    from ray_rdt_pool.weights.weight_sender import WeightSender
 
 #: How often a serve asks Ray whether a receiver's call ended (s).
 CHECK_CALLS_S = 0.05
@@ -99,8 +99,8 @@ def remote_offer(actor: Any, attr: str, group: str, version: int | None, mode: s
         too_big,
     )
     from ray_rdt_pool.weights.remote import find_attr
-    from ray_rdt_pool.weights.sender import WeightSender
     from ray_rdt_pool.weights.stream import source_readable
+    from ray_rdt_pool.weights.weight_sender import WeightSender
 
     sender: WeightSender = find_attr(actor, attr, WeightSender)
     sender._release_stale_offers()
@@ -175,7 +175,7 @@ def remote_release(actor: Any, attr: str, group: str) -> None:
     """On a trainer rank: drop the offer of a sync that ended before it was served
     (nothing was signalled ``GO``, so no receiver reads it)."""
     from ray_rdt_pool.weights.remote import find_attr
-    from ray_rdt_pool.weights.sender import WeightSender
+    from ray_rdt_pool.weights.weight_sender import WeightSender
 
     sender = find_attr(actor, attr, WeightSender)
     held = sender._take_offer(group)
@@ -189,7 +189,7 @@ def remote_serve(actor: Any, attr: str, group: str, calls: list[list[Any]],
     (``calls[0]``: every receiver's load call, in receiver order; a relay's chain reads
     from its first receiver only), then free it (see module)."""
     from ray_rdt_pool.weights.remote import find_attr
-    from ray_rdt_pool.weights.sender import WeightSender
+    from ray_rdt_pool.weights.weight_sender import WeightSender
 
     sender: WeightSender = find_attr(actor, attr, WeightSender)
     held = sender._offer(group)

@@ -44,9 +44,9 @@ if TYPE_CHECKING:
     import torch
 
     from ray_rdt_pool.weights.loadplan import BucketPlan
-    from ray_rdt_pool.weights.receiver import WeightReceiver
     from ray_rdt_pool.weights.remote import Role
     from ray_rdt_pool.weights.reports import BucketReport
+    from ray_rdt_pool.weights.weight_receiver import WeightReceiver
 
 #: Longest single wait for a signal before the loop looks at its deadline again (s).
 POLL_S = 0.05

@@ -26,13 +26,13 @@ from ray_rdt_pool.errors import (
     WeightSyncTimeoutError,
 )
 from ray_rdt_pool.weights.manifest import Manifest, WeightLayout
-from ray_rdt_pool.weights.receiver import WeightReceiver
 from ray_rdt_pool.weights.reports import BucketReport, LoadReport
+from ray_rdt_pool.weights.weight_receiver import WeightReceiver
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
-    from ray_rdt_pool.same_node.source import SourceProcess
+    from ray_rdt_pool.same_node.peer_memory import SourceProcess
 
 logger = logging.getLogger(__name__)
 

@@ -98,7 +98,7 @@ from ray_rdt_pool.weights.state import StateLike, WireDtype
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
-    from ray_rdt_pool.same_node.source import SourceProcess
+    from ray_rdt_pool.same_node.peer_memory import SourceProcess
 
 #: The relays :meth:`WeightSender.stream` offers.
 RELAYS = ("chain",)

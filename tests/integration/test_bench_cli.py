@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ray_rdt_pool.bench import report as R
-from ray_rdt_pool.bench import targets as T
+from ray_rdt_pool.bench import speedup_targets as T
 from ray_rdt_pool.bench import workloads as W
 from ray_rdt_pool.bench.options import parse_config
 from ray_rdt_pool.bench.progress import Progress
@@ -485,7 +485,7 @@ def test_measure_floor_records_each_rate_or_why_not(monkeypatch: pytest.MonkeyPa
     from types import SimpleNamespace
 
     from ray_rdt_pool.bench import floor as F
-    from ray_rdt_pool.bench import pack as bench_pack
+    from ray_rdt_pool.bench import pack_threads as bench_pack
     from ray_rdt_pool.bench import run as bench
 
     sizes: list[int] = []

@@ -25,9 +25,9 @@ import torch
 
 import ray_rdt_pool
 from ray_rdt_pool._ray.runtime import Runtime
+from ray_rdt_pool.cli import stats_table as stats_cli
 from ray_rdt_pool.config import PoolConfig, from_env
 from ray_rdt_pool.obs import metrics as rdt_metrics
-from ray_rdt_pool.obs import view
 from tests.support import actors
 from tests.support.raycluster import start_ray, wait_for
 
@@ -105,7 +105,7 @@ class Receiver(actors.Receiver):
 def series(url: str, actor: str) -> dict[str, float]:
     """``{name: value}`` of the ray_rdt_pool series of one actor (kinds summed)."""
     out: dict[str, float] = {}
-    for name, labels, value in view.scrape(url):
+    for name, labels, value in stats_cli.scrape(url):
         if name.startswith("ray_rdt_pool_") and labels.get("actor") == actor:
             key = name
             if "le" in labels:
@@ -218,25 +218,25 @@ def test_pool_table_two_actors(cluster: dict[str, Any]) -> None:
     keep_a = ray.get(a.put.remote(2, 1 << 16))
     keep_b = [ray.get(b.put.remote(1, 1 << 10)), ray.get(b.put.remote(1, 1 << 10))]
 
-    rows = view.collect([a, b])
+    rows = stats_cli.collect([a, b])
     assert [r["actor"] for r in rows] == ["driver", f"Sender {a._actor_id.hex()[:8]}",
                                           f"Sender {b._actor_id.hex()[:8]}"]
     assert rows[1]["live_objects"] == 1 and rows[2]["live_objects"] == 2
     assert rows[1]["pool_used"] >= 2 * (1 << 16) * 4 and rows[1]["pool_capacity"] == POOL
     assert rows[1]["pid"] != rows[2]["pid"]
-    assert view._used(512 << 10, POOL) == "512.0 KiB/64.0 MiB (1%)"
-    assert view._used(0, 0) == "0 B/0 B"
+    assert stats_cli._used(512 << 10, POOL) == "512.0 KiB/64.0 MiB (1%)"
+    assert stats_cli._used(0, 0) == "0 B/0 B"
 
-    table = view.pool_table([a, b])
+    table = stats_cli.pool_table([a, b])
     lines = table.splitlines()
     assert len(lines) == 4, table
     cells = [re.split(r"\s{2,}", line.strip()) for line in lines]
-    assert cells[0] == list(view.COLUMNS)
+    assert cells[0] == list(stats_cli.COLUMNS)
     assert cells[1][0] == "driver"
     for row, line_cells in zip(rows[1:], cells[2:]):
         assert line_cells == [
             row["actor"], str(row["pid"]),
-            view._used(row["pool_used"], POOL), str(row["live_objects"]),
+            stats_cli._used(row["pool_used"], POOL), str(row["live_objects"]),
             "0 B/0 B", "0", "1/0", "0", "0"], table
 
     # A dead actor gets an error row instead of breaking the table.
@@ -250,13 +250,13 @@ def test_pool_table_two_actors(cluster: dict[str, Any]) -> None:
         return False
 
     wait_for(dead, timeout=60)
-    rows = view.collect([a, b], include_driver=False, timeout=20)
+    rows = stats_cli.collect([a, b], include_driver=False, timeout=20)
     assert rows[0]["live_objects"] == 1 and "error" in rows[1]
-    assert "error:" in view.render(rows).splitlines()[2]
+    assert "error:" in stats_cli.render(rows).splitlines()[2]
 
     # The CLI, from another driver: the named actor is listed.
     cli = subprocess.run(
-        [sys.executable, "-m", "ray_rdt_pool.obs.view", "--address", cluster["address"],
+        [sys.executable, "-m", "ray_rdt_pool.cli.stats_table", "--address", cluster["address"],
          "--namespace", ray.get_runtime_context().namespace, "--json"],
         capture_output=True, text=True, timeout=180, check=False)
     assert cli.returncode == 0, cli.stderr[-2000:]

@@ -183,7 +183,7 @@ def test_stream_plans_and_checks_a_layout_once_until_something_changes(
     call(tr, _setup_sender, SMALL, 21, 4096)
     call(r1, _setup_receiver, make_state(SMALL, 22))
     call(tr, _count_calls, "ray_rdt_pool.weights.planning", "_plan_layout", True)
-    call(r1, _count_calls, "ray_rdt_pool.weights.receiver", "plan_load", True)
+    call(r1, _count_calls, "ray_rdt_pool.weights.weight_receiver", "plan_load", True)
     try:
         for _ in range(3):
             call(tr, _perturb)
@@ -191,10 +191,10 @@ def test_stream_plans_and_checks_a_layout_once_until_something_changes(
             assert_state_equal(call(r1, _state), call(tr, _state))
         assert call(tr, _count_calls, "ray_rdt_pool.weights.planning", "_plan_layout",
                     False) == 1
-        assert call(r1, _count_calls, "ray_rdt_pool.weights.receiver", "plan_load",
+        assert call(r1, _count_calls, "ray_rdt_pool.weights.weight_receiver", "plan_load",
                     False) == 1
         call(tr, _count_calls, "ray_rdt_pool.weights.planning", "_plan_layout", True)
-        call(r1, _count_calls, "ray_rdt_pool.weights.receiver", "plan_load", True)
+        call(r1, _count_calls, "ray_rdt_pool.weights.weight_receiver", "plan_load", True)
         # A destination replaced by one of another shape is refused, not written past.
         call(r1, _replace_dest, "layers.0.w", (16, 32))
         with pytest.raises(ShapeMismatchError):
@@ -220,7 +220,7 @@ def test_stream_plans_and_checks_a_layout_once_until_something_changes(
     finally:
         planned = call(tr, _count_calls, "ray_rdt_pool.weights.planning", "_plan_layout",
                        False)
-        checked = call(r1, _count_calls, "ray_rdt_pool.weights.receiver", "plan_load",
+        checked = call(r1, _count_calls, "ray_rdt_pool.weights.weight_receiver", "plan_load",
                        False)
     # The trainer planned for its reshape and back; r1 checked each change of its own
     # and the refused layout, and kept the plan of the layout it had seen.

@@ -159,14 +159,14 @@ def _start_pack_helpers() -> int:
     """A threaded pack copy in this process (the helpers a large put starts); returns
     how many pack helper threads run afterwards."""
     from ray_rdt_pool.core.layout import packed_offsets
+    from ray_rdt_pool.memory.allocations import HostMemory
     from ray_rdt_pool.memory.describe import describe
     from ray_rdt_pool.memory.pack import pack_into
-    from ray_rdt_pool.memory.regions import HostRegion
 
     src = [torch.randn(4 << 20)]  # 16 MiB: several 4 MiB units, so helpers start
     d = describe(src)
     offsets, total = packed_offsets(d.nbytes, d.aligns)
-    region = HostRegion(total)
+    region = HostMemory(total)
     pack_into(src, d, offsets, [(0, total)], region, None, threads=3, threshold=0)
     assert torch.equal(region.tensor[:total].view(torch.float32), src[0])
     region.close()

@@ -26,7 +26,7 @@ PURE_MODULES = [
     "ray_rdt_pool.receive.targets",
     # Ray glue that needs none of them to load: pack_as's state, the stats assembly.
     "ray_rdt_pool._ray.conversions",
-    "ray_rdt_pool._ray.stats",
+    "ray_rdt_pool._ray.collect",
     "ray_rdt_pool.nixl.protocol",
     # The fake NIXL: torch only inside a READ into device memory.
     "ray_rdt_pool.testing",
@@ -65,16 +65,16 @@ OWNER_MODULES = [
     "ray_rdt_pool.receive.arena", "ray_rdt_pool.receive.fork", "ray_rdt_pool.receive.mapped",
     "ray_rdt_pool.receive.peers", "ray_rdt_pool.receive.source",
     "ray_rdt_pool.receive.transfers",
-    "ray_rdt_pool.same_node.regions", "ray_rdt_pool.same_node.leases",
-    "ray_rdt_pool.same_node.info", "ray_rdt_pool.same_node.mapped",
-    "ray_rdt_pool.same_node.fork", "ray_rdt_pool.same_node.cuda",
-    "ray_rdt_pool.same_node.source",
+    "ray_rdt_pool.same_node.memfd", "ray_rdt_pool.same_node.leases",
+    "ray_rdt_pool.same_node.info", "ray_rdt_pool.same_node.pool_handle",
+    "ray_rdt_pool.same_node.privatize", "ray_rdt_pool.same_node.cuda",
+    "ray_rdt_pool.same_node.peer_memory",
 ]
 #: The weights API imports Ray and the transport only when it is called.
 WEIGHTS_MODULES = [
     f"ray_rdt_pool.weights.{name}" for name in (
         "state", "manifest", "planning", "reports", "pool", "validate", "loadplan", "loading",
-        "receiver", "remote", "late", "stream", "sender", "driver", "ranks",
+        "weight_receiver", "remote", "late", "stream", "weight_sender", "driver", "ranks",
         "rank_offer", "rank_load")
 ]
 
@@ -86,7 +86,7 @@ def test_owner_modules_import_no_ray_and_no_nixl() -> None:
 #: The torch layer: torch and the OS (torch only inside its functions), never Ray or NIXL.
 MEMORY_MODULES = [
     "ray_rdt_pool.memory.dtypes", "ray_rdt_pool.memory.extent", "ray_rdt_pool.memory.describe",
-    "ray_rdt_pool.memory.regions", "ray_rdt_pool.memory.blocks", "ray_rdt_pool.memory.pack",
+    "ray_rdt_pool.memory.allocations", "ray_rdt_pool.memory.blocks", "ray_rdt_pool.memory.pack",
     "ray_rdt_pool.memory.pack_pool", "ray_rdt_pool.memory.rebuild",
     "ray_rdt_pool.memory.fastcopy", "ray_rdt_pool.memory.native",
 ]

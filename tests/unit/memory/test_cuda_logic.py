@@ -9,9 +9,9 @@ import torch
 
 import ray_rdt_pool
 from ray_rdt_pool.errors import InvalidInputError, RegistrationError
+from ray_rdt_pool.memory.allocations import CudaMemory
 from ray_rdt_pool.memory.blocks import device_block
 from ray_rdt_pool.memory.describe import describe
-from ray_rdt_pool.memory.regions import CudaRegion
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -19,14 +19,14 @@ HAS_CUDA = torch.cuda.is_available()
 def test_expandable_segments_is_refused_with_the_setting_named(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     with pytest.raises(RegistrationError, match="expandable_segments"):
-        CudaRegion(1 << 20)
+        CudaMemory(1 << 20)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the error raised where no CUDA device exists")
 def test_cuda_pool_without_a_device_names_the_fix(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     with pytest.raises(ray_rdt_pool.ConfigurationError, match="device='cpu'"):
-        CudaRegion(1 << 20)
+        CudaMemory(1 << 20)
 
 
 def test_cuda_tensors_are_refused_when_the_cuda_path_is_off():

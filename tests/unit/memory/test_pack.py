@@ -1,7 +1,7 @@
 """The threaded pack copy leaves exactly the bytes of the one-thread copy.
 
 Fast unit tests, no Ray and no NIXL: ``pack_into`` on one thread and on several, into two
-``HostRegion`` s filled with the same pattern, must leave byte-identical regions (so a
+``HostMemory`` s filled with the same pattern, must leave byte-identical regions (so a
 threaded pack writes nowhere else either), and both must hold each tensor's logical
 bytes where the block map puts them. The unit size is patched down to a few hundred
 bytes so small tensors still make many units, cut inside tensors and across blocks.
@@ -29,10 +29,10 @@ from ray_rdt_pool.config import PoolConfig, Tuning, from_env
 from ray_rdt_pool.core.layout import BlockMap, packed_offsets
 from ray_rdt_pool.errors import ConfigurationError
 from ray_rdt_pool.memory import fastcopy, native, pack, pack_pool, rebuild
+from ray_rdt_pool.memory.allocations import HostMemory
 from ray_rdt_pool.memory.describe import Described, describe
 from ray_rdt_pool.memory.dtypes import dtype_name
 from ray_rdt_pool.memory.fastcopy import move_batch, stream_copy, stream_kind
-from ray_rdt_pool.memory.regions import HostRegion
 
 RELAXED = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=60)
 FILL = 0xA5
@@ -122,7 +122,7 @@ def pack_both(tensors: list[torch.Tensor], blocks: list[tuple[int, int]] | None,
         blocks, size = [(128, total)], total + 256
     else:
         size = max((o + n for o, n in blocks), default=0) + 64
-    regions = [HostRegion(max(size, 64)) for _ in range(2)]
+    regions = [HostMemory(max(size, 64)) for _ in range(2)]
     for r in regions:
         r.tensor.fill_(FILL)
     pack.pack_into(tensors, d, offsets, blocks, regions[0], which)
@@ -241,7 +241,7 @@ def test_threshold_boundary_picks_the_path() -> None:
         calls.append(1)
         real(*args, **kwargs)
 
-    region = HostRegion(total)
+    region = HostMemory(total)
     with mock.patch.object(pack, "_pack_threaded", spy), unit_bytes(1024):
         # At the threshold: threaded. One byte above it: the calling thread alone.
         for threshold, threads, which, threaded in [
@@ -262,7 +262,7 @@ def test_default_call_stays_on_the_calling_thread() -> None:
     tensors = [torch.randn(1 << 16)]
     d = describe(tensors)
     offsets, total = packed_offsets(d.nbytes, d.aligns)
-    region = HostRegion(total)
+    region = HostMemory(total)
     with mock.patch.object(pack, "_pack_threaded", side_effect=AssertionError("threaded")):
         pack.pack_into(tensors, d, offsets, [(0, total)], region)
         pack.pack_into(tensors, d, offsets, [(0, total)], region, [0])
@@ -409,7 +409,7 @@ def test_many_tensors_take_the_vector_path_and_pack_the_same(helper: bool) -> No
     tensors = _many_small()
     d = describe(tensors)
     offsets, total = packed_offsets(d.nbytes, d.aligns)
-    region = HostRegion(total + 128)
+    region = HostMemory(total + 128)
     region.tensor.fill_(FILL)
     with mock.patch.object(pack, "_span_arrays", wraps=pack._span_arrays) as vec, \
             mock.patch.object(fastcopy, "move_batch",
@@ -501,11 +501,11 @@ def test_threaded_converting_pack_is_byte_identical(
 
 
 def _threaded_setup(n: int = 20_000) -> tuple[list[torch.Tensor], Described, list[int], int,
-                                              HostRegion]:
+                                              HostMemory]:
     tensors = [torch.randn(n)]
     d = describe(tensors)
     offsets, total = packed_offsets(d.nbytes, d.aligns)
-    return tensors, d, offsets, total, HostRegion(total)
+    return tensors, d, offsets, total, HostMemory(total)
 
 
 def test_helper_error_propagates_to_the_caller() -> None:
@@ -572,7 +572,7 @@ def test_non_plain_tensor_error_propagates() -> None:
     tensors = [torch.randn(20_000), torch.randn(30, 40).t()]
     d = describe(tensors)
     offsets, total = packed_offsets(d.nbytes, d.aligns)
-    region = HostRegion(total)
+    region = HostMemory(total)
 
     class Odd(torch.Tensor):
         def contiguous(self, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -200,7 +200,7 @@ def test_nixl_console_output_goes_to_stderr_not_stdout() -> None:
 def test_observability_modules_import_nothing_heavy() -> None:
     code = textwrap.dedent("""
         import sys
-        import ray_rdt_pool.obs.logs, ray_rdt_pool.obs.metrics, ray_rdt_pool.obs.view
+        import ray_rdt_pool.obs.logs, ray_rdt_pool.obs.metrics, ray_rdt_pool.cli.stats_table
         print(",".join(sorted(m for m in sys.modules
                               if m.split(".")[0] in ("torch", "ray", "nixl"))))
     """)

@@ -12,8 +12,8 @@ from ray_rdt_pool._ray.metadata import PoolTransportMetadata
 from ray_rdt_pool.errors import (
     TransferError,
 )
+from ray_rdt_pool.memory import allocations
 from ray_rdt_pool.memory import blocks as rdt_blocks
-from ray_rdt_pool.memory import regions as rdt_regions
 from tests.support.fake_world import (
     make,
     roundtrip,
@@ -41,7 +41,7 @@ def test_landing_uses_the_arena_of_the_senders_device(world, monkeypatch):
 
     def fake_regions(capacity, device, prefault):
         made.append(device)
-        region = rdt_regions.HostRegion(capacity)
+        region = allocations.HostMemory(capacity)
         region.device = device
         return region
 

@@ -16,7 +16,7 @@ import torch
 
 from ray_rdt_pool.errors import TransferError
 from ray_rdt_pool.receive import mapped as mapped_mod
-from ray_rdt_pool.same_node.source import this_process
+from ray_rdt_pool.same_node.peer_memory import this_process
 from ray_rdt_pool.testing import World
 from tests.support.fake_world import get, settle
 from tests.support.fake_world import make_on_node as make

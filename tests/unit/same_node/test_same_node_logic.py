@@ -26,7 +26,7 @@ from ray_rdt_pool.config import PoolConfig
 from ray_rdt_pool.errors import PoolExhaustedError, RegistrationError, WireFormatError
 from ray_rdt_pool.receive import fork as fork_mod
 from ray_rdt_pool.receive import mapped as mapped_mod
-from ray_rdt_pool.same_node import _libc, info, leases, mapped, regions, source
+from ray_rdt_pool.same_node import _libc, info, leases, memfd, peer_memory, pool_handle
 from ray_rdt_pool.same_node._libc import PAGE
 from ray_rdt_pool.same_node.info import HostInfo, process_start, still_running
 from ray_rdt_pool.same_node.leases import LeaseTable
@@ -594,7 +594,7 @@ def test_a_handle_closed_between_lease_and_mapping_still_maps_the_pool(
         host._shared = 0
     decoys: list[int] = []
     name = "map" if mode == "map" else "shared_view"
-    real = getattr(mapped.MappedPool, name)
+    real = getattr(pool_handle.MappedPool, name)
 
     def close_then_reuse_the_number(self, *args):
         if not decoys:
@@ -614,7 +614,7 @@ def test_a_handle_closed_between_lease_and_mapping_still_maps_the_pool(
             decoys.append(fd)
         return real(self, *args)
 
-    monkeypatch.setattr(mapped.MappedPool, name, close_then_reuse_the_number)
+    monkeypatch.setattr(pool_handle.MappedPool, name, close_then_reuse_the_number)
     try:
         got = get(s, r, "a", src)
         assert decoys and torch.equal(got[0], src[0])
@@ -635,13 +635,13 @@ def test_the_shared_view_is_made_under_the_receiver_lock(
     lost (a pool-sized leak per sender): the view must be made under the lock."""
     s, r = make(world), make(world, same_node="copy")
     seen: list[bool] = []
-    real = mapped.MappedPool.shared_view
+    real = pool_handle.MappedPool.shared_view
 
     def checked(self):
         seen.append(r.receiver.lock._is_owned())
         return real(self)
 
-    monkeypatch.setattr(mapped.MappedPool, "shared_view", checked)
+    monkeypatch.setattr(pool_handle.MappedPool, "shared_view", checked)
     src = [torch.arange(100)]
     assert torch.equal(get(s, r, "a", src)[0], src[0])
     assert seen and all(seen)
@@ -744,7 +744,7 @@ def test_sender_and_receiver_agree_on_the_slot_whatever_the_pool_alignment(
     PAGE``: they disagree where the pool's blocks are not page-sized (a CUDA pool's are
     4 KiB, the page 64 KiB on some hosts), and the sender looked at the wrong count and
     reused a block under a receiver's views. Staged here with blocks of two pages."""
-    monkeypatch.setattr(regions.SharedHostRegion, "align", 2 * PAGE)
+    monkeypatch.setattr(memfd.SharedHostMemory, "align", 2 * PAGE)
     s, r = make(world), make(world)
     first = torch.full((PAGE // 2,), 1, dtype=torch.int32)  # half a block
     get(s, make(world, same_node="off"), "pad", [first])  # takes the first block
@@ -1056,7 +1056,7 @@ def test_a_self_drain_never_runs_inside_a_locked_change_of_the_arena(world):
     rc = r.receiver
     mapped = r.wait(r.fetch("m", ship(s.put("m", [torch.ones(1024)])), None), -1)
     assert r.stats().mapped_objects == 1
-    src = source.this_process("node-a")
+    src = peer_memory.this_process("node-a")
     x = torch.full((100_000,), 3.0)
 
     def land(n=1024):
@@ -1136,7 +1136,7 @@ def test_debug_logging_names_every_same_node_get_and_source_read(world, caplog, 
         x = torch.arange(1024.0)
         with caplog.at_level(logging.DEBUG, logger="ray_rdt_pool"):
             got = r.wait(r.fetch("a", ship(s.put("a", [x])), None), -1)
-            r.receiver.sources.read(source.this_process("node-a"),
+            r.receiver.sources.read(peer_memory.this_process("node-a"),
                                    [(x.data_ptr(), (1024,), "float32")],
                                    targets=[torch.empty(1024)])
     finally:
@@ -1184,7 +1184,7 @@ def test_a_ctrl_c_inside_a_mapped_get_gives_the_lease_back(world, monkeypatch):
     s.free("w")
     settle(s, r)
     assert r.stats().mapped_gets == 1
-    real_map, real_dlpack = mapped.MappedPool.map, torch.utils.dlpack.from_dlpack
+    real_map, real_dlpack = pool_handle.MappedPool.map, torch.utils.dlpack.from_dlpack
 
     def map_then_interrupted(self, spans, total):
         real_map(self, spans, total)
@@ -1195,13 +1195,13 @@ def test_a_ctrl_c_inside_a_mapped_get_gives_the_lease_back(world, monkeypatch):
 
     for where in ("map", "tensor"):
         if where == "map":
-            monkeypatch.setattr(mapped.MappedPool, "map", map_then_interrupted)
+            monkeypatch.setattr(pool_handle.MappedPool, "map", map_then_interrupted)
         else:
             monkeypatch.setattr(torch.utils.dlpack, "from_dlpack", dlpack_interrupted)
         meta = ship(s.put(where, src))
         with pytest.raises(KeyboardInterrupt):
             r.wait(r.fetch(where, meta, None), 10)
-        monkeypatch.setattr(mapped.MappedPool, "map", real_map)
+        monkeypatch.setattr(pool_handle.MappedPool, "map", real_map)
         monkeypatch.setattr(torch.utils.dlpack, "from_dlpack", real_dlpack)
         s.free(where)
         settle(s, r)

@@ -19,7 +19,7 @@ from ray_rdt_pool._ray.runtime import Runtime
 from ray_rdt_pool.config import PoolConfig, Tuning
 from ray_rdt_pool.errors import InvalidInputError, TransferError
 from ray_rdt_pool.memory.pack_pool import copy_moves
-from ray_rdt_pool.same_node.source import (
+from ray_rdt_pool.same_node.peer_memory import (
     SourceProcess,
     peer_batch_reader,
     peer_reader,

@@ -19,7 +19,7 @@ from ray_rdt_pool.errors import (
     PoolExhaustedError,
     TransferError,
 )
-from ray_rdt_pool.memory import regions as rdt_regions
+from ray_rdt_pool.memory import allocations
 from ray_rdt_pool.testing import FakeClock
 from tests.support.fake_world import (
     make,
@@ -250,7 +250,7 @@ def test_overflow_regions_made_at_once_by_two_puts_leave_none_empty(world, linge
         if capacity >= 64 << 20:  # an overflow region (the pool is 1 MiB)
             made.append(capacity)
             gate.wait()  # both puts are making one now
-        return rdt_regions.HostRegion(capacity)
+        return allocations.HostMemory(capacity)
 
     clock = FakeClock()
     s = make(world, region_factory=regions, overflow_linger_s=linger, clock=clock)

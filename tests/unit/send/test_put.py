@@ -15,8 +15,8 @@ from ray_rdt_pool._ray.metadata import PoolTransportMetadata
 from ray_rdt_pool.errors import (
     InvalidInputError,
 )
+from ray_rdt_pool.memory import allocations
 from ray_rdt_pool.memory import pack as rdt_pack
-from ray_rdt_pool.memory import regions as rdt_regions
 from tests.support.fake_world import (
     make,
     roundtrip,
@@ -253,7 +253,7 @@ def test_a_failed_allocation_releases_the_pinned_uses(world, monkeypatch):
 def test_cuda_put_with_nothing_to_copy_works(world):
     """A CUDA pool and an object with nothing to copy (all empty) must not crash."""
     def fake_cuda(capacity, device, prefault):
-        region = rdt_regions.HostRegion(capacity)
+        region = allocations.HostMemory(capacity)
         region.device = device  # host memory labelled as the device asked for
         return region
 

@@ -761,7 +761,7 @@ def test_the_default_version_is_past_every_version_published(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """publish() did not count its version as used: after an explicit lower version the
     next default one repeated a version receivers had already loaded (and refused)."""
-    import ray_rdt_pool.weights.sender as S
+    import ray_rdt_pool.weights.weight_sender as S
 
     monkeypatch.setattr(S, "_put_bucket", lambda tensors, entries: [tensors])
     monkeypatch.setattr(S, "pool_stats", lambda: type("S", (), {"fallbacks": 0, "pool_used": 0}))

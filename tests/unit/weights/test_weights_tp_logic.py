@@ -130,7 +130,7 @@ def test_put_converts_in_the_pack(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(conversions, "pack_as", pack_as)
     monkeypatch.setattr(ray, "put", put)
-    monkeypatch.setattr("ray_rdt_pool.weights.sender.pool_stats",
+    monkeypatch.setattr("ray_rdt_pool.weights.weight_sender.pool_stats",
                         lambda: type("S", (), {"fallbacks": 0, "pool_used": 0})())
     st = {"w": torch.randn(4, 4), "ids": torch.arange(3), "b": torch.randn(4)}
     for source in (st, lambda: iter(st.items())):

@@ -76,7 +76,7 @@ ShardRecord = Callable[[], Shard]
 if TYPE_CHECKING:
     from ray import ObjectRef
 
-    from ray_rdt_pool.same_node.source import SourceProcess
+    from ray_rdt_pool.same_node.peer_memory import SourceProcess
     from ray_rdt_pool.weights.loading import Relay
 
 

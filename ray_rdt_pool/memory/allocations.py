@@ -1,9 +1,10 @@
 """The memory a pool or receive arena lives in: one host mapping or one CUDA allocation each.
 
-Owns :class:`HostRegion` and :class:`CudaRegion`. A region is made by its owner (the
-sender's pool, a receiver's arena, a same-node pool) on that owner's thread, registered
-with NIXL once, and closed by the same owner after its registration is gone; blocks of it
-are handed out by the allocator, never by the region.
+Owns :class:`HostMemory` and :class:`CudaMemory`. Each is the memory of one region
+(:class:`~ray_rdt_pool.registry.Region`: the sender's pool, a receiver's arena, a
+same-node pool), made by the region's owner on that owner's thread, registered with NIXL
+once, and closed by the same owner after its registration is gone; blocks of it are
+handed out by the region's allocator, never by the memory.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-__all__ = ["CudaRegion", "HostRegion"]
+__all__ = ["CudaMemory", "HostMemory"]
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
-class HostRegion:
+class HostMemory:
     """One page-aligned anonymous mapping of host memory, viewed as a uint8 tensor.
 
     The pool and the receive arena are each one region, registered with NIXL once.
@@ -75,7 +76,7 @@ class HostRegion:
             pass
 
 
-class CudaRegion:
+class CudaMemory:
     """One allocation of CUDA memory for a pool or arena, viewed as a uint8 tensor.
 
     Memory from ``expandable_segments`` cannot be registered for RDMA, so that allocator

@@ -1,4 +1,4 @@
-"""A table of the nixl_pool state of several actors, and a CLI that prints it for a cluster.
+"""``ray-rdt-pool stats``: a table of the nixl_pool state of several actors, for a cluster.
 
 Role: :func:`collect` asks each actor for its ``ray_rdt_pool.stats()`` (through Ray's
 ``actor.__ray_call__``, which runs a function with the actor instance as first argument
@@ -11,11 +11,10 @@ as a fixed-width text table::
 
 Calls go to the ``_ray_system`` concurrency group that Ray creates for actors with
 ``enable_tensor_transport=True``, so a table can be taken while the actor is busy in a
-long method. Command line (best effort, for an attached cluster; ``ray-rdt-pool stats``
-runs the same)::
+long method. Command line (best effort, for an attached cluster)::
 
-    python -m ray_rdt_pool.obs.view --address auto [--namespace NS] [--json] [--timeout-s 10]
-    python -m ray_rdt_pool.obs.view --prometheus http://127.0.0.1:PORT/metrics
+    ray-rdt-pool stats --address auto [--namespace NS] [--json] [--timeout-s 10]
+    ray-rdt-pool stats --prometheus http://127.0.0.1:PORT/metrics
 
 The first form lists the alive actors and asks the *named* ones that loaded the
 transport (Ray gives another driver a handle to an actor only by name; unnamed actors
@@ -265,7 +264,7 @@ def _reachable_handles(alive: Sequence[dict[str, Any]], namespace: str | None
     return handles, missed
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m ray_rdt_pool.obs.view"
+def main(argv: Sequence[str] | None = None, prog: str = "ray-rdt-pool stats"
          ) -> int:
     """``ray-rdt-pool stats``: print the table for every actor with the transport."""
     parser = argparse.ArgumentParser(

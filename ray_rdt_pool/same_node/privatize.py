@@ -4,7 +4,7 @@ A receiver's pool mapping is private, but its untouched pages are the pool's: a 
 child that kept them would see the block's next object once the parent's lease dropped.
 So the receiver's after-fork hook, in the child, replaces each object range its views
 use by anonymous memory holding the same bytes (:func:`privatize`) and forgets every
-handle (:meth:`~.mapped.MappedPool.forget`), while the parent holds one more lease per
+handle (:meth:`~.pool_handle.MappedPool.forget`), while the parent holds one more lease per
 mapping until the child has copied, and the child first takes leases of its own in a row
 of its own (:class:`ChildLeases`), so a parent killed during the copy cannot free the
 blocks.
@@ -28,7 +28,7 @@ from ray_rdt_pool.same_node._libc import (
     PROT_RW,
     libc,
 )
-from ray_rdt_pool.same_node.mapped import MappedPool
+from ray_rdt_pool.same_node.pool_handle import MappedPool
 
 logger = logging.getLogger(__name__)
 

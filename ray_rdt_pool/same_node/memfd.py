@@ -1,6 +1,6 @@
 """The sender's shared pool memory: a pool region in a ``memfd``.
 
-A :class:`SharedHostRegion` is created and closed by the registry for the sender, like
+A :class:`SharedHostMemory` is created and closed by the registry for the sender, like
 any region (it is one); same-node receivers open its descriptor through
 ``/proc/<pid>/fd`` (a memfd has no name in any file system, so nothing is left behind
 when the sender crashes). Its blocks are whole pages. Called under the registry's lock.
@@ -11,13 +11,13 @@ from __future__ import annotations
 import mmap
 import os
 
-from ray_rdt_pool.memory.regions import HostRegion
+from ray_rdt_pool.memory.allocations import HostMemory
 from ray_rdt_pool.same_node._libc import PAGE, PROT_RW, page_up
 
-__all__ = ["SharedHostRegion"]
+__all__ = ["SharedHostMemory"]
 
 
-class SharedHostRegion(HostRegion):
+class SharedHostMemory(HostMemory):
     """A pool region in a ``memfd``, mapped shared; its blocks are whole pages, so each
     object's pages are its own (a receiver's copy-on-write page never holds a
     neighbour's bytes)."""

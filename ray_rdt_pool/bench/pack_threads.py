@@ -1,9 +1,9 @@
 """Pack copy microbenchmark: ``pack_into`` on one thread against several.
 
-Not a test. Run as ``python -m ray_rdt_pool.bench.pack [--threads N] [--reps R]``.
+Not a test. Run as ``python -m ray_rdt_pool.bench.pack_threads [--threads N] [--reps R]``.
 
 Each workload is described and laid out once, exactly as ``Sender.put`` does, and packed
-into one pre-faulted ``HostRegion`` (the sender's pool in steady state) by three
+into one pre-faulted ``HostMemory`` (the sender's pool in steady state) by three
 variants, interleaved rep by rep so load from other processes hits them alike:
 
 * ``1 thread``: ``pack_into(..., threads=1)``, the copy before threading existed;
@@ -38,10 +38,10 @@ import torch
 from ray_rdt_pool.bench.env import cpu_model, loadavg
 from ray_rdt_pool.config import Tuning
 from ray_rdt_pool.core.layout import packed_offsets
+from ray_rdt_pool.memory.allocations import HostMemory
 from ray_rdt_pool.memory.describe import Described, describe
 from ray_rdt_pool.memory.fastcopy import stream_kind
 from ray_rdt_pool.memory.pack import pack_into
-from ray_rdt_pool.memory.regions import HostRegion
 
 _MIB = 1 << 20
 
@@ -92,7 +92,7 @@ def _per_sample_batch(samples: int = 1024, tokens: int = 1024) -> list[torch.Ten
     return out
 
 
-def _bench_one(w: Workload, region: HostRegion, variants: dict[str, tuple[int, int, int]],
+def _bench_one(w: Workload, region: HostMemory, variants: dict[str, tuple[int, int, int]],
                reps: int) -> dict[str, Any]:
     """Median seconds per pack_into call for each variant, interleaved rep by rep."""
     d: Described = describe(w.tensors)
@@ -171,7 +171,7 @@ def measure_pack_gbps(nbytes: int, reps: int = 5) -> dict[str, Any]:
     the pool. ``same_bytes``: the packed bytes equal the tensor's."""
     cfg = Tuning()
     w = Workload("one tensor", [torch.randn(max(1, nbytes // 4))])
-    region = HostRegion(w.nbytes + (1 << 20), prefault=True)
+    region = HostMemory(w.nbytes + (1 << 20), prefault=True)
     name = f"{cfg.pack_thread_count} threads"
     res = _bench_one(w, region, {name: (cfg.pack_thread_count, cfg.pack_threshold_bytes,
                                         cfg.stream_copy_bytes)}, reps)
@@ -206,7 +206,8 @@ def measure_fp8_pack_gbps(nbytes: int, reps: int = 5) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     config = Tuning()
-    p = argparse.ArgumentParser(prog="python -m ray_rdt_pool.bench.pack", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m ray_rdt_pool.bench.pack_threads",
+                                description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=config.pack_thread_count,
                    help="threads of the threaded variants, caller included "
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                            "reps": args.reps, "loadavg_start": loadavg(),
                            "variants": list(variants), "rows": []}
     loads = workloads()
-    region = HostRegion(max(w.nbytes for w in loads) + (1 << 20), prefault=True)
+    region = HostMemory(max(w.nbytes for w in loads) + (1 << 20), prefault=True)
     for w in loads:
         res["rows"].append(_bench_one(w, region, variants, args.reps))
     res["loadavg_end"] = loadavg()
