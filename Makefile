@@ -28,8 +28,11 @@ venv: $(STAMP)
 # makes the work units xdist's scopes), longest first. One more process than this
 # machine's two cores: the tests wait (timeouts, lingers, drivers starting) as much as
 # they compute, and a third process fills those waits (about 0.75x the time of two on
-# the 2-core VM). TEST_WORKERS=0 runs them all in this one process. The multi-node test bed's own test (network namespaces, root only: a tool of
-# the benchmarks, not a promise of the transport) runs in make test-stress.
+# the 2-core VM). TEST_WORKERS=0 runs them all in this one process. The 25 slowest
+# phases are listed at the end: runs of one tree differ by up to a fifth here, and a CI
+# log should say where. The multi-node test bed's own test (network namespaces, root
+# only: a tool of the benchmarks, not a promise of the transport) runs in make
+# test-stress.
 TEST_WORKERS ?= 3
 UNIT_WORKERS ?= 2
 PYTEST := $(VPY) -m pytest -q -rs
@@ -38,7 +41,7 @@ test: $(STAMP)
 	$(VPY) -m ruff check ray_rdt_pool tests microbenchmarks examples
 	$(VPY) -m mypy
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(TEST_PATHS) \
-	    --ignore=tests/stress/test_testbed.py
+	    --ignore=tests/stress/test_testbed.py --durations=25
 
 # What make test runs: the tests, and the microbenchmarks' check of themselves.
 TEST_PATHS := tests microbenchmarks/test_put_phases.py
